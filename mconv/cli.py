@@ -1,0 +1,141 @@
+"""The `mconv` command line."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import click
+
+from mconv.converter.layout import Layout
+from mconv.converter.pipelines import DEFAULT_SHARD_BYTES, FORMATS, hf2mcore, inspect_path, mcore2hf
+from mconv.converter.planner import SPECS
+from mconv.errors import MconvError
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).upper() not in SIZE_UNITS:
+        raise click.BadParameter(f"{text!r} is not a size such as 3GB, 500MB or 1GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+
+
+def run(action):
+    """Turn user errors into one line on stderr and exit status 1 (tracebacks are for bugs only)."""
+    try:
+        return action()
+    except MconvError as e:
+        click.echo(f"mconv: error: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("mconv: interrupted; no output was written", err=True)
+        sys.exit(130)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="mconv")
+def main():
+    """Convert model weights between Hugging Face and Megatron-Core, exactly.
+
+    \b
+    mconv hf2mcore HF_DIR OUT --tp 2 --pp 2      HF safetensors -> Megatron checkpoint
+    mconv mcore2hf OUT HF_OUT                    Megatron checkpoint -> HF safetensors
+    mconv inspect PATH                           what a checkpoint is
+
+    Outputs are written to a temporary sibling directory and renamed into place only when
+    complete; inputs are never modified.
+    """
+
+
+@main.command("hf2mcore")
+@click.argument("hf_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--tp", default=1, show_default=True, help="Tensor parallel size.")
+@click.option("--pp", default=1, show_default=True, help="Pipeline parallel size.")
+@click.option("--vpp", default=1, show_default=True, help="Virtual pipeline chunks per pipeline rank.")
+@click.option("--first-stage-layers", type=int, default=None,
+              help="Layers on the first pipeline stage (uneven pipeline; Megatron-LM "
+                   "--decoder-first-pipeline-num-layers).")
+@click.option("--last-stage-layers", type=int, default=None,
+              help="Layers on the last pipeline stage (Megatron-LM --decoder-last-pipeline-num-layers).")
+@click.option("--vocab-divisor", default=128, show_default=True,
+              help="Megatron's --make-vocab-size-divisible-by; the vocabulary is padded to a multiple "
+                   "of this times --tp.")
+@click.option("--spec", type=click.Choice(SPECS), default="local", show_default=True,
+              help="Megatron layer spec the trainer builds: 'te' (Transformer Engine names, fused layer "
+                   "norms) or 'local'.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="torch", show_default=True,
+              help="Megatron checkpoint format.")
+@click.option("--iteration", type=int, default=None,
+              help="Write iter_NNNNNNN/ with this iteration instead of release/.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, first_stage_layers, last_stage_layers, vocab_divisor, spec,
+                     fmt, iteration, dry_run, overwrite, quiet):
+    """Convert the HF model in HF_DIR into a Megatron checkpoint in OUT_DIR.
+
+    The layout (--tp/--pp/--vpp...) and --spec must match the Megatron job that will load it.
+    The HF config and tokenizer are stored in the checkpoint, so `mconv mcore2hf` can reverse
+    the conversion with no other argument.
+    """
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, first_stage_layers=first_stage_layers,
+                    last_stage_layers=last_stage_layers, vocab_divisor=vocab_divisor)
+    summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration,
+                                   overwrite=overwrite, dry_run=dry_run, progress=not quiet))
+    plan = summary.plan
+    header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
+              f"padded vocab {plan.padded_vocab}")
+    if dry_run:
+        click.echo(f"plan for {out_dir} ({header})")
+        for line in summary.lines:
+            click.echo(f"  {line}")
+        click.echo(f"total: {summary.files} rank files, {summary.tensors} tensors, {summary.bytes:,} bytes")
+    elif not quiet:
+        click.echo(f"wrote {out_dir}: {summary.files} rank files, {summary.tensors} tensors, "
+                   f"{summary.bytes:,} bytes ({header})")
+
+
+@main.command("mcore2hf")
+@click.argument("ckpt_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--hf-config", type=click.Path(file_okay=False), default=None,
+              help="Directory with the HF config.json (and tokenizer) of the model; needed for checkpoints "
+                   "not written by mconv, and overrides the one stored in the checkpoint.")
+@click.option("--max-shard-size", default="3GB", show_default=True,
+              help="Largest safetensors shard (a larger tensor gets a shard of its own).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def mcore2hf_command(ckpt_dir, out_dir, hf_config, max_shard_size, overwrite, quiet):
+    """Convert the Megatron checkpoint in CKPT_DIR into an HF model directory OUT_DIR.
+
+    CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
+    directory. The parallel layout is read from the checkpoint's saved args.
+    """
+    shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_SHARD_BYTES
+    summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=shard_bytes,
+                                   overwrite=overwrite, progress=not quiet))
+    if not quiet:
+        click.echo(f"wrote {out_dir}: {summary.files} safetensors shard(s), {summary.tensors} tensors, "
+                   f"{summary.bytes:,} bytes ({summary.plan.arch.name}, from {summary.plan.layout.describe()})")
+
+
+@main.command("inspect")
+@click.argument("path", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def inspect_command(path, as_json):
+    """Describe PATH: an HF model directory or a Megatron checkpoint (format, architecture, layout,
+    tensors, bytes)."""
+    info = run(lambda: inspect_path(path))
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    for key, value in info.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, int) and key == "bytes":
+            value = f"{value:,}"
+        click.echo(f"{key:>12}: {value}")

@@ -1,0 +1,225 @@
+"""Hugging Face checkpoints: a lazy slice reader and a streaming sharded safetensors writer."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mconv.errors import MconvError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Files that describe the model rather than hold weights; copied next to converted weights.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+              "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+              "video_preprocessor_config.json")
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * _itemsize(self.dtype)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def read_config(directory: Path) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise MconvError(f"{path} does not exist: an HF model directory needs its config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MconvError(f"{path} is not valid JSON ({e})") from None
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse a safetensors header and check that the file holds every byte it promises."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(header_len))
+    except (OSError, ValueError, struct.error) as e:
+        raise MconvError(f"{path} is not a readable safetensors file ({e})") from None
+    infos, data_end = {}, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry.get("dtype") not in DTYPES:
+            raise MconvError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
+        infos[name] = TensorInfo(path.name, DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        data_end = max(data_end, entry["data_offsets"][1])
+    if 8 + header_len + data_end > size:
+        raise MconvError(f"{path} is truncated: its header describes {8 + header_len + data_end} bytes "
+                         f"but the file has {size}")
+    return infos
+
+
+class HFCheckpoint:
+    """A HF model directory, read lazily: headers up front, tensor bytes only when sliced."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise MconvError(f"{self.dir} is not a directory")
+        self.config = read_config(self.dir)
+        self.tensors: dict[str, TensorInfo] = {}
+        for file in self._weight_files():
+            for name, info in read_safetensors_header(self.dir / file).items():
+                self.tensors[name] = info
+        self._handles: dict[str, object] = {}
+
+    def _weight_files(self) -> list[str]:
+        index = self.dir / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise MconvError(f"{index} is not a valid safetensors index ({e})") from None
+            files = sorted(set(weight_map.values()))
+            for file in files:
+                if not (self.dir / file).is_file():
+                    raise MconvError(f"{self.dir / file} is listed in {INDEX_NAME} but does not exist")
+            return files
+        if (self.dir / SINGLE_NAME).is_file():
+            return [SINGLE_NAME]
+        raise MconvError(f"{self.dir} has no {SINGLE_NAME} or {INDEX_NAME}")
+
+    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Read the [start, stop) range of a tensor along dim (the whole tensor by default)."""
+        info = self.tensors[name]
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = self._handles[info.file] = safe_open(str(self.dir / info.file), framework="pt")
+        if start is None:
+            return handle.get_tensor(name)
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return handle.get_slice(name)[index]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_bytes: int) -> list[list[int]]:
+    """Group tensors (in order) into shards of at most max_shard_bytes; a larger tensor gets its own."""
+    shards, current, size = [], [], 0
+    for i, (_, dtype, shape) in enumerate(entries):
+        nbytes = _numel(shape) * _itemsize(dtype)
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+class ShardedSafetensorsWriter:
+    """Writes HF safetensors shards whose headers are known in advance.
+
+    Every tensor's file and byte offset is fixed before any data is written, so tensors can be
+    written in any order, by any process, one at a time: memory holds one tensor, not a shard.
+    """
+
+    def __init__(self, directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 max_shard_bytes: int):
+        self.dir = Path(directory)
+        self.entries = entries
+        shards = plan_shards(entries, max_shard_bytes)
+        self.files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        self.location: dict[str, tuple[str, int, int]] = {}  # name -> (file, absolute offset, nbytes)
+        self.headers: list[bytes] = []
+        for file, members in zip(self.files, shards):
+            header, offset = {"__metadata__": {"format": "pt"}}, 0
+            for i in members:
+                name, dtype, shape = entries[i]
+                nbytes = _numel(shape) * _itemsize(dtype)
+                header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape),
+                                "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+            self.headers.append(struct.pack("<Q", len(raw)) + raw)
+            base = 8 + len(raw)
+            for i in members:
+                name = entries[i][0]
+                start, stop = header[name]["data_offsets"]
+                self.location[name] = (file, base + start, stop - start)
+        self.total_size = sum(nbytes for _, _, nbytes in self.location.values())
+        self._fds: dict[str, int] = {}
+        self._written: set[str] = set()
+
+    def create(self) -> None:
+        for file, header in zip(self.files, self.headers):
+            fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwrite(fd, header, 0)
+            self._fds[file] = fd
+
+    def open_existing(self) -> None:
+        """Attach to shard files another process created (parallel writers)."""
+        for file in self.files:
+            self._fds[file] = os.open(self.dir / file, os.O_RDWR)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        file, offset, nbytes = self.location[name]
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if data.nbytes != nbytes:
+            raise MconvError(f"internal: {name} has {data.nbytes} bytes, its header promised {nbytes}")
+        view, done = memoryview(data), 0
+        while done < nbytes:
+            done += os.pwrite(self._fds[file], view[done:], offset + done)
+        self._written.add(name)
+
+    def missing(self) -> list[str]:
+        return [name for name, _, _ in self.entries if name not in self._written]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.fsync(fd)
+            os.close(fd)
+        self._fds.clear()
+
+    def write_index(self) -> None:
+        weight_map = {name: self.location[name][0] for name, _, _ in self.entries}
+        index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
+        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_side_files(source: Path, destination: Path) -> list[str]:
+    """Copy config, generation config and tokenizer files; returns the names copied."""
+    copied = []
+    for name in SIDE_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, Path(destination) / name)
+            copied.append(name)
+    return copied

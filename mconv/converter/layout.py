@@ -1,0 +1,101 @@
+"""Parallel layout: the rank grid and where each layer lives (TP, PP, VPP, uneven pipelines, EP, ETP)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+from mconv.errors import MconvError
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One legacy-format rank file: a (tensor, pipeline, expert) coordinate."""
+
+    tp: int
+    pp: int
+    ep: int = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # virtual pipeline chunks per PP rank
+    ep: int = 1
+    etp: int = 1
+    first_stage_layers: int | None = None  # megatron-core num_layers_in_first_pipeline_stage
+    last_stage_layers: int | None = None  # megatron-core num_layers_in_last_pipeline_stage
+    vocab_divisor: int = 128  # make_vocab_size_divisible_by
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Layout":
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+    def describe(self) -> str:
+        text = f"TP{self.tp} PP{self.pp}"
+        if self.vpp > 1:
+            text += f" VPP{self.vpp}"
+        if self.ep > 1 or self.etp > 1:
+            text += f" EP{self.ep} ETP{self.etp}"
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            text += f" (first stage {self.first_stage_layers}, last stage {self.last_stage_layers} layers)"
+        return text
+
+    def ranks(self) -> Iterator[Rank]:
+        for pp in range(self.pp):
+            for ep in range(self.ep):
+                for tp in range(self.tp):
+                    yield Rank(tp, pp, ep)
+
+    def rank_dir(self, rank: Rank) -> str:
+        """Megatron-LM's legacy directory name for a rank (the PP part only when PP>1, EP only when EP>1)."""
+        name = f"mp_rank_{rank.tp:02d}"
+        if self.pp > 1:
+            name += f"_{rank.pp:03d}"
+        if self.ep > 1:
+            name += f"_{rank.ep:03d}"
+        return name
+
+    def validate(self, num_layers: int) -> None:
+        for option, value in (("--tp", self.tp), ("--pp", self.pp), ("--vpp", self.vpp), ("--ep", self.ep),
+                              ("--etp", self.etp), ("--vocab-divisor", self.vocab_divisor)):
+            if value < 1:
+                raise MconvError(f"{option} must be a positive integer, got {value}")
+        if self.vpp > 1 and self.pp == 1:
+            raise MconvError("--vpp needs --pp > 1: virtual pipeline chunks interleave pipeline stages")
+        if self.pp == 1 and (self.first_stage_layers is not None or self.last_stage_layers is not None):
+            raise MconvError("--first-stage-layers/--last-stage-layers need --pp > 1")
+        self.stage_layer_counts(num_layers)
+
+    def stage_layer_counts(self, num_layers: int) -> list[int]:
+        """Layers per pipeline stage, with megatron-core's rules for uneven first/last stages."""
+        fixed = {0: self.first_stage_layers, self.pp - 1: self.last_stage_layers}
+        fixed = {stage: n for stage, n in fixed.items() if n is not None}
+        if len(fixed) == 1 and self.pp == 1:
+            fixed = {}
+        middle = [s for s in range(self.pp) if s not in fixed]
+        remaining = num_layers - sum(fixed.values())
+        if any(n < 0 for n in fixed.values()) or remaining < 0:
+            raise MconvError(f"the first/last stage layer counts do not fit in {num_layers} layers")
+        if middle and remaining % len(middle):
+            raise MconvError(f"{remaining} layers cannot be split evenly over {len(middle)} pipeline stages "
+                             f"(num_layers={num_layers}, --pp {self.pp})")
+        if not middle and remaining:
+            raise MconvError(f"the first and last stages hold {sum(fixed.values())} layers, "
+                             f"but the model has {num_layers}")
+        counts = [fixed.get(s, remaining // len(middle) if middle else 0) for s in range(self.pp)]
+        for stage, count in enumerate(counts):
+            if count % self.vpp:
+                raise MconvError(f"pipeline stage {stage} holds {count} layers, "
+                                 f"not divisible by --vpp {self.vpp}")
+        return counts
+
+    def chunk_layers(self, num_layers: int) -> list[list[range]]:
+        """Global layer range of each model chunk, indexed [pp][vpp]."""
+        per_chunk = [count // self.vpp for count in self.stage_layer_counts(num_layers)]
+        round_size = sum(per_chunk)
+        return [[range(v * round_size + sum(per_chunk[:p]), v * round_size + sum(per_chunk[:p + 1]))
+                 for v in range(self.vpp)] for p in range(self.pp)]

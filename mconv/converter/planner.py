@@ -1,0 +1,183 @@
+"""The planner: (architecture table, HF config, layout, spec) -> every tensor of every rank.
+
+Planning is pure: no tensor is read. The plan says, for each Megatron tensor of each rank and
+model chunk, which HF tensors and which pieces of them it is made of. The export side
+(Megatron -> HF) is the same plan read the other way round.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from mconv.converter.layout import Layout, Rank
+from mconv.converter.transforms import EXTRA_STATE, ShardLayout, padded_vocab_size
+from mconv.errors import MconvError
+from mconv.mappings.schema import FIRST, LAST, Architecture, Rule
+
+SPECS = ("local", "te")
+STAGE_ORDER = {FIRST: 0, None: 1, LAST: 2}  # HF output order: embedding, layers, head
+
+
+@dataclass(frozen=True)
+class TensorTask:
+    """One Megatron tensor of one rank's model chunk."""
+
+    megatron: str  # name in the chunk's state dict (layer index local to the chunk)
+    rule: Rule
+    hf: tuple[str, ...]  # global HF names
+    hf_shapes: tuple[tuple[int, ...], ...]
+    shard: ShardLayout | None  # None for `_extra_state` entries
+    order: tuple  # sorts HF output: (stage position, global layer, rule position)
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        return None if self.shard is None else self.shard.shape(self.hf_shapes)
+
+
+@dataclass
+class RankPlan:
+    rank: Rank
+    chunks: list[list[TensorTask]]
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """Where one group rank's shard of an HF tensor group lives in a Megatron checkpoint."""
+
+    rank: Rank
+    chunk: int
+    megatron: str
+    shard: ShardLayout
+
+
+@dataclass
+class ExportTask:
+    """HF tensors made from one Megatron tensor's shards (several HF tensors for fused kinds)."""
+
+    hf: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    sources: list[ShardSource] = field(default_factory=list)
+    order: tuple = ()
+
+
+@dataclass
+class Plan:
+    arch: Architecture
+    config: dict
+    dims: SimpleNamespace
+    layout: Layout
+    spec: str
+    ranks: list[RankPlan]
+
+    @property
+    def padded_vocab(self) -> int:
+        return padded_vocab_size(self.dims.vocab, self.layout.vocab_divisor, self.layout.tp)
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor the model has, with its shape."""
+        shapes = {}
+        for rank_plan in self.ranks:
+            for chunk in rank_plan.chunks:
+                for task in chunk:
+                    shapes.update(zip(task.hf, task.hf_shapes))
+        return shapes
+
+    def exports(self) -> list[ExportTask]:
+        """The HF tensor groups in output order, each with the shards it is rebuilt from."""
+        groups: dict[tuple[str, ...], ExportTask] = {}
+        for rank_plan in self.ranks:
+            for v, chunk in enumerate(rank_plan.chunks):
+                for task in chunk:
+                    if task.shard is None or not task.rule.exported:
+                        continue
+                    group = groups.setdefault(task.hf, ExportTask(task.hf, task.hf_shapes, order=task.order))
+                    group_rank = _group_rank(task.rule, rank_plan.rank)
+                    if rank_plan.rank.ep == 0 and (group_rank == 0 or not task.rule.kind.replicated):
+                        group.sources.append(ShardSource(rank_plan.rank, v, task.megatron, task.shard))
+        for group in groups.values():
+            group.sources.sort(key=lambda s: s.rank.tp)
+        return sorted(groups.values(), key=lambda g: g.order)
+
+
+def _group_rank(rule: Rule, rank: Rank) -> int:
+    return rank.tp
+
+
+def _group_size(rule: Rule, layout: Layout) -> int:
+    return layout.tp
+
+
+def _shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) if part.isdigit() else getattr(dims, part) for part in spec.split())
+    except AttributeError as e:
+        raise MconvError(f"internal: the table's shape {spec!r} for {name} names unknown dimension {e.name}") from None
+
+
+def validate_layout(dims: SimpleNamespace, layout: Layout) -> None:
+    layout.validate(dims.layers)
+    for what, value in (("num_attention_heads", getattr(dims, "heads", None)),
+                        ("num_key_value_heads (query groups)", getattr(dims, "groups", None))):
+        if value is not None and value % layout.tp:
+            raise MconvError(f"{what}={value} is not divisible by --tp {layout.tp}")
+
+
+def make_plan(arch: Architecture, config: dict, layout: Layout, spec: str) -> Plan:
+    if spec not in SPECS:
+        raise MconvError(f"--spec must be one of {', '.join(SPECS)}, got {spec!r}")
+    dims = arch.dims(config)
+    validate_layout(dims, layout)
+    ctx = SimpleNamespace(**vars(dims), **layout.to_dict())
+    chunk_layers = layout.chunk_layers(dims.layers)
+    rules = [r for r in arch.rules if spec in r.specs]
+    placed = {FIRST: (0, 0), LAST: (layout.pp - 1, layout.vpp - 1)}
+
+    ranks = []
+    for rank in layout.ranks():
+        chunks = []
+        for v, layers in enumerate(chunk_layers[rank.pp]):
+            chunk = []
+            for stage in (FIRST, None, LAST):
+                for position, rule in enumerate(rules):
+                    if rule.stage != stage:
+                        continue
+                    if stage is None:
+                        for layer in layers:
+                            if rule.when is None or rule.when(ctx, layer):
+                                chunk.append(_task(rule, ctx, layout, rank, spec, position, layer, layer - layers.start))
+                    elif placed[stage] == (rank.pp, v) and (rule.when is None or rule.when(ctx)):
+                        chunk.append(_task(rule, ctx, layout, rank, spec, position))
+            chunks.append(chunk)
+        ranks.append(RankPlan(rank, chunks))
+    return Plan(arch, config, dims, layout, spec, ranks)
+
+
+def _task(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: str, position: int,
+          layer: int | None = None, local_layer: int | None = None) -> TensorTask:
+    megatron = rule.megatron_name(spec).format(layer=local_layer)
+    hf = tuple(name.format(layer=layer) for name in rule.hf)
+    hf_shapes = tuple(_shape(shape, ctx, name) for name, shape in zip(hf, rule.hf.values()))
+    shard = None
+    if rule.kind is not EXTRA_STATE:
+        params = dict(name=megatron, heads=getattr(ctx, "heads", None), groups=getattr(ctx, "groups", None),
+                      head_dim=getattr(ctx, "head_dim", None), vocab_divisor=layout.vocab_divisor)
+        shard = rule.kind.layout(hf_shapes, _group_rank(rule, rank), _group_size(rule, layout), params)
+    order = (STAGE_ORDER[rule.stage], layer or 0, position)
+    return TensorTask(megatron, rule, hf, hf_shapes, shard, order)
+
+
+def plan_bytes(plan: Plan, dtypes: dict[str, torch.dtype] | None = None) -> int:
+    """Bytes of all Megatron tensors the plan writes (HF dtypes; float32 where unknown)."""
+    total = 0
+    for rank_plan in plan.ranks:
+        for chunk in rank_plan.chunks:
+            for task in chunk:
+                if task.shape is not None:
+                    dtype = (dtypes or {}).get(task.hf[0], torch.float32)
+                    n = 1
+                    for s in task.shape:
+                        n *= s
+                    total += n * torch.empty((), dtype=dtype).element_size()
+    return total

@@ -1,0 +1,155 @@
+"""The closed set of transform kinds between HF tensors and one Megatron rank's shard.
+
+Every kind is described the same way: for a given rank of a parallel group, the Megatron shard
+is the concatenation, along one dimension, of pieces (row or column ranges) of the rule's HF
+tensors, optionally followed by zero padding. One description serves both directions, so
+`split` and `merge` are exact inverses by construction, and the planner can compute shapes and
+byte ranges without touching any tensor. The same functions run on files (the reader slices
+safetensors lazily) and on in-memory tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from mconv.errors import MconvError
+
+
+@dataclass(frozen=True)
+class Piece:
+    source: int  # index of the HF tensor within the rule
+    start: int  # range along ShardLayout.dim of that HF tensor
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one rank's Megatron shard is made of HF tensor pieces."""
+
+    dim: int
+    pieces: tuple[Piece, ...]
+    pad: int = 0  # zero entries appended along dim (vocab padding)
+
+    def shape(self, hf_shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+        shape = list(hf_shapes[self.pieces[0].source])
+        shape[self.dim] = sum(p.length for p in self.pieces) + self.pad
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A transform kind: `layout(hf_shapes, rank, size, params)` gives one rank's ShardLayout."""
+
+    name: str
+    layout: Callable[..., ShardLayout]
+    replicated: bool = False  # every rank holds the same tensor; export reads rank 0 only
+    sources: int | None = 1  # how many HF tensors the kind takes (None: one or more)
+
+
+def _even_range(name: str, length: int, rank: int, size: int) -> tuple[int, int]:
+    if length % size:
+        raise MconvError(f"{name}: dimension {length} is not divisible by the parallel size {size}")
+    step = length // size
+    return rank * step, (rank + 1) * step
+
+
+def _whole(shapes, rank, size, params) -> ShardLayout:
+    return ShardLayout(0, (Piece(0, 0, shapes[0][0]),))
+
+
+def _column(shapes, rank, size, params) -> ShardLayout:
+    return ShardLayout(0, (Piece(0, *_even_range(params["name"], shapes[0][0], rank, size)),))
+
+
+def _row(shapes, rank, size, params) -> ShardLayout:
+    return ShardLayout(1, (Piece(0, *_even_range(params["name"], shapes[0][1], rank, size)),))
+
+
+def padded_vocab_size(vocab: int, divisor: int, tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp."""
+    multiple = divisor * tp
+    return -(-vocab // multiple) * multiple
+
+
+def _vocab(shapes, rank, size, params) -> ShardLayout:
+    vocab = shapes[0][0]
+    per_rank = padded_vocab_size(vocab, params["vocab_divisor"], size) // size
+    start = min(rank * per_rank, vocab)
+    stop = min((rank + 1) * per_rank, vocab)
+    pieces = (Piece(0, start, stop),) if stop > start else ()
+    return ShardLayout(0, pieces or (Piece(0, 0, 0),), pad=per_rank - (stop - start))
+
+
+def _sectioned(shapes, rank, size, params) -> ShardLayout:
+    # GLU fc1 [gate; up] and other fused projections: each section is split on its own and the
+    # rank's pieces are concatenated, so a rank holds [gate_r; up_r], not a slice of [gate; up].
+    return ShardLayout(0, tuple(
+        Piece(i, *_even_range(params["name"], shape[0], rank, size)) for i, shape in enumerate(shapes)))
+
+
+def _qkv(shapes, rank, size, params) -> ShardLayout:
+    # Megatron groups rows by KV group: the group's query heads, then its key, then its value.
+    heads, groups, head_dim = params["heads"], params["groups"], params["head_dim"]
+    if groups % size:
+        raise MconvError(f"{params['name']}: {groups} query groups are not divisible by tensor parallel size {size}")
+    q_rows = heads // groups * head_dim
+    pieces = []
+    per_rank = groups // size
+    for g in range(rank * per_rank, (rank + 1) * per_rank):
+        pieces += [Piece(0, g * q_rows, (g + 1) * q_rows),
+                   Piece(1, g * head_dim, (g + 1) * head_dim),
+                   Piece(2, g * head_dim, (g + 1) * head_dim)]
+    return ShardLayout(0, tuple(pieces))
+
+
+REPLICATED = Kind("replicated", _whole, replicated=True)
+DUPLICATED = Kind("duplicated", _whole, replicated=True)  # a linear layer kept whole on every rank
+COLUMN = Kind("column", _column)
+ROW = Kind("row", _row)
+VOCAB = Kind("vocab", _vocab)
+GLU = Kind("glu", _sectioned, sources=2)
+SECTIONED = Kind("sectioned", _sectioned, sources=None)
+QKV = Kind("qkv", _qkv, sources=3)
+EXTRA_STATE = Kind("extra_state", _whole, replicated=True, sources=0)  # TE/linear `_extra_state`: None
+
+
+Reader = Callable[[int, int, int, int], torch.Tensor]  # (source, dim, start, stop) -> tensor
+
+
+def split(layout: ShardLayout, read: Reader) -> torch.Tensor:
+    """Build one rank's Megatron shard. Each source is read once, as the range its pieces span."""
+    spans: dict[int, tuple[int, int]] = {}
+    for p in layout.pieces:
+        lo, hi = spans.get(p.source, (p.start, p.stop))
+        spans[p.source] = (min(lo, p.start), max(hi, p.stop))
+    blocks = {s: read(s, layout.dim, lo, hi) for s, (lo, hi) in spans.items()}
+    parts = [blocks[p.source].narrow(layout.dim, p.start - spans[p.source][0], p.length) for p in layout.pieces]
+    if layout.pad:
+        pad_shape = list(parts[0].shape)
+        pad_shape[layout.dim] = layout.pad
+        parts.append(torch.zeros(pad_shape, dtype=parts[0].dtype))
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=layout.dim)
+
+
+def split_tensors(layout: ShardLayout, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`split` for in-memory HF tensors."""
+    return split(layout, lambda s, dim, a, b: tensors[s].narrow(dim, a, b - a))
+
+
+def merge(layouts: Sequence[ShardLayout], shards: Sequence[torch.Tensor],
+          hf_shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Rebuild the HF tensors from the shards of every rank (padding is dropped)."""
+    dtype = shards[0].dtype
+    out = [torch.empty(shape, dtype=dtype) for shape in hf_shapes]
+    for layout, shard in zip(layouts, shards):
+        offset = 0
+        for p in layout.pieces:
+            out[p.source].narrow(layout.dim, p.start, p.length).copy_(shard.narrow(layout.dim, offset, p.length))
+            offset += p.length
+    return out

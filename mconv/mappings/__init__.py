@@ -1,0 +1,15 @@
+"""The architecture registry: config.json's architectures[0] picks the table."""
+from mconv.errors import MconvError
+from mconv.mappings.qwen3 import QWEN3
+from mconv.mappings.schema import Architecture
+
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (QWEN3,)}
+
+
+def architecture_for(config: dict) -> Architecture:
+    names = config.get("architectures") or []
+    if not names:
+        raise MconvError("config.json has no 'architectures' entry, so the model type is unknown")
+    if names[0] not in ARCHITECTURES:
+        raise MconvError(f"unsupported architecture {names[0]!r}; mconv supports: {', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[names[0]]

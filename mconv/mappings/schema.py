@@ -1,0 +1,54 @@
+"""The vocabulary of the architecture tables.
+
+A table is a list of `Rule`s. A rule names one Megatron tensor (a template with `{layer}` for
+per-layer tensors), the HF tensors it is made of (templates with their shapes, written as
+space-separated names of model dimensions), and the transform kind that relates them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable
+
+from mconv.converter.transforms import EXTRA_STATE, Kind
+
+FIRST, LAST = "first", "last"  # pipeline placement of non-layer tensors
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    hf: dict[str, str]  # HF name template -> shape, e.g. {"model.norm.weight": "hidden"}
+    kind: Kind
+    te: str | None = None  # the Megatron name under the Transformer Engine spec, where it differs
+    when: Callable[[SimpleNamespace], bool] | None = None  # applies only where this holds
+    stage: str | None = None  # FIRST or LAST for tensors outside the layers
+    group: str = "tp"  # which parallel group splits it: "tp" (or "etp" for experts)
+    exported: bool = True  # False for copies (the tied output layer): mcore2hf takes the original
+    specs: tuple[str, ...] = ("local", "te")
+
+    def megatron_name(self, spec: str) -> str:
+        return self.te if spec == "te" and self.te else self.megatron
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.megatron
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # config.json architectures[0]
+    dims: Callable[[dict], SimpleNamespace]  # config.json -> model dimensions used by shapes and params
+    rules: tuple[Rule, ...]
+    megatron_args: Callable[[SimpleNamespace], dict] = field(default=lambda d: {})  # Megatron-LM args
+
+
+def extra_state(module: str, stage: str | None = None, specs=("local", "te"), when=None) -> Rule:
+    """The `_extra_state` entry (None in converted checkpoints) that Megatron linear modules carry."""
+    return Rule(f"{module}._extra_state", {}, EXTRA_STATE, stage=stage, specs=specs, when=when)
+
+
+def linear(module: str, hf: dict[str, str], kind: Kind, **options) -> tuple[Rule, Rule]:
+    """A Megatron linear layer: its weight and its `_extra_state`."""
+    stage, when = options.get("stage"), options.get("when")
+    return Rule(f"{module}.weight", hf, kind, **options), extra_state(module, stage=stage, when=when)

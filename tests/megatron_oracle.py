@@ -1,0 +1,146 @@
+"""Oracle: megatron-core's own GPTModel, built per rank in gloo processes on the CPU.
+
+Each process builds the model chunks of its (tp, pp) rank with the local layer spec, finds its
+rank file with Megatron-LM's own `get_checkpoint_name`, loads it with `load_state_dict(strict=True)`
+and runs the forward pass. Pipeline stages (and virtual chunks) are chained with point-to-point
+sends of the hidden states between the ranks that megatron-core's parallel_state names as next
+and previous, in the order megatron-core's interleaved schedule runs chunks for one microbatch.
+The last stage's TP rank 0 saves the logits (gathered over TP: parallel_output=False).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+@dataclass
+class MegatronRun:
+    checkpoint: Path  # the save directory (with the tracker file)
+    hf_config: dict
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    padded_vocab: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_shims():
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _transformer_config(run: MegatronRun):
+    from megatron.core.transformer import TransformerConfig
+
+    c = run.hf_config
+    rope = c.get("rope_parameters") or {}
+    return TransformerConfig(
+        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+        num_attention_heads=c["num_attention_heads"], num_query_groups=c["num_key_value_heads"],
+        kv_channels=c["head_dim"], ffn_hidden_size=c["intermediate_size"], normalization="RMSNorm",
+        layernorm_epsilon=c["rms_norm_eps"], qk_layernorm=True, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+        attention_dropout=0.0, hidden_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
+        virtual_pipeline_model_parallel_size=run.vpp if run.vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=run.first_stage_layers,
+        num_layers_in_last_pipeline_stage=run.last_stage_layers,
+    ), float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+def _worker(rank: int, run: MegatronRun, port: int, out: Path):
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=run.tp * run.pp)
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    ps.initialize_model_parallel(run.tp, run.pp, run.vpp if run.vpp > 1 else None)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    config, rope_theta = _transformer_config(run)
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    tied = bool(run.hf_config.get("tie_word_embeddings", False))
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+
+    tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
+    release = tracker == "release"
+    path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+
+    chunks = []
+    for v in range(run.vpp):
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=run.padded_vocab,
+                         max_sequence_length=run.hf_config["max_position_embeddings"],
+                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+                         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
+                         rotary_base=rope_theta, parallel_output=False, vp_stage=v)
+        model.load_state_dict(state["model"] if run.vpp == 1 else state[f"model{v}"], strict=True)
+        chunks.append(model.eval())
+
+    tokens = torch.tensor([run.tokens])
+    seq = tokens.shape[1]
+    positions = torch.arange(seq).unsqueeze(0)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True = masked
+    hidden_shape = (seq, 1, config.hidden_size)
+    with torch.no_grad():
+        for v in range(run.vpp):
+            for p in range(run.pp):
+                if p != pp_rank:
+                    continue
+                model = chunks[v]
+                if not (v == 0 and p == 0):
+                    hidden = torch.empty(hidden_shape)
+                    dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+                    model.set_input_tensor(hidden)
+                output = model(tokens, positions, mask)
+                if v == run.vpp - 1 and p == run.pp - 1:
+                    if ps.get_tensor_model_parallel_rank() == 0:
+                        torch.save(output.float(), out)
+                else:
+                    dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def megatron_logits(run: MegatronRun, workdir: Path) -> torch.Tensor:
+    """Logits [1, seq, vocab] of megatron-core's forward on the checkpoint (padding rows dropped)."""
+    out = Path(workdir) / "megatron_logits.pt"
+    mp.start_processes(_worker, args=(run, _free_port(), out), nprocs=run.tp * run.pp, start_method="spawn")
+    return torch.load(out)[..., : run.hf_config["vocab_size"]]
+
+
+def hf_logits(hf_dir: Path, tokens: list[int]) -> torch.Tensor:
+    """Logits of transformers' implementation, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits
+
+
+def read_config(directory: Path) -> dict:
+    return json.loads((Path(directory) / "config.json").read_text())
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
