@@ -78,8 +78,11 @@ class Layout:
             fixed = {}
         middle = [s for s in range(self.pp) if s not in fixed]
         remaining = num_layers - sum(fixed.values())
-        if any(n < 0 for n in fixed.values()) or remaining < 0:
-            raise MconvError(f"the first/last stage layer counts do not fit in {num_layers} layers")
+        if any(n < 1 for n in fixed.values()):
+            raise MconvError("--first-stage-layers/--last-stage-layers must be at least 1")
+        if remaining < 0 or (middle and remaining == 0):
+            raise MconvError(f"the first/last stage layer counts leave {remaining} of {num_layers} layers "
+                             f"for {len(middle)} middle pipeline stage(s)")
         if middle and remaining % len(middle):
             raise MconvError(f"{remaining} layers cannot be split evenly over {len(middle)} pipeline stages "
                              f"(num_layers={num_layers}, --pp {self.pp})")

@@ -42,6 +42,9 @@ ATTENTION = (
                                               H + "self_attn.v_proj.weight": "kv hidden"}, QKV),
     Rule(L + "self_attention.q_layernorm.weight", {H + "self_attn.q_norm.weight": "head_dim"}, REPLICATED),
     Rule(L + "self_attention.k_layernorm.weight", {H + "self_attn.k_norm.weight": "head_dim"}, REPLICATED),
+    # Transformer Engine 2.x norms (TENorm) carry `_extra_state` too.
+    extra_state(L + "self_attention.q_layernorm", specs=("te",)),
+    extra_state(L + "self_attention.k_layernorm", specs=("te",)),
     *linear(L + "self_attention.linear_proj", {H + "self_attn.o_proj.weight": "hidden q"}, ROW),
     extra_state(L + "self_attention.core_attention", specs=("te",)),
 )
@@ -57,6 +60,7 @@ DENSE_MLP = (
 EMBEDDING_AND_OUTPUT = (
     Rule("embedding.word_embeddings.weight", {"model.embed_tokens.weight": "vocab hidden"}, VOCAB, stage=FIRST),
     Rule("decoder.final_layernorm.weight", {"model.norm.weight": "hidden"}, REPLICATED, stage=LAST),
+    extra_state("decoder.final_layernorm", stage=LAST, specs=("te",)),
     Rule("output_layer.weight", {"lm_head.weight": "vocab hidden"}, VOCAB, stage=LAST, when=lambda d: not d.tied),
     # Tied embeddings: the last stage of a pipeline keeps its own copy of the embedding.
     Rule("output_layer.weight", {"model.embed_tokens.weight": "vocab hidden"}, VOCAB, stage=LAST,
