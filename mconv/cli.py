@@ -8,7 +8,8 @@ import sys
 import click
 
 from mconv.converter.layout import Layout
-from mconv.converter.pipelines import DEFAULT_SHARD_BYTES, FORMATS, hf2mcore, inspect_path, mcore2hf
+from mconv.converter.pipelines import (DEFAULT_SHARD_BYTES, FORMATS, compare_hf, hf2mcore, inspect_path,
+                                      mcore2hf)
 from mconv.converter.planner import SPECS
 from mconv.errors import MconvError
 
@@ -44,6 +45,7 @@ def main():
     mconv hf2mcore HF_DIR OUT --tp 2 --pp 2      HF safetensors -> Megatron checkpoint
     mconv mcore2hf OUT HF_OUT                    Megatron checkpoint -> HF safetensors
     mconv inspect PATH                           what a checkpoint is
+    mconv verify HF_DIR HF_OUT                   are two HF models bit-identical?
 
     Outputs are written to a temporary sibling directory and renamed into place only when
     complete; inputs are never modified.
@@ -139,3 +141,20 @@ def inspect_command(path, as_json):
         elif isinstance(value, int) and key == "bytes":
             value = f"{value:,}"
         click.echo(f"{key:>12}: {value}")
+
+
+@main.command("verify")
+@click.argument("first", type=click.Path(file_okay=False))
+@click.argument("second", type=click.Path(file_okay=False))
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def verify_command(first, second, quiet):
+    """Check that two HF model directories hold the same tensors, bit for bit (names, dtypes,
+    shapes and bytes; shard layout may differ). Exit status 1 if they differ."""
+    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=not quiet))
+    if differences:
+        for line in differences[:20]:
+            click.echo(f"  {line}", err=True)
+        more = f" (first 20 of {len(differences)})" if len(differences) > 20 else ""
+        click.echo(f"mconv: error: {first} and {second} differ{more}", err=True)
+        sys.exit(1)
+    click.echo(f"identical: {tensors} tensors, {nbytes:,} bytes, bit for bit")

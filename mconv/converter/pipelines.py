@@ -232,3 +232,23 @@ def inspect_path(path: str | Path) -> dict:
             "rank files": len(ckpt.chunks), "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors),
             "padded vocab": getattr(args, "padded_vocab_size", None),
             "written by": "mconv " + ckpt.metadata["mconv_version"] if ckpt.metadata else "another tool"}
+
+
+def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[int, int, list[str]]:
+    """Compare two HF directories tensor by tensor (names, dtypes, shapes, bytes), one tensor in
+    memory at a time. Returns (tensors, bytes, differences)."""
+    left, right = HFCheckpoint(a), HFCheckpoint(b)
+    differences = [f"{name}: only in {left.dir}" for name in sorted(left.tensors.keys() - right.tensors.keys())]
+    differences += [f"{name}: only in {right.dir}" for name in sorted(right.tensors.keys() - left.tensors.keys())]
+    common = sorted(left.tensors.keys() & right.tensors.keys())
+    total = 0
+    with _bar(sum(left.tensors[n].nbytes for n in common), "verify", progress) as bar:
+        for name in common:
+            x, y = left.read(name), right.read(name)
+            if x.dtype != y.dtype or x.shape != y.shape:
+                differences.append(f"{name}: {x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}")
+            elif not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                differences.append(f"{name}: values differ")
+            total += x.nbytes
+            bar.update(x.nbytes)
+    return len(common), total, differences

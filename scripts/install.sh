@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv with Python 3.12 and the pinned, tested dependencies (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+    for candidate in "${MCONV_PYTHON:-}" python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+        [ -n "$candidate" ] || continue
+        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+            echo "$candidate"; return 0
+        fi
+    done
+    echo "mconv: error: Python 3.12 not found (set MCONV_PYTHON=/path/to/python3.12)" >&2
+    return 1
+}
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import mconv, megatron.core, transformers, hypothesis' 2>/dev/null; then
+    PYTHON="$(find_python)"
+    [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test,mbridge]'
+fi
