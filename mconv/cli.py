@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from mconv.converter.layout import Layout
+from mconv.converter.layout import Layout, parse_layout_string
 from mconv.converter.pipelines import (DEFAULT_SHARD_BYTES, FORMATS, compare_hf, hf2mcore, inspect_path,
                                       mcore2hf)
 from mconv.converter.planner import SPECS
@@ -24,13 +24,17 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
 
 
+def fail(message: str):
+    click.echo(f"mconv: error: {message}", err=True)
+    sys.exit(1)
+
+
 def run(action):
     """Turn user errors into one line on stderr and exit status 1 (tracebacks are for bugs only)."""
     try:
         return action()
     except MconvError as e:
-        click.echo(f"mconv: error: {e}", err=True)
-        sys.exit(1)
+        fail(str(e))
     except KeyboardInterrupt:
         click.echo("mconv: interrupted; no output was written", err=True)
         sys.exit(130)
@@ -58,6 +62,12 @@ def main():
 @click.option("--tp", default=1, show_default=True, help="Tensor parallel size.")
 @click.option("--pp", default=1, show_default=True, help="Pipeline parallel size.")
 @click.option("--vpp", default=1, show_default=True, help="Virtual pipeline chunks per pipeline rank.")
+@click.option("--ep", default=1, show_default=True, help="Expert parallel size (MoE).")
+@click.option("--etp", default=1, show_default=True,
+              help="Expert tensor parallel size (MoE parallel folding; 1 = experts not split by TP).")
+@click.option("--layout", "layout_string", default=None,
+              help="AReaL-style layout instead of --tp/--pp/--ep/--etp, e.g. 'attn:d1p4t2c2|ffn:d1p4t1e4' "
+                   "(attention dp/pp/tp/cp, experts dp/pp/tp/ep; dp and cp do not change weights).")
 @click.option("--first-stage-layers", type=int, default=None,
               help="Layers on the first pipeline stage (uneven pipeline; Megatron-LM "
                    "--decoder-first-pipeline-num-layers).")
@@ -76,16 +86,23 @@ def main():
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, first_stage_layers, last_stage_layers, vocab_divisor, spec,
-                     fmt, iteration, dry_run, overwrite, quiet):
+def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
+                     vocab_divisor, spec, fmt, iteration, dry_run, overwrite, quiet):
     """Convert the HF model in HF_DIR into a Megatron checkpoint in OUT_DIR.
 
     The layout (--tp/--pp/--vpp...) and --spec must match the Megatron job that will load it.
     The HF config and tokenizer are stored in the checkpoint, so `mconv mcore2hf` can reverse
     the conversion with no other argument.
     """
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, first_stage_layers=first_stage_layers,
-                    last_stage_layers=last_stage_layers, vocab_divisor=vocab_divisor)
+    sizes = dict(tp=tp, pp=pp, ep=ep, etp=etp)
+    if layout_string:
+        ctx = click.get_current_context()
+        given = [f"--{k}" for k in sizes if ctx.get_parameter_source(k).name != "DEFAULT"]
+        if given:
+            fail(f"--layout replaces {', '.join(given)}; give one or the other")
+        sizes = run(lambda: parse_layout_string(layout_string))
+    layout = Layout(vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                    vocab_divisor=vocab_divisor, **sizes)
     summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration,
                                    overwrite=overwrite, dry_run=dry_run, progress=not quiet))
     plan = summary.plan

@@ -6,10 +6,13 @@ and runs the forward pass. Pipeline stages (and virtual chunks) are chained with
 sends of the hidden states between the ranks that megatron-core's parallel_state names as next
 and previous, in the order megatron-core's interleaved schedule runs chunks for one microbatch.
 The last stage's TP rank 0 saves the logits (gathered over TP: parallel_output=False).
+MoE models use megatron-core's SequentialMLP experts with the allgather token dispatcher; the
+world is pp * lcm(tp, etp * ep) processes, as Megatron-LM needs for MoE parallel folding.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import warnings
@@ -27,10 +30,17 @@ class MegatronRun:
     tp: int = 1
     pp: int = 1
     vpp: int = 1
+    ep: int = 1
+    etp: int = 1
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     padded_vocab: int = 0
     tokens: list[int] = field(default_factory=list)
+
+
+    @property
+    def world(self) -> int:
+        return self.pp * math.lcm(self.tp, self.etp * self.ep)
 
 
 def _free_port() -> int:
@@ -50,6 +60,16 @@ def _transformer_config(run: MegatronRun):
 
     c = run.hf_config
     rope = c.get("rope_parameters") or {}
+    moe = {}
+    experts = c.get("num_local_experts") or c.get("num_experts")
+    if experts:
+        dense = set(c.get("mlp_only_layers") or [])
+        step = c.get("decoder_sparse_step", 1)
+        moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=c["moe_intermediate_size"],
+                   moe_router_topk=c["num_experts_per_tok"], moe_router_pre_softmax=not c.get("norm_topk_prob"),
+                   moe_layer_freq=[int(i not in dense and (i + 1) % step == 0) for i in range(c["num_hidden_layers"])],
+                   moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+                   expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.etp)
     return TransformerConfig(
         num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
         num_attention_heads=c["num_attention_heads"], num_query_groups=c["num_key_value_heads"],
@@ -60,7 +80,7 @@ def _transformer_config(run: MegatronRun):
         tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
         virtual_pipeline_model_parallel_size=run.vpp if run.vpp > 1 else None,
         num_layers_in_first_pipeline_stage=run.first_stage_layers,
-        num_layers_in_last_pipeline_stage=run.last_stage_layers,
+        num_layers_in_last_pipeline_stage=run.last_stage_layers, **moe,
     ), float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
 
 
@@ -69,27 +89,30 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
     _cpu_shims()
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=run.tp * run.pp)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=run.world)
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.training.checkpointing import get_checkpoint_name
 
-    ps.initialize_model_parallel(run.tp, run.pp, run.vpp if run.vpp > 1 else None)
+    ps.initialize_model_parallel(run.tp, run.pp, run.vpp if run.vpp > 1 else None,
+                                 expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.etp)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     config, rope_theta = _transformer_config(run)
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     tied = bool(run.hf_config.get("tie_word_embeddings", False))
     pp_rank = ps.get_pipeline_model_parallel_rank()
 
     tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
     release = tracker == "release"
-    path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release)
+    path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
+                               expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
     state = torch.load(path, map_location="cpu", weights_only=False)
 
     chunks = []
     for v in range(run.vpp):
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                          qk_l2_norm=False, vp_stage=v)
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=run.padded_vocab,
                          max_sequence_length=run.hf_config["max_position_embeddings"],
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
@@ -127,7 +150,7 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
 def megatron_logits(run: MegatronRun, workdir: Path) -> torch.Tensor:
     """Logits [1, seq, vocab] of megatron-core's forward on the checkpoint (padding rows dropped)."""
     out = Path(workdir) / "megatron_logits.pt"
-    mp.start_processes(_worker, args=(run, _free_port(), out), nprocs=run.tp * run.pp, start_method="spawn")
+    mp.start_processes(_worker, args=(run, _free_port(), out), nprocs=run.world, start_method="spawn")
     return torch.load(out)[..., : run.hf_config["vocab_size"]]
 
 

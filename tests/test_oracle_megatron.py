@@ -8,26 +8,29 @@ from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_
 
 TOKENS = list(range(3, 60, 4))
 
-CASES = [  # fixture, tp, pp, vpp, first-stage layers, last-stage layers
-    ("qwen3-tiny", 1, 1, 1, None, None),
-    ("qwen3-tiny", 2, 1, 1, None, None),
-    ("qwen3-tiny", 1, 2, 1, None, None),
-    ("qwen3-tiny", 2, 2, 1, None, None),
-    ("qwen3-tiny", 1, 2, 2, None, None),
-    ("qwen3-tiny", 1, 2, 1, 1, 3),
-    ("qwen3-tiny-tied", 2, 1, 1, None, None),
-    ("qwen3-tiny-tied", 1, 2, 1, None, None),
+CASES = [  # fixture, layout
+    ("qwen3-tiny", dict()),
+    ("qwen3-tiny", dict(tp=2)),
+    ("qwen3-tiny", dict(pp=2)),
+    ("qwen3-tiny", dict(tp=2, pp=2)),
+    ("qwen3-tiny", dict(pp=2, vpp=2)),
+    ("qwen3-tiny", dict(pp=2, first_stage_layers=1, last_stage_layers=3)),
+    ("qwen3-tiny-tied", dict(tp=2)),
+    ("qwen3-tiny-tied", dict(pp=2)),
+    ("qwen3-moe-tiny", dict(tp=2, ep=2, etp=1)),
+    ("qwen3-moe-tiny", dict(tp=2, ep=2, etp=2)),
+    ("qwen3-moe-tiny", dict(pp=2, ep=2)),
+    ("qwen3-moe-tiny", dict(tp=2, ep=4, etp=1)),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture,tp,pp,vpp,first,last", CASES)
-def test_megatron_core_forward_matches_transformers(tmp_path, fixture, tp, pp, vpp, first, last):
+@pytest.mark.parametrize("fixture,sizes", CASES, ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in s.items())}" for f, s in CASES])
+def test_megatron_core_forward_matches_transformers(tmp_path, fixture, sizes):
     hf_dir = FIXTURES / fixture
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+    layout = Layout(**sizes)
     summary = hf2mcore(hf_dir, tmp_path / "megatron", layout, progress=False)
-    run = MegatronRun(tmp_path / "megatron", read_config(hf_dir), tp=tp, pp=pp, vpp=vpp,
-                      first_stage_layers=first, last_stage_layers=last,
+    run = MegatronRun(tmp_path / "megatron", read_config(hf_dir), **sizes,
                       padded_vocab=summary.plan.padded_vocab, tokens=TOKENS)
     ours = megatron_logits(run, tmp_path)
     reference = hf_logits(hf_dir, TOKENS)

@@ -1,6 +1,7 @@
 """Parallel layout: the rank grid and where each layer lives (TP, PP, VPP, uneven pipelines, EP, ETP)."""
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
@@ -9,11 +10,13 @@ from mconv.errors import MconvError
 
 @dataclass(frozen=True)
 class Rank:
-    """One legacy-format rank file: a (tensor, pipeline, expert) coordinate."""
+    """One legacy-format rank file: the tensor, pipeline and expert parallel ranks of the process
+    that writes it, and the expert-tensor-parallel rank whose expert shards it holds."""
 
     tp: int
     pp: int
     ep: int = 0
+    etp: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,17 @@ class Layout:
         return text
 
     def ranks(self) -> Iterator[Rank]:
+        """The rank files of a legacy checkpoint.
+
+        Megatron-LM writes one file per (tp, ep) pair, from the processes whose data-parallel or
+        expert-data-parallel rank is 0. Within a pipeline stage megatron-core numbers processes
+        tp-fastest in the dense grid and etp-fastest, then ep, in the expert grid, so process i
+        has tp rank i % tp, etp rank i % etp, ep rank (i // etp) % ep, and the writers are the
+        processes i < max(tp, etp * ep). With ETP != TP some (tp, ep) pairs have no file.
+        """
         for pp in range(self.pp):
-            for ep in range(self.ep):
-                for tp in range(self.tp):
-                    yield Rank(tp, pp, ep)
+            for i in range(max(self.tp, self.etp * self.ep)):
+                yield Rank(i % self.tp, pp, (i // self.etp) % self.ep, i % self.etp)
 
     def rank_dir(self, rank: Rank) -> str:
         """Megatron-LM's legacy directory name for a rank (the PP part only when PP>1, EP only when EP>1)."""
@@ -64,6 +74,9 @@ class Layout:
                               ("--etp", self.etp), ("--vocab-divisor", self.vocab_divisor)):
             if value < 1:
                 raise MconvError(f"{option} must be a positive integer, got {value}")
+        if self.tp % self.etp:
+            raise MconvError(f"--etp {self.etp} does not divide --tp {self.tp}: Megatron-LM's legacy format keeps "
+                             "one expert shard per (tp, ep) rank file, which needs tp % etp == 0")
         if self.vpp > 1 and self.pp == 1:
             raise MconvError("--vpp needs --pp > 1: virtual pipeline chunks interleave pipeline stages")
         if self.pp == 1 and (self.first_stage_layers is not None or self.last_stage_layers is not None):
@@ -102,3 +115,36 @@ class Layout:
         round_size = sum(per_chunk)
         return [[range(v * round_size + sum(per_chunk[:p]), v * round_size + sum(per_chunk[:p + 1]))
                  for v in range(self.vpp)] for p in range(self.pp)]
+
+
+def parse_layout_string(text: str) -> dict[str, int]:
+    """Parse an AReaL-style layout, e.g. 'attn:d1p4t2c2|ffn:d1p4t1e4' (attention dp/pp/tp/cp, expert
+    dp/pp/tp/ep) or a single 'd2p2t4', into tp/pp/ep/etp sizes. DP and CP do not change weights."""
+    sections = {}
+    for part in text.split("|"):
+        name, _, body = part.rpartition(":")
+        name = name.strip() or "attn"
+        if name not in ("attn", "ffn") or name in sections:
+            raise MconvError(f"--layout {text!r}: expected 'attn:...' and optionally '|ffn:...', got {part!r}")
+        pairs = re.findall(r"([a-z])(\d+)", body.strip())
+        if not pairs or "".join(k + v for k, v in pairs) != body.strip():
+            raise MconvError(f"--layout {text!r}: {part!r} is not a list of sizes such as d1p4t2c2")
+        allowed = "dptc" if name == "attn" else "dpte"
+        sizes = {}
+        for key, value in pairs:
+            if key not in allowed or key in sizes:
+                raise MconvError(f"--layout {text!r}: {name} takes the sizes {', '.join(allowed)} once each, not {key!r}")
+            sizes[key] = int(value)
+        sections[name] = {k: sizes.get(k, 1) for k in allowed}
+    attn = sections.get("attn")
+    if attn is None:
+        raise MconvError(f"--layout {text!r} has no attention part")
+    ffn = sections.get("ffn", {"d": attn["d"] * attn["c"], "p": attn["p"], "t": attn["t"], "e": 1})
+    if ffn["p"] != attn["p"]:
+        raise MconvError(f"--layout {text!r}: attention pp {attn['p']} and expert pp {ffn['p']} must agree")
+    attn_world = attn["d"] * attn["p"] * attn["t"] * attn["c"]
+    ffn_world = ffn["d"] * ffn["p"] * ffn["t"] * ffn["e"]
+    if attn_world != ffn_world:
+        raise MconvError(f"--layout {text!r}: the attention part uses {attn_world} processes and the expert "
+                         f"part {ffn_world}; they must be the same world")
+    return {"tp": attn["t"], "pp": attn["p"], "ep": ffn["e"], "etp": ffn["t"]}

@@ -99,7 +99,7 @@ def megatron_lm_args(layout: Layout, dims, arch_args: dict, spec: str, padded_vo
         decoder_last_pipeline_num_layers=layout.last_stage_layers,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
         num_experts=None, moe_ffn_hidden_size=None,
-        transformer_impl="transformer_engine" if spec == "te" else "local",
+        transformer_impl="transformer_engine" if spec == "te" else "local", moe_grouped_gemm=spec == "te",
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         ckpt_format=fmt, consumed_train_samples=0, consumed_valid_samples=0,
         world_size=layout.tp * layout.pp * layout.ep, data_parallel_size=1,

@@ -126,10 +126,11 @@ def _check_args(args, plan: Plan, path: Path) -> None:
     d = plan.dims
     expected = {"num_layers": d.layers, "hidden_size": d.hidden, "num_attention_heads": d.heads,
                 "num_query_groups": getattr(d, "groups", None), "ffn_hidden_size": getattr(d, "ffn", None),
-                "untie_embeddings_and_output_weights": not d.tied}
+                "untie_embeddings_and_output_weights": not d.tied,
+                "num_experts": getattr(d, "experts", 0) or None, "moe_ffn_hidden_size": getattr(d, "moe_ffn", None)}
     for name, value in expected.items():
         saved = getattr(args, name, None)
-        if value is not None and saved is not None and saved != value:
+        if (value is not None or name == "num_experts") and saved != value and (saved is not None or value):
             raise MconvError(f"{path}: the checkpoint's args say {name}={saved}, but the HF config implies "
                              f"{value}; pass the --hf-config of the model this checkpoint was made from")
 
@@ -226,11 +227,19 @@ def inspect_path(path: str | Path) -> dict:
     ckpt = MegatronCheckpoint(path)
     tensors = [t for chunks in ckpt.chunks.values() for chunk in chunks for t in chunk.values() if t is not None]
     args = ckpt.args
+    moe = {}
+    if getattr(args, "num_experts", None):
+        router = ("softmax over all experts, then top-k (norm_topk_prob false)" if getattr(args, "moe_router_pre_softmax", False)
+                  else "router softmax after top-k (norm_topk_prob)")
+        layers = [i for i, flag in enumerate(getattr(args, "moe_layer_freq", []) or []) if flag]
+        moe = {"moe": f"experts={args.num_experts}, top_k={getattr(args, 'moe_router_topk', '?')}, "
+                      f"moe_ffn={getattr(args, 'moe_ffn_hidden_size', '?')}, {router}, MoE layers {layers}, "
+                      f"{'grouped GEMM' if getattr(args, 'moe_grouped_gemm', False) else 'SequentialMLP'} experts"}
     return {"kind": "megatron", "path": str(path), "format": ckpt.location.format,
             "iteration": ckpt.location.iteration if ckpt.location.iteration is not None else "release",
             "architecture": ckpt.plan.arch.name, "spec": ckpt.plan.spec, "layout": ckpt.layout.describe(),
             "rank files": len(ckpt.chunks), "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors),
-            "padded vocab": getattr(args, "padded_vocab_size", None),
+            "padded vocab": getattr(args, "padded_vocab_size", None), **moe,
             "written by": "mconv " + ckpt.metadata["mconv_version"] if ckpt.metadata else "another tool"}
 
 

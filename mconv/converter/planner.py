@@ -29,7 +29,7 @@ class TensorTask:
     hf: tuple[str, ...]  # global HF names
     hf_shapes: tuple[tuple[int, ...], ...]
     shard: ShardLayout | None  # None for `_extra_state` entries
-    order: tuple  # sorts HF output: (stage position, global layer, rule position)
+    order: tuple  # sorts HF output: (stage position, global layer, expert, rule position)
 
     @property
     def shape(self) -> tuple[int, ...] | None:
@@ -85,28 +85,32 @@ class Plan:
         return shapes
 
     def exports(self) -> list[ExportTask]:
-        """The HF tensor groups in output order, each with the shards it is rebuilt from."""
+        """The HF tensor groups in output order, each with the shards it is rebuilt from: one per
+        rank of the group that splits it (TP or ETP), taken from the first rank file holding it;
+        replicated tensors from group rank 0 only."""
         groups: dict[tuple[str, ...], ExportTask] = {}
+        slots: dict[tuple[str, ...], dict[int, ShardSource]] = {}
         for rank_plan in self.ranks:
             for v, chunk in enumerate(rank_plan.chunks):
                 for task in chunk:
                     if task.shard is None or not task.rule.exported:
                         continue
-                    group = groups.setdefault(task.hf, ExportTask(task.hf, task.hf_shapes, order=task.order))
-                    group_rank = _group_rank(task.rule, rank_plan.rank)
-                    if rank_plan.rank.ep == 0 and (group_rank == 0 or not task.rule.kind.replicated):
-                        group.sources.append(ShardSource(rank_plan.rank, v, task.megatron, task.shard))
-        for group in groups.values():
-            group.sources.sort(key=lambda s: s.rank.tp)
+                    groups.setdefault(task.hf, ExportTask(task.hf, task.hf_shapes, order=task.order))
+                    slot = group_rank(task.rule, rank_plan.rank)
+                    if slot == 0 or not task.rule.kind.replicated:
+                        slots.setdefault(task.hf, {}).setdefault(
+                            slot, ShardSource(rank_plan.rank, v, task.megatron, task.shard))
+        for key, group in groups.items():
+            group.sources = [slots[key][slot] for slot in sorted(slots[key])]
         return sorted(groups.values(), key=lambda g: g.order)
 
 
-def _group_rank(rule: Rule, rank: Rank) -> int:
-    return rank.tp
+def group_rank(rule: Rule, rank: Rank) -> int:
+    return rank.etp if rule.group == "etp" else rank.tp
 
 
-def _group_size(rule: Rule, layout: Layout) -> int:
-    return layout.tp
+def group_size(rule: Rule, layout: Layout) -> int:
+    return layout.etp if rule.group == "etp" else layout.tp
 
 
 def _shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
@@ -122,6 +126,14 @@ def validate_layout(dims: SimpleNamespace, layout: Layout) -> None:
                         ("num_key_value_heads (query groups)", getattr(dims, "groups", None))):
         if value is not None and value % layout.tp:
             raise MconvError(f"{what}={value} is not divisible by --tp {layout.tp}")
+    experts = getattr(dims, "experts", 0)
+    if not experts and (layout.ep > 1 or layout.etp > 1):
+        raise MconvError("--ep/--etp need a model with experts")
+    if experts and experts % layout.ep:
+        raise MconvError(f"{experts} experts are not divisible by --ep {layout.ep}")
+    if experts and dims.moe_ffn % layout.etp:
+        raise MconvError(f"the expert MLP size (moe_intermediate_size={dims.moe_ffn}) is not divisible "
+                         f"by --etp {layout.etp}")
 
 
 def make_plan(arch: Architecture, config: dict, layout: Layout, spec: str) -> Plan:
@@ -146,7 +158,8 @@ def make_plan(arch: Architecture, config: dict, layout: Layout, spec: str) -> Pl
                     if stage is None:
                         for layer in layers:
                             if rule.when is None or rule.when(ctx, layer):
-                                chunk.append(_task(rule, ctx, layout, rank, spec, position, layer, layer - layers.start))
+                                chunk += _layer_tasks(rule, ctx, layout, rank, spec, position, layer,
+                                                      layer - layers.start)
                     elif placed[stage] == (rank.pp, v) and (rule.when is None or rule.when(ctx)):
                         chunk.append(_task(rule, ctx, layout, rank, spec, position))
             chunks.append(chunk)
@@ -154,17 +167,28 @@ def make_plan(arch: Architecture, config: dict, layout: Layout, spec: str) -> Pl
     return Plan(arch, config, dims, layout, spec, ranks)
 
 
+def _layer_tasks(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: str, position: int,
+                 layer: int, local_layer: int) -> list[TensorTask]:
+    """A layer rule's tensors; for expert rules one per local expert of the rank's EP rank."""
+    if "{expert}" not in rule.megatron_name(spec):
+        return [_task(rule, ctx, layout, rank, spec, position, layer, local_layer)]
+    per_rank = ctx.experts // layout.ep
+    return [_task(rule, ctx, layout, rank, spec, position, layer, local_layer, rank.ep * per_rank + local, local)
+            for local in range(per_rank)]
+
+
 def _task(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: str, position: int,
-          layer: int | None = None, local_layer: int | None = None) -> TensorTask:
-    megatron = rule.megatron_name(spec).format(layer=local_layer)
-    hf = tuple(name.format(layer=layer) for name in rule.hf)
+          layer: int | None = None, local_layer: int | None = None, expert: int | None = None,
+          local_expert: int | None = None) -> TensorTask:
+    megatron = rule.megatron_name(spec).format(layer=local_layer, expert=local_expert)
+    hf = tuple(name.format(layer=layer, expert=expert) for name in rule.hf)
     hf_shapes = tuple(_shape(shape, ctx, name) for name, shape in zip(hf, rule.hf.values()))
     shard = None
     if rule.kind is not EXTRA_STATE:
         params = dict(name=megatron, heads=getattr(ctx, "heads", None), groups=getattr(ctx, "groups", None),
                       head_dim=getattr(ctx, "head_dim", None), vocab_divisor=layout.vocab_divisor)
-        shard = rule.kind.layout(hf_shapes, _group_rank(rule, rank), _group_size(rule, layout), params)
-    order = (STAGE_ORDER[rule.stage], layer or 0, position)
+        shard = rule.kind.layout(hf_shapes, group_rank(rule, rank), group_size(rule, layout), params)
+    order = (STAGE_ORDER[rule.stage], layer or 0, expert or 0, position)
     return TensorTask(megatron, rule, hf, hf_shapes, shard, order)
 
 

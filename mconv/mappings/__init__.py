@@ -1,9 +1,10 @@
 """The architecture registry: config.json's architectures[0] picks the table."""
 from mconv.errors import MconvError
 from mconv.mappings.qwen3 import QWEN3
+from mconv.mappings.qwen3_moe import QWEN3_MOE
 from mconv.mappings.schema import Architecture
 
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (QWEN3,)}
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (QWEN3, QWEN3_MOE)}
 
 
 def architecture_for(config: dict) -> Architecture:

@@ -1,7 +1,7 @@
 """Qwen3 dense (`Qwen3ForCausalLM`)."""
 from types import SimpleNamespace
 
-from mconv.converter.transforms import COLUMN, GLU, QKV, REPLICATED, ROW, VOCAB
+from mconv.converter.transforms import GLU, QKV, REPLICATED, ROW, VOCAB
 from mconv.errors import MconvError
 from mconv.mappings.schema import FIRST, LAST, Architecture, Rule, extra_state, linear
 from mconv.mappings.common import config_value, rope_theta
@@ -23,7 +23,7 @@ def dims(config: dict) -> SimpleNamespace:
         ffn=config_value(config, "intermediate_size"), vocab=config_value(config, "vocab_size"),
         tied=bool(config.get("tie_word_embeddings", False)),
         norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=rope_theta(config),
-        max_positions=config.get("max_position_embeddings", 4096))
+        max_positions=config.get("max_position_embeddings", 4096), experts=0, moe_layers=frozenset())
 
 
 def megatron_args(d: SimpleNamespace) -> dict:
@@ -49,12 +49,16 @@ ATTENTION = (
     extra_state(L + "self_attention.core_attention", specs=("te",)),
 )
 
+def dense(d, layer):
+    return layer not in d.moe_layers
+
+
 DENSE_MLP = (
     Rule(L + "pre_mlp_layernorm.weight", {H + "post_attention_layernorm.weight": "hidden"}, REPLICATED,
-         te=L + "mlp.linear_fc1.layer_norm_weight"),
+         te=L + "mlp.linear_fc1.layer_norm_weight", when=dense),
     *linear(L + "mlp.linear_fc1", {H + "mlp.gate_proj.weight": "ffn hidden",
-                                   H + "mlp.up_proj.weight": "ffn hidden"}, GLU),
-    *linear(L + "mlp.linear_fc2", {H + "mlp.down_proj.weight": "hidden ffn"}, ROW),
+                                   H + "mlp.up_proj.weight": "ffn hidden"}, GLU, when=dense),
+    *linear(L + "mlp.linear_fc2", {H + "mlp.down_proj.weight": "hidden ffn"}, ROW, when=dense),
 )
 
 EMBEDDING_AND_OUTPUT = (

@@ -1,7 +1,7 @@
 """The vocabulary of the architecture tables.
 
 A table is a list of `Rule`s. A rule names one Megatron tensor (a template with `{layer}` for
-per-layer tensors), the HF tensors it is made of (templates with their shapes, written as
+per-layer tensors and `{expert}` for per-expert ones), the HF tensors it is made of (templates with their shapes, written as
 space-separated names of model dimensions), and the transform kind that relates them.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ class Rule:
     hf: dict[str, str]  # HF name template -> shape, e.g. {"model.norm.weight": "hidden"}
     kind: Kind
     te: str | None = None  # the Megatron name under the Transformer Engine spec, where it differs
-    when: Callable[[SimpleNamespace], bool] | None = None  # applies only where this holds
+    when: Callable[..., bool] | None = None  # applies only where when(dims) / when(dims, layer) holds
     stage: str | None = None  # FIRST or LAST for tensors outside the layers
     group: str = "tp"  # which parallel group splits it: "tp" (or "etp" for experts)
     exported: bool = True  # False for copies (the tied output layer): mcore2hf takes the original
