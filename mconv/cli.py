@@ -79,8 +79,9 @@ def main():
 @click.option("--spec", type=click.Choice(SPECS), default="local", show_default=True,
               help="Megatron layer spec the trainer builds: 'te' (Transformer Engine names, fused layer "
                    "norms) or 'local'.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="torch", show_default=True,
-              help="Megatron checkpoint format.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="torch_dist", show_default=True,
+              help="Megatron checkpoint format: 'torch_dist' (Megatron-LM's default; layout-independent, "
+                   "the trainer reshards on load) or 'torch' (legacy, one file per rank).")
 @click.option("--iteration", type=int, default=None,
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
@@ -112,10 +113,9 @@ def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first
         click.echo(f"plan for {out_dir} ({header})")
         for line in summary.lines:
             click.echo(f"  {line}")
-        click.echo(f"total: {summary.files} rank files, {summary.tensors} tensors, {summary.bytes:,} bytes")
+        click.echo(f"total: {summary.tensors} tensors, {summary.bytes:,} bytes")
     elif not quiet:
-        click.echo(f"wrote {out_dir}: {summary.files} rank files, {summary.tensors} tensors, "
-                   f"{summary.bytes:,} bytes ({header})")
+        click.echo(f"wrote {out_dir} ({fmt}): {summary.tensors} tensors, {summary.bytes:,} bytes ({header})")
 
 
 @main.command("mcore2hf")
@@ -139,7 +139,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, max_shard_size, overwrite, qu
                                    overwrite=overwrite, progress=not quiet))
     if not quiet:
         click.echo(f"wrote {out_dir}: {summary.files} safetensors shard(s), {summary.tensors} tensors, "
-                   f"{summary.bytes:,} bytes ({summary.plan.arch.name}, from {summary.plan.layout.describe()})")
+                   f"{summary.bytes:,} bytes ({summary.plan.arch.name})")
 
 
 @main.command("inspect")

@@ -1,8 +1,10 @@
 """Oracle: megatron-core's own GPTModel, built per rank in gloo processes on the CPU.
 
-Each process builds the model chunks of its (tp, pp) rank with the local layer spec, finds its
-rank file with Megatron-LM's own `get_checkpoint_name`, loads it with `load_state_dict(strict=True)`
-and runs the forward pass. Pipeline stages (and virtual chunks) are chained with point-to-point
+Each process builds the model chunks of its (tp, pp) rank with the local layer spec and loads
+them: a legacy rank file found with Megatron-LM's own `get_checkpoint_name`, or a torch_dist
+checkpoint through `dist_checkpointing.load` of the model's own sharded state dict (resharding to
+this layout), then `load_state_dict(strict=True)`. With `save_to`, it instead keeps its random
+initialisation and saves it with `dist_checkpointing.save`. Then it runs the forward pass. Pipeline stages (and virtual chunks) are chained with point-to-point
 sends of the hidden states between the ranks that megatron-core's parallel_state names as next
 and previous, in the order megatron-core's interleaved schedule runs chunks for one microbatch.
 The last stage's TP rank 0 saves the logits (gathered over TP: parallel_output=False).
@@ -36,6 +38,8 @@ class MegatronRun:
     last_stage_layers: int | None = None
     padded_vocab: int = 0
     tokens: list[int] = field(default_factory=list)
+    fmt: str = "torch"  # how to load `checkpoint`: legacy rank files or torch_dist
+    save_to: Path | None = None  # instead of loading: random weights, saved with dist_checkpointing.save
 
 
     @property
@@ -76,7 +80,8 @@ def _transformer_config(run: MegatronRun):
         kv_channels=c["head_dim"], ffn_hidden_size=c["intermediate_size"], normalization="RMSNorm",
         layernorm_epsilon=c["rms_norm_eps"], qk_layernorm=True, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
-        attention_dropout=0.0, hidden_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
+        attention_dropout=0.0, hidden_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, init_method_std=0.2,
         tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
         virtual_pipeline_model_parallel_size=run.vpp if run.vpp > 1 else None,
         num_layers_in_first_pipeline_stage=run.first_stage_layers,
@@ -90,6 +95,7 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=run.world)
+    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -103,14 +109,9 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
     tied = bool(run.hf_config.get("tie_word_embeddings", False))
     pp_rank = ps.get_pipeline_model_parallel_rank()
 
-    tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
-    release = tracker == "release"
-    path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
-                               expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
-    state = torch.load(path, map_location="cpu", weights_only=False)
-
     chunks = []
     for v in range(run.vpp):
+        torch.manual_seed(1234)  # random init must agree across the ranks that replicate a tensor
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                           qk_l2_norm=False, vp_stage=v)
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=run.padded_vocab,
@@ -119,8 +120,33 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
                          share_embeddings_and_output_weights=tied, position_embedding_type="rope",
                          rotary_base=rope_theta, parallel_output=False, vp_stage=v)
-        model.load_state_dict(state["model"] if run.vpp == 1 else state[f"model{v}"], strict=True)
         chunks.append(model.eval())
+
+    if run.save_to is not None:
+        for model in chunks:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "norm" in name:  # norms start at one; make a misplaced norm visible
+                        torch.manual_seed(len(name))
+                        param.uniform_(0.5, 1.5)
+        state = {"model": chunks[0].sharded_state_dict()} if run.vpp == 1 else {
+            f"model{v}": m.sharded_state_dict() for v, m in enumerate(chunks)}
+        dist_checkpointing.save(state, str(run.save_to))
+    elif run.fmt == "torch_dist":
+        tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
+        iter_dir = run.checkpoint / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
+        for model in chunks:
+            # As Megatron-LM does: the model's sharded state dict under "model", common state beside it.
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))
+            model.load_state_dict(loaded["model"], strict=True)
+    else:
+        tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
+        release = tracker == "release"
+        path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
+                                   expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        for v, model in enumerate(chunks):
+            model.load_state_dict(state["model"] if run.vpp == 1 else state[f"model{v}"], strict=True)
 
     tokens = torch.tensor([run.tokens])
     seq = tokens.shape[1]

@@ -1,25 +1,29 @@
 """Offline conversions: HF -> Megatron, Megatron -> HF, and inspection."""
 from __future__ import annotations
 
+from argparse import Namespace
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
-from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config)
-from mconv.converter.layout import Layout, Rank
-from mconv.converter.output import staged_directory
-from mconv.converter.planner import Plan, make_plan
+from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files
+from mconv.converter.layout import Layout
+from mconv.converter.megatron_checkpoint import open_checkpoint
+from mconv.converter.output import check_output_path, staged_directory
+from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
 from mconv.converter.transforms import merge, split
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
-FORMATS = ("torch",)
+FORMATS = ("torch_dist", "torch")
 DEFAULT_SHARD_BYTES = 3_000_000_000
+LOAD_BATCH_BYTES = 256 * 2**20  # Megatron tensors loaded together when exporting
 
 
 @dataclass
@@ -59,30 +63,77 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> None:
                              f"(not part of {plan.arch.name} as described by config.json)")
 
 
-def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch",
+def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
+    return split(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b))
+
+
+def _write_legacy(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, iteration: int | None, bar) -> None:
+    """One rank file at a time (the format pickles a rank's state dict whole)."""
+    for rank_plan in plan.ranks:
+        chunks = []
+        for chunk in rank_plan.chunks:
+            state = {}
+            for task in chunk:
+                state[task.megatron] = None if task.shard is None else _read_shard(task, ckpt)
+                bar.update(0 if state[task.megatron] is None else state[task.megatron].nbytes)
+            chunks.append(state)
+        path = mio.rank_file(iter_dir, plan.layout, rank_plan.rank)
+        path.parent.mkdir(parents=True)
+        torch.save(mio.rank_state(chunks, args, iteration), path)
+
+
+def _write_torch_dist(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, dtype: torch.dtype,
+                      iteration: int | None, bar) -> None:
+    """Global (layout-independent) tensors are the TP1/PP1/EP1 ones, with the vocabulary padded
+    as the target TP pads it."""
+    from mconv.converter import torch_dist
+
+    flat = make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local")
+    tasks = {task.megatron: task for task in flat.ranks[0].chunks[0] if task.shard is not None}
+
+    def parameter(name: str) -> torch.Tensor:
+        if name not in tasks:
+            raise MconvError(f"megatron-core's {plan.arch.name} model has a parameter {name} that the mconv table "
+                             "does not describe (a megatron-core version mconv does not know?)")
+        return _read_shard(tasks[name], ckpt)
+
+    dtypes = {name: ckpt.tensors[task.hf[0]].dtype for name, task in tasks.items()}
+    torch_dist.save(iter_dir, args, dtype, iteration, plan.layout.vpp, parameter, dtypes, bar.update)
+
+
+def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
+    summary = Summary(plan)
+    for rank_plan in plan.ranks:
+        tensors = [t for chunk in rank_plan.chunks for t in chunk if t.shape is not None]
+        nbytes = sum(_nbytes(t.shape, ckpt.tensors[t.hf[0]].dtype) for t in tensors)
+        summary.files += 1
+        summary.tensors += len(tensors)
+        summary.bytes += nbytes
+        summary.lines.append(f"{label(rank_plan)}: {len(rank_plan.chunks)} chunk(s), {len(tensors)} tensors, "
+                             f"{nbytes:,} bytes")
+    return summary
+
+
+def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
              progress: bool = True) -> Summary:
     if fmt not in FORMATS:
-        raise MconvError(f"--format {fmt!r} is not supported yet; available: {', '.join(FORMATS)}")
+        raise MconvError(f"--format {fmt!r} is not supported; available: {', '.join(FORMATS)}")
+    if fmt == "torch_dist" and spec == "te":
+        raise MconvError("--format torch_dist is written from megatron-core's local-spec model; the extra "
+                         "_extra_state objects a Transformer Engine model also asks for cannot be derived "
+                         "without Transformer Engine. Use --spec local (same tensor keys) or --format torch")
     ckpt = HFCheckpoint(hf_dir)
     arch = architecture_for(ckpt.config)
     plan = make_plan(arch, ckpt.config, layout, spec)
     check_hf_tensors(plan, ckpt)
-    dtypes = Counter(info.dtype for info in ckpt.tensors.values())
-    dtype = dtypes.most_common(1)[0][0]
-    summary = Summary(plan)
-    for rank_plan in plan.ranks:
-        rank_bytes = rank_tensors = 0
-        for chunk in rank_plan.chunks:
-            for task in chunk:
-                if task.shape is not None:
-                    rank_tensors += 1
-                    rank_bytes += _nbytes(task.shape, ckpt.tensors[task.hf[0]].dtype)
-        summary.files += 1
-        summary.tensors += rank_tensors
-        summary.bytes += rank_bytes
-        summary.lines.append(f"{layout.rank_dir(rank_plan.rank)}: {len(rank_plan.chunks)} chunk(s), "
-                             f"{rank_tensors} tensors, {rank_bytes:,} bytes")
+    dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
+    if fmt == "torch_dist":
+        flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
+        summary = _rank_summary(flat, ckpt, lambda r: "global tensors (any layout)")
+        summary.plan = plan
+    else:
+        summary = _rank_summary(plan, ckpt, lambda r: layout.rank_dir(r.rank))
     if dry_run:
         return summary
 
@@ -91,22 +142,10 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     with staged_directory(Path(out_dir), overwrite, inputs=(Path(hf_dir),)) as staging:
         iter_dir = staging / mio.iteration_dir_name(iteration)
         with _bar(summary.bytes, "hf2mcore", progress) as bar:
-            for rank_plan in plan.ranks:
-                chunks = []
-                for chunk in rank_plan.chunks:
-                    state = {}
-                    for task in chunk:
-                        if task.shard is None:
-                            state[task.megatron] = None
-                            continue
-                        state[task.megatron] = split(
-                            task.shard, lambda s, dim, a, b, hf=task.hf: ckpt.read(hf[s], dim, a, b))
-                        bar.update(state[task.megatron].nbytes)
-                    chunks.append(state)
-                path = mio.rank_file(iter_dir, layout, rank_plan.rank)
-                path.parent.mkdir(parents=True)
-                torch.save(mio.rank_state(chunks, args, iteration), path)
-                del chunks
+            if fmt == "torch_dist":
+                _write_torch_dist(plan, ckpt, iter_dir, args, dtype, iteration, bar)
+            else:
+                _write_legacy(plan, ckpt, iter_dir, args, iteration, bar)
         mio.write_tracker(staging, iteration)
         (staging / mio.HF_CONFIG_DIR).mkdir()
         copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
@@ -117,99 +156,45 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     return summary
 
 
-def _detect_spec(chunks: list[dict]) -> str:
-    te_marker = ".self_attention.linear_qkv.layer_norm_weight"
-    return "te" if any(k.endswith(te_marker) for chunk in chunks for k in chunk) else "local"
-
-
-def _check_args(args, plan: Plan, path: Path) -> None:
-    d = plan.dims
-    expected = {"num_layers": d.layers, "hidden_size": d.hidden, "num_attention_heads": d.heads,
-                "num_query_groups": getattr(d, "groups", None), "ffn_hidden_size": getattr(d, "ffn", None),
-                "untie_embeddings_and_output_weights": not d.tied,
-                "num_experts": getattr(d, "experts", 0) or None, "moe_ffn_hidden_size": getattr(d, "moe_ffn", None)}
-    for name, value in expected.items():
-        saved = getattr(args, name, None)
-        if (value is not None or name == "num_experts") and saved != value and (saved is not None or value):
-            raise MconvError(f"{path}: the checkpoint's args say {name}={saved}, but the HF config implies "
-                             f"{value}; pass the --hf-config of the model this checkpoint was made from")
-
-
-class MegatronCheckpoint:
-    """A legacy Megatron checkpoint, its rank files memory-mapped (tensors are read on access)."""
-
-    def __init__(self, path: str | Path, hf_config: str | Path | None = None):
-        self.location = loc = mio.locate(path)
-        if loc.format != "torch":
-            raise MconvError(f"{loc.iter_dir} is a {loc.format} checkpoint; mconv reads only the legacy "
-                             "'torch' format so far")
-        self.metadata = mio.read_metadata(loc.save_dir) or {}
-        self.config_dir = Path(hf_config) if hf_config else loc.save_dir / mio.HF_CONFIG_DIR
-        if not (self.config_dir / "config.json").is_file():
-            raise MconvError(f"{loc.save_dir} stores no HF config (it was not written by mconv); "
-                             "pass --hf-config DIR with the model's config.json")
-        self.config = read_config(self.config_dir)
-        first = sorted(loc.iter_dir.glob(f"mp_rank_*/{mio.RANK_FILE}"))[0]
-        first_state = mio.load_rank_file(first)
-        if "args" not in first_state:
-            raise MconvError(f"{first} has no 'args', so its parallel layout is unknown")
-        self.args = first_state["args"]
-        self.layout = mio.layout_from_args(self.args, first)
-        spec = self.metadata.get("spec") or _detect_spec(mio.rank_chunks(first_state, first))
-        self.plan = make_plan(architecture_for(self.config), self.config, self.layout, spec)
-        _check_args(self.args, self.plan, first)
-        self.chunks: dict[Rank, list[dict]] = {}
-        for rank_plan in self.plan.ranks:
-            path = mio.rank_file(loc.iter_dir, self.layout, rank_plan.rank)
-            chunks = mio.rank_chunks(mio.load_rank_file(path), path)
-            self._check_rank(path, rank_plan, chunks)
-            self.chunks[rank_plan.rank] = chunks
-
-    def _check_rank(self, path: Path, rank_plan, chunks: list[dict]) -> None:
-        if len(chunks) != len(rank_plan.chunks):
-            raise MconvError(f"{path} holds {len(chunks)} model chunk(s), the layout needs {len(rank_plan.chunks)}")
-        for chunk, tasks in zip(chunks, rank_plan.chunks):
-            expected = {t.megatron: t for t in tasks}
-            for name, task in expected.items():
-                if task.shard is None:
-                    continue
-                if name not in chunk:
-                    raise MconvError(f"{path}: tensor {name} is missing")
-                if tuple(chunk[name].shape) != task.shape:
-                    raise MconvError(f"{path}: tensor {name} has shape {list(chunk[name].shape)}, "
-                                     f"expected {list(task.shape)} from the HF config and layout")
-            for name in chunk:
-                if name not in expected and not name.endswith("._extra_state"):
-                    raise MconvError(f"{path}: unexpected tensor {name} (not part of "
-                                     f"{self.plan.arch.name} as described by the HF config)")
-
-    def shard(self, rank: Rank, chunk: int, name: str) -> torch.Tensor:
-        return self.chunks[rank][chunk][name]
+def _batches(exports: list[ExportTask], budget: int) -> Iterator[list[ExportTask]]:
+    """Consecutive export tasks whose HF tensors add up to about `budget` bytes (at least one)."""
+    batch, size = [], 0
+    for task in exports:
+        batch.append(task)
+        size += sum(_nbytes(shape, torch.float32) for shape in task.hf_shapes) // 2
+        if size >= budget:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True) -> Summary:
-    ckpt = MegatronCheckpoint(ckpt_dir, hf_config)
+    ckpt = open_checkpoint(ckpt_dir, hf_config)
     exports = ckpt.plan.exports()
-    entries = []
-    for task in exports:
-        dtype = ckpt.shard(task.sources[0].rank, task.sources[0].chunk, task.sources[0].megatron).dtype
-        entries += [(name, dtype, shape) for name, shape in zip(task.hf, task.hf_shapes)]
-    summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
-    with staged_directory(Path(out_dir), overwrite, inputs=inputs) as staging:
-        writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
-        writer.create()
-        with _bar(summary.bytes, "mcore2hf", progress) as bar:
-            for task in exports:
-                shards = [ckpt.shard(s.rank, s.chunk, s.megatron) for s in task.sources]
-                for name, tensor in zip(task.hf, merge([s.shard for s in task.sources], shards, task.hf_shapes)):
-                    writer.write(name, tensor)
-                    bar.update(tensor.nbytes)
-        writer.close()
-        writer.write_index()
-        copy_side_files(ckpt.config_dir, staging)
-        summary.files = len(writer.files)
+    check_output_path(Path(out_dir), overwrite, inputs)
+    with ckpt.session() as (load, dtype_of):
+        entries = [(name, dtype_of(task.sources[0]), shape)
+                   for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
+        summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
+        with staged_directory(Path(out_dir), overwrite, inputs=inputs) as staging:
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer.create()
+            with _bar(summary.bytes, "mcore2hf", progress) as bar:
+                for batch in _batches(exports, LOAD_BATCH_BYTES):
+                    shards = iter(load([source for task in batch for source in task.sources]))
+                    for task in batch:
+                        task_shards = [next(shards) for _ in task.sources]
+                        merged = merge([s.shard for s in task.sources], task_shards, task.hf_shapes)
+                        for name, tensor in zip(task.hf, merged):
+                            writer.write(name, tensor)
+                            bar.update(tensor.nbytes)
+            writer.close()
+            writer.write_index()
+            copy_side_files(ckpt.config_dir, staging)
+            summary.files = len(writer.files)
     return summary
 
 
@@ -224,9 +209,9 @@ def inspect_path(path: str | Path) -> dict:
         return {"kind": "huggingface", "path": str(path), "architecture": arch.name, "dimensions": vars(dims),
                 "files": len({i.file for i in ckpt.tensors.values()}), "tensors": len(ckpt.tensors),
                 "bytes": sum(i.nbytes for i in ckpt.tensors.values()), "dtypes": dict(dtypes)}
-    ckpt = MegatronCheckpoint(path)
-    tensors = [t for chunks in ckpt.chunks.values() for chunk in chunks for t in chunk.values() if t is not None]
-    args = ckpt.args
+    ckpt = open_checkpoint(path)
+    count, nbytes = ckpt.tensor_bytes()
+    args = ckpt.args or Namespace()
     moe = {}
     if getattr(args, "num_experts", None):
         router = ("softmax over all experts, then top-k (norm_topk_prob false)" if getattr(args, "moe_router_pre_softmax", False)
@@ -235,11 +220,14 @@ def inspect_path(path: str | Path) -> dict:
         moe = {"moe": f"experts={args.num_experts}, top_k={getattr(args, 'moe_router_topk', '?')}, "
                       f"moe_ffn={getattr(args, 'moe_ffn_hidden_size', '?')}, {router}, MoE layers {layers}, "
                       f"{'grouped GEMM' if getattr(args, 'moe_grouped_gemm', False) else 'SequentialMLP'} experts"}
+    dist = ckpt.location.format == "torch_dist"
+    layout = ("any (torch_dist reshards on load)" if dist else ckpt.layout.describe())
     return {"kind": "megatron", "path": str(path), "format": ckpt.location.format,
             "iteration": ckpt.location.iteration if ckpt.location.iteration is not None else "release",
-            "architecture": ckpt.plan.arch.name, "spec": ckpt.plan.spec, "layout": ckpt.layout.describe(),
-            "rank files": len(ckpt.chunks), "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors),
-            "padded vocab": getattr(args, "padded_vocab_size", None), **moe,
+            "architecture": ckpt.plan.arch.name, "spec": ckpt.metadata.get("spec", ckpt.plan.spec), "layout": layout,
+            "files": len(list(ckpt.location.iter_dir.glob("__*.distcp" if dist else "mp_rank_*"))),
+            "tensors": count, "bytes": nbytes,
+            "padded vocab": ckpt.plan.padded_vocab, **moe,
             "written by": "mconv " + ckpt.metadata["mconv_version"] if ckpt.metadata else "another tool"}
 
 

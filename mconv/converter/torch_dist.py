@@ -1,0 +1,241 @@
+"""Megatron-LM's `torch_dist` format, written and read through megatron-core itself.
+
+The keys, global shapes, layer stacking and expert axes are not re-derived here: megatron-core
+builds the model (local spec, TP1/PP1/EP1, on the meta device, so it costs no memory) and its
+`sharded_state_dict()` says what the checkpoint holds; torch_dist keys are independent of the
+parallel layout, so the trainer reshards on load. Only the bytes come from mconv: when
+torch.distributed.checkpoint's writer asks for a tensor, the meta view it was planned with is
+traced back to its parameter and that parameter is built from the HF slices on the spot. One
+parameter is in memory at a time, whatever the size of the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import warnings
+from argparse import Namespace
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from mconv.errors import MconvError
+
+METADATA_FILE = "metadata.json"
+
+
+@contextlib.contextmanager
+def quiet_megatron() -> Iterator[None]:
+    """megatron-core warns about Transformer Engine, Apex and GPTModel's deprecation on import."""
+    loggers = [logging.getLogger(name) for name in ("megatron", "megatron.core", "torch.utils.cpp_extension")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def megatron_process_group() -> Iterator[None]:
+    """A one-process gloo group with megatron-core's parallel state at TP1/PP1/EP1."""
+    import torch.distributed as dist
+
+    with quiet_megatron():
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    with quiet_megatron():
+        if dist.is_initialized():
+            raise MconvError("torch_dist conversion runs in its own process group; "
+                             "call it outside an initialised torch.distributed job")
+        with tempfile.TemporaryDirectory() as store:
+            dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+            try:
+                ps.initialize_model_parallel(1, 1)
+                initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+                yield
+            finally:
+                ps.destroy_model_parallel()
+                dist.destroy_process_group()
+
+
+def core_config(args: Namespace, dtype: torch.dtype):
+    """megatron-core's TransformerConfig for the Megatron-LM args mconv writes (the subset of
+    Megatron-LM's core_transformer_config_from_args that these architectures use)."""
+    from megatron.core.transformer import TransformerConfig
+
+    moe = {}
+    if getattr(args, "num_experts", None):
+        freq = args.moe_layer_freq
+        moe = dict(num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                   moe_router_topk=args.moe_router_topk, moe_router_pre_softmax=args.moe_router_pre_softmax,
+                   moe_layer_freq=1 if all(freq) else list(freq), moe_grouped_gemm=False)
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm,
+        gated_linear_unit=args.swiglu, activation_func=torch.nn.functional.silu, add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias, params_dtype=dtype, use_cpu_initialization=True,
+        perform_initialization=False, **moe)
+
+
+def meta_model(args: Namespace, dtype: torch.dtype, dtypes: dict[str, torch.dtype] | None = None):
+    """megatron-core's GPTModel for these args, local spec, every parameter on the meta device;
+    `dtypes` overrides parameter dtypes (as a bf16 trainer's Float16Module would, per tensor)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    config = core_config(args, dtype)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                      qk_l2_norm=False)
+    with torch.device("meta"):
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                         max_sequence_length=args.max_position_embeddings,
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                         position_embedding_type="rope", rotary_base=args.rotary_base)
+        for name, param in model.named_parameters():
+            if dtypes and name in dtypes and param.dtype != dtypes[name]:
+                param.data = torch.empty(param.shape, dtype=dtypes[name])
+    return model
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    # Meta tensors have no data, but views and `.data` aliases share the parameter's storage object.
+    return tensor.untyped_storage()._cdata
+
+
+def _parameter_names(model) -> dict[int, str]:
+    return {_storage_id(t): name for name, t in model.state_dict(keep_vars=True).items()
+            if isinstance(t, torch.Tensor)}
+
+
+def _streaming_strategy(materialize: Callable[[torch.Tensor], torch.Tensor], progress: Callable[[int], None]):
+    from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, TorchDistSaveShardedStrategy,
+                                                                    _replace_state_dict_keys_with_sharded_keys,
+                                                                    mcore_to_pyt_state_dict)
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class StreamingPlanner(MCoreSavePlanner):
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            if isinstance(data, torch.Tensor) and data.is_meta:
+                data = materialize(data)
+                progress(data.nbytes)
+            return data
+
+    class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
+        """megatron-core's torch_dist save, with torch's serial file writer, which asks for each
+        tensor only when it writes it (megatron's own writer stages everything first)."""
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1)
+            planner = StreamingPlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                       flatten_sharded_tensors=False)
+            dcp_save(mcore_to_pyt_state_dict(sharded, False), storage_writer=writer, planner=planner)
+
+    return StreamingSaveStrategy()
+
+
+def save(iter_dir: Path, args: Namespace, dtype: torch.dtype, iteration: int | None, model_chunks: int,
+         parameter: Callable[[str], torch.Tensor], dtypes: dict[str, torch.dtype],
+         progress: Callable[[int], None]) -> None:
+    """Write a torch_dist checkpoint; `parameter(name)` builds the full (TP1) tensor of a parameter
+    named as in megatron-core's local-spec state dict, `dtypes` gives each parameter's dtype."""
+    iter_dir.mkdir(parents=True)
+    with megatron_process_group():
+        from megatron.core import dist_checkpointing
+
+        model = meta_model(args, dtype, dtypes)
+        names = _parameter_names(model)
+        cache: dict[str, torch.Tensor] = {}
+
+        def materialize(view: torch.Tensor) -> torch.Tensor:
+            name = names.get(_storage_id(view))
+            if name is None:
+                raise MconvError("internal: megatron-core planned a tensor that is not a model parameter")
+            if name not in cache:  # GLU fc1 is written as two halves of one parameter, one after the other
+                cache.clear()
+                cache[name] = parameter(name)
+            full = cache[name]
+            return full.as_strided(view.size(), view.stride(), view.storage_offset()).clone()
+
+        sharded = model.sharded_state_dict()
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration or 0}
+        state.update({"model": sharded} if model_chunks == 1 else {"model0": sharded})
+        dist_checkpointing.save(state, str(iter_dir), sharded_strategy=_streaming_strategy(materialize, progress))
+
+
+class TorchDistReader:
+    """Reads parameters of a torch_dist checkpoint by their megatron-core (TP1) names, a batch at a
+    time, with megatron-core's loader (which reads only the requested keys)."""
+
+    def __init__(self, iter_dir: Path):
+        self.iter_dir = iter_dir
+        with quiet_megatron():
+            from megatron.core.dist_checkpointing.serialization import load_common_state_dict, load_tensors_metadata
+
+            try:
+                self.common = load_common_state_dict(str(iter_dir))
+                self.tensors = load_tensors_metadata(str(iter_dir))
+            except Exception as e:  # megatron-core raises assorted types for unreadable checkpoints
+                raise MconvError(f"{iter_dir} is not a readable torch_dist checkpoint ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        self.args = self.common.get("args") if isinstance(self.common, dict) else None
+
+    def global_shape(self, key: str) -> tuple[int, ...] | None:
+        entry = self.tensors.get(key)
+        return None if entry is None else tuple(entry.global_shape)
+
+    def nbytes(self) -> int:
+        total = 0
+        for entry in self.tensors.values():
+            n = entry.dtype.itemsize
+            for s in entry.global_shape:
+                n *= s
+            total += n
+        return total
+
+    @contextlib.contextmanager
+    def session(self, args: Namespace, dtype: torch.dtype):
+        """Yields (load, dtype_of) within a megatron-core process group: load(names) ->
+        {name: tensor}; dtype_of(name) is the stored dtype of that parameter."""
+        with megatron_process_group():
+            from megatron.core import dist_checkpointing
+            from megatron.core.dist_checkpointing.validation import StrictHandling
+
+            sharded = meta_model(args, dtype).sharded_state_dict()
+
+            def load(names: list[str]) -> dict[str, torch.Tensor]:
+                request = {}
+                for name in names:
+                    if name not in sharded:
+                        raise MconvError(f"internal: megatron-core's model has no parameter {name}")
+                    entry = sharded[name]
+                    key = entry.key
+                    if key not in self.tensors:
+                        raise MconvError(f"{self.iter_dir}: tensor {key} (for {name}) is missing from the checkpoint")
+                    stored = self.tensors[key].dtype
+                    changes = {"data": torch.empty(entry.data.shape, dtype=stored)}
+                    if hasattr(entry, "dtype"):  # ShardedTensor records its dtype; factories do not
+                        changes["dtype"] = stored
+                    request[name] = replace(entry, **changes)
+                with quiet_megatron():
+                    try:
+                        return dist_checkpointing.load(request, str(self.iter_dir),
+                                                       strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+                    except MconvError:
+                        raise
+                    except Exception as e:
+                        raise MconvError(f"{self.iter_dir}: megatron-core could not load {', '.join(names[:3])}"
+                                         f"{'...' if len(names) > 3 else ''} ({type(e).__name__}: "
+                                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+            yield load, (lambda name: self.tensors[sharded[name].key].dtype)
