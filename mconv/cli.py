@@ -175,3 +175,7 @@ def verify_command(first, second, quiet):
         click.echo(f"mconv: error: {first} and {second} differ{more}", err=True)
         sys.exit(1)
     click.echo(f"identical: {tensors} tensors, {nbytes:,} bytes, bit for bit")
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,11 @@ def mconv(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
+def legacy(*args):
+    """hf2mcore in the legacy per-rank format (these tests edit rank files)."""
+    return mconv("hf2mcore", *args, "--format", "torch", "-q")
+
+
 def assert_refused(result, out: Path, *fragments):
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
@@ -127,26 +132,26 @@ def test_overwrite_replaces_output(tmp_path):
 
 
 def test_checkpoint_args_disagree_with_hf_config(tmp_path):
-    assert mconv("hf2mcore", TINY, tmp_path / "m", "-q").exit_code == 0
+    assert legacy(TINY, tmp_path / "m").exit_code == 0
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--hf-config", FIXTURES / "qwen3-tiny-tied"),
                    tmp_path / "out", "num_layers=4", "implies 2")
 
 
 def test_checkpoint_without_stored_config_needs_hf_config(tmp_path):
-    assert mconv("hf2mcore", TINY, tmp_path / "m", "-q").exit_code == 0
+    assert legacy(TINY, tmp_path / "m").exit_code == 0
     shutil.rmtree(tmp_path / "m" / "hf_config")
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out", "--hf-config")
     assert mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--hf-config", TINY, "-q").exit_code == 0
 
 
 def test_missing_rank_file(tmp_path):
-    assert mconv("hf2mcore", TINY, tmp_path / "m", "--tp", "2", "-q").exit_code == 0
+    assert legacy(TINY, tmp_path / "m", "--tp", "2").exit_code == 0
     (tmp_path / "m" / "release" / "mp_rank_01" / "model_optim_rng.pt").unlink()
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out", "mp_rank_01", "missing")
 
 
 def test_megatron_tensor_missing(tmp_path):
-    assert mconv("hf2mcore", TINY, tmp_path / "m", "-q").exit_code == 0
+    assert legacy(TINY, tmp_path / "m").exit_code == 0
     path = tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=False)
     del state["model"]["decoder.layers.1.mlp.linear_fc2.weight"]
@@ -161,7 +166,7 @@ class Exploit:
 
 
 def test_legacy_reader_refuses_arbitrary_pickles(tmp_path):
-    assert mconv("hf2mcore", TINY, tmp_path / "m", "-q").exit_code == 0
+    assert legacy(TINY, tmp_path / "m").exit_code == 0
     path = tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=False)
     state["payload"] = Exploit()

@@ -12,7 +12,7 @@ from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.layout import parse_layout_string
 from tests.conftest import FIXTURES
-from tests.test_errors import assert_refused, mconv
+from tests.test_errors import assert_refused, legacy, mconv
 from tests.test_roundtrip import assert_bit_identical, read_all
 
 MOE = FIXTURES / "qwen3-moe-tiny"
@@ -69,7 +69,7 @@ def test_moe_round_trip_is_bit_identical(tmp_path_factory, case, seed):
     model, layout, spec = case
     tmp = tmp_path_factory.mktemp("moe")
     hf = make_qwen3_moe(tmp / "hf", seed=seed, tokenizer=False, **model)
-    hf2mcore(hf, tmp / "megatron", layout, spec=spec, progress=False)
+    hf2mcore(hf, tmp / "megatron", layout, spec=spec, fmt="torch", progress=False)
     mcore2hf(tmp / "megatron", tmp / "back", progress=False)
     assert_bit_identical(read_all(hf), read_all(tmp / "back"))
 
@@ -77,8 +77,8 @@ def test_moe_round_trip_is_bit_identical(tmp_path_factory, case, seed):
 def test_expert_names_per_spec(tmp_path):
     import torch
 
-    hf2mcore(MOE, tmp_path / "te", Layout(ep=2), spec="te", progress=False)
-    hf2mcore(MOE, tmp_path / "local", Layout(ep=2), spec="local", progress=False)
+    hf2mcore(MOE, tmp_path / "te", Layout(ep=2), spec="te", fmt="torch", progress=False)
+    hf2mcore(MOE, tmp_path / "local", Layout(ep=2), spec="local", fmt="torch", progress=False)
     te = torch.load(tmp_path / "te/release/mp_rank_00_001/model_optim_rng.pt", weights_only=False)["model"]
     local = torch.load(tmp_path / "local/release/mp_rank_00_001/model_optim_rng.pt", weights_only=False)["model"]
     assert "decoder.layers.0.mlp.experts.linear_fc1.weight3" in te and "decoder.layers.0.mlp.experts.linear_fc1._extra_state" in te
@@ -104,7 +104,7 @@ def test_each_ep_rank_reads_only_its_experts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(HFCheckpoint, "read", counting_read)
     layout = Layout(tp=2, ep=4, etp=1)
-    summary = hf2mcore(MOE, tmp_path / "m", layout, progress=False)
+    summary = hf2mcore(MOE, tmp_path / "m", layout, fmt="torch", progress=False)
     hf = HFCheckpoint(MOE)
     experts = {name: info for name, info in hf.tensors.items() if ".mlp.experts." in name}
     assert experts
@@ -120,8 +120,8 @@ def test_layout_string_equals_flags():
 
 
 def test_layout_string_conversion_matches_flags(tmp_path):
-    assert mconv("hf2mcore", MOE, tmp_path / "a", "--layout", "attn:d2p2t2c1|ffn:d1p2t1e4", "-q").exit_code == 0
-    assert mconv("hf2mcore", MOE, tmp_path / "b", "--tp", "2", "--pp", "2", "--ep", "4", "-q").exit_code == 0
+    assert legacy(MOE, tmp_path / "a", "--layout", "attn:d2p2t2c1|ffn:d1p2t1e4").exit_code == 0
+    assert legacy(MOE, tmp_path / "b", "--tp", "2", "--pp", "2", "--ep", "4").exit_code == 0
     for a in sorted((tmp_path / "a" / "release").iterdir()):
         b = tmp_path / "b" / "release" / a.name
         import torch
@@ -173,7 +173,7 @@ def test_checkpoint_missing_one_expert(tmp_path):
 def test_megatron_checkpoint_missing_one_expert(tmp_path):
     import torch
 
-    assert mconv("hf2mcore", MOE, tmp_path / "m", "--ep", "2", "-q").exit_code == 0
+    assert legacy(MOE, tmp_path / "m", "--ep", "2").exit_code == 0
     path = tmp_path / "m/release/mp_rank_00_001/model_optim_rng.pt"
     state = torch.load(path, weights_only=False)
     del state["model"]["decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"]
@@ -183,7 +183,7 @@ def test_megatron_checkpoint_missing_one_expert(tmp_path):
 
 
 def test_inspect_shows_moe_settings(tmp_path):
-    assert mconv("hf2mcore", MOE, tmp_path / "m", "--ep", "2", "-q").exit_code == 0
+    assert legacy(MOE, tmp_path / "m", "--ep", "2").exit_code == 0
     result = mconv("inspect", tmp_path / "m")
     for fragment in ("experts=8", "top_k=2", "moe_ffn=32", "router softmax after top-k (norm_topk_prob)"):
         assert fragment in result.output, result.output

@@ -29,7 +29,7 @@ CASES = [  # fixture, layout
 def test_megatron_core_forward_matches_transformers(tmp_path, fixture, sizes):
     hf_dir = FIXTURES / fixture
     layout = Layout(**sizes)
-    summary = hf2mcore(hf_dir, tmp_path / "megatron", layout, progress=False)
+    summary = hf2mcore(hf_dir, tmp_path / "megatron", layout, fmt="torch", progress=False)
     run = MegatronRun(tmp_path / "megatron", read_config(hf_dir), **sizes,
                       padded_vocab=summary.plan.padded_vocab, tokens=TOKENS)
     ours = megatron_logits(run, tmp_path)

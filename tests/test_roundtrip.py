@@ -65,7 +65,7 @@ def test_round_trip_is_bit_identical(tmp_path_factory, case, seed):
     spec, dtype = model.pop("spec"), model.pop("dtype")
     tmp = tmp_path_factory.mktemp("rt")
     hf = make_qwen3(tmp / "hf", seed=seed, dtype=dtype, tokenizer=False, **model)
-    hf2mcore(hf, tmp / "megatron", layout, spec=spec, progress=False)
+    hf2mcore(hf, tmp / "megatron", layout, spec=spec, fmt="torch", progress=False)
     mcore2hf(tmp / "megatron", tmp / "back", progress=False)
     assert_bit_identical(read_all(hf), read_all(tmp / "back"))
 
@@ -74,7 +74,7 @@ def test_round_trip_is_bit_identical(tmp_path_factory, case, seed):
 def test_transformers_loads_output_without_missing_or_unexpected_keys(tmp_path, fixture):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf2mcore(FIXTURES / fixture, tmp_path / "m", Layout(tp=2, pp=2), spec="te", progress=False)
+    hf2mcore(FIXTURES / fixture, tmp_path / "m", Layout(tp=2, pp=2), spec="te", fmt="torch", progress=False)
     mcore2hf(tmp_path / "m", tmp_path / "back", max_shard_bytes=100_000, progress=False)
     assert len(list((tmp_path / "back").glob("model-*.safetensors"))) > 1
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
@@ -90,7 +90,7 @@ def test_transformers_loads_output_without_missing_or_unexpected_keys(tmp_path, 
 def test_sharded_hf_input_and_iteration_directory(tmp_path):
     hf = make_qwen3(tmp_path / "hf", tokenizer=False, max_shard_size="100KB")
     assert (hf / "model.safetensors.index.json").exists()
-    hf2mcore(hf, tmp_path / "m", Layout(tp=2), iteration=42, progress=False)
+    hf2mcore(hf, tmp_path / "m", Layout(tp=2), iteration=42, fmt="torch", progress=False)
     assert (tmp_path / "m" / "latest_checkpointed_iteration.txt").read_text() == "42"
     mcore2hf(tmp_path / "m" / "iter_0000042", tmp_path / "back", progress=False)
     assert_bit_identical(read_all(hf), read_all(tmp_path / "back"))

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from mconv.errors import MconvError
 
@@ -32,6 +31,7 @@ class TensorInfo:
     file: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int = 0  # where the tensor's bytes start in the file
 
     @property
     def nbytes(self) -> int:
@@ -76,8 +76,12 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             continue
         if entry.get("dtype") not in DTYPES:
             raise MconvError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
-        infos[name] = TensorInfo(path.name, DTYPES[entry["dtype"]], tuple(entry["shape"]))
-        data_end = max(data_end, entry["data_offsets"][1])
+        start, stop = entry["data_offsets"]
+        info = TensorInfo(path.name, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + header_len + start)
+        if stop - start != info.nbytes:
+            raise MconvError(f"{path}: tensor {name} has {stop - start} bytes for shape {entry['shape']}")
+        infos[name] = info
+        data_end = max(data_end, stop)
     if 8 + header_len + data_end > size:
         raise MconvError(f"{path} is truncated: its header describes {8 + header_len + data_end} bytes "
                          f"but the file has {size}")
@@ -96,7 +100,7 @@ class HFCheckpoint:
         for file in self._weight_files():
             for name, info in read_safetensors_header(self.dir / file).items():
                 self.tensors[name] = info
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, int] = {}
 
     def _weight_files(self) -> list[str]:
         index = self.dir / INDEX_NAME
@@ -115,17 +119,44 @@ class HFCheckpoint:
         raise MconvError(f"{self.dir} has no {SINGLE_NAME} or {INDEX_NAME}")
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Read the [start, stop) range of a tensor along dim (the whole tensor by default)."""
+        """Read the [start, stop) range of a tensor along dim 0 or 1 (the whole tensor by default).
+
+        Bytes are read with pread straight into the result, not memory-mapped, so what was read
+        does not stay resident: memory holds the slices being converted, nothing else.
+        """
         info = self.tensors[name]
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = self._handles[info.file] = safe_open(str(self.dir / info.file), framework="pt")
+        shape = list(info.shape)
         if start is None:
-            return handle.get_tensor(name)
-        index = (slice(None),) * dim + (slice(start, stop),)
-        return handle.get_slice(name)[index]
+            start, stop = 0, (shape[dim] if shape else 1)
+        inner = _numel(shape[dim + 1:]) * _itemsize(info.dtype)  # bytes of one step along dim
+        out_shape = shape[:dim] + [stop - start] + shape[dim + 1:] if shape else []
+        out = torch.empty(out_shape, dtype=info.dtype)
+        buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        fd = self._fd(info.file)
+        if dim == 0 or not shape:
+            self._pread(fd, buffer, info.offset + start * inner)
+        else:
+            row, piece = shape[dim] * inner, (stop - start) * inner
+            for r in range(_numel(shape[:dim])):
+                self._pread(fd, buffer[r * piece:(r + 1) * piece], info.offset + r * row + start * inner)
+        return out
+
+    def _fd(self, file: str) -> int:
+        if file not in self._handles:
+            self._handles[file] = os.open(self.dir / file, os.O_RDONLY)
+        return self._handles[file]
+
+    def _pread(self, fd: int, buffer: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(fd, [buffer[done:]], offset + done)
+            if n == 0:
+                raise MconvError(f"{self.dir}: a safetensors file ended early (changed while reading?)")
+            done += n
 
     def close(self) -> None:
+        for fd in self._handles.values():
+            os.close(fd)
         self._handles.clear()
 
 

@@ -11,11 +11,11 @@ parameter is in memory at a time, whatever the size of the model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import tempfile
 import warnings
 from argparse import Namespace
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -173,32 +173,86 @@ def save(iter_dir: Path, args: Namespace, dtype: torch.dtype, iteration: int | N
         dist_checkpointing.save(state, str(iter_dir), sharded_strategy=_streaming_strategy(materialize, progress))
 
 
+@functools.cache
+def _box_planner_class():
+    """A DCP load planner that reads boxes of global tensors; DCP finds the stored chunks that
+    overlap each box. (Defined once: a class made per call would be cyclic garbage holding the
+    destination buffers until the garbage collector ran.)"""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class BoxLoadPlanner(LoadPlanner):
+        def __init__(self, requests: dict[tuple[str, tuple[int, ...]], torch.Tensor]):
+            self.requests = requests  # (key, global offset) -> destination view with the box's shape
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            self.metadata = metadata
+
+        def create_local_plan(self):
+            items = []
+            for (key, offsets), dest in self.requests.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.shape)
+                items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
+            return LoadPlan(items)
+
+        def create_global_plan(self, global_plan):
+            return global_plan
+
+        def finish_plan(self, central_plan):
+            return central_plan
+
+        def load_bytes(self, read_item, value):
+            raise MconvError("internal: a tensor read was planned as bytes")
+
+        def resolve_tensor(self, read_item):
+            dest = self.requests[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                dest = dest.narrow(dim, start, length)
+            return dest
+
+        def commit_tensor(self, read_item, tensor):
+            pass  # resolve_tensor handed out views of the destination: the data is in place
+
+    return BoxLoadPlanner
+
+
 class TorchDistReader:
-    """Reads parameters of a torch_dist checkpoint by their megatron-core (TP1) names, a batch at a
-    time, with megatron-core's loader (which reads only the requested keys)."""
+    """Reads parameters of a torch_dist checkpoint by their megatron-core (TP1) names.
+
+    megatron-core's sharded state dict says which box of which global tensor each parameter (or
+    each half of a GLU fc1) is; torch.distributed.checkpoint reads exactly those boxes, whatever
+    chunking the checkpoint was written with.
+    """
 
     def __init__(self, iter_dir: Path):
+        from torch.distributed.checkpoint import FileSystemReader
+
         self.iter_dir = iter_dir
         with quiet_megatron():
-            from megatron.core.dist_checkpointing.serialization import load_common_state_dict, load_tensors_metadata
+            from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
             try:
                 self.common = load_common_state_dict(str(iter_dir))
-                self.tensors = load_tensors_metadata(str(iter_dir))
-            except Exception as e:  # megatron-core raises assorted types for unreadable checkpoints
+                self.metadata = FileSystemReader(str(iter_dir)).read_metadata()
+            except Exception as e:  # megatron-core and DCP raise assorted types for unreadable checkpoints
                 raise MconvError(f"{iter_dir} is not a readable torch_dist checkpoint ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.tensors = {key: md for key, md in self.metadata.state_dict_metadata.items()
+                        if isinstance(md, TensorStorageMetadata)}
         self.args = self.common.get("args") if isinstance(self.common, dict) else None
 
     def global_shape(self, key: str) -> tuple[int, ...] | None:
         entry = self.tensors.get(key)
-        return None if entry is None else tuple(entry.global_shape)
+        return None if entry is None else tuple(entry.size)
 
     def nbytes(self) -> int:
         total = 0
         for entry in self.tensors.values():
-            n = entry.dtype.itemsize
-            for s in entry.global_shape:
+            n = entry.properties.dtype.itemsize
+            for s in entry.size:
                 n *= s
             total += n
         return total
@@ -207,35 +261,47 @@ class TorchDistReader:
     def session(self, args: Namespace, dtype: torch.dtype):
         """Yields (load, dtype_of) within a megatron-core process group: load(names) ->
         {name: tensor}; dtype_of(name) is the stored dtype of that parameter."""
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint import load as dcp_load
+
         with megatron_process_group():
-            from megatron.core import dist_checkpointing
-            from megatron.core.dist_checkpointing.validation import StrictHandling
+            from megatron.core.dist_checkpointing.dict_utils import nested_values
+            from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-            sharded = meta_model(args, dtype).sharded_state_dict()
+            model = meta_model(args, dtype)
+            names = _parameter_names(model)
+            shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()
+                      if isinstance(t, torch.Tensor)}
+            sharded = model.sharded_state_dict()
+            apply_factories(sharded)
+            boxes: dict[str, list] = {}
+            for entry in nested_values(sharded):
+                if isinstance(entry, ShardedTensor):
+                    boxes.setdefault(names[_storage_id(entry.data)], []).append(entry)
 
-            def load(names: list[str]) -> dict[str, torch.Tensor]:
-                request = {}
-                for name in names:
-                    if name not in sharded:
+            def stored_dtype(name: str) -> torch.dtype:
+                key = boxes[name][0].key
+                if key not in self.tensors:
+                    raise MconvError(f"{self.iter_dir}: tensor {key} (for {name}) is missing from the checkpoint")
+                return self.tensors[key].properties.dtype
+
+            def load(wanted: list[str]) -> dict[str, torch.Tensor]:
+                out, requests = {}, {}
+                for name in wanted:
+                    if name not in boxes:
                         raise MconvError(f"internal: megatron-core's model has no parameter {name}")
-                    entry = sharded[name]
-                    key = entry.key
-                    if key not in self.tensors:
-                        raise MconvError(f"{self.iter_dir}: tensor {key} (for {name}) is missing from the checkpoint")
-                    stored = self.tensors[key].dtype
-                    changes = {"data": torch.empty(entry.data.shape, dtype=stored)}
-                    if hasattr(entry, "dtype"):  # ShardedTensor records its dtype; factories do not
-                        changes["dtype"] = stored
-                    request[name] = replace(entry, **changes)
-                with quiet_megatron():
-                    try:
-                        return dist_checkpointing.load(request, str(self.iter_dir),
-                                                       strict=StrictHandling.ASSUME_OK_UNEXPECTED)
-                    except MconvError:
-                        raise
-                    except Exception as e:
-                        raise MconvError(f"{self.iter_dir}: megatron-core could not load {', '.join(names[:3])}"
-                                         f"{'...' if len(names) > 3 else ''} ({type(e).__name__}: "
-                                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                    out[name] = buffer = torch.empty(shapes[name], dtype=stored_dtype(name))
+                    for entry in boxes[name]:
+                        expected = (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
+                        if tuple(self.tensors[entry.key].size) != tuple(entry.global_shape):
+                            raise MconvError(f"{self.iter_dir}: tensor {entry.key} has shape "
+                                             f"{list(self.tensors[entry.key].size)}, the HF config implies "
+                                             f"{list(entry.global_shape)}")
+                        view = entry.data
+                        dest = buffer.as_strided(view.size(), view.stride(), view.storage_offset())
+                        requests[(entry.key, tuple(entry.global_offset))] = dest.view(expected)
+                dcp_load({}, storage_reader=FileSystemReader(str(self.iter_dir)), planner=_box_planner_class()(requests),
+                         no_dist=True)
+                return out
 
-            yield load, (lambda name: self.tensors[sharded[name].key].dtype)
+            yield load, stored_dtype

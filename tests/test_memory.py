@@ -1,0 +1,44 @@
+"""Peak memory does not grow with the checkpoint: converting ~1 GB of weights costs the process
+well under 256 MB beyond what the same command costs on a tiny model."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIXTURES, ROOT
+
+MARGIN = 256 * 2**20
+
+
+def peak_rss(*args) -> int:
+    """Run `mconv ARGS` in a fresh process; its peak resident set size in bytes (from wait4)."""
+    process = subprocess.Popen([sys.executable, "-m", "mconv.cli", *map(str, args), "-q"], cwd=ROOT,
+                               stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    assert process.returncode == 0, process.stderr.read().decode()
+    return usage.ru_maxrss * 1024
+
+
+@pytest.mark.slow
+def test_peak_memory_is_independent_of_model_size(tmp_path):
+    from transformers import Qwen3Config
+
+    from fixtures.make_fixtures import make_synthetic
+
+    big = make_synthetic(tmp_path / "big", Qwen3Config(
+        vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=36, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, architectures=["Qwen3ForCausalLM"]))
+    size = sum(p.stat().st_size for p in big.glob("*.safetensors"))
+    assert size > 4 * MARGIN
+
+    base_in = peak_rss("hf2mcore", FIXTURES / "qwen3-tiny", tmp_path / "tiny")
+    base_out = peak_rss("mcore2hf", tmp_path / "tiny", tmp_path / "tiny-back")
+    big_in = peak_rss("hf2mcore", big, tmp_path / "m", "--tp", "2")
+    big_out = peak_rss("mcore2hf", tmp_path / "m", tmp_path / "back")
+    print(f"checkpoint {size / 2**20:.0f} MiB; hf2mcore torch_dist peak {big_in / 2**20:.0f} MiB "
+          f"(tiny {base_in / 2**20:.0f}); mcore2hf peak {big_out / 2**20:.0f} MiB (tiny {base_out / 2**20:.0f})")
+    assert big_in - base_in < MARGIN
+    assert big_out - base_out < MARGIN
