@@ -40,6 +40,8 @@ class MegatronRun:
     tokens: list[int] = field(default_factory=list)
     fmt: str = "torch"  # how to load `checkpoint`: legacy rank files or torch_dist
     save_to: Path | None = None  # instead of loading: random weights, saved with dist_checkpointing.save
+    live_hf: Path | None = None  # instead of loading: mconv.live.load_hf_weights from this HF directory,
+    live_out: Path | None = None  # then, after the forward, iter_hf_weights / save_hf_weights into this
 
 
     @property
@@ -132,6 +134,10 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
         state = {"model": chunks[0].sharded_state_dict()} if run.vpp == 1 else {
             f"model{v}": m.sharded_state_dict() for v, m in enumerate(chunks)}
         dist_checkpointing.save(state, str(run.save_to))
+    elif run.live_hf is not None:
+        from mconv.live import load_hf_weights
+
+        load_hf_weights(chunks, run.live_hf)
     elif run.fmt == "torch_dist":
         tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
         iter_dir = run.checkpoint / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
@@ -169,6 +175,15 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
                         torch.save(output.float(), out)
                 else:
                     dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    if run.live_out is not None:
+        from mconv.live import iter_hf_weights, save_hf_weights
+
+        yielded = [[(name, tensor.clone()) for name, tensor in bucket]
+                   for bucket in iter_hf_weights(chunks, run.live_hf, bucket_bytes=40_000)]
+        torch.save({"pp": pp_rank, "buckets": yielded}, run.live_out / f"rank{rank}.pt")
+        everything = [name for bucket in iter_hf_weights(chunks, run.live_hf, gather_pp=True) for name, _ in bucket]
+        torch.save(everything, run.live_out / f"all{rank}.pt")
+        save_hf_weights(chunks, run.live_out / "saved", run.live_hf, max_shard_bytes=100_000)
     dist.barrier()
     dist.destroy_process_group()
 

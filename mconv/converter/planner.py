@@ -137,34 +137,37 @@ def validate_layout(dims: SimpleNamespace, layout: Layout) -> None:
 
 
 def make_plan(arch: Architecture, config: dict, layout: Layout, spec: str) -> Plan:
+    """Every rank file of the layout (see Layout.ranks)."""
     if spec not in SPECS:
         raise MconvError(f"--spec must be one of {', '.join(SPECS)}, got {spec!r}")
     dims = arch.dims(config)
     validate_layout(dims, layout)
+    ranks = [plan_rank(arch, dims, layout, spec, rank) for rank in layout.ranks()]
+    return Plan(arch, config, dims, layout, spec, ranks)
+
+
+def plan_rank(arch: Architecture, dims: SimpleNamespace, layout: Layout, spec: str, rank: Rank) -> RankPlan:
+    """The tensors of one rank's model chunks: embedding on the first chunk, then the chunk's
+    layers in rule order, then the final norm and output layer on the last chunk."""
     ctx = SimpleNamespace(**vars(dims), **layout.to_dict())
-    chunk_layers = layout.chunk_layers(dims.layers)
     rules = [r for r in arch.rules if spec in r.specs]
     placed = {FIRST: (0, 0), LAST: (layout.pp - 1, layout.vpp - 1)}
-
-    ranks = []
-    for rank in layout.ranks():
-        chunks = []
-        for v, layers in enumerate(chunk_layers[rank.pp]):
-            chunk = []
-            for stage in (FIRST, None, LAST):
-                for position, rule in enumerate(rules):
-                    if rule.stage != stage:
-                        continue
-                    if stage is None:
-                        for layer in layers:
-                            if rule.when is None or rule.when(ctx, layer):
-                                chunk += _layer_tasks(rule, ctx, layout, rank, spec, position, layer,
-                                                      layer - layers.start)
-                    elif placed[stage] == (rank.pp, v) and (rule.when is None or rule.when(ctx)):
-                        chunk.append(_task(rule, ctx, layout, rank, spec, position))
-            chunks.append(chunk)
-        ranks.append(RankPlan(rank, chunks))
-    return Plan(arch, config, dims, layout, spec, ranks)
+    chunks = []
+    for v, layers in enumerate(layout.chunk_layers(dims.layers)[rank.pp]):
+        chunk = []
+        for stage in (FIRST, None, LAST):
+            for position, rule in enumerate(rules):
+                if rule.stage != stage:
+                    continue
+                if stage is None:
+                    for layer in layers:
+                        if rule.when is None or rule.when(ctx, layer):
+                            chunk += _layer_tasks(rule, ctx, layout, rank, spec, position, layer,
+                                                  layer - layers.start)
+                elif placed[stage] == (rank.pp, v) and (rule.when is None or rule.when(ctx)):
+                    chunk.append(_task(rule, ctx, layout, rank, spec, position))
+        chunks.append(chunk)
+    return RankPlan(rank, chunks)
 
 
 def _layer_tasks(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: str, position: int,

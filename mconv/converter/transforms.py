@@ -133,7 +133,7 @@ def split(layout: ShardLayout, read: Reader) -> torch.Tensor:
     if layout.pad:
         pad_shape = list(parts[0].shape)
         pad_shape[layout.dim] = layout.pad
-        parts.append(torch.zeros(pad_shape, dtype=parts[0].dtype))
+        parts.append(torch.zeros(pad_shape, dtype=parts[0].dtype, device=parts[0].device))
     return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=layout.dim)
 
 
@@ -145,8 +145,7 @@ def split_tensors(layout: ShardLayout, tensors: Sequence[torch.Tensor]) -> torch
 def merge(layouts: Sequence[ShardLayout], shards: Sequence[torch.Tensor],
           hf_shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     """Rebuild the HF tensors from the shards of every rank (padding is dropped)."""
-    dtype = shards[0].dtype
-    out = [torch.empty(shape, dtype=dtype) for shape in hf_shapes]
+    out = [torch.empty(shape, dtype=shards[0].dtype, device=shards[0].device) for shape in hf_shapes]
     for layout, shard in zip(layouts, shards):
         offset = 0
         for p in layout.pieces:
