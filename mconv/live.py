@@ -20,7 +20,7 @@ import torch.distributed as dist
 from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.planner import RankPlan, TensorTask, make_plan, plan_rank, validate_layout
-from mconv.converter.transforms import merge, split
+from mconv.converter.transforms import merge, merge_single, split
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
@@ -188,6 +188,9 @@ def _stage_buckets(live: LiveModel, bucket_bytes: int, dtype: torch.dtype | None
             shards = _all_gather([live.tensors[v][t.megatron] for v, t in gathered], group)
             merged: list[list[torch.Tensor]] = []
             for i, (v, task) in enumerate(gathered):
+                if len(shards) == 1:
+                    merged.append(merge_single(task.shard, shards[0][i], task.hf_shapes))
+                    continue
                 layouts = [peers[r][index[id(task)]][1].shard for r in range(len(shards))]
                 merged.append(merge(layouts, [shards[r][i] for r in range(len(shards))], task.hf_shapes))
             whole = {id(t): [live.tensors[v][t.megatron].view(t.hf_shapes[0])] for v, t in members

@@ -86,3 +86,18 @@ def test_uneven_column_split_is_refused():
 
     with pytest.raises(MconvError, match="not divisible"):
         COLUMN.layout([(6, 2)], 0, 4, {"name": "decoder.layers.0.mlp.linear_fc1.weight"})
+
+
+@pytest.mark.parametrize("kind,shapes,params", [
+    (GLU, [(4, 3), (4, 3)], {}), (QKV, [(8, 3), (8, 3), (8, 3)], dict(heads=2, groups=2, head_dim=4)),
+    (VOCAB, [(5, 3)], dict(vocab_divisor=4)), (ROW, [(4, 6)], {}), (REPLICATED, [(7,)], {}),
+])
+def test_merge_single_equals_merge_and_avoids_copies(kind, shapes, params):
+    from mconv.converter.transforms import merge_single
+
+    tensors = [torch.randn(s) for s in shapes]
+    layouts, shards, _ = shards_of(kind, tensors, 1, **params)
+    views = merge_single(layouts[0], shards[0], shapes)
+    assert all(torch.equal(v, t) for v, t in zip(views, tensors))
+    shares = [v.untyped_storage().data_ptr() == shards[0].untyped_storage().data_ptr() for v in views]
+    assert all(shares) == (kind is not QKV)  # QKV interleaves groups: a copy is unavoidable

@@ -152,3 +152,18 @@ def merge(layouts: Sequence[ShardLayout], shards: Sequence[torch.Tensor],
             out[p.source].narrow(layout.dim, p.start, p.length).copy_(shard.narrow(layout.dim, offset, p.length))
             offset += p.length
     return out
+
+
+def merge_single(layout: ShardLayout, shard: torch.Tensor, hf_shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """`merge` for a group of one rank, without copying where an HF tensor is one contiguous piece
+    of the shard (GLU halves, vocabulary without its padding, whole tensors): those come back as
+    views of the shard."""
+    sources = [p.source for p in layout.pieces]
+    whole = all(p.start == 0 and p.stop == hf_shapes[p.source][layout.dim] for p in layout.pieces)
+    if sorted(sources) != list(range(len(hf_shapes))) or not whole or (layout.dim != 0 and len(sources) > 1):
+        return merge([layout], [shard], hf_shapes)
+    out, offset = [None] * len(hf_shapes), 0
+    for p in layout.pieces:
+        out[p.source] = shard.narrow(layout.dim, offset, p.length)
+        offset += p.length
+    return out
