@@ -177,5 +177,66 @@ def verify_command(first, second, quiet):
     click.echo(f"identical: {tensors} tensors, {nbytes:,} bytes, bit for bit")
 
 
+@main.command("export-lora")
+@click.argument("ckpt_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--hf-config", type=click.Path(file_okay=False), default=None,
+              help="Directory with the base model's HF config.json; needed for checkpoints not written by mconv.")
+@click.option("--rank", type=int, default=None,
+              help="Expected LoRA rank r (Megatron-Bridge's `dim`); the export stops if the adapters have another. "
+                   "Read from the tensors either way.")
+@click.option("--alpha", type=float, default=None,
+              help="LoRA alpha (scale = alpha / r). Default: peft.alpha from Megatron-Bridge's run_config.yaml in the "
+                   "checkpoint; required when there is none.")
+@click.option("--base-model", default=None,
+              help="Written as base_model_name_or_path (a hub name or path). With --merge: the local HF model "
+                   "directory whose weights the delta is added to.")
+@click.option("--merge", is_flag=True,
+              help="Write a full HF model (base + alpha/r * B @ A) instead of an adapter, for serving merged weights.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="With --merge: dtype of the written tensors (default: each base tensor's own). The delta is "
+                   "added in float32 either way.")
+@click.option("--max-shard-size", default="3GB", show_default=True, help="With --merge: largest safetensors shard.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
+def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, merge, dtype, max_shard_size,
+                        overwrite, quiet):
+    """Export the Megatron-Bridge LoRA adapter in CKPT_DIR as a HF PEFT adapter in OUT_DIR.
+
+    CKPT_DIR is a legacy (torch) or torch_dist checkpoint, adapter-only or with the base weights,
+    at any TP/PP/VPP/EP/ETP layout (read from its saved args). Adapter tensors are named
+    <module>.adapter.linear_in.weight (A) and .adapter.linear_out.weight (B) (CanonicalLoRA:
+    .adapter.adapter_q.linear_in.weight, ...). Fused adapters are split for HF: linear_qkv ->
+    q_proj/k_proj/v_proj and linear_fc1 -> gate_proj/up_proj (same A, B split by query groups or
+    by the GLU rule), linear_proj -> o_proj, linear_fc2 -> down_proj; expert adapters become
+    per-expert modules (mlp.experts.{e}.gate_proj, ...), an adapter shared by a rank's experts
+    copied to each of them.
+
+    \b
+    OUT_DIR/adapter_config.json          peft_type LORA, r, lora_alpha, target_modules, bias none
+    OUT_DIR/adapter_model.safetensors    base_model.model.<module>.lora_A.weight / lora_B.weight
+
+    Loads with peft.PeftModel.from_pretrained and vLLM (one r and alpha for all modules;
+    adapters with different ranks are refused).
+    """
+    torch_dtype = None
+    if dtype:
+        import torch
+
+        torch_dtype = getattr(torch, dtype)
+    from mconv.converter.lora import export_lora
+
+    result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
+                                     base_model=base_model, merge_into=merge, dtype=torch_dtype, overwrite=overwrite,
+                                     max_shard_bytes=parse_size(max_shard_size)))
+    if not quiet:
+        adapter = result.adapter
+        what = (f"merged model ({result.merged_tensors} weights changed)" if merge else
+                f"PEFT adapter ({len(adapter.tensors)} tensors, target_modules {', '.join(adapter.target_modules)})")
+        layout = result.layout.describe() if result.format == "torch" else "any layout"
+        click.echo(f"wrote {out_dir}: {what}; {adapter.arch}, r={adapter.rank}, alpha={result.alpha:g}, "
+                   f"read from a {result.format} checkpoint at {layout}")
+
+
 if __name__ == "__main__":
     main()

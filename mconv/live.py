@@ -7,9 +7,12 @@ stage), wrapped or not (DDP / Float16Module `module.` prefixes, Megatron-Bridge 
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import weakref
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -20,7 +23,7 @@ import torch.distributed as dist
 from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.planner import RankPlan, TensorTask, make_plan, plan_rank, validate_layout
-from mconv.converter.transforms import merge, merge_single, split
+from mconv.converter.transforms import merge, merge_single, split_into
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
@@ -103,11 +106,14 @@ def _config(hf_config) -> dict:
     return hf_config if isinstance(hf_config, dict) else read_config(Path(hf_config))
 
 
-def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path) -> None:
+def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path, threads: int = 8) -> None:
     """Copy the HF checkpoint into this rank's parameters. Each rank reads only the slices it owns
-    (its TP/ETP shard, its PP stage's layers, its EP rank's experts), straight from the files."""
+    (its TP/ETP shard, its PP stage's layers, its EP rank's experts), straight from the files:
+    `threads` readers run ahead, into pinned memory when the model is on a GPU, and the copies to
+    the device are asynchronous."""
     ckpt = HFCheckpoint(hf_dir)
     live = LiveModel.of(model_chunks, ckpt.config)
+    jobs = []
     for tasks, tensors in zip(live.plan.chunks, live.tensors):
         for task in tasks:
             if task.shard is None:
@@ -118,8 +124,17 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path)
                 if ckpt.tensors[name].shape != shape:
                     raise MconvError(f"{ckpt.dir}: tensor {name} has shape {list(ckpt.tensors[name].shape)}, "
                                      f"config.json implies {list(shape)}")
-            shard = split(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b))
-            tensors[task.megatron].copy_(shard)
+            jobs.append((task, tensors[task.megatron]))
+    on_gpu = any(dest.is_cuda for _, dest in jobs)
+
+    def load(task: TensorTask, dest: torch.Tensor) -> None:
+        split_into(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b, pin=on_gpu), dest)
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for future in [pool.submit(load, task, dest) for task, dest in jobs]:
+            future.result()
+    if on_gpu:
+        torch.cuda.synchronize()
     ckpt.close()
 
 
@@ -163,48 +178,92 @@ def _buckets(tasks: list, nbytes, limit: int) -> Iterator[list]:
         yield bucket
 
 
-def _stage_buckets(live: LiveModel, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[Bucket]:
-    from megatron.core import parallel_state as ps
+@dataclass
+class _GroupStep:
+    """One bucket's tensors of one parallel group (TP, or ETP then EP for experts), planned once."""
 
-    tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
-    etp_group = ps.get_expert_tensor_parallel_group()
+    static: list[tuple[str, torch.Tensor]]  # replicated tensors, and views of one-rank shards: no work per call
+    gathered: list[tuple[torch.Tensor, list, tuple, tuple]]  # (local shard, peers' layouts, HF names, HF shapes)
+    ep_names: list[list[str]] | None = None  # experts: HF names of every EP rank's tensors, in order
+
+
+def _schedule(live: LiveModel, bucket_bytes: int) -> list[list[_GroupStep]]:
+    """The buckets of this rank's stage, each a TP step and an expert step; the same structure on
+    every rank of the stage, so the collectives of peers line up."""
     tasks = _exported(live.plan)
-    tp_peers = [_exported(live.peer_plan(tp=r)) for r in range(live.layout.tp)]
-    etp_peers = [_exported(live.peer_plan(etp=r)) for r in range(live.layout.etp)]
+    peers = {"tp": [_exported(live.peer_plan(tp=r)) for r in range(live.layout.tp)],
+             "etp": [_exported(live.peer_plan(etp=r)) for r in range(live.layout.etp)]}
     ep_peers = [_exported(live.peer_plan(ep=r)) for r in range(live.layout.ep)]
     index = {id(task): i for i, (_, task) in enumerate(tasks)}
 
     def nbytes(item) -> int:
         v, task = item
-        local = live.tensors[v][task.megatron]
-        n = sum(torch.Size(s).numel() for s in task.hf_shapes) * local.element_size()
+        n = sum(torch.Size(s).numel() for s in task.hf_shapes) * live.tensors[v][task.megatron].element_size()
         return n * (live.layout.ep if task.rule.group == "etp" else 1)
 
+    schedule = []
     for bucket in _buckets(tasks, nbytes, bucket_bytes):
+        steps = []
+        for group in ("tp", "etp"):
+            step = _GroupStep([], [])
+            members = [(v, t) for v, t in bucket if t.rule.group == group]
+            for v, task in members:
+                local = live.tensors[v][task.megatron]
+                layouts = [peer[index[id(task)]][1].shard for peer in peers[group]]
+                views = (merge_single(task.shard, local, task.hf_shapes) if len(layouts) == 1 or task.rule.kind.replicated
+                         else None)
+                storage = local.untyped_storage().data_ptr()
+                if views is not None and all(x.untyped_storage().data_ptr() == storage for x in views):
+                    step.static += list(zip(task.hf, views))
+                else:
+                    step.gathered.append((local, layouts, task.hf, task.hf_shapes))
+            if group == "etp":
+                step.ep_names = [[n for _, t in members for n in ep_peer[index[id(t)]][1].hf] for ep_peer in ep_peers]
+            steps.append(step)
+        schedule.append(steps)
+    return schedule
+
+
+_LIVE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _storage_fingerprint(model_chunks) -> list[int]:
+    return [p.data_ptr() for chunk in model_chunks for p in chunk.parameters()]
+
+
+def _prepared(model_chunks, hf_config: dict, bucket_bytes: int) -> tuple[LiveModel, list]:
+    """LiveModel and schedule of a model, computed once per model, config and bucket size, and again
+    if any parameter's storage moved (a wrapper or optimizer replaced `param.data`)."""
+    key = (tuple(id(c) for c in model_chunks), json.dumps(hf_config, sort_keys=True, default=str), bucket_bytes)
+    fingerprint = _storage_fingerprint(model_chunks)
+    cached = _LIVE_CACHE.get(model_chunks[0])
+    if cached is None or cached[0] != key or cached[1] != fingerprint:
+        live = LiveModel.of(model_chunks, hf_config)
+        cached = (key, fingerprint, live, _schedule(live, bucket_bytes))
+        _LIVE_CACHE[model_chunks[0]] = cached
+    return cached[2], cached[3]
+
+
+def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: torch.dtype | None) -> Iterator[Bucket]:
+    from megatron.core import parallel_state as ps
+
+    groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group()}
+    ep_group = ps.get_expert_model_parallel_group()
+    for steps in schedule:
         out: Bucket = []
-        for group_name, group, peers in (("tp", tp_group, tp_peers), ("etp", etp_group, etp_peers)):
-            members = [(v, t) for v, t in bucket if t.rule.group == group_name]
-            gathered = [(v, t) for v, t in members if not t.rule.kind.replicated]
-            shards = _all_gather([live.tensors[v][t.megatron] for v, t in gathered], group)
-            merged: list[list[torch.Tensor]] = []
-            for i, (v, task) in enumerate(gathered):
-                if len(shards) == 1:
-                    merged.append(merge_single(task.shard, shards[0][i], task.hf_shapes))
-                    continue
-                layouts = [peers[r][index[id(task)]][1].shard for r in range(len(shards))]
-                merged.append(merge(layouts, [shards[r][i] for r in range(len(shards))], task.hf_shapes))
-            whole = {id(t): [live.tensors[v][t.megatron].view(t.hf_shapes[0])] for v, t in members
-                     if t.rule.kind.replicated}
-            whole.update({id(t): m for (_, t), m in zip(gathered, merged)})
-            if group_name == "tp":
-                out += [(n, x) for _, t in members for n, x in zip(t.hf, whole[id(t)])]
+        for group, step in zip(("tp", "etp"), steps):
+            shards = _all_gather([local for local, _, _, _ in step.gathered], groups[group])
+            rebuilt = list(step.static)
+            for i, (_, layouts, names, shapes) in enumerate(step.gathered):
+                rebuilt += zip(names, merge(layouts, [rank_shards[i] for rank_shards in shards], shapes))
+            if group == "tp":
+                out += rebuilt
                 continue
             # Experts: every EP rank holds other experts; gather the rebuilt HF tensors over EP.
-            flat = [x for _, t in members for x in whole[id(t)]]
-            per_ep = _all_gather(flat, ep_group)
-            for j, tensors in enumerate(per_ep):
-                names = [n for _, t in members for n in ep_peers[j][index[id(t)]][1].hf]
-                out += list(zip(names, tensors))
+            order = {name: i for i, (name, _) in enumerate(rebuilt)}
+            mine = [rebuilt[order[name]][1] for name in step.ep_names[live.rank.ep]]
+            for names, tensors in zip(step.ep_names, _all_gather(mine, ep_group)):
+                out += zip(names, tensors)
         yield [(n, x if dtype is None else x.to(dtype)) for n, x in out]
 
 
@@ -218,14 +277,14 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     global layer and expert numbers, fused QKV / GLU split, vocabulary padding removed; they stay
     on the parameters' device. `hf_config` is the HF model directory or its config dict.
     """
-    live = LiveModel.of(model_chunks, _config(hf_config))
+    live, schedule = _prepared(list(model_chunks), _config(hf_config), bucket_bytes)
     if not gather_pp or live.layout.pp == 1:
-        yield from _stage_buckets(live, bucket_bytes, dtype)
+        yield from _stage_buckets(live, schedule, dtype)
         return
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
-    mine = list(_stage_buckets(live, bucket_bytes, dtype))
+    mine = list(_stage_buckets(live, schedule, dtype))
     layouts = [None] * live.layout.pp  # (names, shapes, dtypes) of every stage's buckets: one exchange
     dist.all_gather_object(layouts, [[(n, tuple(x.shape), x.dtype) for n, x in b] for b in mine], group=group)
     device = next(iter(live.tensors[0].values())).device
@@ -257,7 +316,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     from megatron.core import parallel_state as ps
 
     config = read_config(Path(hf_config))
-    live = LiveModel.of(model_chunks, config)
+    live, schedule = _prepared(list(model_chunks), config, bucket_bytes)
     full = make_plan(live.arch, config, live.layout, live.spec)
     dtypes: dict[str, torch.dtype] = {}
     local = {name: tensor.dtype for tasks, tensors in zip(live.plan.chunks, live.tensors)
@@ -282,7 +341,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
               and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
     if writes:
         writer.open_existing()
-    for bucket in _stage_buckets(live, bucket_bytes, None):
+    for bucket in _stage_buckets(live, schedule, None):
         if writes:
             for name, tensor in bucket:
                 writer.write(name, tensor.cpu())

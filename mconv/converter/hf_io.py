@@ -101,6 +101,8 @@ class HFCheckpoint:
             for name, info in read_safetensors_header(self.dir / file).items():
                 self.tensors[name] = info
         self._handles: dict[str, int] = {}
+        for file in {info.file for info in self.tensors.values()}:  # opened up front: readers may be threads
+            self._fd(file)
 
     def _weight_files(self) -> list[str]:
         index = self.dir / INDEX_NAME
@@ -118,8 +120,10 @@ class HFCheckpoint:
             return [SINGLE_NAME]
         raise MconvError(f"{self.dir} has no {SINGLE_NAME} or {INDEX_NAME}")
 
-    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Read the [start, stop) range of a tensor along dim 0 or 1 (the whole tensor by default).
+    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None,
+             pin: bool = False) -> torch.Tensor:
+        """Read the [start, stop) range of a tensor along dim 0 or 1 (the whole tensor by default),
+        into pinned memory if `pin` (for asynchronous copies to a GPU). Thread-safe.
 
         Bytes are read with pread straight into the result, not memory-mapped, so what was read
         does not stay resident: memory holds the slices being converted, nothing else.
@@ -130,7 +134,7 @@ class HFCheckpoint:
             start, stop = 0, (shape[dim] if shape else 1)
         inner = _numel(shape[dim + 1:]) * _itemsize(info.dtype)  # bytes of one step along dim
         out_shape = shape[:dim] + [stop - start] + shape[dim + 1:] if shape else []
-        out = torch.empty(out_shape, dtype=info.dtype)
+        out = torch.empty(out_shape, dtype=info.dtype, pin_memory=pin)
         buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         fd = self._fd(info.file)
         if dim == 0 or not shape:

@@ -122,14 +122,30 @@ EXTRA_STATE = Kind("extra_state", _whole, replicated=True, sources=0)  # TE/line
 Reader = Callable[[int, int, int, int], torch.Tensor]  # (source, dim, start, stop) -> tensor
 
 
-def split(layout: ShardLayout, read: Reader) -> torch.Tensor:
-    """Build one rank's Megatron shard. Each source is read once, as the range its pieces span."""
+def _read_pieces(layout: ShardLayout, read: Reader) -> list[torch.Tensor]:
+    """The layout's pieces, in order. Each source is read once, as the range its pieces span."""
     spans: dict[int, tuple[int, int]] = {}
     for p in layout.pieces:
         lo, hi = spans.get(p.source, (p.start, p.stop))
         spans[p.source] = (min(lo, p.start), max(hi, p.stop))
     blocks = {s: read(s, layout.dim, lo, hi) for s, (lo, hi) in spans.items()}
-    parts = [blocks[p.source].narrow(layout.dim, p.start - spans[p.source][0], p.length) for p in layout.pieces]
+    return [blocks[p.source].narrow(layout.dim, p.start - spans[p.source][0], p.length) for p in layout.pieces]
+
+
+def split_into(layout: ShardLayout, read: Reader, dest: torch.Tensor) -> None:
+    """`split` straight into an existing shard (a live parameter, maybe on a GPU): no concatenated
+    copy on the host; host-to-device copies are asynchronous when the pieces are pinned."""
+    offset = 0
+    for piece in _read_pieces(layout, read):
+        dest.narrow(layout.dim, offset, piece.shape[layout.dim]).copy_(piece, non_blocking=True)
+        offset += piece.shape[layout.dim]
+    if layout.pad:
+        dest.narrow(layout.dim, offset, layout.pad).zero_()
+
+
+def split(layout: ShardLayout, read: Reader) -> torch.Tensor:
+    """Build one rank's Megatron shard."""
+    parts = _read_pieces(layout, read)
     if layout.pad:
         pad_shape = list(parts[0].shape)
         pad_shape[layout.dim] = layout.pad
@@ -144,14 +160,32 @@ def split_tensors(layout: ShardLayout, tensors: Sequence[torch.Tensor]) -> torch
 
 def merge(layouts: Sequence[ShardLayout], shards: Sequence[torch.Tensor],
           hf_shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Rebuild the HF tensors from the shards of every rank (padding is dropped)."""
+    """Rebuild the HF tensors from the shards of every rank (padding is dropped). Pieces of one
+    source that repeat at a regular stride in a shard (fused QKV groups) are moved in one copy."""
     out = [torch.empty(shape, dtype=shards[0].dtype, device=shards[0].device) for shape in hf_shapes]
     for layout, shard in zip(layouts, shards):
+        by_source: dict[int, list[tuple[Piece, int]]] = {}
         offset = 0
         for p in layout.pieces:
-            out[p.source].narrow(layout.dim, p.start, p.length).copy_(shard.narrow(layout.dim, offset, p.length))
+            by_source.setdefault(p.source, []).append((p, offset))
             offset += p.length
+        for source, items in by_source.items():
+            _copy_pieces(out[source], shard, layout.dim, items)
     return out
+
+
+def _copy_pieces(dst: torch.Tensor, shard: torch.Tensor, dim: int, items: list[tuple[Piece, int]]) -> None:
+    (first, first_offset), n = items[0], len(items)
+    length = first.length
+    step = items[1][1] - first_offset if n > 1 else 0
+    regular = n > 1 and all(p.length == length and p.start == first.start + k * length
+                            and offset == first_offset + k * step for k, (p, offset) in enumerate(items))
+    if regular and step >= length:
+        src = shard.narrow(dim, first_offset, (n - 1) * step + length).unfold(dim, length, step).movedim(-1, dim + 1)
+        dst.narrow(dim, first.start, n * length).unflatten(dim, (n, length)).copy_(src)
+        return
+    for p, offset in items:
+        dst.narrow(dim, p.start, p.length).copy_(shard.narrow(dim, offset, p.length))
 
 
 def merge_single(layout: ShardLayout, shard: torch.Tensor, hf_shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:

@@ -1,0 +1,354 @@
+"""LoRA export: Megatron-Bridge LoRA adapters -> HF PEFT adapters (or HF weights with the delta merged).
+
+The adapters of a Megatron model are gathered with the same plan as its base weights: the LoRA
+table (`mconv.mappings.lora`) turns each target into planner rules whose HF tensors are PEFT's
+`lora_A` / `lora_B`, so the planner says which rank file and model chunk holds which rows of each,
+and `transforms.merge` rebuilds them. A fused adapter becomes one PEFT module per HF projection
+with the same A (qkv -> q/k/v, fc1 -> gate/up). `adapter_to_peft` does this for tensors in memory
+(a live model's per-rank adapter state); `export_lora` reads them from a checkpoint (legacy rank
+files memory-mapped, or torch_dist boxes) and writes a PEFT directory vLLM and peft load.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from mconv.converter import megatron_io as mio
+from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config
+from mconv.converter.layout import Layout, Rank
+from mconv.converter.megatron_checkpoint import _config_dir, check_args
+from mconv.converter.output import check_output_path, staged_directory
+from mconv.converter.planner import ExportTask, ShardSource, make_plan
+from mconv.converter.transforms import merge, padded_vocab_size
+from mconv.errors import MconvError
+from mconv.mappings import architecture_for
+from mconv.mappings.lora import Target, lora_architecture, targets
+from mconv.mappings.schema import Architecture
+
+PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the HF module names in saved keys
+ADAPTER = ".adapter."  # every Megatron-Bridge adapter tensor's name has it
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+DEFAULT_SHARD_BYTES = 3_000_000_000
+
+# Per legacy rank file (as `Layout.ranks()` names them), per model chunk: adapter tensors by their
+# Megatron name in that chunk (local layer and expert indices). Other tensors (base weights) may be there.
+RankStates = Mapping[Rank, Sequence[Mapping[str, torch.Tensor]]]
+
+
+@dataclass
+class PeftAdapter:
+    """A HF PEFT LoRA adapter: tensors under their saved keys, one rank for every module."""
+
+    arch: str
+    rank: int
+    tensors: dict[str, torch.Tensor]  # base_model.model.<HF module>.lora_A.weight / lora_B.weight
+
+    @property
+    def target_modules(self) -> list[str]:
+        return sorted({key.split(".")[-3] for key in self.tensors})
+
+    def deltas(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """HF base weight name -> (A, B) of its LoRA module."""
+        modules = {key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for key in self.tensors}
+        return {f"{m}.weight": (self.tensors[f"{PEFT_PREFIX}{m}.lora_A.weight"],
+                                self.tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"]) for m in sorted(modules)}
+
+    def config(self, alpha: float, base_model: str | None) -> dict:
+        """adapter_config.json as vLLM accepts it: one r and alpha, no modules_to_save, no DoRA, no bias."""
+        alpha = int(alpha) if float(alpha).is_integer() else alpha
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+                "r": self.rank, "lora_alpha": alpha, "target_modules": self.target_modules, "bias": "none",
+                "lora_dropout": 0.0, "fan_in_fan_out": False, "use_dora": False, "use_rslora": False,
+                "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}
+
+    def save(self, directory: Path, alpha: float, base_model: str | None) -> None:
+        from safetensors.torch import save_file
+
+        save_file({k: t.contiguous() for k, t in self.tensors.items()}, Path(directory) / ADAPTER_WEIGHTS,
+                  metadata={"format": "pt"})
+        (Path(directory) / ADAPTER_CONFIG).write_text(json.dumps(self.config(alpha, base_model), indent=2) + "\n")
+
+
+def adapter_rank(states: RankStates, where: str) -> int:
+    """The one LoRA rank of all adapters: the width of every B (`linear_out`, `[out, r]` on every rank)."""
+    return _one_rank({name: t.shape[-1] for chunks in states.values() for chunk in chunks
+                      for name, t in chunk.items() if ADAPTER in name and name.endswith(".linear_out.weight")}, where)
+
+
+def _one_rank(widths: dict[str, int], where: str) -> int:
+    if not widths:
+        raise MconvError(f"{where} holds no LoRA adapter tensors (Megatron-Bridge names: "
+                         "<module>.adapter.linear_in.weight / .adapter.linear_out.weight)")
+    (first, rank), *others = widths.items()
+    for name, other in others:
+        if other != rank:
+            raise MconvError(f"{where}: the adapters have different ranks ({first} has {rank}, {name} has {other}); "
+                             "a PEFT adapter that vLLM loads has one r for every module")
+    return rank
+
+
+def _shared_name(target: Target, rule_name: str, layer: int, layout: Layout, source: ShardSource, dims) -> str | None:
+    """A TE grouped-GEMM expert adapter: one tensor for all of the rank's experts in that layer."""
+    if target.shared_module is None:
+        return None
+    local_layer = layer - layout.chunk_layers(dims.layers)[source.rank.pp][source.chunk].start
+    which = rule_name.rsplit(".", 2)[-2]  # linear_in / linear_out
+    return target.tensor(target.shared_module.format(layer=local_layer), which)
+
+
+def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
+                    where: str = "the adapter tensors") -> PeftAdapter:
+    """Gather Megatron-Bridge LoRA adapters (any TP/PP/VPP/EP/ETP layout) into PEFT LoRA tensors.
+
+    `states[rank][chunk]` maps Megatron names to tensors as a model chunk of that legacy rank holds
+    them (a live model's `named_parameters()` adapter entries, or a rank file's state dict); base
+    weights beside them are ignored. Every adapter must have the same rank r; adapters on modules
+    the architecture does not have, or missing on some ranks, are refused.
+    """
+    arch = architecture_for(config)
+    rank = adapter_rank(states, where)
+    by_rule = {rule.megatron: target for target in targets(arch) for rule in (target.a, target.b)}
+    expected: set[tuple[Rank, int, str]] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for canonical in (False, True):
+        plan = make_plan(lora_architecture(arch, rank, canonical), config, layout, "local")
+        rule_of = {task.hf: task.rule for rp in plan.ranks for chunk in rp.chunks for task in chunk}
+        expected |= {(rp.rank, v, task.megatron) for rp in plan.ranks for v, chunk in enumerate(rp.chunks)
+                     for task in chunk}
+        for export in plan.exports():
+            rule = rule_of[export.hf]
+            merged = _gather(states, export, rule, by_rule[rule.megatron], plan, layout, where, expected)
+            if merged is None:
+                continue
+            target, (_, layer, expert, _) = by_rule[rule.megatron], export.order
+            names = list(export.hf)
+            if rule.megatron == target.a.megatron:  # a fused adapter's A is every split module's A
+                names += [f"{m.format(layer=layer, expert=expert)}.lora_A.weight" for m in target.hf_modules[1:]]
+                merged += [merged[0].clone() for _ in target.hf_modules[1:]]
+            for name, tensor in zip(names, merged):
+                if PEFT_PREFIX + name in tensors:
+                    raise MconvError(f"{where}: {name.rsplit('.', 2)[0]} has both a LoRA and a CanonicalLoRA adapter")
+                tensors[PEFT_PREFIX + name] = tensor
+    _refuse_unknown(states, arch, expected, layout, where)
+    return PeftAdapter(arch.name, rank, tensors)
+
+
+def _gather(states: RankStates, export: ExportTask, rule, target: Target, plan, layout: Layout, where: str,
+            expected: set) -> list[torch.Tensor] | None:
+    """The HF tensors of one adapter tensor, from its shard on each group rank (None if it has no adapter)."""
+    layer = export.order[1]
+    shards, names = [], []
+    for source in export.sources:
+        chunks = states.get(source.rank, ())
+        chunk = chunks[source.chunk] if source.chunk < len(chunks) else {}
+        name = source.megatron
+        if name not in chunk:
+            name = _shared_name(target, rule.megatron, layer, layout, source, plan.dims) or name
+        expected.add((source.rank, source.chunk, name))
+        names.append(name)
+        shards.append(chunk.get(name))
+    present = [s is not None for s in shards]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = export.sources[present.index(False)]
+        raise MconvError(f"{where}: {names[present.index(False)]} is missing from {layout.rank_dir(missing.rank)} "
+                         f"(model chunk {missing.chunk}), but other ranks hold shards of it")
+    for source, name, shard in zip(export.sources, names, shards):
+        want = source.shard.shape(export.hf_shapes)
+        if tuple(shard.shape) != want:
+            raise MconvError(f"{where}: {name} in {layout.rank_dir(source.rank)} has shape {list(shard.shape)}, "
+                             f"expected {list(want)} for a rank-{plan.dims.lora_rank} adapter at {layout.describe()}")
+    return merge([s.shard for s in export.sources], shards, export.hf_shapes)
+
+
+def _refuse_unknown(states: RankStates, arch: Architecture, expected: set, layout: Layout, where: str) -> None:
+    for rank, chunks in states.items():
+        for v, chunk in enumerate(chunks):
+            for name in chunk:
+                if ADAPTER in name and (rank, v, name) not in expected:
+                    raise _not_exportable(f"{where}: {name} in {layout.rank_dir(rank)} (model chunk {v})", arch)
+
+
+def _not_exportable(what: str, arch: Architecture) -> MconvError:
+    return MconvError(f"{what} is not a LoRA A or B tensor mconv can export: {arch.name} (as the HF config and layout "
+                      "describe it) has LoRA or CanonicalLoRA adapters on linear_qkv, linear_proj, linear_fc1, "
+                      "linear_fc2 and the experts' linear_fc1/fc2 only; other modules, layers the model lacks and "
+                      "other adapter kinds (DoRA) have no form a vLLM PEFT adapter can express")
+
+
+# ----------------------------------------------------------------------------- reading checkpoints
+
+def _legacy_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankStates, Layout]:
+    """Every rank file of a legacy checkpoint, memory-mapped (only the adapter bytes are read)."""
+    first = sorted(location.iter_dir.glob(f"mp_rank_*/{mio.RANK_FILE}"))[0]
+    args = mio.load_rank_file(first).get("args")
+    if args is None:
+        raise MconvError(f"{first} has no 'args', so its parallel layout is unknown")
+    layout = mio.layout_from_args(args, first)
+    arch = architecture_for(config)
+    check_args(args, make_plan(arch, config, layout, "local"), first)
+    states = {}
+    for rank in layout.ranks():
+        path = mio.rank_file(location.iter_dir, layout, rank)
+        states[rank] = mio.rank_chunks(mio.load_rank_file(path), path)
+    return states, layout
+
+
+def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankStates, Layout]:
+    """A torch_dist checkpoint's adapters as one TP1/PP1/EP1 model chunk.
+
+    Adapter keys are the base layer's key with `weight` replaced by the adapter's suffix, stacked
+    over layers (and experts) like it; megatron-core's own model says where each base weight lives,
+    so each adapter tensor is read as that layer's (and expert's) box of its global tensor.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    from mconv.converter.torch_dist import (TorchDistReader, _box_planner_class, _parameter_names, _storage_id,
+                                            megatron_process_group, meta_model)
+
+    reader = TorchDistReader(location.iter_dir)
+    stored = {key: md for key, md in reader.tensors.items() if ADAPTER in key}
+    where = str(location.iter_dir)
+    arch = architecture_for(config)
+    dims = arch.dims(config)
+    layout = Layout()
+    args = mio.megatron_lm_args(layout, dims, arch.megatron_args(dims), "local", padded_vocab_size(dims.vocab, 128, 1),
+                                torch.bfloat16, "torch_dist")
+    if reader.args is not None:
+        check_args(reader.args, make_plan(arch, config, layout, "local"), location.iter_dir)
+    rank = _one_rank({key: md.size[-1] for key, md in stored.items() if key.endswith(".linear_out.weight")}, where)
+    names = {t.megatron for canonical in (False, True)
+             for t in make_plan(lora_architecture(arch, rank, canonical), config, layout, "local").ranks[0].chunks[0]}
+    suffixes = {name.split(ADAPTER)[1] for name in names}
+    chunk, requests, found = {}, {}, set()
+    with megatron_process_group():
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+        model = meta_model(args, torch.bfloat16)
+        parameters = _parameter_names(model)
+        sharded = model.sharded_state_dict()
+        apply_factories(sharded)
+        for entry in nested_values(sharded):
+            if not isinstance(entry, ShardedTensor) or not entry.key.endswith(".weight"):
+                continue
+            module = parameters[_storage_id(entry.data)].removesuffix("weight")
+            prefix = entry.key.removesuffix("weight")
+            offsets = tuple(entry.global_offset[:entry.prepend_axis_num])
+            for suffix in suffixes:
+                name, key = f"{module}adapter.{suffix}", f"{prefix}adapter.{suffix}"
+                if name not in names or key not in stored or name in chunk:
+                    continue
+                shape = tuple(stored[key].size)[len(offsets):]
+                chunk[name] = torch.empty(shape, dtype=stored[key].properties.dtype)
+                requests[(key, offsets + (0,) * len(shape))] = chunk[name].view((1,) * len(offsets) + shape)
+                found.add(key)
+        for key in sorted(stored.keys() - found):
+            raise _not_exportable(f"{where}: {key}", arch)
+        dcp_load({}, storage_reader=FileSystemReader(str(location.iter_dir)), planner=_box_planner_class()(requests),
+                 no_dist=True)
+    return {Rank(0, 0): [chunk]}, layout
+
+
+def _run_config_alpha(location: mio.CheckpointLocation) -> float | None:
+    """LoRA alpha from Megatron-Bridge's run_config.yaml (`peft.alpha`), beside the weights or one level up."""
+    import yaml
+
+    for path in (location.iter_dir / "run_config.yaml", location.save_dir / "run_config.yaml"):
+        if path.is_file():
+            try:
+                peft = (yaml.safe_load(path.read_text()) or {}).get("peft") or {}
+            except (yaml.YAMLError, AttributeError) as e:
+                raise MconvError(f"{path} is not readable YAML ({str(e).splitlines()[0]}); pass --alpha") from None
+            if "alpha" in peft:
+                return float(peft["alpha"])
+    return None
+
+
+@dataclass
+class LoraExport:
+    """What export_lora wrote."""
+
+    adapter: PeftAdapter
+    alpha: float
+    layout: Layout
+    format: str
+    merged_tensors: int = 0
+
+
+def read_adapter(location: mio.CheckpointLocation,
+                 hf_config: str | Path | None = None) -> tuple[PeftAdapter, Layout, Path]:
+    """A checkpoint's adapters (legacy or torch_dist), its layout, and the HF config directory used."""
+    config_dir = _config_dir(location, hf_config)
+    config = read_config(config_dir)
+    states, layout = (_dist_states if location.format == "torch_dist" else _legacy_states)(location, config)
+    return adapter_to_peft(states, config, layout, str(location.iter_dir)), layout, config_dir
+
+
+def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
+                rank: int | None = None, alpha: float | None = None, base_model: str | None = None,
+                merge_into: bool = False, dtype: torch.dtype | None = None, overwrite: bool = False,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> LoraExport:
+    """Write the checkpoint's LoRA adapter as a HF PEFT adapter directory, or with `merge_into` a HF
+    model: the base model in `base_model` (a local HF directory) with alpha/r * B @ A added."""
+    location = mio.locate(ckpt_dir)
+    if merge_into and not (base_model and (Path(base_model) / "config.json").is_file()):
+        raise MconvError("--merge needs --base-model DIR, the local HF model the adapter was trained on "
+                         f"(got {base_model!r})")
+    check_output_path(Path(out_dir), overwrite, (location.save_dir,))
+    adapter, layout, config_dir = read_adapter(location, hf_config)
+    if rank is not None and rank != adapter.rank:
+        raise MconvError(f"{location.iter_dir}: the adapters have rank {adapter.rank}, not --rank {rank}")
+    alpha = alpha if alpha is not None else _run_config_alpha(location)
+    if alpha is None:
+        raise MconvError(f"{location.iter_dir}: LoRA's alpha is not stored with the weights (no run_config.yaml "
+                         "with peft.alpha); pass --alpha (scale = alpha / r)")
+    result = LoraExport(adapter, alpha, layout, location.format)
+    inputs = (location.save_dir, config_dir) + ((Path(base_model),) if merge_into else ())
+    with staged_directory(Path(out_dir), overwrite, inputs=inputs) as staging:
+        if merge_into:
+            result.merged_tensors = merge_adapter(adapter, alpha, base_model, staging, dtype, max_shard_bytes)
+        else:
+            adapter.save(staging, alpha, base_model)
+    return result
+
+
+def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out: Path,
+                  dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> int:
+    """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own) as
+    HF safetensors into `out`, one tensor in memory at a time. Returns how many tensors changed."""
+    base = HFCheckpoint(base_dir)
+    if architecture_for(base.config).name != adapter.arch:
+        raise MconvError(f"{base.dir} is a {architecture_for(base.config).name}, the adapter is for {adapter.arch}")
+    deltas = adapter.deltas()
+    for name, (a, b) in deltas.items():
+        if name not in base.tensors or base.tensors[name].shape != (b.shape[0], a.shape[1]):
+            found = list(base.tensors[name].shape) if name in base.tensors else "missing"
+            raise MconvError(f"{base.dir}: the adapter changes {name} [{b.shape[0]}, {a.shape[1]}], the base model "
+                             f"has {found}; is it the model the adapter was trained on?")
+    entries = [(name, dtype or info.dtype, info.shape) for name, info in base.tensors.items()]
+    writer = ShardedSafetensorsWriter(out, entries, max_shard_bytes)
+    writer.create()
+    scale = alpha / adapter.rank
+    for name, out_dtype, _ in entries:
+        tensor = base.read(name)
+        if name in deltas:
+            a, b = deltas[name]
+            tensor = tensor.float() + scale * (b.float() @ a.float())
+        writer.write(name, tensor.to(out_dtype))
+    writer.close()
+    writer.write_index()
+    copy_side_files(base.dir, out)
+    if dtype is not None:
+        config = json.loads((out / "config.json").read_text())
+        key = "dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"
+        config[key] = str(dtype).removeprefix("torch.")
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    base.close()
+    return len(deltas)
