@@ -104,6 +104,22 @@ def convert_to_hf_style(model, dims):
     return out
 
 
+def verify(model, hf: dict, hf_dir: Path) -> bool:
+    """After load_hf_weights, iter_hf_weights must give back every HF tensor bit for bit."""
+    from mconv.converter.hf_io import HFCheckpoint
+    from mconv.live import iter_hf_weights
+
+    source, seen = HFCheckpoint(hf_dir), set()
+    for bucket in iter_hf_weights([model], hf):
+        for name, tensor in bucket:
+            expected = source.read(name)
+            if not torch.equal(tensor.cpu().to(expected.dtype).view(torch.int16), expected.view(torch.int16)):
+                log("mismatch", name, tuple(tensor.shape), tensor.dtype, expected.dtype)
+                return False
+            seen.add(name)
+    return seen == set(source.tensors)
+
+
 def run(name: str, layers: int, workdir: Path) -> dict:
     from transformers import AutoConfig
 
@@ -144,6 +160,7 @@ def run(name: str, layers: int, workdir: Path) -> dict:
     files = sorted(hf_dir.glob("*.safetensors"))
     result["floor_read_to_gpu_s"] = timed(lambda: [load_file(f, device=DEVICE) for f in files])
     result["mconv_load_s"] = timed(lambda: load_hf_weights([model], hf_dir))
+    result["verified"] = verify(model, hf, hf_dir)
     result["load_vs_floor"] = result["mconv_load_s"] / result["floor_read_to_gpu_s"]
     result["hf_bytes"] = sum(f.stat().st_size for f in files)
     return result

@@ -28,6 +28,7 @@ from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+STAGE_BYTES = 256 * 2**20  # pinned staging for loads to a GPU
 Bucket = list[tuple[str, torch.Tensor]]
 
 
@@ -125,17 +126,58 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path,
                     raise MconvError(f"{ckpt.dir}: tensor {name} has shape {list(ckpt.tensors[name].shape)}, "
                                      f"config.json implies {list(shape)}")
             jobs.append((task, tensors[task.megatron]))
-    on_gpu = any(dest.is_cuda for _, dest in jobs)
+    if any(dest.is_cuda for _, dest in jobs):
+        _load_to_gpu(ckpt, jobs, threads)
+    else:
+        def load(task: TensorTask, dest: torch.Tensor) -> None:
+            split_into(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b), dest)
 
-    def load(task: TensorTask, dest: torch.Tensor) -> None:
-        split_into(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b, pin=on_gpu), dest)
-
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        for future in [pool.submit(load, task, dest) for task, dest in jobs]:
-            future.result()
-    if on_gpu:
-        torch.cuda.synchronize()
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for future in [pool.submit(load, task, dest) for task, dest in jobs]:
+                future.result()
     ckpt.close()
+
+
+def _load_to_gpu(ckpt: HFCheckpoint, jobs: list, threads: int) -> None:
+    """Pieces are read by `threads` readers straight into a pinned staging buffer, which goes to
+    the GPU in one copy per STAGE_BYTES; the pieces then move into the parameters device-side.
+    (Copying many small host tensors one by one costs milliseconds each.) Two staging buffers
+    alternate, so reading the next batch overlaps the copies of the last."""
+    pieces = []  # (source HF name, piece, destination view of the parameter, bytes)
+    for task, dest in jobs:
+        offset = 0
+        for p in task.shard.pieces:
+            pieces.append((task.hf[p.source], task.shard.dim, p, dest.narrow(task.shard.dim, offset, p.length)))
+            offset += p.length
+        if task.shard.pad:
+            dest.narrow(task.shard.dim, offset, task.shard.pad).zero_()
+
+    def nbytes(piece) -> int:
+        return -(-piece[3].numel() * piece[3].element_size() // 64) * 64  # 64-byte aligned slots
+
+    stage = max([STAGE_BYTES] + [nbytes(piece) for piece in pieces])
+    host = [torch.empty(stage, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    device = [torch.empty(stage, dtype=torch.uint8, device=jobs[0][1].device) for _ in range(2)]
+    done = [None, None]
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for i, batch in enumerate(_buckets(pieces, nbytes, stage)):
+            k = i % 2
+            if done[k] is not None:
+                done[k].synchronize()  # the previous copies out of this staging buffer have finished
+            slots, offset = [], 0
+            for name, dim, p, dest in batch:
+                view = host[k][offset:offset + dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
+                slots.append((offset, dest, pool.submit(ckpt.read_into, name, dim, p.start, p.stop, view)))
+                offset += nbytes((name, dim, p, dest))
+            for _, _, future in slots:
+                future.result()
+            device[k][:offset].copy_(host[k][:offset], non_blocking=True)
+            for start, dest, _ in slots:
+                size = dest.numel() * dest.element_size()
+                dest.copy_(device[k][start:start + size].view(dest.dtype).view(dest.shape), non_blocking=True)
+            done[k] = torch.cuda.Event()
+            done[k].record()
+    torch.cuda.synchronize()
 
 
 def _all_gather(tensors: list[torch.Tensor], group) -> list[list[torch.Tensor]]:

@@ -132,9 +132,16 @@ class HFCheckpoint:
         shape = list(info.shape)
         if start is None:
             start, stop = 0, (shape[dim] if shape else 1)
-        inner = _numel(shape[dim + 1:]) * _itemsize(info.dtype)  # bytes of one step along dim
         out_shape = shape[:dim] + [stop - start] + shape[dim + 1:] if shape else []
         out = torch.empty(out_shape, dtype=info.dtype, pin_memory=pin)
+        self.read_into(name, dim, start, stop, out)
+        return out
+
+    def read_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
+        """`read` into an existing contiguous CPU tensor of the slice's shape and dtype."""
+        info = self.tensors[name]
+        shape = list(info.shape)
+        inner = _numel(shape[dim + 1:]) * _itemsize(info.dtype)  # bytes of one step along dim
         buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         fd = self._fd(info.file)
         if dim == 0 or not shape:
@@ -143,7 +150,6 @@ class HFCheckpoint:
             row, piece = shape[dim] * inner, (stop - start) * inner
             for r in range(_numel(shape[:dim])):
                 self._pread(fd, buffer[r * piece:(r + 1) * piece], info.offset + r * row + start * inner)
-        return out
 
     def _fd(self, file: str) -> int:
         if file not in self._handles:
