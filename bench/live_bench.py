@@ -75,6 +75,7 @@ def build(hf: dict):
     with torch.device(DEVICE):
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded, max_sequence_length=4096,
                          position_embedding_type="rope", rotary_base=1e6)
+    model = model.to(torch.bfloat16)  # as Megatron's Float16Module does (local-spec norms are built in fp32)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()
