@@ -107,11 +107,12 @@ def _config(hf_config) -> dict:
     return hf_config if isinstance(hf_config, dict) else read_config(Path(hf_config))
 
 
-def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path, threads: int = 8) -> None:
+def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path, threads: int = 8,
+                    staged: bool | None = None) -> None:
     """Copy the HF checkpoint into this rank's parameters. Each rank reads only the slices it owns
     (its TP/ETP shard, its PP stage's layers, its EP rank's experts), straight from the files:
-    `threads` readers run ahead, into pinned memory when the model is on a GPU, and the copies to
-    the device are asynchronous."""
+    `threads` readers run ahead; for a model on a GPU (or with `staged=True`) they read into a
+    staging buffer that reaches the device in large copies."""
     ckpt = HFCheckpoint(hf_dir)
     live = LiveModel.of(model_chunks, ckpt.config)
     jobs = []
@@ -126,8 +127,8 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path,
                     raise MconvError(f"{ckpt.dir}: tensor {name} has shape {list(ckpt.tensors[name].shape)}, "
                                      f"config.json implies {list(shape)}")
             jobs.append((task, tensors[task.megatron]))
-    if any(dest.is_cuda for _, dest in jobs):
-        _load_to_gpu(ckpt, jobs, threads)
+    if staged if staged is not None else any(dest.is_cuda for _, dest in jobs):
+        _load_staged(ckpt, jobs, threads)
     else:
         def load(task: TensorTask, dest: torch.Tensor) -> None:
             split_into(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b), dest)
@@ -138,46 +139,58 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path,
     ckpt.close()
 
 
-def _load_to_gpu(ckpt: HFCheckpoint, jobs: list, threads: int) -> None:
-    """Pieces are read by `threads` readers straight into a pinned staging buffer, which goes to
-    the GPU in one copy per STAGE_BYTES; the pieces then move into the parameters device-side.
-    (Copying many small host tensors one by one costs milliseconds each.) Two staging buffers
-    alternate, so reading the next batch overlaps the copies of the last."""
-    pieces = []  # (source HF name, piece, destination view of the parameter, bytes)
+def _load_staged(ckpt: HFCheckpoint, jobs: list, threads: int) -> None:
+    """Pieces are read by `threads` readers straight into a staging buffer (pinned when the model
+    is on a GPU), which goes to the device in one copy per STAGE_BYTES; the pieces then move into
+    the parameters device-side, cast to the parameters' dtype. (Copying many small host tensors
+    one by one costs milliseconds each.) Two staging buffers alternate, so reading the next batch
+    overlaps the copies of the last."""
+    pieces = []  # (HF name, dim, piece, destination view of the parameter, dtype on disk)
     for task, dest in jobs:
         offset = 0
         for p in task.shard.pieces:
-            pieces.append((task.hf[p.source], task.shard.dim, p, dest.narrow(task.shard.dim, offset, p.length)))
+            name = task.hf[p.source]
+            pieces.append((name, task.shard.dim, p, dest.narrow(task.shard.dim, offset, p.length),
+                           ckpt.tensors[name].dtype))
             offset += p.length
         if task.shard.pad:
             dest.narrow(task.shard.dim, offset, task.shard.pad).zero_()
 
     def nbytes(piece) -> int:
-        return -(-piece[3].numel() * piece[3].element_size() // 64) * 64  # 64-byte aligned slots
+        return -(-piece[3].numel() * piece[4].itemsize // 64) * 64  # 64-byte aligned slots
 
+    device = jobs[0][1].device
+    on_gpu = device.type == "cuda"
     stage = max([STAGE_BYTES] + [nbytes(piece) for piece in pieces])
-    host = [torch.empty(stage, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    device = [torch.empty(stage, dtype=torch.uint8, device=jobs[0][1].device) for _ in range(2)]
+    host = [torch.empty(stage, dtype=torch.uint8, pin_memory=on_gpu) for _ in range(2)]
+    staging = [torch.empty(stage, dtype=torch.uint8, device=device) for _ in range(2)]
     done = [None, None]
+
+    def slot(buffer: torch.Tensor, start: int, piece) -> torch.Tensor:
+        _, _, _, dest, dtype = piece
+        return buffer[start:start + dest.numel() * dtype.itemsize].view(dtype).view(dest.shape)
+
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for i, batch in enumerate(_buckets(pieces, nbytes, stage)):
             k = i % 2
             if done[k] is not None:
                 done[k].synchronize()  # the previous copies out of this staging buffer have finished
-            slots, offset = [], 0
-            for name, dim, p, dest in batch:
-                view = host[k][offset:offset + dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
-                slots.append((offset, dest, pool.submit(ckpt.read_into, name, dim, p.start, p.stop, view)))
-                offset += nbytes((name, dim, p, dest))
-            for _, _, future in slots:
+            starts, futures, offset = [], [], 0
+            for piece in batch:
+                name, dim, p, _, _ = piece
+                starts.append(offset)
+                futures.append(pool.submit(ckpt.read_into, name, dim, p.start, p.stop, slot(host[k], offset, piece)))
+                offset += nbytes(piece)
+            for future in futures:
                 future.result()
-            device[k][:offset].copy_(host[k][:offset], non_blocking=True)
-            for start, dest, _ in slots:
-                size = dest.numel() * dest.element_size()
-                dest.copy_(device[k][start:start + size].view(dest.dtype).view(dest.shape), non_blocking=True)
-            done[k] = torch.cuda.Event()
-            done[k].record()
-    torch.cuda.synchronize()
+            staging[k][:offset].copy_(host[k][:offset], non_blocking=True)
+            for start, piece in zip(starts, batch):
+                piece[3].copy_(slot(staging[k], start, piece), non_blocking=True)
+            if on_gpu:
+                done[k] = torch.cuda.Event()
+                done[k].record()
+    if on_gpu:
+        torch.cuda.synchronize()
 
 
 def _all_gather(tensors: list[torch.Tensor], group) -> list[list[torch.Tensor]]:

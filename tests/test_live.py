@@ -66,3 +66,50 @@ def test_live_load_export_and_save(tmp_path, fixture, sizes):
     assert offline == sorted(p.name for p in (out / "saved").iterdir())
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "offline", out / "saved", offline, shallow=False)
     assert not mismatch and not errors
+
+
+def test_staged_load_casts_and_places_every_piece(tmp_path):
+    """The GPU load path (staging buffers, device-side placement), run on the CPU: a float32 model
+    loaded from bfloat16 files, every HF tensor exact after the round trip through iter_hf_weights."""
+    run = MegatronRun(tmp_path, read_config(FIXTURES / "qwen3-moe-tiny"), padded_vocab=384)
+    out = tmp_path / "out.pt"
+    import torch.multiprocessing as mp
+    mp.start_processes(_staged_worker, args=(run, out), nprocs=1, start_method="spawn")
+    assert torch.load(out) == "exact"
+
+
+def _staged_worker(rank, run, out):
+    import tempfile
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    import mconv.live
+    from tests.megatron_oracle import _cpu_shims, _transformer_config
+
+    _cpu_shims()
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store}/s", rank=0, world_size=1)
+        ps.initialize_model_parallel(1, 1)
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        config, theta = _transformer_config(run)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                          qk_l2_norm=False)
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=384, max_sequence_length=256,
+                         position_embedding_type="rope", rotary_base=theta)
+        mconv.live.STAGE_BYTES = 30_000  # many batches, and pieces larger than a batch
+        mconv.live.load_hf_weights([model], FIXTURES / "qwen3-moe-tiny", staged=True)
+        source = HFCheckpoint(FIXTURES / "qwen3-moe-tiny")
+        names = []
+        for bucket in mconv.live.iter_hf_weights([model], FIXTURES / "qwen3-moe-tiny", dtype=torch.bfloat16):
+            for name, tensor in bucket:
+                assert torch.equal(tensor, source.read(name)), name
+                names.append(name)
+        assert sorted(names) == sorted(source.tensors)
+        torch.save("exact", out)
+        dist.destroy_process_group()

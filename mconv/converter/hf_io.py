@@ -144,7 +144,7 @@ class HFCheckpoint:
         inner = _numel(shape[dim + 1:]) * _itemsize(info.dtype)  # bytes of one step along dim
         buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         fd = self._fd(info.file)
-        if dim == 0 or not shape:
+        if dim == 0 or not shape or (start == 0 and stop == shape[dim]):  # one contiguous range
             self._pread(fd, buffer, info.offset + start * inner)
         else:
             row, piece = shape[dim] * inner, (stop - start) * inner
