@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
 import sys
+import time
 
 import click
 
@@ -22,6 +25,25 @@ def parse_size(text: str) -> int:
     if not match or match.group(2).upper() not in SIZE_UNITS:
         raise click.BadParameter(f"{text!r} is not a size such as 3GB, 500MB or 1GiB")
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+
+
+def default_workers() -> int:
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+WORKERS_HELP = ("Worker processes that convert disjoint shares of the output (default: half the CPUs, at most 8). "
+                "Under torchrun, the ranks share the work instead.")
+
+
+def report(summary, started: float, as_json: bool, text: str) -> None:
+    """The closing line, or a JSON summary for scripts (tensors, bytes, seconds, peak RSS)."""
+    if as_json:
+        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
+        click.echo(json.dumps({"tensors": summary.tensors, "bytes": summary.bytes, "files": summary.files,
+                               "seconds": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak}))
+    else:
+        click.echo(text)
 
 
 def fail(message: str):
@@ -86,9 +108,11 @@ def main():
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
+@click.option("--workers", type=int, default=None, help=WORKERS_HELP + " torch_dist is written by one process.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
-                     vocab_divisor, spec, fmt, iteration, dry_run, overwrite, quiet):
+                     vocab_divisor, spec, fmt, iteration, dry_run, overwrite, workers, as_json, quiet):
     """Convert the HF model in HF_DIR into a Megatron checkpoint in OUT_DIR.
 
     The layout (--tp/--pp/--vpp...) and --spec must match the Megatron job that will load it.
@@ -104,8 +128,10 @@ def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first
         sizes = run(lambda: parse_layout_string(layout_string))
     layout = Layout(vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
                     vocab_divisor=vocab_divisor, **sizes)
+    started = time.perf_counter()
     summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration,
-                                   overwrite=overwrite, dry_run=dry_run, progress=not quiet))
+                                   overwrite=overwrite, dry_run=dry_run, progress=not (quiet or as_json),
+                                   workers=workers or default_workers()))
     plan = summary.plan
     header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
               f"padded vocab {plan.padded_vocab}")
@@ -114,8 +140,9 @@ def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first
         for line in summary.lines:
             click.echo(f"  {line}")
         click.echo(f"total: {summary.tensors} tensors, {summary.bytes:,} bytes")
-    elif not quiet:
-        click.echo(f"wrote {out_dir} ({fmt}): {summary.tensors} tensors, {summary.bytes:,} bytes ({header})")
+    elif not quiet or as_json:
+        report(summary, started, as_json,
+               f"wrote {out_dir} ({fmt}): {summary.tensors} tensors, {summary.bytes:,} bytes ({header})")
 
 
 @main.command("mcore2hf")
@@ -127,19 +154,23 @@ def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first
 @click.option("--max-shard-size", default="3GB", show_default=True,
               help="Largest safetensors shard (a larger tensor gets a shard of its own).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
+@click.option("--workers", type=int, default=None, help=WORKERS_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def mcore2hf_command(ckpt_dir, out_dir, hf_config, max_shard_size, overwrite, quiet):
+def mcore2hf_command(ckpt_dir, out_dir, hf_config, max_shard_size, overwrite, workers, as_json, quiet):
     """Convert the Megatron checkpoint in CKPT_DIR into an HF model directory OUT_DIR.
 
     CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
     directory. The parallel layout is read from the checkpoint's saved args.
     """
     shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_SHARD_BYTES
+    started = time.perf_counter()
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=shard_bytes,
-                                   overwrite=overwrite, progress=not quiet))
-    if not quiet:
-        click.echo(f"wrote {out_dir}: {summary.files} safetensors shard(s), {summary.tensors} tensors, "
-                   f"{summary.bytes:,} bytes ({summary.plan.arch.name})")
+                                   overwrite=overwrite, progress=not (quiet or as_json),
+                                   workers=workers or default_workers()))
+    if not quiet or as_json:
+        report(summary, started, as_json, f"wrote {out_dir}: {summary.files} safetensors shard(s), "
+                                          f"{summary.tensors} tensors, {summary.bytes:,} bytes ({summary.plan.arch.name})")
 
 
 @main.command("inspect")

@@ -1,11 +1,13 @@
 """Offline conversions: HF -> Megatron, Megatron -> HF, and inspection."""
 from __future__ import annotations
 
+import os
+import shutil
 from argparse import Namespace
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -16,6 +18,7 @@ from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_s
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.converter.output import check_output_path, staged_directory
+from mconv.converter.parallel import TorchrunTeam, run_workers, share
 from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
 from mconv.converter.transforms import merge, split
 from mconv.errors import MconvError
@@ -67,23 +70,30 @@ def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
     return split(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b))
 
 
-def _write_legacy(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, iteration: int | None, bar) -> None:
-    """One rank file at a time (the format pickles a rank's state dict whole)."""
-    for rank_plan in plan.ranks:
+def _legacy_share(index: int, size: int, progress: Callable[[int], None], hf_dir, iter_dir: Path, layout: Layout,
+                  spec: str, args, iteration: int | None) -> None:
+    """Write member `index`'s share of the rank files, one at a time (the format pickles a rank's
+    state dict whole)."""
+    ckpt = HFCheckpoint(hf_dir)
+    plan = make_plan(architecture_for(ckpt.config), ckpt.config, layout, spec)
+    costs = [sum(_nbytes(t.shape, torch.float32) for chunk in r.chunks for t in chunk if t.shape) for r in plan.ranks]
+    for i in share(costs, index, size):
+        rank_plan = plan.ranks[i]
         chunks = []
         for chunk in rank_plan.chunks:
             state = {}
             for task in chunk:
                 state[task.megatron] = None if task.shard is None else _read_shard(task, ckpt)
-                bar.update(0 if state[task.megatron] is None else state[task.megatron].nbytes)
+                progress(0 if state[task.megatron] is None else state[task.megatron].nbytes)
             chunks.append(state)
-        path = mio.rank_file(iter_dir, plan.layout, rank_plan.rank)
-        path.parent.mkdir(parents=True)
+        path = mio.rank_file(iter_dir, layout, rank_plan.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(mio.rank_state(chunks, args, iteration), path)
+    ckpt.close()
 
 
 def _write_torch_dist(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, dtype: torch.dtype,
-                      iteration: int | None, bar) -> None:
+                      iteration: int | None, progress: Callable[[int], None]) -> None:
     """Global (layout-independent) tensors are the TP1/PP1/EP1 ones, with the vocabulary padded
     as the target TP pads it."""
     from mconv.converter import torch_dist
@@ -98,7 +108,7 @@ def _write_torch_dist(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, dtyp
         return _read_shard(tasks[name], ckpt)
 
     dtypes = {name: ckpt.tensors[task.hf[0]].dtype for name, task in tasks.items()}
-    torch_dist.save(iter_dir, args, dtype, iteration, plan.layout.vpp, parameter, dtypes, bar.update)
+    torch_dist.save(iter_dir, args, dtype, iteration, plan.layout.vpp, parameter, dtypes, progress)
 
 
 def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
@@ -116,7 +126,9 @@ def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
 
 def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
-             progress: bool = True) -> Summary:
+             progress: bool = True, workers: int = 1) -> Summary:
+    """HF -> Megatron. With `workers` > 1 (legacy format), worker processes write disjoint rank
+    files; under torchrun every rank writes its share (torch_dist: rank 0 writes it)."""
     if fmt not in FORMATS:
         raise MconvError(f"--format {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
@@ -139,19 +151,38 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
 
     args = mio.megatron_lm_args(layout, plan.dims, arch.megatron_args(plan.dims), spec, plan.padded_vocab,
                                 dtype, fmt)
-    with staged_directory(Path(out_dir), overwrite, inputs=(Path(hf_dir),)) as staging:
+
+    def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
         iter_dir = staging / mio.iteration_dir_name(iteration)
-        with _bar(summary.bytes, "hf2mcore", progress) as bar:
-            if fmt == "torch_dist":
-                _write_torch_dist(plan, ckpt, iter_dir, args, dtype, iteration, bar)
-            else:
-                _write_legacy(plan, ckpt, iter_dir, args, iteration, bar)
+        if fmt == "torch":
+            _legacy_share(index, size, report, hf_dir, iter_dir, layout, spec, args, iteration)
+        elif index == 0:  # torch_dist is written by one process (megatron-core's save of one model)
+            _write_torch_dist(plan, ckpt, iter_dir, args, dtype, iteration, report)
+
+    def finish(_, staging: Path) -> None:
         mio.write_tracker(staging, iteration)
         (staging / mio.HF_CONFIG_DIR).mkdir()
         copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
         mio.write_metadata(staging, {"mconv_version": __version__, "architecture": arch.name, "spec": spec,
                                      "format": fmt, "layout": layout.to_dict(),
                                      "dtype": str(dtype).removeprefix("torch.")})
+
+    out = Path(out_dir).absolute()
+    team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
+    if team is not None:
+        check_output_path(out, overwrite, (Path(hf_dir),))
+        _run_team(team, out, overwrite, lambda staging: None, finish,
+                  lambda staging, report: write_share(staging, team.rank, team.size, report),
+                  summary.bytes, "hf2mcore", progress)
+        return summary
+    with staged_directory(out, overwrite, inputs=(Path(hf_dir),)) as staging:
+        with _bar(summary.bytes, "hf2mcore", progress) as bar:
+            if workers > 1 and fmt == "torch":
+                run_workers(_legacy_share, workers, (hf_dir, staging / mio.iteration_dir_name(iteration), layout,
+                                                     spec, args, iteration), bar.update)
+            else:
+                write_share(staging, 0, 1, bar.update)
+        finish(None, staging)
     ckpt.close()
     return summary
 
@@ -169,33 +200,101 @@ def _batches(exports: list[ExportTask], budget: int) -> Iterator[list[ExportTask
         yield batch
 
 
+def _export_share(index: int, size: int, progress: Callable[[int], None], ckpt_dir, hf_config, staging: Path,
+                  entries: list, max_shard_bytes: int) -> None:
+    """Write member `index`'s share of the HF tensors into the prepared shard files."""
+    ckpt = open_checkpoint(ckpt_dir, hf_config)
+    exports = ckpt.plan.exports()
+    mine = [exports[i] for i in share([sum(_nbytes(s, torch.float32) for s in t.hf_shapes) for t in exports],
+                                      index, size)]
+    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+    writer.open_existing()
+    with ckpt.session() as (load, _):
+        for batch in _batches(mine, LOAD_BATCH_BYTES):
+            shards = iter(load([source for task in batch for source in task.sources]))
+            for task in batch:
+                task_shards = [next(shards) for _ in task.sources]
+                for name, tensor in zip(task.hf, merge([s.shard for s in task.sources], task_shards, task.hf_shapes)):
+                    writer.write(name, tensor)
+                    progress(tensor.nbytes)
+    writer.close()
+
+
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
-             max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True) -> Summary:
+             max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True,
+             workers: int = 1) -> Summary:
+    """Megatron -> HF. With `workers` > 1, worker processes write disjoint tensors of the shards;
+    under torchrun every rank writes its share and rank 0 prepares and finishes the output."""
     ckpt = open_checkpoint(ckpt_dir, hf_config)
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
-    check_output_path(Path(out_dir), overwrite, inputs)
-    with ckpt.session() as (load, dtype_of):
+    out = Path(out_dir).absolute()
+    check_output_path(out, overwrite, inputs)
+    with ckpt.session() as (_, dtype_of):
         entries = [(name, dtype_of(task.sources[0]), shape)
                    for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
-        summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
-        with staged_directory(Path(out_dir), overwrite, inputs=inputs) as staging:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
-            writer.create()
-            with _bar(summary.bytes, "mcore2hf", progress) as bar:
-                for batch in _batches(exports, LOAD_BATCH_BYTES):
-                    shards = iter(load([source for task in batch for source in task.sources]))
-                    for task in batch:
-                        task_shards = [next(shards) for _ in task.sources]
-                        merged = merge([s.shard for s in task.sources], task_shards, task.hf_shapes)
-                        for name, tensor in zip(task.hf, merged):
-                            writer.write(name, tensor)
-                            bar.update(tensor.nbytes)
-            writer.close()
-            writer.write_index()
-            copy_side_files(ckpt.config_dir, staging)
-            summary.files = len(writer.files)
+    summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
+    share_args = (ckpt_dir, hf_config, None, entries, max_shard_bytes)
+
+    def prepare(staging: Path) -> ShardedSafetensorsWriter:
+        writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+        writer.create()
+        writer.close()
+        summary.files = len(writer.files)
+        return writer
+
+    def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
+        writer.write_index()
+        copy_side_files(ckpt.config_dir, staging)
+
+    team = TorchrunTeam.from_environment(f"mcore2hf:{out}")
+    if team is not None:
+        _run_team(team, out, overwrite, prepare, finish,
+                  lambda staging, report: _export_share(team.rank, team.size, report, *_with_staging(share_args, staging)),
+                  summary.bytes, "mcore2hf", progress)
+        return summary
+    with staged_directory(out, overwrite, inputs=inputs) as staging:
+        writer = prepare(staging)
+        with _bar(summary.bytes, "mcore2hf", progress) as bar:
+            if workers > 1:
+                run_workers(_export_share, workers, _with_staging(share_args, staging), bar.update)
+            else:
+                _export_share(0, 1, bar.update, *_with_staging(share_args, staging))
+        finish(writer, staging)
     return summary
+
+
+def _with_staging(args: tuple, staging: Path) -> tuple:
+    return args[:2] + (staging,) + args[3:]
+
+
+def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, write_share, total: int,
+              label: str, progress: bool) -> None:
+    """The torchrun protocol: rank 0 prepares a staging directory every rank can compute the name
+    of; all ranks write their shares; rank 0 finishes and renames it into place."""
+    staging = out.with_name(f".{out.name}.mconv-partial-torchrun")
+    prepared = {}
+
+    def first():
+        if team.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            prepared["writer"] = prepare(staging)
+
+    team.step("prepared", first)
+    with _bar(total, f"{label} (rank {team.rank})", progress and team.rank == 0) as bar:
+        team.step("written", lambda: write_share(staging, bar.update))
+
+    def last():
+        if team.rank == 0:
+            finish(prepared["writer"], staging)
+            if out.exists():
+                if not overwrite:
+                    raise MconvError(f"{out} already exists; pass --overwrite to replace it")
+                shutil.rmtree(out)
+            os.replace(staging, out)
+
+    team.step("finished", last)
 
 
 def inspect_path(path: str | Path) -> dict:

@@ -1,0 +1,285 @@
+"""Offline conversion benchmark (CPU, run by hand): mconv against the I/O floor and a transformers peer.
+
+    .venv/bin/python bench/convert.py                        # Qwen3-MoE-like, about 3 GB, fresh temp dir
+    .venv/bin/python bench/convert.py --size-gb 0.5          # quick debug run (smaller vocabulary / experts)
+    .venv/bin/python bench/convert.py --model dense --workdir /data/b --reuse --json-out bench/convert.json
+
+In one run, on a synthetic HF checkpoint (random bf16 bits, transformers' on-disk names, written by
+fixtures.make_fixtures.make_synthetic), it times and takes the peak RSS of:
+  - the I/O floor: `cp` of the input .safetensors files to the output file system, then sync;
+  - `mconv hf2mcore` at TP1 and TP2/EP2 (TP2 for the dense model), formats torch_dist and torch,
+    and `mconv mcore2hf` back from each output (the first TP2 legacy round trip is verified, untimed);
+  - a peer standing for the verl / Pai-Megatron-Patch approach (whole model in memory):
+    transformers `from_pretrained` + `save_pretrained(max_shard_size="3GB")`.
+Each command is a child process; its time includes a `sync` afterwards (so written bytes reach the
+disk, as the floor's do) and its peak RSS comes from `wait4`. The page cache cannot be dropped, so
+every command's input is read once just before it: all methods read from the same warm cache.
+Prints a table and one JSON line (for the README).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Shapes of Qwen3-30B-A3B and Qwen3-8B; only the layer count is chosen to fit --size-gb.
+MODELS = {
+    "moe": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                   moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                   num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                   architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=True)),
+    "dense": ("Qwen3Config", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                  tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])),
+}
+SHARD_BYTES = 1_000_000_000  # input shard size; make_synthetic holds one shard in memory while writing it
+PEER = """import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[2], max_shard_size="3GB")
+"""
+
+
+def log(*parts) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
+
+
+def make_config(model: str, **kwargs):
+    import transformers
+
+    name, base = MODELS[model]
+    return getattr(transformers, name)(**{**base, **kwargs})
+
+
+def checkpoint_bytes(model: str, kwargs: dict, layers: int) -> int:
+    """Bytes of the bf16 checkpoint, from the parameter shapes of the model built on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(make_config(model, **kwargs, num_hidden_layers=layers))
+    return 2 * sum(t.numel() for t in net.state_dict().values())
+
+
+def shrunk(model: str, halvings: int) -> dict:
+    """Overrides halving the vocabulary and the expert count (MoE) or FFN width (dense) `halvings`
+    times; TP2 and EP2 still divide everything."""
+    if not halvings:
+        return {}
+    base, narrow = MODELS[model][1], "num_experts" if model == "moe" else "intermediate_size"
+    kwargs = {"vocab_size": base["vocab_size"] >> halvings, narrow: base[narrow] >> halvings}
+    if kwargs.get("num_experts", 8) < base.get("num_experts_per_tok", 8):
+        raise SystemExit("--size-gb is too small for this model")
+    return kwargs
+
+
+def fit_config(model: str, size: float, layers: int | None) -> tuple[dict, str]:
+    """Config overrides giving a checkpoint of about `size` bytes, and a note on its make-up.
+
+    The layer count is the knob. At the real shapes the embeddings and one layer are already
+    about 2.5 GB (both models), so a smaller target (a debug run) is met by shrinking the model's
+    width with `shrunk` until one layer fits."""
+    halvings, smallest_real = 0, checkpoint_bytes(model, {}, 1)
+    while True:
+        kwargs = shrunk(model, halvings)
+        one, two = checkpoint_bytes(model, kwargs, 1), checkpoint_bytes(model, kwargs, 2)
+        if layers or one <= size:
+            break
+        halvings += 1
+    per_layer, fixed = two - one, 2 * one - two  # fixed: embeddings, lm_head, final norm
+    kwargs["num_hidden_layers"] = layers or max(1, round((size - fixed) / per_layer))
+    note = f"{fixed / 1e9:.2f} GB embeddings + {kwargs['num_hidden_layers']} x {per_layer / 1e9:.2f} GB layers"
+    if halvings:
+        note += f"; {kwargs} as one layer of the real shape is already {smallest_real / 1e9:.2f} GB"
+    return kwargs, note
+
+
+def prepare_input(workdir: Path, model: str, kwargs: dict, reuse: bool) -> Path:
+    """The synthetic HF checkpoint; with --reuse, the one a previous run left in workdir if it was
+    made with the same settings (recorded in a spec file beside it)."""
+    from fixtures.make_fixtures import make_synthetic
+
+    hf, spec_file = workdir / f"hf-{model}", workdir / f"hf-{model}.spec.json"
+    spec = json.dumps(dict(model=model, kwargs=kwargs, shard_bytes=SHARD_BYTES, seed=0), sort_keys=True)
+    if reuse and spec_file.exists() and spec_file.read_text() == spec and (hf / "model.safetensors.index.json").exists():
+        log(f"reusing {hf}")
+        return hf
+    shutil.rmtree(hf, ignore_errors=True)
+    spec_file.unlink(missing_ok=True)
+    log(f"writing synthetic checkpoint {hf}")
+    make_synthetic(hf, make_config(model, **kwargs), shard_bytes=SHARD_BYTES, seed=0)
+    spec_file.write_text(spec)  # written last: an interrupted generation is never reused
+    return hf
+
+
+def files_of(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in files_of(path))
+
+
+def warm(path: Path) -> None:
+    """Read every file under `path` so the measured command finds it in the page cache (we cannot
+    drop the cache, so instead every method starts from the same fully warm state)."""
+    buffer = bytearray(64 * 2**20)
+    for file in files_of(path):
+        with open(file, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+
+
+def measure(argv: list[str], warm_dir: Path, out: Path, repeat: int) -> tuple[float, int]:
+    """Best wall time (command + sync) and largest peak RSS in bytes over `repeat` runs of `argv`."""
+    best, peak = float("inf"), 0
+    for _ in range(repeat):
+        shutil.rmtree(out, ignore_errors=True)
+        warm(warm_dir)
+        os.sync()  # flush earlier steps' writes so they are not billed to this one
+        with tempfile.TemporaryFile() as errors:
+            start = time.perf_counter()
+            child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=errors)
+            _, status, usage = os.wait4(child.pid, 0)  # rusage of that child (and its waited-for children)
+            os.sync()  # the written bytes reach the disk, as the I/O floor's do
+            seconds = time.perf_counter() - start
+            child.returncode = os.waitstatus_to_exitcode(status)
+            if child.returncode:
+                errors.seek(0)
+                raise SystemExit(f"failed ({child.returncode}): {' '.join(argv)}\n{errors.read().decode()[-3000:]}")
+        best, peak = min(best, seconds), max(peak, usage.ru_maxrss * 1024)  # ru_maxrss is in KB on Linux
+    return best, peak
+
+
+def mbridge_skip_reason() -> str:
+    """mbridge is tried only as far as it could run here (CPU, no GPU); this says why it cannot."""
+    reasons = []
+    probe = subprocess.run([sys.executable, "-c", "import mbridge"], capture_output=True, text=True)
+    if probe.returncode:
+        reasons.append(f"`import mbridge` fails: {probe.stderr.strip().splitlines()[-1]}")
+    if importlib.util.find_spec("transformer_engine") is None:
+        reasons.append("its layer spec is built with use_transformer_engine=True (mbridge/core/llm_bridge.py) "
+                       "and Transformer Engine is not installed")
+    reasons.append("get_model moves the model to CUDA and save_weights gathers on torch.cuda.current_device() "
+                   "(mbridge/core/util.py, bridge.py), so it needs a GPU")
+    return "; ".join(reasons)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="moe",
+                        help="moe: Qwen3-30B-A3B shapes (128 experts, top-8); dense: Qwen3-8B shapes. Default moe.")
+    parser.add_argument("--size-gb", type=float, default=3.0,
+                        help="Target checkpoint size in GB (1e9 bytes); the layer count is chosen to come closest "
+                             "(below about 2.5 GB the vocabulary and experts / FFN are halved too). Default 3.")
+    parser.add_argument("--layers", type=int, default=None, help="Use this many layers instead of fitting --size-gb.")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="Where the input checkpoint and the outputs go (the output file system is the one "
+                             "measured). Default: a fresh temporary directory, removed at the end. A given "
+                             "directory keeps the input for --reuse; outputs are always removed.")
+    parser.add_argument("--reuse", action="store_true",
+                        help="Reuse the synthetic checkpoint a previous run left in --workdir, if made with the "
+                             "same settings.")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="Runs of each timed command; the fastest time and the largest peak RSS are kept. Default 1.")
+    parser.add_argument("--json-out", type=Path, default=None, help="Also write the JSON line to this file.")
+    args = parser.parse_args()
+
+    own_workdir = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="mconv-bench-")) if own_workdir else args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="outputs-", dir=workdir))
+    try:
+        run_benchmark(args, workdir, scratch)
+    finally:
+        shutil.rmtree(workdir if own_workdir else scratch, ignore_errors=True)
+
+
+def run_benchmark(args, workdir: Path, scratch: Path) -> None:
+    import torch
+    import transformers
+
+    kwargs, note = fit_config(args.model, args.size_gb * 1e9, args.layers)
+    hf = prepare_input(workdir, args.model, kwargs, args.reuse)
+    size = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
+    mconv = [sys.executable, "-m", "mconv.cli"]
+    rows = []  # (method, seconds, peak RSS bytes, output bytes)
+
+    def timed(method: str, argv: list[str], warm_dir: Path, out: Path) -> None:
+        log(f"{method} ...")
+        seconds, rss = measure(argv, warm_dir, out, args.repeat)
+        rows.append((method, seconds, rss, tree_bytes(out)))
+        log(f"{method}: {seconds:.1f} s, peak RSS {rss / 2**20:.0f} MB")
+
+    floor_out = scratch / "floor"
+    timed("I/O floor (cp + sync)", ["sh", "-c", f'mkdir -p "$0" && cp "$@" "$0"', str(floor_out),
+                                    *map(str, sorted(hf.glob("*.safetensors")))], hf, floor_out)
+    shutil.rmtree(floor_out)
+
+    # Dense models have no experts: their second layout is plain TP2.
+    layouts = {"TP1": [], "TP2/EP2" if args.model == "moe" else "TP2":
+               ["--tp", "2", "--ep", "2"] if args.model == "moe" else ["--tp", "2"]}
+    verified = None
+    for name, flags in layouts.items():
+        for fmt in ("torch_dist", "torch"):
+            ckpt, back = scratch / "mcore", scratch / "hf-back"
+            timed(f"mconv hf2mcore {name} {fmt}", [*mconv, "hf2mcore", str(hf), str(ckpt), *flags,
+                                                   "--format", fmt, "-q"], hf, ckpt)
+            timed(f"mconv mcore2hf {name} {fmt}", [*mconv, "mcore2hf", str(ckpt), str(back), "-q"], ckpt, back)
+            if verified is None and name != "TP1" and fmt == "torch":  # once, on the most split-up layout
+                result = subprocess.run([*mconv, "verify", str(hf), str(back), "-q"], cwd=ROOT, capture_output=True,
+                                        text=True)
+                verified = f"{name} {fmt}: " + (result.stdout.strip() or result.stderr.strip())
+                log(f"verify {verified}")
+                if result.returncode:
+                    raise SystemExit(f"round trip is not exact: {verified}")
+            shutil.rmtree(ckpt)
+            shutil.rmtree(back)
+
+    peer_out = scratch / "peer"
+    timed("peer: transformers load+save", [sys.executable, "-c", PEER, str(hf), str(peer_out)], hf, peer_out)
+    peer_check = subprocess.run([*mconv, "verify", str(hf), str(peer_out), "-q"], cwd=ROOT, capture_output=True,
+                                text=True)
+    peer_exact = peer_check.returncode == 0  # the peer did the same work only if it wrote the same bytes
+    shutil.rmtree(peer_out)
+    mbridge = mbridge_skip_reason()
+
+    floor, peer = rows[0][1], rows[-1][1]
+    results = [dict(method=m, seconds=round(s, 2), x_floor=round(s / floor, 2), peak_rss_mb=round(r / 2**20),
+                    vs_peer=round(s / peer, 2) if m.startswith("mconv") else None, output_bytes=b)
+               for m, s, r, b in rows]
+    print(f"\nmconv offline conversion benchmark: {args.model} model, {kwargs}")
+    print(f"checkpoint {size / 1e9:.2f} GB in {len(list(hf.glob('*.safetensors')))} shard(s) "
+          f"({note}), on {workdir}")
+    print(f"{os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM, "
+          f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
+    print("page cache: warm (each command's input is read just before it; the cache cannot be dropped); "
+          f"times include a sync after the command; best of {args.repeat}\n")
+    print(f"{'method':<34} {'seconds':>8} {'x floor':>8} {'peak RSS MB':>12} {'vs peer':>8}")
+    for r in results:
+        vs_peer = f"{r['vs_peer']:.2f}" if r["vs_peer"] is not None else "-"
+        print(f"{r['method']:<34} {r['seconds']:>8.1f} {r['x_floor']:>8.2f} {r['peak_rss_mb']:>12,} {vs_peer:>8}")
+    print(f"\nround trip verified: {verified}")
+    print(f"peer output bit-identical to its input: {peer_exact}")
+    print(f"mbridge: skipped ({mbridge})\n")
+    line = json.dumps(dict(bench="convert", model=args.model, config=kwargs, checkpoint_bytes=size,
+                           cores=os.cpu_count(), cache="warm", sync_included=True, repeat=args.repeat,
+                           results=results, verified=verified, peer_exact=peer_exact, mbridge_skipped=mbridge))
+    print(line)
+    if args.json_out:
+        args.json_out.write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

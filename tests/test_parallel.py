@@ -1,0 +1,92 @@
+"""Parallel conversion: worker processes and torchrun ranks write the same bytes as one process;
+a conversion killed at any moment leaves nothing at the final path and an existing output intact."""
+import filecmp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mconv import Layout, hf2mcore, mcore2hf
+from tests.conftest import FIXTURES, ROOT
+
+MOE = FIXTURES / "qwen3-moe-tiny"
+
+
+def assert_same_tree(a: Path, b: Path):
+    comparison = filecmp.dircmp(a, b)
+    assert not comparison.left_only and not comparison.right_only and not comparison.diff_files, comparison.report()
+    for sub in comparison.common_dirs:
+        assert_same_tree(a / sub, b / sub)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_workers_write_the_same_bytes(tmp_path, fmt):
+    layout = Layout(tp=2, pp=2, ep=2)
+    hf2mcore(MOE, tmp_path / "one", layout, fmt=fmt, progress=False)
+    hf2mcore(MOE, tmp_path / "three", layout, fmt=fmt, progress=False, workers=3)
+    if fmt == "torch":  # torch_dist is written by one process either way
+        assert_same_tree(tmp_path / "one", tmp_path / "three")
+    mcore2hf(tmp_path / "one", tmp_path / "hf-one", max_shard_bytes=100_000, progress=False)
+    mcore2hf(tmp_path / "one", tmp_path / "hf-three", max_shard_bytes=100_000, progress=False, workers=3)
+    assert_same_tree(tmp_path / "hf-one", tmp_path / "hf-three")
+
+
+def torchrun(*args):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(29000 + os.getpid() % 1000), "-m", "mconv.cli", *map(str, args), "-q"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_write_the_same_bytes(tmp_path):
+    hf2mcore(MOE, tmp_path / "one", Layout(tp=2, ep=2), fmt="torch", progress=False)
+    torchrun("hf2mcore", MOE, tmp_path / "two", "--tp", "2", "--ep", "2", "--format", "torch")
+    assert_same_tree(tmp_path / "one", tmp_path / "two")
+    mcore2hf(tmp_path / "one", tmp_path / "hf-one", max_shard_bytes=100_000, progress=False)
+    torchrun("mcore2hf", tmp_path / "one", tmp_path / "hf-two", "--max-shard-size", "100KB")
+    assert_same_tree(tmp_path / "hf-one", tmp_path / "hf-two")
+    assert not [p for p in tmp_path.iterdir() if "mconv-partial" in p.name]
+
+
+def kill_midway(args, staging_parent: Path):
+    """Start `mconv ARGS`, SIGKILL it (and its workers) once it has started writing."""
+    process = subprocess.Popen([sys.executable, "-m", "mconv.cli", *map(str, args), "-q"], cwd=ROOT,
+                               start_new_session=True, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not any("mconv-partial" in p.name for p in staging_parent.iterdir()):
+        assert process.poll() is None and time.monotonic() < deadline, "finished before it could be killed"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["hf2mcore", "mcore2hf"])
+def test_sigkill_leaves_no_output_and_rerun_succeeds(tmp_path, command):
+    from transformers import Qwen3Config
+
+    from fixtures.make_fixtures import make_synthetic
+
+    big = make_synthetic(tmp_path / "big", Qwen3Config(
+        vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, architectures=["Qwen3ForCausalLM"]))
+    if command == "hf2mcore":
+        args = ["hf2mcore", big, tmp_path / "out", "--format", "torch", "--tp", "2", "--workers", "2"]
+    else:
+        hf2mcore(big, tmp_path / "ckpt", Layout(tp=2), progress=False)
+        args = ["mcore2hf", tmp_path / "ckpt", tmp_path / "out", "--max-shard-size", "50MB", "--workers", "2"]
+    kill_midway(args, tmp_path)
+    assert not (tmp_path / "out").exists()
+    subprocess.run([sys.executable, "-m", "mconv.cli", *map(str, args), "-q"], cwd=ROOT, check=True)
+    assert (tmp_path / "out").is_dir()
+
+    # Killed while replacing it with --overwrite: the existing output is untouched.
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("*")}
+    kill_midway(args + ["--overwrite"], tmp_path)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("*")} == before
