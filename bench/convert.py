@@ -12,7 +12,7 @@ fixtures.make_fixtures.make_synthetic), it times and takes the peak RSS of:
   - a peer standing for the verl / Pai-Megatron-Patch approach (whole model in memory):
     transformers `from_pretrained` + `save_pretrained(max_shard_size="3GB")`.
 Each command is a child process; its time includes a `sync` afterwards (so written bytes reach the
-disk, as the floor's do) and its peak RSS comes from `wait4`. The page cache cannot be dropped, so
+disk, as the floor's do) and its peak RSS comes from `wait4` (the largest process of its tree). The page cache cannot be dropped, so
 every command's input is read once just before it: all methods read from the same warm cache.
 Prints a table and one JSON line (for the README).
 """
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +44,7 @@ MODELS = {
                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                   tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])),
 }
+FIXED_COST = "fixed cost (tiny model hf2mcore)"
 SHARD_BYTES = 1_000_000_000  # input shard size; make_synthetic holds one shard in memory while writing it
 PEER = """import sys, torch
 from transformers import AutoModelForCausalLM
@@ -112,7 +114,7 @@ def prepare_input(workdir: Path, model: str, kwargs: dict, reuse: bool) -> Path:
 
     hf, spec_file = workdir / f"hf-{model}", workdir / f"hf-{model}.spec.json"
     spec = json.dumps(dict(model=model, kwargs=kwargs, shard_bytes=SHARD_BYTES, seed=0), sort_keys=True)
-    if reuse and spec_file.exists() and spec_file.read_text() == spec and (hf / "model.safetensors.index.json").exists():
+    if reuse and spec_file.exists() and spec_file.read_text() == spec:
         log(f"reusing {hf}")
         return hf
     shutil.rmtree(hf, ignore_errors=True)
@@ -141,6 +143,23 @@ def warm(path: Path) -> None:
                 pass
 
 
+# Runs argv[2:], then reports its time (including a sync, so the written bytes reach the disk as the
+# I/O floor's do) and its peak RSS into the file argv[1]. It exists because a child inherits the peak
+# RSS of the process that spawns it: Linux records the spawner's high-water mark when the child
+# execs (vfork shares the spawner's memory, fork copies it), so children of this benchmark, which
+# has torch loaded, would all read >= its own peak. This small fresh interpreter spawns them instead.
+TIMER = """import json, os, subprocess, sys, time
+start = time.perf_counter()
+child = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(child.pid, 0)
+os.sync()
+seconds = time.perf_counter() - start
+with open(sys.argv[1], "w") as f:
+    json.dump(dict(seconds=seconds, maxrss_kb=usage.ru_maxrss), f)  # ru_maxrss is in KB on Linux
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def measure(argv: list[str], warm_dir: Path, out: Path, repeat: int) -> tuple[float, int]:
     """Best wall time (command + sync) and largest peak RSS in bytes over `repeat` runs of `argv`."""
     best, peak = float("inf"), 0
@@ -148,17 +167,14 @@ def measure(argv: list[str], warm_dir: Path, out: Path, repeat: int) -> tuple[fl
         shutil.rmtree(out, ignore_errors=True)
         warm(warm_dir)
         os.sync()  # flush earlier steps' writes so they are not billed to this one
-        with tempfile.TemporaryFile() as errors:
-            start = time.perf_counter()
-            child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=errors)
-            _, status, usage = os.wait4(child.pid, 0)  # rusage of that child (and its waited-for children)
-            os.sync()  # the written bytes reach the disk, as the I/O floor's do
-            seconds = time.perf_counter() - start
-            child.returncode = os.waitstatus_to_exitcode(status)
-            if child.returncode:
+        with tempfile.NamedTemporaryFile("r") as report, tempfile.TemporaryFile() as errors:
+            done = subprocess.run([sys.executable, "-c", TIMER, report.name, *argv], cwd=ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=errors)
+            if done.returncode:
                 errors.seek(0)
-                raise SystemExit(f"failed ({child.returncode}): {' '.join(argv)}\n{errors.read().decode()[-3000:]}")
-        best, peak = min(best, seconds), max(peak, usage.ru_maxrss * 1024)  # ru_maxrss is in KB on Linux
+                raise SystemExit(f"failed ({done.returncode}): {' '.join(argv)}\n{errors.read().decode()[-3000:]}")
+            result = json.load(report)
+        best, peak = min(best, result["seconds"]), max(peak, result["maxrss_kb"] * 1024)
     return best, peak
 
 
@@ -192,7 +208,11 @@ def main() -> None:
                         help="Reuse the synthetic checkpoint a previous run left in --workdir, if made with the "
                              "same settings.")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="Runs of each timed command; the fastest time and the largest peak RSS are kept. Default 1.")
+                        help="Runs of each timed command; the fastest time and the largest peak RSS are kept. "
+                             "Default 1.")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="Passed to mconv hf2mcore / mcore2hf (default: mconv's own, half the CPUs, at most 8). "
+                             "Peak RSS is that of the largest process, not the sum over workers.")
     parser.add_argument("--json-out", type=Path, default=None, help="Also write the JSON line to this file.")
     args = parser.parse_args()
 
@@ -207,37 +227,42 @@ def main() -> None:
 
 
 def run_benchmark(args, workdir: Path, scratch: Path) -> None:
-    import torch
-    import transformers
-
+    load_before = os.getloadavg()[0]  # other work on the machine skews the times; say how busy it was
     kwargs, note = fit_config(args.model, args.size_gb * 1e9, args.layers)
     hf = prepare_input(workdir, args.model, kwargs, args.reuse)
     size = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
+    from mconv.cli import default_workers
+
     mconv = [sys.executable, "-m", "mconv.cli"]
+    workers = args.workers or default_workers()
     rows = []  # (method, seconds, peak RSS bytes, output bytes)
 
     def timed(method: str, argv: list[str], warm_dir: Path, out: Path) -> None:
         log(f"{method} ...")
         seconds, rss = measure(argv, warm_dir, out, args.repeat)
         rows.append((method, seconds, rss, tree_bytes(out)))
-        log(f"{method}: {seconds:.1f} s, peak RSS {rss / 2**20:.0f} MB")
+        log(f"{method}: {seconds:.1f} s, peak RSS {rss / 2**20:.0f} MiB")
 
-    floor_out = scratch / "floor"
+    floor_out = scratch / "floor"  # made inside the timed command, as measure() empties it before each run
     timed("I/O floor (cp + sync)", ["sh", "-c", f'mkdir -p "$0" && cp "$@" "$0"', str(floor_out),
                                     *map(str, sorted(hf.glob("*.safetensors")))], hf, floor_out)
     shutil.rmtree(floor_out)
+    # What every mconv command costs before it touches a byte (interpreter, torch, megatron-core):
+    # the same command on the tiny fixture. At small sizes it is most of each mconv time.
+    tiny, tiny_out = ROOT / "fixtures" / ("qwen3-moe-tiny" if args.model == "moe" else "qwen3-tiny"), scratch / "tiny"
+    timed(FIXED_COST, [*mconv, "hf2mcore", str(tiny), str(tiny_out), "-q"], tiny, tiny_out)
+    shutil.rmtree(tiny_out)
 
-    # Dense models have no experts: their second layout is plain TP2.
-    layouts = {"TP1": [], "TP2/EP2" if args.model == "moe" else "TP2":
-               ["--tp", "2", "--ep", "2"] if args.model == "moe" else ["--tp", "2"]}
+    split = ("TP2/EP2", ["--tp", "2", "--ep", "2"]) if args.model == "moe" else ("TP2", ["--tp", "2"])  # dense: no EP
     verified = None
-    for name, flags in layouts.items():
+    for name, flags in [("TP1", []), split]:
         for fmt in ("torch_dist", "torch"):
             ckpt, back = scratch / "mcore", scratch / "hf-back"
-            timed(f"mconv hf2mcore {name} {fmt}", [*mconv, "hf2mcore", str(hf), str(ckpt), *flags,
-                                                   "--format", fmt, "-q"], hf, ckpt)
-            timed(f"mconv mcore2hf {name} {fmt}", [*mconv, "mcore2hf", str(ckpt), str(back), "-q"], ckpt, back)
-            if verified is None and name != "TP1" and fmt == "torch":  # once, on the most split-up layout
+            timed(f"mconv hf2mcore {name} {fmt}", [*mconv, "hf2mcore", str(hf), str(ckpt), *flags, "--format", fmt,
+                                                   "--workers", str(workers), "-q"], hf, ckpt)
+            timed(f"mconv mcore2hf {name} {fmt}", [*mconv, "mcore2hf", str(ckpt), str(back), "--workers", str(workers),
+                                                   "-q"], ckpt, back)
+            if flags and fmt == "torch":  # verified once, on the layout whose rank files split the most
                 result = subprocess.run([*mconv, "verify", str(hf), str(back), "-q"], cwd=ROOT, capture_output=True,
                                         text=True)
                 verified = f"{name} {fmt}: " + (result.stdout.strip() or result.stderr.strip())
@@ -255,27 +280,31 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
     shutil.rmtree(peer_out)
     mbridge = mbridge_skip_reason()
 
+    load_after = os.getloadavg()[0]
     floor, peer = rows[0][1], rows[-1][1]
-    results = [dict(method=m, seconds=round(s, 2), x_floor=round(s / floor, 2), peak_rss_mb=round(r / 2**20),
-                    vs_peer=round(s / peer, 2) if m.startswith("mconv") else None, output_bytes=b)
+    results = [dict(method=m, seconds=round(s, 2), x_floor=round(s / floor, 2) if m != FIXED_COST else None,
+                    peak_rss_mib=round(r / 2**20), vs_peer=round(s / peer, 2) if m.startswith("mconv ") else None,
+                    output_bytes=b)
                for m, s, r, b in rows]
     print(f"\nmconv offline conversion benchmark: {args.model} model, {kwargs}")
     print(f"checkpoint {size / 1e9:.2f} GB in {len(list(hf.glob('*.safetensors')))} shard(s) "
           f"({note}), on {workdir}")
     print(f"{os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM, "
-          f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
+          f"load average {load_before:.1f} before / {load_after:.1f} after, python {platform.python_version()}, "
+          f"torch {version('torch')}, transformers {version('transformers')}, mconv {version('mconv')}")
     print("page cache: warm (each command's input is read just before it; the cache cannot be dropped); "
-          f"times include a sync after the command; best of {args.repeat}\n")
-    print(f"{'method':<34} {'seconds':>8} {'x floor':>8} {'peak RSS MB':>12} {'vs peer':>8}")
+          f"times include a sync after the command; best of {args.repeat}; mconv --workers {workers}\n")
+    print(f"{'method':<34} {'seconds':>8} {'x floor':>8} {'peak RSS MiB':>13} {'vs peer':>8}")
     for r in results:
-        vs_peer = f"{r['vs_peer']:.2f}" if r["vs_peer"] is not None else "-"
-        print(f"{r['method']:<34} {r['seconds']:>8.1f} {r['x_floor']:>8.2f} {r['peak_rss_mb']:>12,} {vs_peer:>8}")
+        x_floor, vs_peer = (f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("x_floor", "vs_peer"))
+        print(f"{r['method']:<34} {r['seconds']:>8.1f} {x_floor:>8} {r['peak_rss_mib']:>13,} {vs_peer:>8}")
     print(f"\nround trip verified: {verified}")
     print(f"peer output bit-identical to its input: {peer_exact}")
     print(f"mbridge: skipped ({mbridge})\n")
     line = json.dumps(dict(bench="convert", model=args.model, config=kwargs, checkpoint_bytes=size,
-                           cores=os.cpu_count(), cache="warm", sync_included=True, repeat=args.repeat,
-                           results=results, verified=verified, peer_exact=peer_exact, mbridge_skipped=mbridge))
+                           cores=os.cpu_count(), load_average=[round(load_before, 2), round(load_after, 2)],
+                           cache="warm", sync_included=True, repeat=args.repeat, workers=workers, results=results,
+                           verified=verified, peer_exact=peer_exact, mbridge_skipped=mbridge))
     print(line)
     if args.json_out:
         args.json_out.write_text(line + "\n")

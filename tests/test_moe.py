@@ -63,7 +63,7 @@ def moe_case(draw):
     return model, Layout(tp=tp, pp=pp, ep=ep, etp=etp), draw(st.sampled_from(["local", "te"]))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=moe_case(), seed=st.integers(0, 2**16))
 def test_moe_round_trip_is_bit_identical(tmp_path_factory, case, seed):
     model, layout, spec = case

@@ -58,7 +58,7 @@ def model_and_layout(draw):
     return model, layout
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=model_and_layout(), seed=st.integers(0, 2**16))
 def test_round_trip_is_bit_identical(tmp_path_factory, case, seed):
     model, layout = case

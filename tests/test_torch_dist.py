@@ -62,7 +62,7 @@ def model_case(draw):
     return moe, common, draw(st.sampled_from([1, 2]))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=model_case(), seed=st.integers(0, 1000))
 def test_torch_dist_round_trip_is_bit_identical(tmp_path_factory, case, seed):
     moe, model, tp = case
