@@ -44,7 +44,8 @@ MODELS = {
                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                   tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])),
 }
-FIXED_COST = "fixed cost (tiny model hf2mcore)"
+FORMATS = ("torch_dist", "torch")
+TINY = "tiny: "  # label of the rows measuring mconv's fixed cost on the tiny fixture
 SHARD_BYTES = 1_000_000_000  # input shard size; make_synthetic holds one shard in memory while writing it
 PEER = """import sys, torch
 from transformers import AutoModelForCausalLM
@@ -231,6 +232,7 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
     kwargs, note = fit_config(args.model, args.size_gb * 1e9, args.layers)
     hf = prepare_input(workdir, args.model, kwargs, args.reuse)
     size = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
+    tiny = ROOT / "fixtures" / ("qwen3-moe-tiny" if args.model == "moe" else "qwen3-tiny")
     from mconv.cli import default_workers
 
     mconv = [sys.executable, "-m", "mconv.cli"]
@@ -247,21 +249,26 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
     timed("I/O floor (cp + sync)", ["sh", "-c", f'mkdir -p "$0" && cp "$@" "$0"', str(floor_out),
                                     *map(str, sorted(hf.glob("*.safetensors")))], hf, floor_out)
     shutil.rmtree(floor_out)
-    # What every mconv command costs before it touches a byte (interpreter, torch, megatron-core):
-    # the same command on the tiny fixture. At small sizes it is most of each mconv time.
-    tiny, tiny_out = ROOT / "fixtures" / ("qwen3-moe-tiny" if args.model == "moe" else "qwen3-tiny"), scratch / "tiny"
-    timed(FIXED_COST, [*mconv, "hf2mcore", str(tiny), str(tiny_out), "-q"], tiny, tiny_out)
-    shutil.rmtree(tiny_out)
 
+    def round_trip(label: str, src: Path, flags: list[str], fmt: str) -> Path:
+        """Time hf2mcore of `src` and mcore2hf back; returns the directory converted back."""
+        ckpt, back = scratch / "mcore", scratch / "hf-back"
+        common = ["--workers", str(workers), "-q"]
+        timed(f"{label}hf2mcore {fmt}", [*mconv, "hf2mcore", str(src), str(ckpt), *flags, "--format", fmt, *common],
+              src, ckpt)
+        timed(f"{label}mcore2hf {fmt}", [*mconv, "mcore2hf", str(ckpt), str(back), *common], ckpt, back)
+        shutil.rmtree(ckpt)
+        return back
+
+    # What each mconv command costs before it moves a byte (interpreter, torch, megatron-core,
+    # planning): the same commands on the tiny fixture. At a few GB it is a large share of each time.
+    for fmt in FORMATS:
+        shutil.rmtree(round_trip(TINY, tiny, [], fmt))
     split = ("TP2/EP2", ["--tp", "2", "--ep", "2"]) if args.model == "moe" else ("TP2", ["--tp", "2"])  # dense: no EP
     verified = None
     for name, flags in [("TP1", []), split]:
-        for fmt in ("torch_dist", "torch"):
-            ckpt, back = scratch / "mcore", scratch / "hf-back"
-            timed(f"mconv hf2mcore {name} {fmt}", [*mconv, "hf2mcore", str(hf), str(ckpt), *flags, "--format", fmt,
-                                                   "--workers", str(workers), "-q"], hf, ckpt)
-            timed(f"mconv mcore2hf {name} {fmt}", [*mconv, "mcore2hf", str(ckpt), str(back), "--workers", str(workers),
-                                                   "-q"], ckpt, back)
+        for fmt in FORMATS:
+            back = round_trip(f"mconv {name} ", hf, flags, fmt)
             if flags and fmt == "torch":  # verified once, on the layout whose rank files split the most
                 result = subprocess.run([*mconv, "verify", str(hf), str(back), "-q"], cwd=ROOT, capture_output=True,
                                         text=True)
@@ -269,7 +276,6 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
                 log(f"verify {verified}")
                 if result.returncode:
                     raise SystemExit(f"round trip is not exact: {verified}")
-            shutil.rmtree(ckpt)
             shutil.rmtree(back)
 
     peer_out = scratch / "peer"
@@ -282,7 +288,7 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
 
     load_after = os.getloadavg()[0]
     floor, peer = rows[0][1], rows[-1][1]
-    results = [dict(method=m, seconds=round(s, 2), x_floor=round(s / floor, 2) if m != FIXED_COST else None,
+    results = [dict(method=m, seconds=round(s, 2), x_floor=None if m.startswith(TINY) else round(s / floor, 2),
                     peak_rss_mib=round(r / 2**20), vs_peer=round(s / peer, 2) if m.startswith("mconv ") else None,
                     output_bytes=b)
                for m, s, r, b in rows]
@@ -298,7 +304,9 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
     for r in results:
         x_floor, vs_peer = (f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("x_floor", "vs_peer"))
         print(f"{r['method']:<34} {r['seconds']:>8.1f} {x_floor:>8} {r['peak_rss_mib']:>13,} {vs_peer:>8}")
-    print(f"\nround trip verified: {verified}")
+    print(f"\n{TINY.strip()} the same command on {tiny.relative_to(ROOT)} ({tree_bytes(tiny) / 1e6:.1f} MB): "
+          "the fixed cost of each mconv command (interpreter, torch and megatron-core imports, planning)")
+    print(f"round trip verified: {verified}")
     print(f"peer output bit-identical to its input: {peer_exact}")
     print(f"mbridge: skipped ({mbridge})\n")
     line = json.dumps(dict(bench="convert", model=args.model, config=kwargs, checkpoint_bytes=size,

@@ -165,6 +165,8 @@ def save(iter_dir: Path, args: Namespace, dtype: torch.dtype, iteration: int | N
                 cache.clear()
                 cache[name] = parameter(name)
             full = cache[name]
+            if view.storage_offset() == 0 and view.numel() == full.numel() and view.is_contiguous():
+                return full.view(view.size())  # the whole parameter (maybe with a stacking axis): no copy
             return full.as_strided(view.size(), view.stride(), view.storage_offset()).clone()
 
         sharded = model.sharded_state_dict()
