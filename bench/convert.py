@@ -7,14 +7,15 @@
 In one run, on a synthetic HF checkpoint (random bf16 bits, transformers' on-disk names, written by
 fixtures.make_fixtures.make_synthetic), it times and takes the peak RSS of:
   - the I/O floor: `cp` of the input .safetensors files to the output file system, then sync;
+  - the same mconv commands on the tiny fixture: their fixed cost (imports, planning);
   - `mconv hf2mcore` at TP1 and TP2/EP2 (TP2 for the dense model), formats torch_dist and torch,
-    and `mconv mcore2hf` back from each output (the first TP2 legacy round trip is verified, untimed);
+    and `mconv mcore2hf` back from each output (`mconv verify` checks the TP2 legacy round trip, untimed);
   - a peer standing for the verl / Pai-Megatron-Patch approach (whole model in memory):
-    transformers `from_pretrained` + `save_pretrained(max_shard_size="3GB")`.
+    transformers `from_pretrained` + `save_pretrained(max_shard_size="3GB")` (its output is verified too).
 Each command is a child process; its time includes a `sync` afterwards (so written bytes reach the
-disk, as the floor's do) and its peak RSS comes from `wait4` (the largest process of its tree). The page cache cannot be dropped, so
-every command's input is read once just before it: all methods read from the same warm cache.
-Prints a table and one JSON line (for the README).
+disk, as the floor's do) and its peak RSS comes from `wait4` (the largest process of its tree). The
+page cache cannot be dropped, so every command's input is read once just before it: all methods
+read from the same warm cache. Prints a table and one JSON line (for the README).
 """
 from __future__ import annotations
 
@@ -228,13 +229,13 @@ def main() -> None:
 
 
 def run_benchmark(args, workdir: Path, scratch: Path) -> None:
+    from mconv.cli import default_workers
+
     load_before = os.getloadavg()[0]  # other work on the machine skews the times; say how busy it was
     kwargs, note = fit_config(args.model, args.size_gb * 1e9, args.layers)
     hf = prepare_input(workdir, args.model, kwargs, args.reuse)
     size = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
     tiny = ROOT / "fixtures" / ("qwen3-moe-tiny" if args.model == "moe" else "qwen3-tiny")
-    from mconv.cli import default_workers
-
     mconv = [sys.executable, "-m", "mconv.cli"]
     workers = args.workers or default_workers()
     rows = []  # (method, seconds, peak RSS bytes, output bytes)

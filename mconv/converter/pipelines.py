@@ -26,7 +26,7 @@ from mconv.mappings import architecture_for
 
 FORMATS = ("torch_dist", "torch")
 DEFAULT_SHARD_BYTES = 3_000_000_000
-LOAD_BATCH_BYTES = 64 * 2**20  # Megatron tensors loaded together when exporting (bounds memory)
+LOAD_BATCH_BYTES = 32 * 2**20  # Megatron tensors loaded together when exporting (bounds memory)
 
 
 @dataclass
