@@ -247,7 +247,7 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
         log(f"{method}: {seconds:.1f} s, peak RSS {rss / 2**20:.0f} MiB")
 
     floor_out = scratch / "floor"  # made inside the timed command, as measure() empties it before each run
-    timed("I/O floor (cp + sync)", ["sh", "-c", f'mkdir -p "$0" && cp "$@" "$0"', str(floor_out),
+    timed("I/O floor (cp + sync)", ["sh", "-c", 'mkdir -p "$0" && cp "$@" "$0"', str(floor_out),
                                     *map(str, sorted(hf.glob("*.safetensors")))], hf, floor_out)
     shutil.rmtree(floor_out)
 

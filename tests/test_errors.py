@@ -1,6 +1,5 @@
 """Bad input: one line naming the culprit, exit status 1, no output (and no partial output)."""
 import json
-import pickle
 import shutil
 import struct
 from pathlib import Path

@@ -2,7 +2,6 @@
 well under 256 MB beyond what the same command costs on a tiny model."""
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fixtures.make_fixtures import make_qwen3_moe
-from mconv import Layout, MconvError, hf2mcore, mcore2hf
+from mconv import Layout, hf2mcore, mcore2hf
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.layout import parse_layout_string
 from tests.conftest import FIXTURES

@@ -10,7 +10,6 @@ from safetensors import safe_open
 
 from fixtures.make_fixtures import make_qwen3
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
-from mconv.converter.layout import Layout as _Layout
 from tests.conftest import FIXTURES
 
 
@@ -42,12 +41,12 @@ def model_and_layout(draw):
     if pp > 1 and draw(st.booleans()):
         first = draw(st.integers(1, layers))
         last = draw(st.one_of(st.none(), st.integers(1, layers)))
-    layout = _Layout(tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last,
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last,
                      vocab_divisor=draw(st.sampled_from([1, 8, 128])))
     try:
         layout.validate(layers)
     except MconvError:
-        layout = _Layout(tp=tp, pp=1, vocab_divisor=layout.vocab_divisor)
+        layout = Layout(tp=tp, pp=1, vocab_divisor=layout.vocab_divisor)
     head_dim = draw(st.sampled_from([4, 8]))
     model = dict(num_key_value_heads=groups, num_attention_heads=groups * draw(st.sampled_from([1, 2, 3])),
                  head_dim=head_dim, hidden_size=draw(st.sampled_from([16, 24, 32])),

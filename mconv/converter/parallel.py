@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
-import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable, Sequence
