@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Convert the bundled tiny Qwen3 to Megatron (TP2 PP2) and back, and check the round trip is exact.
+# Convert the bundled tiny Qwen3 to Megatron (TP2 PP2 rank files, and torch_dist) and back, and
+# check each round trip is exact.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
@@ -7,7 +8,10 @@ export PATH="$PWD/.venv/bin:$PATH"
 OUT="${1:-demo-out}"
 rm -rf "$OUT"
 mconv inspect fixtures/qwen3-tiny
-mconv hf2mcore fixtures/qwen3-tiny "$OUT/megatron" --tp 2 --pp 2 --spec local
-mconv inspect "$OUT/megatron"
-mconv mcore2hf "$OUT/megatron" "$OUT/hf"
-mconv verify fixtures/qwen3-tiny "$OUT/hf"
+mconv hf2mcore fixtures/qwen3-tiny "$OUT/megatron-tp2-pp2" --tp 2 --pp 2 --format torch
+mconv inspect "$OUT/megatron-tp2-pp2"
+mconv mcore2hf "$OUT/megatron-tp2-pp2" "$OUT/hf-from-tp2-pp2"
+mconv verify fixtures/qwen3-tiny "$OUT/hf-from-tp2-pp2"
+mconv hf2mcore fixtures/qwen3-tiny "$OUT/megatron-torch-dist" --tp 2
+mconv mcore2hf "$OUT/megatron-torch-dist" "$OUT/hf-from-torch-dist"
+mconv verify fixtures/qwen3-tiny "$OUT/hf-from-torch-dist"
