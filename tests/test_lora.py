@@ -368,7 +368,9 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM CPU venv at {VLLM_PYTHON} (set MCONV_VLLM_PYTHON)")
+# Skipped only outside CI: .ci/run installs the venv, so in CI a missing venv is a failure, not a skip.
+@pytest.mark.skipif(not VLLM_PYTHON.is_file() and not os.environ.get("CI"),
+                    reason=f"no vLLM CPU venv at {VLLM_PYTHON} (scripts/install-vllm.sh; or set MCONV_VLLM_PYTHON)")
 def test_vllm_loads_the_adapter_and_generates_what_peft_does(tmp_path):
     """vLLM's own loader accepts the exported adapter, and its greedy tokens (float32) are transformers+peft's.
     Dense Qwen3 only: vLLM's CPU build has no MoE-LoRA kernel."""

@@ -218,7 +218,6 @@ class ShardedSafetensorsWriter:
                 self.location[name] = (file, base + start, stop - start)
         self.total_size = sum(nbytes for _, _, nbytes in self.location.values())
         self._fds: dict[str, int] = {}
-        self._written: set[str] = set()
 
     def create(self) -> None:
         for file, header in zip(self.files, self.headers):
@@ -239,10 +238,7 @@ class ShardedSafetensorsWriter:
         view, done = memoryview(data), 0
         while done < nbytes:
             done += os.pwrite(self._fds[file], view[done:], offset + done)
-        self._written.add(name)
 
-    def missing(self) -> list[str]:
-        return [name for name, _, _ in self.entries if name not in self._written]
 
     def close(self) -> None:
         for fd in self._fds.values():

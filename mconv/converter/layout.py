@@ -33,10 +33,6 @@ class Layout:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict) -> "Layout":
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-
     def describe(self) -> str:
         text = f"TP{self.tp} PP{self.pp}"
         if self.vpp > 1:

@@ -185,17 +185,8 @@ def _not_exportable(what: str, arch: Architecture) -> MconvError:
 
 def _legacy_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankStates, Layout]:
     """Every rank file of a legacy checkpoint, memory-mapped (only the adapter bytes are read)."""
-    first = sorted(location.iter_dir.glob(f"mp_rank_*/{mio.RANK_FILE}"))[0]
-    args = mio.load_rank_file(first).get("args")
-    if args is None:
-        raise MconvError(f"{first} has no 'args', so its parallel layout is unknown")
-    layout = mio.layout_from_args(args, first)
-    arch = architecture_for(config)
-    check_args(args, make_plan(arch, config, layout, "local"), first)
-    states = {}
-    for rank in layout.ranks():
-        path = mio.rank_file(location.iter_dir, layout, rank)
-        states[rank] = mio.rank_chunks(mio.load_rank_file(path), path)
+    args, layout, states, first = mio.read_legacy_ranks(location)
+    check_args(args, make_plan(architecture_for(config), config, layout, "local"), first)
     return states, layout
 
 

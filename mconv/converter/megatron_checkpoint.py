@@ -40,7 +40,8 @@ def check_args(args, plan: Plan, path: Path) -> None:
                 "num_experts": getattr(d, "experts", 0) or None, "moe_ffn_hidden_size": getattr(d, "moe_ffn", None)}
     for name, value in expected.items():
         saved = getattr(args, name, None)
-        if (value is not None or name == "num_experts") and saved != value and (saved is not None or value):
+        # Only values both sides state are compared, except experts: a MoE checkpoint is not a dense model.
+        if saved != value and (name == "num_experts" or None not in (saved, value)):
             raise MconvError(f"{path}: the checkpoint's args say {name}={saved}, but the HF config implies "
                              f"{value}; pass the --hf-config of the model this checkpoint was made from")
 
@@ -58,21 +59,13 @@ class LegacyCheckpoint:
         self.metadata = mio.read_metadata(loc.save_dir) or {}
         self.config_dir = _config_dir(loc, hf_config)
         self.config = read_config(self.config_dir)
-        first = sorted(loc.iter_dir.glob(f"mp_rank_*/{mio.RANK_FILE}"))[0]
-        first_state = mio.load_rank_file(first)
-        if "args" not in first_state:
-            raise MconvError(f"{first} has no 'args', so its parallel layout is unknown")
-        self.args = first_state["args"]
-        self.layout = mio.layout_from_args(self.args, first)
-        spec = self.metadata.get("spec") or _detect_spec(mio.rank_chunks(first_state, first))
+        self.args, self.layout, self.chunks, first = mio.read_legacy_ranks(loc)
+        spec = self.metadata.get("spec") or _detect_spec(self.chunks[Rank(0, 0)])
         self.plan = make_plan(architecture_for(self.config), self.config, self.layout, spec)
         check_args(self.args, self.plan, first)
-        self.chunks: dict[Rank, list[dict]] = {}
         for rank_plan in self.plan.ranks:
             path = mio.rank_file(loc.iter_dir, self.layout, rank_plan.rank)
-            chunks = mio.rank_chunks(mio.load_rank_file(path), path)
-            self._check_rank(path, rank_plan, chunks)
-            self.chunks[rank_plan.rank] = chunks
+            self._check_rank(path, rank_plan, self.chunks[rank_plan.rank])
 
     def _check_rank(self, path: Path, rank_plan, chunks: list[dict]) -> None:
         if len(chunks) != len(rank_plan.chunks):

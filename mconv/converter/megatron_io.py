@@ -177,3 +177,18 @@ def layout_from_args(args, path: Path) -> Layout:
                       vocab_divisor=getattr(args, "make_vocab_size_divisible_by", 128) or 128)
     except AttributeError as e:
         raise MconvError(f"{path}: the saved args lack {e.name}, so the parallel layout is unknown") from None
+
+
+def read_legacy_ranks(location: CheckpointLocation) -> tuple[argparse.Namespace, Layout, dict[Rank, list[dict]], Path]:
+    """A legacy checkpoint's saved args, the layout they describe, and every rank file's model
+    chunks (memory-mapped: tensors are read on access). Also returns the rank file the args came from."""
+    first = sorted(location.iter_dir.glob(f"mp_rank_*/{RANK_FILE}"))[0]
+    args = load_rank_file(first).get("args")
+    if args is None:
+        raise MconvError(f"{first} has no 'args', so its parallel layout is unknown")
+    layout = layout_from_args(args, first)
+    states = {}
+    for rank in layout.ranks():
+        path = rank_file(location.iter_dir, layout, rank)
+        states[rank] = rank_chunks(load_rank_file(path), path)
+    return args, layout, states, first

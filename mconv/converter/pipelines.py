@@ -200,23 +200,28 @@ def _batches(exports: list[ExportTask], budget: int) -> Iterator[list[ExportTask
         yield batch
 
 
+def _write_exports(load, exports: list[ExportTask], index: int, size: int, writer: ShardedSafetensorsWriter,
+                   progress: Callable[[int], None]) -> None:
+    """Write member `index`'s share of the HF tensors into the prepared shard files."""
+    costs = [sum(_nbytes(s, torch.float32) for s in task.hf_shapes) for task in exports]
+    mine = [exports[i] for i in share(costs, index, size)]
+    for batch in _batches(mine, LOAD_BATCH_BYTES):
+        shards = iter(load([source for task in batch for source in task.sources]))
+        for task in batch:
+            task_shards = [next(shards) for _ in task.sources]
+            for name, tensor in zip(task.hf, merge([s.shard for s in task.sources], task_shards, task.hf_shapes)):
+                writer.write(name, tensor)
+                progress(tensor.nbytes)
+
+
 def _export_share(index: int, size: int, progress: Callable[[int], None], ckpt_dir, hf_config, staging: Path,
                   entries: list, max_shard_bytes: int) -> None:
-    """Write member `index`'s share of the HF tensors into the prepared shard files."""
+    """A worker process: open the checkpoint and write its share."""
     ckpt = open_checkpoint(ckpt_dir, hf_config)
-    exports = ckpt.plan.exports()
-    mine = [exports[i] for i in share([sum(_nbytes(s, torch.float32) for s in t.hf_shapes) for t in exports],
-                                      index, size)]
     writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
     writer.open_existing()
     with ckpt.session() as (load, _):
-        for batch in _batches(mine, LOAD_BATCH_BYTES):
-            shards = iter(load([source for task in batch for source in task.sources]))
-            for task in batch:
-                task_shards = [next(shards) for _ in task.sources]
-                for name, tensor in zip(task.hf, merge([s.shard for s in task.sources], task_shards, task.hf_shapes)):
-                    writer.write(name, tensor)
-                    progress(tensor.nbytes)
+        _write_exports(load, ckpt.plan.exports(), index, size, writer, progress)
     writer.close()
 
 
@@ -230,42 +235,44 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
     out = Path(out_dir).absolute()
     check_output_path(out, overwrite, inputs)
-    with ckpt.session() as (_, dtype_of):
+    with ckpt.session() as (load, dtype_of):
         entries = [(name, dtype_of(task.sources[0]), shape)
                    for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
-    summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
-    share_args = (ckpt_dir, hf_config, None, entries, max_shard_bytes)
+        summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
 
-    def prepare(staging: Path) -> ShardedSafetensorsWriter:
-        writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
-        writer.create()
-        writer.close()
-        summary.files = len(writer.files)
-        return writer
+        def prepare(staging: Path) -> ShardedSafetensorsWriter:
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer.create()
+            writer.close()
+            summary.files = len(writer.files)
+            return writer
 
-    def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
-        writer.write_index()
-        copy_side_files(ckpt.config_dir, staging)
+        def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
+            writer.write_index()
+            copy_side_files(ckpt.config_dir, staging)
 
-    team = TorchrunTeam.from_environment(f"mcore2hf:{out}")
-    if team is not None:
-        _run_team(team, out, overwrite, prepare, finish,
-                  lambda staging, report: _export_share(team.rank, team.size, report, *_with_staging(share_args, staging)),
-                  summary.bytes, "mcore2hf", progress)
-        return summary
-    with staged_directory(out, overwrite, inputs=inputs) as staging:
-        writer = prepare(staging)
-        with _bar(summary.bytes, "mcore2hf", progress) as bar:
-            if workers > 1:
-                run_workers(_export_share, workers, _with_staging(share_args, staging), bar.update)
-            else:
-                _export_share(0, 1, bar.update, *_with_staging(share_args, staging))
-        finish(writer, staging)
+        def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer.open_existing()
+            _write_exports(load, exports, index, size, writer, report)
+            writer.close()
+
+        team = TorchrunTeam.from_environment(f"mcore2hf:{out}")
+        if team is not None:
+            _run_team(team, out, overwrite, prepare, finish,
+                      lambda staging, report: write_here(staging, team.rank, team.size, report),
+                      summary.bytes, "mcore2hf", progress)
+            return summary
+        with staged_directory(out, overwrite, inputs=inputs) as staging:
+            writer = prepare(staging)
+            with _bar(summary.bytes, "mcore2hf", progress) as bar:
+                if workers > 1:
+                    run_workers(_export_share, workers, (ckpt_dir, hf_config, staging, entries, max_shard_bytes),
+                                bar.update)
+                else:
+                    write_here(staging, 0, 1, bar.update)
+            finish(writer, staging)
     return summary
-
-
-def _with_staging(args: tuple, staging: Path) -> tuple:
-    return args[:2] + (staging,) + args[3:]
 
 
 def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, write_share, total: int,

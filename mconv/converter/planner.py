@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import torch
 
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.transforms import EXTRA_STATE, ShardLayout, padded_vocab_size
@@ -193,18 +192,3 @@ def _task(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: st
         shard = rule.kind.layout(hf_shapes, group_rank(rule, rank), group_size(rule, layout), params)
     order = (STAGE_ORDER[rule.stage], layer or 0, expert or 0, position)
     return TensorTask(megatron, rule, hf, hf_shapes, shard, order)
-
-
-def plan_bytes(plan: Plan, dtypes: dict[str, torch.dtype] | None = None) -> int:
-    """Bytes of all Megatron tensors the plan writes (HF dtypes; float32 where unknown)."""
-    total = 0
-    for rank_plan in plan.ranks:
-        for chunk in rank_plan.chunks:
-            for task in chunk:
-                if task.shape is not None:
-                    dtype = (dtypes or {}).get(task.hf[0], torch.float32)
-                    n = 1
-                    for s in task.shape:
-                        n *= s
-                    total += n * torch.empty((), dtype=dtype).element_size()
-    return total

@@ -23,9 +23,6 @@ import torch
 
 from mconv.errors import MconvError
 
-METADATA_FILE = "metadata.json"
-
-
 @contextlib.contextmanager
 def quiet_megatron() -> Iterator[None]:
     """megatron-core warns about Transformer Engine, Apex and GPTModel's deprecation on import."""
