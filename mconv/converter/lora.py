@@ -200,8 +200,8 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 
-    from mconv.converter.torch_dist import (TorchDistReader, _box_planner_class, _parameter_names, _storage_id,
-                                            megatron_process_group, meta_model)
+    from mconv.converter.torch_dist import (TorchDistReader, _box_planner_class, megatron_process_group, meta_model,
+                                            sharded_parameters)
 
     reader = TorchDistReader(location.iter_dir)
     stored = {key: md for key, md in reader.tensors.items() if ADAPTER in key}
@@ -219,27 +219,21 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     suffixes = {name.split(ADAPTER)[1] for name in names}
     chunk, requests, found = {}, {}, set()
     with megatron_process_group():
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-        model = meta_model(args, torch.bfloat16)
-        parameters = _parameter_names(model)
-        sharded = model.sharded_state_dict()
-        apply_factories(sharded)
-        for entry in nested_values(sharded):
-            if not isinstance(entry, ShardedTensor) or not entry.key.endswith(".weight"):
-                continue
-            module = parameters[_storage_id(entry.data)].removesuffix("weight")
-            prefix = entry.key.removesuffix("weight")
-            offsets = tuple(entry.global_offset[:entry.prepend_axis_num])
-            for suffix in suffixes:
-                name, key = f"{module}adapter.{suffix}", f"{prefix}adapter.{suffix}"
-                if name not in names or key not in stored or name in chunk:
+        for parameter, entries in sharded_parameters(meta_model(args, torch.bfloat16)).items():
+            for entry in entries:
+                if not entry.key.endswith(".weight"):
                     continue
-                shape = tuple(stored[key].size)[len(offsets):]
-                chunk[name] = torch.empty(shape, dtype=stored[key].properties.dtype)
-                requests[(key, offsets + (0,) * len(shape))] = chunk[name].view((1,) * len(offsets) + shape)
-                found.add(key)
+                module = parameter.removesuffix("weight")
+                prefix = entry.key.removesuffix("weight")
+                offsets = tuple(entry.global_offset[:entry.prepend_axis_num])
+                for suffix in suffixes:
+                    name, key = f"{module}adapter.{suffix}", f"{prefix}adapter.{suffix}"
+                    if name not in names or key not in stored or name in chunk:
+                        continue
+                    shape = tuple(stored[key].size)[len(offsets):]
+                    chunk[name] = torch.empty(shape, dtype=stored[key].properties.dtype)
+                    requests[(key, offsets + (0,) * len(shape))] = chunk[name].view((1,) * len(offsets) + shape)
+                    found.add(key)
         for key in sorted(stored.keys() - found):
             raise _not_exportable(f"{where}: {key}", arch)
         dcp_load({}, storage_reader=FileSystemReader(str(location.iter_dir)), planner=_box_planner_class()(requests),

@@ -112,6 +112,22 @@ def _parameter_names(model) -> dict[int, str]:
             if isinstance(t, torch.Tensor)}
 
 
+def sharded_parameters(model) -> dict[str, list]:
+    """megatron-core's ShardedTensors (the boxes of global checkpoint tensors) of each parameter, by
+    parameter name; a GLU fc1 has two, its gate and up halves."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    names = _parameter_names(model)
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)
+    boxes: dict[str, list] = {}
+    for entry in nested_values(sharded):
+        if isinstance(entry, ShardedTensor):
+            boxes.setdefault(names[_storage_id(entry.data)], []).append(entry)
+    return boxes
+
+
 def _streaming_strategy(materialize: Callable[[torch.Tensor], torch.Tensor], progress: Callable[[int], None]):
     from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, TorchDistSaveShardedStrategy,
                                                                     _replace_state_dict_keys_with_sharded_keys,
@@ -264,19 +280,10 @@ class TorchDistReader:
         from torch.distributed.checkpoint import load as dcp_load
 
         with megatron_process_group():
-            from megatron.core.dist_checkpointing.dict_utils import nested_values
-            from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
             model = meta_model(args, dtype)
-            names = _parameter_names(model)
             shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()
                       if isinstance(t, torch.Tensor)}
-            sharded = model.sharded_state_dict()
-            apply_factories(sharded)
-            boxes: dict[str, list] = {}
-            for entry in nested_values(sharded):
-                if isinstance(entry, ShardedTensor):
-                    boxes.setdefault(names[_storage_id(entry.data)], []).append(entry)
+            boxes = sharded_parameters(model)
 
             def stored_dtype(name: str) -> torch.dtype:
                 key = boxes[name][0].key
