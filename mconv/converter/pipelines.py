@@ -70,12 +70,10 @@ def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
     return split(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b))
 
 
-def _legacy_share(index: int, size: int, progress: Callable[[int], None], hf_dir, iter_dir: Path, layout: Layout,
-                  spec: str, args, iteration: int | None) -> None:
+def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, progress: Callable[[int], None],
+                      iter_dir: Path, args, iteration: int | None) -> None:
     """Write member `index`'s share of the rank files, one at a time (the format pickles a rank's
     state dict whole)."""
-    ckpt = HFCheckpoint(hf_dir)
-    plan = make_plan(architecture_for(ckpt.config), ckpt.config, layout, spec)
     costs = [sum(_nbytes(t.shape, torch.float32) for chunk in r.chunks for t in chunk if t.shape) for r in plan.ranks]
     for i in share(costs, index, size):
         rank_plan = plan.ranks[i]
@@ -86,9 +84,17 @@ def _legacy_share(index: int, size: int, progress: Callable[[int], None], hf_dir
                 state[task.megatron] = None if task.shard is None else _read_shard(task, ckpt)
                 progress(0 if state[task.megatron] is None else state[task.megatron].nbytes)
             chunks.append(state)
-        path = mio.rank_file(iter_dir, layout, rank_plan.rank)
+        path = mio.rank_file(iter_dir, plan.layout, rank_plan.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(mio.rank_state(chunks, args, iteration), path)
+
+
+def _legacy_share(index: int, size: int, progress: Callable[[int], None], hf_dir, iter_dir: Path, layout: Layout,
+                  spec: str, args, iteration: int | None) -> None:
+    """A worker process: open the HF checkpoint, plan, and write its share of the rank files."""
+    ckpt = HFCheckpoint(hf_dir)
+    plan = make_plan(architecture_for(ckpt.config), ckpt.config, layout, spec)
+    _write_rank_files(plan, ckpt, index, size, progress, iter_dir, args, iteration)
     ckpt.close()
 
 
@@ -155,7 +161,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
         iter_dir = staging / mio.iteration_dir_name(iteration)
         if fmt == "torch":
-            _legacy_share(index, size, report, hf_dir, iter_dir, layout, spec, args, iteration)
+            _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration)
         elif index == 0:  # torch_dist is written by one process (megatron-core's save of one model)
             _write_torch_dist(plan, ckpt, iter_dir, args, dtype, iteration, report)
 
