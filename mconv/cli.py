@@ -11,9 +11,7 @@ import time
 import click
 
 from mconv.converter.layout import Layout, parse_layout_string
-from mconv.converter.pipelines import (DEFAULT_SHARD_BYTES, FORMATS, compare_hf, hf2mcore, inspect_path,
-                                      mcore2hf)
-from mconv.converter.planner import SPECS
+from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS, SPECS
 from mconv.errors import MconvError
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -127,6 +125,8 @@ def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first
         if given:
             fail(f"--layout replaces {', '.join(given)}; give one or the other")
         sizes = run(lambda: parse_layout_string(layout_string))
+    from mconv.converter.pipelines import hf2mcore  # imports torch: not needed for --help
+
     layout = Layout(vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
                     vocab_divisor=vocab_divisor, **sizes)
     started = time.perf_counter()
@@ -164,6 +164,8 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, max_shard_size, overwrite, wo
     CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
     directory. The parallel layout is read from the checkpoint's saved args.
     """
+    from mconv.converter.pipelines import mcore2hf
+
     shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_SHARD_BYTES
     started = time.perf_counter()
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=shard_bytes,
@@ -180,6 +182,8 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, max_shard_size, overwrite, wo
 def inspect_command(path, as_json):
     """Describe PATH: an HF model directory or a Megatron checkpoint (format, architecture, layout,
     tensors, bytes)."""
+    from mconv.converter.pipelines import inspect_path
+
     info = run(lambda: inspect_path(path))
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
@@ -199,6 +203,8 @@ def inspect_command(path, as_json):
 def verify_command(first, second, quiet):
     """Check that two HF model directories hold the same tensors, bit for bit (names, dtypes,
     shapes and bytes; shard layout may differ). Exit status 1 if they differ."""
+    from mconv.converter.pipelines import compare_hf
+
     tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=not quiet))
     if differences:
         for line in differences[:20]:

@@ -17,6 +17,7 @@ from mconv.converter import megatron_io as mio
 from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
+from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.parallel import TorchrunTeam, run_workers, share
 from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
@@ -24,8 +25,6 @@ from mconv.converter.transforms import merge, split
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
-FORMATS = ("torch_dist", "torch")
-DEFAULT_SHARD_BYTES = 3_000_000_000
 LOAD_BATCH_BYTES = 32 * 2**20  # Megatron tensors loaded together when exporting (bounds memory)
 
 
