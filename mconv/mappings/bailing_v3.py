@@ -223,4 +223,6 @@ MOE_EXTRAS = (
 
 BAILING_V3 = Architecture("BailingMoeV3ForCausalLM", dims,
                           embedding_and_output("model.word_embeddings.weight") + INPUT_NORM + KDA + MLA
-                          + DENSE_MLP + MOE_MLP + MOE_EXTRAS, megatron_args)
+                          + DENSE_MLP + MOE_MLP + MOE_EXTRAS, megatron_args, dropped=lambda d: {
+                              f"model.layers.{d.layers + j}.": "multi-token-prediction layer: AReaL's layout has "
+                              "no MTP, so it is not converted" for j in range(d.mtp_layers)})
