@@ -209,3 +209,9 @@ def test_refusal_is_one_line_on_the_command_line(tmp_path):
                           "torch", "-q"], capture_output=True, text=True, cwd=ROOT)
     assert cli.returncode == 1 and cli.stderr.count("\n") == 1, cli.stderr
     assert cli.stderr.startswith("mconv: error: config.json num_experts_per_tok=6 with topk_group=2")
+
+
+def test_torch_dist_is_refused_until_it_can_be_written(tmp_path):
+    with pytest.raises(MconvError, match="--format torch_dist is not available for BailingMoeV3ForCausalLM"):
+        hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", Layout(), progress=False)
+    assert not (tmp_path / "m").exists()

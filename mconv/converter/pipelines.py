@@ -151,6 +151,11 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     arch = architecture_for(ckpt.config)
     plan = make_plan(arch, ckpt.config, layout, spec)
     notes = check_hf_tensors(plan, ckpt)
+    arch_args = arch.megatron_args(plan.dims)
+    if fmt == "torch_dist" and arch_args.get("multi_latent_attention"):
+        # mconv writes torch_dist through megatron-core's own GPTModel, which cannot build KDA or gated MLA.
+        raise MconvError(f"--format torch_dist is not available for {arch.name} yet: megatron-core cannot build "
+                         "its layers to derive the checkpoint keys; use --format torch")
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
@@ -162,7 +167,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     if dry_run:
         return summary
 
-    args = mio.megatron_lm_args(layout, plan.dims, arch.megatron_args(plan.dims), spec, plan.padded_vocab,
+    args = mio.megatron_lm_args(layout, plan.dims, arch_args, spec, plan.padded_vocab,
                                 dtype, fmt)
 
     def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
