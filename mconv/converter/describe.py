@@ -19,14 +19,14 @@ from mconv.converter.planner import make_plan
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
-# Megatron-LM's command-line flag for each saved args field a trainer must match (its argparse
-# `dest`), in the order people read them; `None` marks store_false flags given when the field is
-# False. Checked against Megatron-LM's own parser by tests/test_inspect.py.
+# Megatron-LM's command-line flag for each saved args field a trainer must match (the field, or
+# the fields different writers use, first found wins), in the order people read them. Checked
+# against Megatron-LM's own parser by tests/test_inspect.py.
 MODEL_FLAGS = (
     ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"), ("ffn_hidden_size", "--ffn-hidden-size"),
     ("num_attention_heads", "--num-attention-heads"), ("group_query_attention", "--group-query-attention"),
     ("num_query_groups", "--num-query-groups"), ("kv_channels", "--kv-channels"),
-    ("normalization", "--normalization"), ("norm_epsilon", "--norm-epsilon"), ("qk_layernorm", "--qk-layernorm"),
+    ("normalization", "--normalization"), (("layernorm_epsilon", "norm_epsilon"), "--norm-epsilon"), ("qk_layernorm", "--qk-layernorm"),
     ("swiglu", "--swiglu"), ("add_bias_linear", "--disable-bias-linear"), ("add_qkv_bias", "--add-qkv-bias"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("position_embedding_type", "--position-embedding-type"), ("rotary_base", "--rotary-base"),
@@ -40,7 +40,8 @@ MODEL_FLAGS = (
 LAYOUT_FLAGS = (
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-    ("virtual_pipeline_model_parallel_size", "--num-virtual-stages-per-pipeline-rank"),
+    (("num_virtual_stages_per_pipeline_rank", "virtual_pipeline_model_parallel_size"),
+     "--num-virtual-stages-per-pipeline-rank"),
     ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
     ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
     ("expert_model_parallel_size", "--expert-model-parallel-size"),
@@ -49,20 +50,32 @@ LAYOUT_FLAGS = (
 INVERTED = {"add_bias_linear"}  # Megatron-LM sets these False with the flag
 
 
+def saved_value(args: dict, dests):
+    """The saved args' value of a field (or of the first of several names it has)."""
+    for dest in (dests,) if isinstance(dests, str) else dests:
+        if args.get(dest) is not None:
+            return args[dest]
+    return None
+
+
 def trainer_flags(args: dict, layout: bool = True) -> list[str]:
     """Megatron-LM flags reproducing the saved args' model (and, with `layout`, parallel layout):
     booleans as bare flags, lists in Megatron-LM's `[1,0,1]` syntax, unset fields left out."""
     flags = []
-    for dest, flag in MODEL_FLAGS + (LAYOUT_FLAGS if layout else ()):
-        value = args.get(dest)
-        if dest in INVERTED:
+    for dests, flag in MODEL_FLAGS + (LAYOUT_FLAGS if layout else ()):
+        value = saved_value(args, dests)
+        if dests in INVERTED:
             value = value is False
-        if value is None or value is False or (dest.endswith("_size") and dest in dict(LAYOUT_FLAGS) and value == 1):
+        # Megatron-LM's defaults: parallel sizes 1, except ETP, which defaults to TP.
+        default = (args.get("tensor_model_parallel_size") if dests == "expert_tensor_parallel_size" else 1)
+        if value is None or value is False or ((dests, flag) in LAYOUT_FLAGS and value == default):
             continue
         if value is True:
             flags.append(flag)
         elif isinstance(value, (list, tuple)):
             flags += [flag, "[" + ",".join(str(v) for v in value) + "]"]
+        elif isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+            flags += [flag, str(int(value))]  # e.g. --rotary-base, an int in Megatron-LM's parser
         else:
             flags += [flag, str(getattr(value, "name", value))]
     return flags

@@ -51,7 +51,8 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
     if quiet:
         disable_progress_bars()
     try:
-        folder = snapshot_download(text, revision=revision,
+        # Offline, transformers asks for local files only (a commit hash would otherwise still be fetched).
+        folder = snapshot_download(text, revision=revision, local_files_only=constants.HF_HUB_OFFLINE,
                                    allow_patterns=CONFIG_PATTERNS + (WEIGHT_PATTERNS if weights else []))
     except HFValidationError:
         raise MconvError(f"{text} is not a directory, nor a hub model name such as Qwen/Qwen3-8B") from None
