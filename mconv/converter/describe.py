@@ -111,7 +111,8 @@ def _model(args: dict, name: str | None) -> dict:
                       else [i for i in range(layers) if i % (freq or 1) == 0])
         model.update({"experts": args["num_experts"], "top_k": args.get("moe_router_topk"),
                       "expert_ffn": args.get("moe_ffn_hidden_size"), "moe_layers": moe_layers,
-                      "router": ("softmax over all experts, then top-k (norm_topk_prob false)"
+                      "router": ("sigmoid scores, then top-k" if args.get("moe_router_score_function") == "sigmoid"
+                                 else "softmax over all experts, then top-k (norm_topk_prob false)"
                                  if args.get("moe_router_pre_softmax") else
                                  "top-k, then softmax over them (norm_topk_prob true)"),
                       "expert_modules": ("TE grouped GEMM" if args.get("moe_grouped_gemm") else
