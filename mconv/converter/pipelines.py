@@ -121,7 +121,7 @@ def _write_torch_dist(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, dtyp
         return _read_shard(tasks[name], ckpt)
 
     dtypes = {name: ckpt.tensors[task.hf[0]].dtype for name, task in tasks.items()}
-    torch_dist.save(iter_dir, args, dtype, iteration, plan.layout.vpp, parameter, dtypes, progress)
+    torch_dist.save(iter_dir, args, dtype, iteration, parameter, dtypes, progress)
 
 
 def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
