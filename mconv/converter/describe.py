@@ -166,13 +166,14 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     stored_config = (location.save_dir / mio.HF_CONFIG_DIR / "config.json").is_file()
     dtypes: dict = {}
     if dist:
-        from mconv.converter.torch_dist import TorchDistReader
+        from mconv.converter.torch_dist_io import TorchDistReader
 
         reader = TorchDistReader(location.iter_dir)
         args = reader.args
         for entry in reader.tensors.values():
-            _count(dtypes, entry.properties.dtype, entry.properties.dtype.itemsize * _numel(entry.size))
+            _count(dtypes, entry.dtype, entry.nbytes)
         stored = len(reader.tensors)
+        reader.close()
     else:
         args, layout, chunks, _ = mio.read_legacy_ranks(location)
         for rank_chunks in chunks.values():
@@ -218,13 +219,6 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     info["size"] = {**size, **({"stored_tensors": stored} if dist else {}), "files": info["checkpoint"]["files"]}
     info["trainer_flags"] = trainer_flags(args, layout=not dist)
     return info
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def render(info: dict) -> list[str]:
