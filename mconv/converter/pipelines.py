@@ -1,6 +1,7 @@
 """Offline conversions: HF -> Megatron, Megatron -> HF, and inspection."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from argparse import Namespace
@@ -14,7 +15,7 @@ from tqdm import tqdm
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
-from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files
+from mconv.converter.hf_io import ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, copy_side_files
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.converter.output import check_output_path, staged_directory
@@ -221,10 +222,10 @@ def _write_exports(load, exports: list[ExportTask], index: int, size: int, write
 
 
 def _export_share(index: int, size: int, progress: Callable[[int], None], ckpt_dir, hf_config, staging: Path,
-                  entries: list, max_shard_bytes: int) -> None:
+                  entries: list, max_shard_bytes: int, stack_experts: str | None) -> None:
     """A worker process: open the checkpoint and write its share."""
     ckpt = open_checkpoint(ckpt_dir, hf_config)
-    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack_experts)
     writer.open_existing()
     with ckpt.session() as (load, _):
         _write_exports(load, ckpt.plan.exports(), index, size, writer, progress)
@@ -233,10 +234,15 @@ def _export_share(index: int, size: int, progress: Callable[[int], None], ckpt_d
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True,
-             workers: int = 1) -> Summary:
+             workers: int = 1, expert_orientation: str = "4.x") -> Summary:
     """Megatron -> HF. With `workers` > 1, worker processes write disjoint tensors of the shards;
-    under torchrun every rank writes its share and rank 0 prepares and finishes the output."""
+    under torchrun every rank writes its share and rank 0 prepares and finishes the output.
+    `expert_orientation` ("4.x" or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see hf_io.ORIENTATIONS."""
+    if expert_orientation not in ORIENTATIONS:
+        raise MconvError(f"--expert-orientation must be one of {', '.join(ORIENTATIONS)}, got {expert_orientation!r}")
     ckpt = open_checkpoint(ckpt_dir, hf_config)
+    arch = ckpt.plan.arch
+    stack = expert_orientation if arch.stacked_experts else None
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
     out = Path(out_dir).absolute()
@@ -247,7 +253,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.create()
             writer.close()
             summary.files = len(writer.files)
@@ -256,9 +262,12 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
             writer.write_index()
             copy_side_files(ckpt.config_dir, staging)
+            config = arch.hf_config(ckpt.config)
+            if config != ckpt.config:
+                (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.open_existing()
             _write_exports(load, exports, index, size, writer, report)
             writer.close()
@@ -273,7 +282,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
             writer = prepare(staging)
             with _bar(summary.bytes, "mcore2hf", progress) as bar:
                 if workers > 1:
-                    run_workers(_export_share, workers, (ckpt_dir, hf_config, staging, entries, max_shard_bytes),
+                    run_workers(_export_share, workers, (ckpt_dir, hf_config, staging, entries, max_shard_bytes,
+                                                          stack),
                                 bar.update)
                 else:
                     write_here(staging, 0, 1, bar.update)

@@ -2,9 +2,10 @@
 from mconv.errors import MconvError
 from mconv.mappings.qwen3 import QWEN3
 from mconv.mappings.qwen3_moe import QWEN3_MOE
+from mconv.mappings.qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 from mconv.mappings.schema import Architecture
 
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (QWEN3, QWEN3_MOE)}
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (QWEN3, QWEN3_MOE, QWEN3_VL, QWEN3_VL_MOE)}
 
 
 def architecture_for(config: dict) -> Architecture:
