@@ -120,7 +120,11 @@ def dims(config: dict, language=qwen3.dims) -> SimpleNamespace:
 
 
 def moe_dims(config: dict) -> SimpleNamespace:
-    return dims(config, qwen3_moe.dims)
+    d = dims(config, qwen3_moe.dims)
+    # Qwen3-VL-MoE's router always renormalises its top-k weights, whatever norm_topk_prob says
+    # (transformers 5.17 Qwen3VLMoeTextTopKRouter; 5.x configs do not write the key).
+    d.norm_topk_prob = True
+    return d
 
 
 def check_layout(d: SimpleNamespace, layout) -> None:
