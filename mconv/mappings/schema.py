@@ -55,6 +55,9 @@ class Architecture:
     stacked_experts: bool = False
     # config.json as mcore2hf writes it (e.g. with the keys of both transformers 4.x and 5.x).
     hf_config: Callable[[dict], dict] = field(default=lambda config: config)
+    # HF tensors the Megatron layout has no place for: {HF name prefix: why}; hf2mcore leaves them out
+    # and says so (mcore2hf cannot bring them back).
+    dropped: Callable[[SimpleNamespace], dict[str, str]] = field(default=lambda d: {})
 
 
 def prefixed(rules: tuple[Rule, ...], megatron: str, hf: Callable[[str], str]) -> tuple[Rule, ...]:
