@@ -166,6 +166,11 @@ def test_deepstack_off_the_first_stage(tmp_path):
                    "2 deepstack_visual_indexes", "first pipeline stage (chunk) holds only 1 layer")
 
 
+def test_torch_dist_refused_for_now(tmp_path):
+    assert_refused(mconv("hf2mcore", DENSE, tmp_path / "out", "-q"), tmp_path / "out",
+                   "--format torch_dist is not available for Qwen3VLForConditionalGeneration")
+
+
 def test_mrope_section_must_cover_head_dim(tmp_path):
     hf = shutil.copytree(DENSE, tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())
