@@ -1,6 +1,7 @@
 """Offline conversions: HF -> Megatron, Megatron -> HF, and inspection."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ from tqdm import tqdm
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
+from mconv.converter import torch_dist_io
 from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, copy_side_files,
                                    write_config_dtype)
 from mconv.converter.hub import resolve_model
@@ -107,10 +109,10 @@ def _legacy_share(index: int, size: int, progress: Callable[[int], None], hf_dir
     ckpt.close()
 
 
-def _write_torch_dist(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, dtype: torch.dtype,
-                      iteration: int | None, progress: Callable[[int], None]) -> None:
-    """Global (layout-independent) tensors are the TP1/PP1/EP1 ones, with the vocabulary padded
-    as the target TP pads it."""
+def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, dtype: torch.dtype, common: dict) -> list:
+    """What the torch_dist checkpoint holds (from megatron-core's model), each box built from the HF
+    slices when written. Global (layout-independent) tensors are the TP1/PP1/EP1 ones, with the
+    vocabulary padded as the target TP pads it."""
     from mconv.converter import torch_dist
 
     flat = make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local")
@@ -123,7 +125,7 @@ def _write_torch_dist(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, dtyp
         return _read_shard(tasks[name], ckpt)
 
     dtypes = {name: ckpt.tensors[task.hf[0]].dtype for name, task in tasks.items()}
-    torch_dist.save(iter_dir, args, dtype, iteration, parameter, dtypes, progress)
+    return torch_dist.entries(args, dtype, common, parameter, dtypes)
 
 
 def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
@@ -143,8 +145,9 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
              progress: bool = True, workers: int = 1, revision: str | None = None) -> Summary:
     """HF -> Megatron. `hf_dir` is a local directory or a hub name (`Qwen/Qwen3-8B`, at `revision`;
-    see `hub.resolve_model`). With `workers` > 1 (legacy format), worker processes write disjoint
-    rank files; under torchrun every rank writes its share (torch_dist: rank 0 writes it)."""
+    see `hub.resolve_model`). With `workers` > 1, worker processes write disjoint rank files (legacy
+    format) or threads their own `.distcp` files (torch_dist); under torchrun every rank writes its
+    share (its rank files, or its own `.distcp` file; rank 0 writes `.metadata`)."""
     if fmt not in FORMATS:
         raise MconvError(f"--format {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
@@ -179,14 +182,20 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     args = mio.megatron_lm_args(layout, plan.dims, arch_args, spec, plan.padded_vocab,
                                 dtype, fmt)
 
+    common = {"args": args, "checkpoint_version": mio.CHECKPOINT_VERSION, "iteration": iteration or 0}
+    dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, dtype, common))
+
     def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
         iter_dir = staging / mio.iteration_dir_name(iteration)
         if fmt == "torch":
             _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration)
-        elif index == 0:  # torch_dist is written by one process (megatron-core's save of one model)
-            _write_torch_dist(plan, ckpt, iter_dir, args, dtype, iteration, report)
+        else:  # a torchrun rank: its own .distcp file
+            iter_dir.mkdir(parents=True, exist_ok=True)
+            torch_dist_io.write_share(iter_dir, dist_entries(), index, size, report)
 
-    def finish(_, staging: Path) -> None:
+    def finish(_, staging: Path, dist_members: int = 0) -> None:
+        if dist_members:  # torchrun: one .metadata for all ranks' files
+            torch_dist_io.finish(staging / mio.iteration_dir_name(iteration), dist_entries(), dist_members, common)
         mio.write_tracker(staging, iteration)
         (staging / mio.HF_CONFIG_DIR).mkdir()
         copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
@@ -198,13 +207,17 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
     if team is not None:
         check_output_path(out, overwrite, (Path(hf_dir),))
-        _run_team(team, out, overwrite, lambda staging: None, finish,
+        _run_team(team, out, overwrite, lambda staging: None,
+                  lambda _, staging: finish(_, staging, team.size if fmt == "torch_dist" else 0),
                   lambda staging, report: write_share(staging, team.rank, team.size, report),
                   summary.bytes, "hf2mcore", progress)
         return summary
     with staged_directory(out, overwrite, inputs=(Path(hf_dir),)) as staging:
         with _bar(summary.bytes, "hf2mcore", progress) as bar:
-            if workers > 1 and fmt == "torch":
+            if fmt == "torch_dist":  # threads, each writing its own .distcp file, one .metadata
+                torch_dist_io.write(staging / mio.iteration_dir_name(iteration), dist_entries(), workers, common,
+                                    bar.update)
+            elif workers > 1:
                 run_workers(_legacy_share, workers, (hf_dir, staging / mio.iteration_dir_name(iteration), layout,
                                                      spec, args, iteration), bar.update)
             else:
