@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 from argparse import Namespace
@@ -16,7 +17,8 @@ from tqdm import tqdm
 from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist_io
-from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, write_config_dtype
+from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, copy_side_files,
+                                   write_config_dtype)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -162,6 +164,10 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         # mconv writes torch_dist through megatron-core's own GPTModel, which cannot build KDA or gated MLA.
         raise MconvError(f"--format torch_dist is not available for {arch.name} yet: megatron-core cannot build "
                          "its layers to derive the checkpoint keys; use --format torch")
+    if fmt == "torch_dist" and arch_args.get("position_embedding_type") == "mrope":
+        # The torch_dist keys come from megatron-core's GPTModel; a vision-language model is not one.
+        raise MconvError(f"--format torch_dist is not available for {arch.name} yet (its keys would come from "
+                         "the Megatron Qwen3VLModel); use --format torch")
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
@@ -251,10 +257,10 @@ def _write_exports(load, exports: list[ExportTask], index: int, size: int, write
 
 
 def _export_share(index: int, size: int, progress: Callable[[int], None], ckpt_dir, hf_config, staging: Path,
-                  entries: list, max_shard_bytes: int, dtype: torch.dtype | None) -> None:
+                  entries: list, max_shard_bytes: int, dtype: torch.dtype | None, stack_experts: str | None) -> None:
     """A worker process: open the checkpoint and write its share."""
     ckpt = open_checkpoint(ckpt_dir, hf_config)
-    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack_experts)
     writer.open_existing()
     with ckpt.session() as (load, _):
         _write_exports(load, ckpt.plan.exports(), index, size, writer, progress, dtype)
@@ -263,17 +269,23 @@ def _export_share(index: int, size: int, progress: Callable[[int], None], ckpt_d
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True,
-             workers: int = 1, dtype: torch.dtype | None = None, revision: str | None = None) -> Summary:
+             workers: int = 1, dtype: torch.dtype | None = None, revision: str | None = None,
+             expert_orientation: str = "4.x") -> Summary:
     """Megatron -> HF. With `workers` > 1, worker processes write disjoint tensors of the shards;
     under torchrun every rank writes its share and rank 0 prepares and finishes the output.
 
     `hf_config`: a directory or hub name (at `revision`) with the model's config.json, for
     checkpoints mconv did not write. `dtype`: cast every tensor to it (float32, bfloat16 or
     float16); by default each tensor keeps the dtype it has in the checkpoint. config.json's
-    `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed)."""
+    `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
+    `expert_orientation` ("4.x" or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see hf_io.ORIENTATIONS."""
+    if expert_orientation not in ORIENTATIONS:
+        raise MconvError(f"--expert-orientation must be one of {', '.join(ORIENTATIONS)}, got {expert_orientation!r}")
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     ckpt = open_checkpoint(ckpt_dir, hf_config)
+    arch = ckpt.plan.arch
+    stack = expert_orientation if arch.stacked_experts else None
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
     out = Path(out_dir).absolute()
@@ -284,7 +296,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.create()
             writer.close()
             summary.files = len(writer.files)
@@ -293,10 +305,13 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
             writer.write_index()
             copy_side_files(ckpt.config_dir, staging)
+            config = arch.hf_config(ckpt.config)
+            if config != ckpt.config:
+                (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             write_config_dtype(staging, entries)
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.open_existing()
             _write_exports(load, exports, index, size, writer, report, dtype)
             writer.close()
@@ -312,7 +327,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
             with _bar(summary.bytes, "mcore2hf", progress) as bar:
                 if workers > 1:
                     run_workers(_export_share, workers,
-                                (ckpt_dir, hf_config, staging, entries, max_shard_bytes, dtype), bar.update)
+                                (ckpt_dir, hf_config, staging, entries, max_shard_bytes, dtype, stack), bar.update)
                 else:
                     write_here(staging, 0, 1, bar.update)
             finish(writer, staging)
