@@ -305,8 +305,8 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
     layouts = [x for x in [("TP1", []), split] if ("TP1" if x[0] == "TP1" else "split") in args.layouts.split(",")]
     for name, flags in layouts:
         for fmt in formats:
-            for workers in worker_counts:
-                round_trip(f"mconv {name} ", hf, flags, fmt, workers, check=True)
+            for workers in worker_counts:  # verified on the layout that splits the most (verify reads it all)
+                round_trip(f"mconv {name} ", hf, flags, fmt, workers, check=bool(flags) or len(layouts) == 1)
 
     peers = args.peers.split(",")
     if "transformers" in peers:

@@ -38,13 +38,17 @@ def torch_dtype(name: str | None):
 
 
 def default_workers() -> int:
-    return max(1, min(8, (os.cpu_count() or 1) // 2))
+    """Half the CPUs, at most 4: measured with bench/convert.py --workers 1,2,4,8 (README,
+    Benchmarks). On 16 cores 4 threads were the fastest or within noise of it for every command
+    (more add nothing: the page cache and the single torch.save stream are the limit); on 2 cores
+    this gives 1, which leaves a core to the kernel's writeback."""
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 REVISION_HELP = ("Branch, tag or commit of a hub model name (default: its default branch). Hub names are "
                  "resolved as transformers does: the hub cache under HF_HOME, HF_HUB_OFFLINE, HF_TOKEN.")
-WORKERS_HELP = ("Worker processes that convert disjoint shares of the output (default: half the CPUs, at most 8). "
-                "Under torchrun, the ranks share the work instead.")
+WORKERS_HELP = ("Threads that convert disjoint tensors of the output (default: half the CPUs, at most 4). "
+                "Under torchrun, the ranks share the work, each with this many threads.")
 
 
 def report(summary, started: float, as_json: bool, text: str) -> None:
@@ -122,7 +126,7 @@ def main():
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
-@click.option("--workers", type=int, default=None, help=WORKERS_HELP + " torch_dist is written by one process.")
+@click.option("--workers", type=int, default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
