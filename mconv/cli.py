@@ -136,6 +136,9 @@ def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first
     plan = summary.plan
     header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
               f"padded vocab {plan.padded_vocab}")
+    if dry_run or not (quiet or as_json):
+        for note in summary.notes:
+            click.echo(f"note: {note}")
     if dry_run:
         click.echo(f"plan for {out_dir} ({header})")
         for line in summary.lines:

@@ -38,6 +38,7 @@ class Summary:
     tensors: int = 0
     bytes: int = 0
     lines: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # inputs accepted but not converted (a tied model's lm_head)
 
 
 def _bar(total: int, description: str, progress: bool) -> tqdm:
@@ -52,7 +53,38 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n
 
 
-def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> None:
+COMPARE_BYTES = 64 * 2**20  # rows of the tied head compared at a time
+
+
+def _tied_copy(plan: Plan, ckpt: HFCheckpoint, name: str) -> str | None:
+    """For a model with tied embeddings, the embedding tensor whose copy `name` is if the table's
+    untied output layer reads `name` (transformers loads such files and ties the head anyway);
+    None otherwise."""
+    heads = {hf for rule in plan.arch.rules if rule.megatron == "output_layer.weight" and rule.exported
+             for hf in rule.hf}
+    embeddings = [hf for rule in plan.arch.rules if rule.megatron == "embedding.word_embeddings.weight" for hf in rule.hf]
+    return embeddings[0] if plan.dims.tied and name in heads and embeddings else None
+
+
+def _equal_bits(ckpt: HFCheckpoint, a: str, b: str) -> bool:
+    """Whether two tensors hold the same dtype, shape and bytes, compared a block of rows at a time."""
+    x, y = ckpt.tensors[a], ckpt.tensors[b]
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    rows = x.shape[0] if x.shape else 1
+    step = max(1, COMPARE_BYTES // max(1, x.nbytes // max(rows, 1)))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        if not torch.equal(*(ckpt.read(n, 0, start, stop).reshape(-1).view(torch.uint8) for n in (a, b))):
+            return False
+    return True
+
+
+def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
+    """Every HF tensor the plan needs is present with its shape, and nothing else is, except the
+    copy of the embedding a tied model's files may also hold as its output layer (`lm_head.weight`),
+    which is accepted when equal to the embedding bit for bit and not converted. Returns one note
+    per such copy; raises MconvError naming a missing, mis-shaped, unexpected or differing tensor."""
     expected = plan.hf_shapes()
     for name, shape in expected.items():
         if name not in ckpt.tensors:
@@ -60,10 +92,19 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> None:
         if ckpt.tensors[name].shape != shape:
             raise MconvError(f"{ckpt.dir / ckpt.tensors[name].file}: tensor {name} has shape "
                              f"{list(ckpt.tensors[name].shape)}, but config.json implies {list(shape)}")
+    notes = []
     for name, info in ckpt.tensors.items():
-        if name not in expected:
+        if name in expected:
+            continue
+        embedding = _tied_copy(plan, ckpt, name)
+        if embedding is None:
             raise MconvError(f"{ckpt.dir / info.file}: unexpected tensor {name} "
                              f"(not part of {plan.arch.name} as described by config.json)")
+        if not _equal_bits(ckpt, name, embedding):
+            raise MconvError(f"{ckpt.dir / info.file}: tensor {name} differs from {embedding}, but config.json sets "
+                             "tie_word_embeddings, so the output layer is the embedding")
+        notes.append(f"{name} equals {embedding} bit for bit (tied embeddings): not converted")
+    return notes
 
 
 def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
@@ -144,7 +185,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     ckpt = HFCheckpoint(hf_dir)
     arch = architecture_for(ckpt.config)
     plan = make_plan(arch, ckpt.config, layout, spec)
-    check_hf_tensors(plan, ckpt)
+    notes = check_hf_tensors(plan, ckpt)
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
@@ -152,6 +193,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         summary.plan = plan
     else:
         summary = _rank_summary(plan, ckpt, lambda r: layout.rank_dir(r.rank))
+    summary.notes = notes
     if dry_run:
         return summary
 

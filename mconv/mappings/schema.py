@@ -41,6 +41,7 @@ class Architecture:
     dims: Callable[[dict], SimpleNamespace]  # config.json -> model dimensions used by shapes and params
     rules: tuple[Rule, ...]
     megatron_args: Callable[[SimpleNamespace], dict] = field(default=lambda d: {})  # Megatron-LM args
+    model_type: str | None = None  # config.json model_type whose CausalLM class (transformers' auto mapping) this is
 
 
 def extra_state(module: str, stage: str | None = None, specs=("local", "te"), when=None) -> Rule:
