@@ -95,6 +95,7 @@ def megatron_lm_args(layout: Layout, dims, arch_args: dict, spec: str, padded_vo
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=None,
+        num_virtual_stages_per_pipeline_rank=layout.vpp if layout.vpp > 1 else None,
         decoder_first_pipeline_num_layers=layout.first_stage_layers,
         decoder_last_pipeline_num_layers=layout.last_stage_layers,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,

@@ -82,7 +82,10 @@ def rope_args(config: dict) -> dict:
     if attention_factor is not None and attention_factor != implied:
         raise MconvError(f"config.json's {where} sets attention_factor {attention_factor}, not the {implied} YaRN "
                          "derives from factor and mscale; megatron-core's YaRN has no separate attention factor")
-    return dict(args, position_embedding_type="yarn", rotary_scaling_factor=float(factor),
+    # Megatron-LM's validate_args turns the legacy use_rotary_position_embeddings into "rope", and
+    # refuses add_position_embedding=False for any other type.
+    return dict(args, position_embedding_type="yarn", use_rotary_position_embeddings=False,
+                add_position_embedding=True, rotary_scaling_factor=float(factor),
                 yarn_original_max_position_embeddings=int(original),
                 yarn_beta_fast=float(params.get("beta_fast") or 32), yarn_beta_slow=float(params.get("beta_slow") or 1),
                 mscale=float(mscale), mscale_all_dim=float(mscale_all_dim),

@@ -52,9 +52,10 @@ def dims(config: dict) -> SimpleNamespace:
 
 
 def megatron_args(d: SimpleNamespace) -> dict:
-    return dict(normalization="RMSNorm", norm_epsilon=d.norm_eps, qk_layernorm=True, swiglu=True,
-                attention_dropout=d.attention_dropout,
-                add_bias_linear=False, add_qkv_bias=False, **d.rope, max_position_embeddings=d.max_positions,
+    # --norm-epsilon is stored as norm_epsilon up to Megatron-LM 0.15 and as layernorm_epsilon from 0.16 on.
+    return dict(normalization="RMSNorm", norm_epsilon=d.norm_eps, layernorm_epsilon=d.norm_eps, qk_layernorm=True,
+                swiglu=True, attention_dropout=d.attention_dropout, add_bias_linear=False, add_qkv_bias=False,
+                **d.rope, max_position_embeddings=d.max_positions,
                 ffn_hidden_size=d.ffn, kv_channels=d.head_dim, num_query_groups=d.groups,
                 group_query_attention=d.groups != d.heads)
 
