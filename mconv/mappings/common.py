@@ -79,7 +79,7 @@ def rope_args(config: dict) -> dict:
         mscale, mscale_all_dim = 1.0, 0.0
     attention_factor = params.get("attention_factor")
     implied = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-    if attention_factor is not None and attention_factor != implied:
+    if attention_factor is not None and not math.isclose(attention_factor, implied, rel_tol=1e-7):  # float32-written
         raise MconvError(f"config.json's {where} sets attention_factor {attention_factor}, not the {implied} YaRN "
                          "derives from factor and mscale; megatron-core's YaRN has no separate attention factor")
     # Megatron-LM's validate_args turns the legacy use_rotary_position_embeddings into "rope", and
