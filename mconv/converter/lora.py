@@ -202,7 +202,7 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     from mconv.converter.torch_dist import megatron_process_group, meta_model, sharded_parameters
     from mconv.converter.torch_dist_io import TorchDistReader
 
-    reader = TorchDistReader(location.iter_dir)
+    reader = TorchDistReader.open(location.iter_dir)
     stored = {key: md for key, md in reader.tensors.items() if ADAPTER in key}
     where = str(location.iter_dir)
     arch = architecture_for(config)
