@@ -68,7 +68,8 @@ class LiveModel:
         states = [{_canonical(k): v.detach() for k, v in c.state_dict(keep_vars=True).items()
                    if isinstance(v, torch.Tensor) and ".adapter." not in k} for c in chunks]
         tp = ps.get_tensor_model_parallel_world_size()
-        fused = any(k.endswith(".self_attention.linear_qkv.layer_norm_weight") for s in states for k in s)
+        # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
+        fused = any(k.endswith(".layer_norm_weight") for s in states for k in s)
         layout = Layout(tp=tp, pp=ps.get_pipeline_model_parallel_world_size(), vpp=len(chunks),
                         ep=ps.get_expert_model_parallel_world_size(),
                         etp=ps.get_expert_tensor_parallel_world_size(),

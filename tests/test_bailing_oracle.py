@@ -187,6 +187,7 @@ def _megatron_classes():
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -219,6 +220,15 @@ def _megatron_classes():
                                                    init_method=config.init_method, gather_output=False, bias=False)
             self._gate_input = None
             self.linear_proj.register_forward_pre_hook(self._gate)
+
+        def _resolve_qk_norm_config(self, submodules):
+            if self.config.q_lora_rank is not None:
+                return super()._resolve_qk_norm_config(submodules)
+            # Without q-LoRA, megatron-core 0.17 (AReaL's pin) builds linear_q_proj from the spec as it
+            # is, with no norm; 0.19 insists on a fused norm+linear there, which the HF model has not.
+            return dict(linear_q_proj=submodules.linear_q_proj, linear_q_up_proj=IdentityOp,
+                        linear_kv_up_proj=submodules.linear_kv_up_proj, q_layernorm=IdentityOp,
+                        kv_layernorm=submodules.kv_layernorm)
 
         def _gate(self, module, args):
             gate = torch.sigmoid(self.linear_gate(self._gate_input)[0].float())
@@ -299,7 +309,8 @@ def _core_config(args, tp, ep):
         expert_tensor_parallel_size=1)
 
 
-def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port: int, out: Path):
+def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port: int, out: Path,
+            live_hf: Path | None):
     warnings.filterwarnings("ignore")
     _cpu_shims()
     import torch.distributed as dist
@@ -309,6 +320,7 @@ def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -332,6 +344,8 @@ def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port
         if mla:
             spec.submodules.self_attention.module = GatedMLA
             spec.submodules.self_attention.submodules.core_attention = CPUCoreAttention
+            if config.q_lora_rank is None:  # megatron-core refuses a q norm it would not use
+                spec.submodules.self_attention.submodules.q_layernorm = IdentityOp
         else:
             spec.submodules.self_attention = kda
         specs.append(spec)
@@ -339,34 +353,44 @@ def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port
                      vocab_size=state["args"].padded_vocab_size, max_sequence_length=c["max_position_embeddings"],
                      share_embeddings_and_output_weights=c["tie_word_embeddings"], position_embedding_type="rope",
                      rotary_base=config.rotary_base, parallel_output=False).eval()
-    model.load_state_dict(state["model"], strict=True)
+    if live_hf is None:
+        model.load_state_dict(state["model"], strict=True)
+    else:
+        from mconv.live import iter_hf_weights, load_hf_weights
+
+        load_hf_weights([model], live_hf)
     tokens = torch.tensor([TOKENS])
     mask = torch.ones(1, 1, len(TOKENS), len(TOKENS), dtype=torch.bool).triu(1)
     with torch.no_grad():
         logits = model(tokens, torch.arange(len(TOKENS))[None], mask)
+    exported = None if live_hf is None else {
+        name: tensor.clone() for bucket in iter_hf_weights([model], live_hf, bucket_bytes=100_000) for name, tensor in bucket}
     if rank == 0:
-        torch.save(logits[..., : c["vocab_size"]], out)
+        torch.save((logits[..., : c["vocab_size"]], exported), out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def megatron_logits(checkpoint: Path, hf_dir: Path, tp: int, ep: int, workdir: Path) -> torch.Tensor:
+def megatron_run(checkpoint: Path, hf_dir: Path, tp: int, ep: int, workdir: Path, live: bool = False):
+    """(logits, None) of megatron-core's forward on the rank files; with `live`, the model is loaded by
+    mconv.live.load_hf_weights from `hf_dir` instead, and the second item is what iter_hf_weights yields."""
     out = workdir / "logits.pt"
-    mp.start_processes(_worker, args=(checkpoint, read_config(hf_dir), tp, ep, _free_port(), out),
-                       nprocs=max(tp, ep), start_method="spawn")
+    mp.start_processes(_worker, args=(checkpoint, read_config(hf_dir), tp, ep, _free_port(), out,
+                                      hf_dir if live else None), nprocs=max(tp, ep), start_method="spawn")
     return torch.load(out)
 
 
 def _max_difference(tmp_path: Path, hf_dir: Path, tp: int, ep: int, edit=None) -> float:
-    """Max |logit difference|; `edit(state)` changes every rank file before megatron-core loads it."""
+    """Max |logit difference| relative to the largest logit (about 4 here); `edit(state)` changes every
+    rank file before megatron-core loads it."""
     hf2mcore(hf_dir, tmp_path / "m", Layout(tp=tp, ep=ep), spec="local", fmt="torch", progress=False)
     for path in (tmp_path / "m").glob("release/*/model_optim_rng.pt") if edit else ():
         state = torch.load(path, weights_only=False)
         edit(state["model"])
         torch.save(state, path)
-    ours = megatron_logits(tmp_path / "m", hf_dir, tp, ep, tmp_path)
+    ours, _ = megatron_run(tmp_path / "m", hf_dir, tp, ep, tmp_path)
     reference = HFReference(hf_dir)(TOKENS)
-    return (ours - reference).abs().max().item()
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
 
 
 @pytest.fixture(scope="module")
@@ -382,6 +406,20 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("model,tp,ep", [("default", 1, 1), ("default", 2, 2), ("kda-lora-no-q-lora", 2, 1)])
 def test_megatron_core_forward_matches_transformers_modules(tmp_path, models, model, tp, ep):
     assert _max_difference(tmp_path, models[model], tp, ep) < 1e-5
+
+
+@pytest.mark.slow
+def test_live_load_and_export(tmp_path, models):
+    """mconv.live on this table: load_hf_weights into megatron-core's model (TP2, EP2) gives the HF
+    forward; iter_hf_weights yields every HF tensor bit-identically."""
+    from tests.test_roundtrip import assert_bit_identical, read_all
+
+    hf_dir = models["default"]
+    hf2mcore(hf_dir, tmp_path / "m", Layout(tp=2, ep=2), fmt="torch", progress=False)  # only its args are used
+    logits, exported = megatron_run(tmp_path / "m", hf_dir, 2, 2, tmp_path, live=True)
+    reference = HFReference(hf_dir)(TOKENS)
+    assert ((logits - reference).abs().max() / reference.abs().max()).item() < 1e-5
+    assert_bit_identical(read_all(hf_dir), exported)
 
 
 def _contiguous(shapes, rank, size, params):
@@ -422,7 +460,7 @@ def test_a_wrong_mapping_fails_the_oracle(tmp_path, models, monkeypatch, wrong):
     tp, match, change = WRONG[wrong]
     arch = bailing_v3.BAILING_V3
     rules = tuple(dataclasses.replace(r, **change(r)) if match(r) else r for r in arch.rules)
-    assert rules != arch.rules
+    assert sum(map(match, arch.rules)) >= 1
     monkeypatch.setitem(mappings.ARCHITECTURES, arch.name, dataclasses.replace(arch, rules=rules))
     try:
         difference = _max_difference(tmp_path, models["default"], tp, 1)
