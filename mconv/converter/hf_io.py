@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -260,3 +261,20 @@ def copy_side_files(source: Path, destination: Path) -> list[str]:
             shutil.copy2(Path(source) / name, Path(destination) / name)
             copied.append(name)
     return copied
+
+
+def write_config_dtype(directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    """Record the dtype of the weights written (`entries`: name, dtype, shape; the dtype holding
+    most bytes if they are mixed) in `directory`/config.json, under the key the config already
+    uses (`dtype` in transformers 5, `torch_dtype` before), as `save_pretrained` does."""
+    written: dict[torch.dtype, int] = {}
+    for _, dtype, shape in entries:
+        written[dtype] = written.get(dtype, 0) + math.prod(shape) * dtype.itemsize
+    dtype = max(written, key=written.get)
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    key = "dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"
+    if config.get(key) == str(dtype).removeprefix("torch."):
+        return  # already right: keep the file as it was
+    config[key] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(config, indent=2) + "\n")

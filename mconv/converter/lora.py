@@ -18,7 +18,9 @@ from typing import Mapping, Sequence
 import torch
 
 from mconv.converter import megatron_io as mio
-from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config
+from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config,
+                                   write_config_dtype)
+from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.megatron_checkpoint import _config_dir, check_args
 from mconv.converter.output import check_output_path, staged_directory
@@ -197,11 +199,8 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     over layers (and experts) like it; megatron-core's own model says where each base weight lives,
     so each adapter tensor is read as that layer's (and expert's) box of its global tensor.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
-
-    from mconv.converter.torch_dist import (TorchDistReader, _box_planner_class, megatron_process_group, meta_model,
-                                            sharded_parameters)
+    from mconv.converter.torch_dist import megatron_process_group, meta_model, sharded_parameters
+    from mconv.converter.torch_dist_io import TorchDistReader
 
     reader = TorchDistReader(location.iter_dir)
     stored = {key: md for key, md in reader.tensors.items() if ADAPTER in key}
@@ -213,11 +212,11 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
                                 torch.bfloat16, "torch_dist")
     if reader.args is not None:
         check_args(reader.args, make_plan(arch, config, layout, "local"), location.iter_dir)
-    rank = _one_rank({key: md.size[-1] for key, md in stored.items() if key.endswith(".linear_out.weight")}, where)
+    rank = _one_rank({key: md.shape[-1] for key, md in stored.items() if key.endswith(".linear_out.weight")}, where)
     names = {t.megatron for canonical in (False, True)
              for t in make_plan(lora_architecture(arch, rank, canonical), config, layout, "local").ranks[0].chunks[0]}
     suffixes = {name.split(ADAPTER)[1] for name in names}
-    chunk, requests, found = {}, {}, set()
+    chunk, requests, found = {}, [], set()
     with megatron_process_group():
         for parameter, entries in sharded_parameters(meta_model(args, torch.bfloat16)).items():
             for entry in entries:
@@ -230,14 +229,13 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
                     name, key = f"{module}adapter.{suffix}", f"{prefix}adapter.{suffix}"
                     if name not in names or key not in stored or name in chunk:
                         continue
-                    shape = tuple(stored[key].size)[len(offsets):]
-                    chunk[name] = torch.empty(shape, dtype=stored[key].properties.dtype)
-                    requests[(key, offsets + (0,) * len(shape))] = chunk[name].view((1,) * len(offsets) + shape)
+                    shape = stored[key].shape[len(offsets):]
+                    chunk[name] = torch.empty(shape, dtype=stored[key].dtype)
+                    requests.append((key, offsets + (0,) * len(shape), chunk[name].view((1,) * len(offsets) + shape)))
                     found.add(key)
         for key in sorted(stored.keys() - found):
             raise _not_exportable(f"{where}: {key}", arch)
-        dcp_load({}, storage_reader=FileSystemReader(str(location.iter_dir)), planner=_box_planner_class()(requests),
-                 no_dist=True)
+    reader.read(requests)
     return {Rank(0, 0): [chunk]}, layout
 
 
@@ -279,13 +277,17 @@ def read_adapter(location: mio.CheckpointLocation,
 def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
                 rank: int | None = None, alpha: float | None = None, base_model: str | None = None,
                 merge_into: bool = False, dtype: torch.dtype | None = None, overwrite: bool = False,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> LoraExport:
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, revision: str | None = None) -> LoraExport:
     """Write the checkpoint's LoRA adapter as a HF PEFT adapter directory, or with `merge_into` a HF
-    model: the base model in `base_model` (a local HF directory) with alpha/r * B @ A added."""
+    model: the base model `base_model` (a directory or hub name, at `revision`) with alpha/r * B @ A
+    added. `hf_config` may be a hub name too; without `merge_into`, `base_model` is only recorded."""
     location = mio.locate(ckpt_dir)
-    if merge_into and not (base_model and (Path(base_model) / "config.json").is_file()):
-        raise MconvError("--merge needs --base-model DIR, the local HF model the adapter was trained on "
-                         f"(got {base_model!r})")
+    if merge_into and not base_model:
+        raise MconvError("--merge needs --base-model, the HF model (directory or hub name) the adapter was trained on")
+    if hf_config:
+        hf_config = resolve_model(hf_config, revision, weights=False)
+    if merge_into:
+        base_model = resolve_model(base_model, revision)
     check_output_path(Path(out_dir), overwrite, (location.save_dir,))
     adapter, layout, config_dir = read_adapter(location, hf_config)
     if rank is not None and rank != adapter.rank:
@@ -330,10 +332,6 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     writer.close()
     writer.write_index()
     copy_side_files(base.dir, out)
-    if dtype is not None:
-        config = json.loads((out / "config.json").read_text())
-        key = "dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"
-        config[key] = str(dtype).removeprefix("torch.")
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_config_dtype(out, entries)
     base.close()
     return len(deltas)
