@@ -83,7 +83,7 @@ class LiveModel:
                     ep=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank())
         arch = architecture_for(hf_config)
         dims = arch.dims(hf_config)
-        validate_layout(dims, layout)
+        validate_layout(dims, layout, arch.check_layout)
         spec = "te" if fused else "local"
         plan = plan_rank(arch, dims, layout, spec, rank)
         for v, (state, tasks) in enumerate(zip(states, plan.chunks)):

@@ -14,7 +14,8 @@ import torch
 
 from mconv import Layout, hf2mcore
 from mconv.converter.lora import export_lora
-from mconv.converter.pipelines import inspect_path, mcore2hf
+from mconv.converter.describe import inspect_path
+from mconv.converter.pipelines import mcore2hf
 from mconv.errors import MconvError
 from tests.conftest import FIXTURES
 from tests.test_errors import assert_refused, mconv
