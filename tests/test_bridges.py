@@ -183,6 +183,9 @@ def _worker(rank: int, kind: str, hf: str, hf_dir: Path, tp: int, ep: int, port:
 
     mconv.live.save_hf_weights(model, out / "mconv-hf", hf, max_shard_bytes=200_000)
     if kind == "mbridge":
+        # mbridge's save lays its shards out like the source checkpoint's index, which its own
+        # load_weights records; mconv loaded this model, so point it at the source.
+        bridge.safetensor_io = bridge._get_safetensor_io(hf)
         bridge.save_weights(model, str(out / "bridge-hf"))
     # (Megatron-Bridge's save_hf_weights imports nvidia-modelopt, which is not installed here; it
     # writes what export_hf_weights yields, compared above.)
