@@ -93,7 +93,9 @@ def mbridge_model(hf: str, tp: int, ep: int):
     config.rope_theta = config.rope_parameters["rope_theta"]
     bridge = AutoBridge.from_config(config, dtype=torch.float32)
     bridge.set_extra_args(use_cpu_initialization=True, sequence_parallel=False, variable_seq_lengths=False,
-                          moe_token_dispatcher_type="allgather", masked_softmax_fusion=False)
+                          moe_token_dispatcher_type="allgather", masked_softmax_fusion=False,
+                          persist_layer_norm=False, moe_grouped_gemm=False, bias_activation_fusion=False,
+                          bias_dropout_fusion=False)
     bridge._get_transformer_layer_spec = lambda vp_stage=None: get_gpt_decoder_block_spec(
         bridge.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
     layer = "model.layers.{layer_number}."
@@ -114,13 +116,21 @@ def megatron_bridge_model(hf: str, tp: int, ep: int):
                     pipeline_dtype=torch.float32, bf16=False, fp16=False, moe_token_dispatcher_type="allgather",
                     attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
                     gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-                    bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+                    bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+                    moe_permute_fusion=False, moe_grouped_gemm=False)
     for key, value in settings.items():
         setattr(provider, key, value)
     provider.finalize()
     model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True, bf16=False,
                                                fp16=False)
     return bridge, model
+
+
+def bridge_io(kind: str, ep: int) -> bool:
+    """Whether the bridge's own export, save and load run on this model. mbridge's tables name
+    experts only as Transformer Engine's grouped GEMM (`mlp.experts.linear_fc1.weight{i}`), which
+    cannot be built without Transformer Engine; a local-spec MoE model has SequentialMLP experts."""
+    return not (kind == "mbridge" and ep > 1)
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -177,11 +187,15 @@ def _worker(rank: int, kind: str, hf: str, hf_dir: Path, tp: int, ep: int, port:
 
     result["mconv"] = {n: _bytes(t) for bucket in mconv.live.iter_hf_weights(model, hf, bucket_bytes=50_000)
                        for n, t in bucket}
+    mconv.live.save_hf_weights(model, out / "mconv-hf", hf, max_shard_bytes=200_000)
+    if not bridge_io(kind, ep):
+        torch.save(result, out / f"rank{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     exported = (bridge.export_weights(model) if kind == "mbridge" else
                 bridge.export_hf_weights(model, cpu=True, show_progress=False))
     result["bridge"] = {n: _bytes(t) for n, t in exported}
-
-    mconv.live.save_hf_weights(model, out / "mconv-hf", hf, max_shard_bytes=200_000)
     if kind == "mbridge":
         # mbridge's save lays its shards out like the source checkpoint's index, which its own
         # load_weights records; mconv loaded this model, so point it at the source.
@@ -257,9 +271,10 @@ def test_bridge_built_model(models, tmp_path, monkeypatch, kind, model, tp, ep):
     for result in results:
         # iter_hf_weights: every HF tensor, bit for bit, on every rank; the bridge's export agrees.
         assert result["mconv"] == expected
-        assert result["bridge"].keys() == expected.keys()
-        assert result["bridge"] == result["mconv"]
-        assert not result["reload_mismatch"]  # the bridge's loader reads mconv's files to the same weights
+        if bridge_io(kind, ep):
+            assert result["bridge"].keys() == expected.keys()
+            assert result["bridge"] == result["mconv"]
+            assert not result["reload_mismatch"]  # the bridge's loader reads mconv's files to the same weights
     if kind == "mbridge":
         assert results[0]["wrapper"] == "DistributedDataParallel"
     if "lora_names" in results[0]:
@@ -269,7 +284,7 @@ def test_bridge_built_model(models, tmp_path, monkeypatch, kind, model, tp, ep):
     # (Megatron-Bridge, above) gives, byte for byte.
     ours = {n: _bytes(t) for f in (out / "mconv-hf").glob("*.safetensors") for n, t in load_file(f).items()}
     assert ours == expected
-    if kind == "mbridge":
+    if kind == "mbridge" and bridge_io(kind, ep):
         theirs = {n: _bytes(t) for f in (out / "bridge-hf").glob("*.safetensors") for n, t in load_file(f).items()}
         assert theirs == ours
 
