@@ -177,11 +177,15 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
 @click.option("--max-shard-size", default="3GB", show_default=True,
               help="Largest safetensors shard (a larger tensor gets a shard of its own).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
+@click.option("--expert-orientation", type=click.Choice(["4.x", "5.x"]), default="4.x", show_default=True,
+              help="Stacked HF experts (Qwen3-VL-MoE): 4.x writes gate_up_proj [E, hidden, 2I] / down_proj "
+                   "[E, I, hidden], which transformers 4.57 and 5.x both load; 5.x writes [E, 2I, hidden] / "
+                   "[E, hidden, I], as transformers 5.x saves.")
 @click.option("--workers", type=int, default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_size, overwrite, workers, as_json,
-                     quiet):
+def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_size, overwrite, expert_orientation,
+                     workers, as_json, quiet):
     """Convert the Megatron checkpoint in CKPT_DIR into an HF model directory OUT_DIR.
 
     CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
@@ -192,7 +196,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=shard_bytes,
                                    overwrite=overwrite, progress=not (quiet or as_json),
                                    workers=workers or default_workers(), dtype=torch_dtype(dtype),
-                                   revision=revision))
+                                   revision=revision, expert_orientation=expert_orientation))
     if not quiet or as_json:
         report(summary, started, as_json, f"wrote {out_dir}: {summary.files} safetensors shard(s), "
                                           f"{summary.tensors} tensors, {summary.bytes:,} bytes ({summary.plan.arch.name})")

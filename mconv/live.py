@@ -86,7 +86,7 @@ class LiveModel:
         rank = Rank(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
                     ep=ps.get_expert_model_parallel_rank() if experts else 0,
                     etp=ps.get_expert_tensor_parallel_rank() if experts else 0)
-        validate_layout(dims, layout)
+        validate_layout(dims, layout, arch.check_layout)
         spec = "te" if fused else "local"
         plan = plan_rank(arch, dims, layout, spec, rank)
         for v, (state, tasks) in enumerate(zip(states, plan.chunks)):

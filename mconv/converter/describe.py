@@ -168,7 +168,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     if dist:
         from mconv.converter.torch_dist_io import TorchDistReader
 
-        reader = TorchDistReader(location.iter_dir)
+        reader = TorchDistReader.open(location.iter_dir)
         args = reader.args
         for entry in reader.tensors.values():
             _count(dtypes, entry.dtype, entry.nbytes)

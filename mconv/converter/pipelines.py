@@ -1,6 +1,8 @@
 """Offline conversions: HF -> Megatron, Megatron -> HF, and inspection."""
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 from argparse import Namespace
@@ -14,7 +16,9 @@ from tqdm import tqdm
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
-from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, write_config_dtype
+from mconv.converter import torch_dist_io
+from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, copy_side_files,
+                                   write_config_dtype)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -54,9 +58,39 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n
 
 
+COMPARE_BYTES = 64 * 2**20  # rows of the tied head compared at a time
+
+
+def _tied_copy(plan: Plan, ckpt: HFCheckpoint, name: str) -> str | None:
+    """For a model with tied embeddings, the embedding tensor whose copy `name` is if the table's
+    untied output layer reads `name` (transformers loads such files and ties the head anyway);
+    None otherwise."""
+    heads = {hf for rule in plan.arch.rules if rule.megatron == "output_layer.weight" and rule.exported
+             for hf in rule.hf}
+    embeddings = [hf for rule in plan.arch.rules if rule.megatron == "embedding.word_embeddings.weight" for hf in rule.hf]
+    return embeddings[0] if plan.dims.tied and name in heads and embeddings else None
+
+
+def _equal_bits(ckpt: HFCheckpoint, a: str, b: str) -> bool:
+    """Whether two tensors hold the same dtype, shape and bytes, compared a block of rows at a time."""
+    x, y = ckpt.tensors[a], ckpt.tensors[b]
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    rows = x.shape[0] if x.shape else 1
+    step = max(1, COMPARE_BYTES // max(1, x.nbytes // max(rows, 1)))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        if not torch.equal(*(ckpt.read(n, 0, start, stop).reshape(-1).view(torch.uint8) for n in (a, b))):
+            return False
+    return True
+
+
 def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
     """Every HF tensor the plan needs is there with its shape, and nothing else is, except the
-    tensors the table drops; returns one note per dropped group that the checkpoint holds."""
+    tensors the table drops and the copy of the embedding a tied model's files may also hold as
+    its output layer (`lm_head.weight`), accepted when equal to the embedding bit for bit and not
+    converted. Returns one note per dropped group the checkpoint holds and per such copy; raises
+    MconvError naming a missing, mis-shaped, unexpected or differing tensor."""
     expected = plan.hf_shapes()
     dropped = plan.arch.dropped(plan.dims)
     held = [prefix for prefix in dropped if any(name.startswith(prefix) for name in ckpt.tensors)]
@@ -66,11 +100,19 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
         if ckpt.tensors[name].shape != shape:
             raise MconvError(f"{ckpt.dir / ckpt.tensors[name].file}: tensor {name} has shape "
                              f"{list(ckpt.tensors[name].shape)}, but config.json implies {list(shape)}")
+    notes = []
     for name, info in ckpt.tensors.items():
-        if name not in expected and not name.startswith(tuple(held)):
+        if name in expected or name.startswith(tuple(held)):
+            continue
+        embedding = _tied_copy(plan, ckpt, name)
+        if embedding is None:
             raise MconvError(f"{ckpt.dir / info.file}: unexpected tensor {name} "
                              f"(not part of {plan.arch.name} as described by config.json)")
-    return [f"left out {prefix}* ({dropped[prefix]})" for prefix in held]
+        if not _equal_bits(ckpt, name, embedding):
+            raise MconvError(f"{ckpt.dir / info.file}: tensor {name} differs from {embedding}, but config.json sets "
+                             "tie_word_embeddings, so the output layer is the embedding")
+        notes.append(f"{name} equals {embedding} bit for bit (tied embeddings): not converted")
+    return [f"left out {prefix}* ({dropped[prefix]})" for prefix in held] + notes
 
 
 def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
@@ -105,10 +147,10 @@ def _legacy_share(index: int, size: int, progress: Callable[[int], None], hf_dir
     ckpt.close()
 
 
-def _write_torch_dist(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, dtype: torch.dtype,
-                      iteration: int | None, progress: Callable[[int], None]) -> None:
-    """Global (layout-independent) tensors are the TP1/PP1/EP1 ones, with the vocabulary padded
-    as the target TP pads it."""
+def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, dtype: torch.dtype, common: dict) -> list:
+    """What the torch_dist checkpoint holds (from megatron-core's model), each box built from the HF
+    slices when written. Global (layout-independent) tensors are the TP1/PP1/EP1 ones, with the
+    vocabulary padded as the target TP pads it."""
     from mconv.converter import torch_dist
 
     flat = make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local")
@@ -121,7 +163,7 @@ def _write_torch_dist(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, dtyp
         return _read_shard(tasks[name], ckpt)
 
     dtypes = {name: ckpt.tensors[task.hf[0]].dtype for name, task in tasks.items()}
-    torch_dist.save(iter_dir, args, dtype, iteration, parameter, dtypes, progress)
+    return torch_dist.entries(args, dtype, common, parameter, dtypes)
 
 
 def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
@@ -141,8 +183,9 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
              progress: bool = True, workers: int = 1, revision: str | None = None) -> Summary:
     """HF -> Megatron. `hf_dir` is a local directory or a hub name (`Qwen/Qwen3-8B`, at `revision`;
-    see `hub.resolve_model`). With `workers` > 1 (legacy format), worker processes write disjoint
-    rank files; under torchrun every rank writes its share (torch_dist: rank 0 writes it)."""
+    see `hub.resolve_model`). With `workers` > 1, worker processes write disjoint rank files (legacy
+    format) or threads their own `.distcp` files (torch_dist); under torchrun every rank writes its
+    share (its rank files, or its own `.distcp` file; rank 0 writes `.metadata`)."""
     if fmt not in FORMATS:
         raise MconvError(f"--format {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
@@ -159,6 +202,10 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         # mconv writes torch_dist through megatron-core's own GPTModel, which cannot build KDA or gated MLA.
         raise MconvError(f"--format torch_dist is not available for {arch.name} yet: megatron-core cannot build "
                          "its layers to derive the checkpoint keys; use --format torch")
+    if fmt == "torch_dist" and arch_args.get("position_embedding_type") == "mrope":
+        # The torch_dist keys come from megatron-core's GPTModel; a vision-language model is not one.
+        raise MconvError(f"--format torch_dist is not available for {arch.name} yet (its keys would come from "
+                         "the Megatron Qwen3VLModel); use --format torch")
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
@@ -173,14 +220,20 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     args = mio.megatron_lm_args(layout, plan.dims, arch_args, spec, plan.padded_vocab,
                                 dtype, fmt)
 
+    common = {"args": args, "checkpoint_version": mio.CHECKPOINT_VERSION, "iteration": iteration or 0}
+    dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, dtype, common))
+
     def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
         iter_dir = staging / mio.iteration_dir_name(iteration)
         if fmt == "torch":
             _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration)
-        elif index == 0:  # torch_dist is written by one process (megatron-core's save of one model)
-            _write_torch_dist(plan, ckpt, iter_dir, args, dtype, iteration, report)
+        else:  # a torchrun rank: its own .distcp file
+            iter_dir.mkdir(parents=True, exist_ok=True)
+            torch_dist_io.write_share(iter_dir, dist_entries(), index, size, report)
 
-    def finish(_, staging: Path) -> None:
+    def finish(_, staging: Path, dist_members: int = 0) -> None:
+        if dist_members:  # torchrun: one .metadata for all ranks' files
+            torch_dist_io.finish(staging / mio.iteration_dir_name(iteration), dist_entries(), dist_members, common)
         mio.write_tracker(staging, iteration)
         (staging / mio.HF_CONFIG_DIR).mkdir()
         copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
@@ -192,13 +245,17 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
     if team is not None:
         check_output_path(out, overwrite, (Path(hf_dir),))
-        _run_team(team, out, overwrite, lambda staging: None, finish,
+        _run_team(team, out, overwrite, lambda staging: None,
+                  lambda _, staging: finish(_, staging, team.size if fmt == "torch_dist" else 0),
                   lambda staging, report: write_share(staging, team.rank, team.size, report),
                   summary.bytes, "hf2mcore", progress)
         return summary
     with staged_directory(out, overwrite, inputs=(Path(hf_dir),)) as staging:
         with _bar(summary.bytes, "hf2mcore", progress) as bar:
-            if workers > 1 and fmt == "torch":
+            if fmt == "torch_dist":  # threads, each writing its own .distcp file, one .metadata
+                torch_dist_io.write(staging / mio.iteration_dir_name(iteration), dist_entries(), workers, common,
+                                    bar.update)
+            elif workers > 1:
                 run_workers(_legacy_share, workers, (hf_dir, staging / mio.iteration_dir_name(iteration), layout,
                                                      spec, args, iteration), bar.update)
             else:
@@ -238,10 +295,10 @@ def _write_exports(load, exports: list[ExportTask], index: int, size: int, write
 
 
 def _export_share(index: int, size: int, progress: Callable[[int], None], ckpt_dir, hf_config, staging: Path,
-                  entries: list, max_shard_bytes: int, dtype: torch.dtype | None) -> None:
+                  entries: list, max_shard_bytes: int, dtype: torch.dtype | None, stack_experts: str | None) -> None:
     """A worker process: open the checkpoint and write its share."""
     ckpt = open_checkpoint(ckpt_dir, hf_config)
-    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack_experts)
     writer.open_existing()
     with ckpt.session() as (load, _):
         _write_exports(load, ckpt.plan.exports(), index, size, writer, progress, dtype)
@@ -250,17 +307,23 @@ def _export_share(index: int, size: int, progress: Callable[[int], None], ckpt_d
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True,
-             workers: int = 1, dtype: torch.dtype | None = None, revision: str | None = None) -> Summary:
+             workers: int = 1, dtype: torch.dtype | None = None, revision: str | None = None,
+             expert_orientation: str = "4.x") -> Summary:
     """Megatron -> HF. With `workers` > 1, worker processes write disjoint tensors of the shards;
     under torchrun every rank writes its share and rank 0 prepares and finishes the output.
 
     `hf_config`: a directory or hub name (at `revision`) with the model's config.json, for
     checkpoints mconv did not write. `dtype`: cast every tensor to it (float32, bfloat16 or
     float16); by default each tensor keeps the dtype it has in the checkpoint. config.json's
-    `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed)."""
+    `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
+    `expert_orientation` ("4.x" or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see hf_io.ORIENTATIONS."""
+    if expert_orientation not in ORIENTATIONS:
+        raise MconvError(f"--expert-orientation must be one of {', '.join(ORIENTATIONS)}, got {expert_orientation!r}")
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     ckpt = open_checkpoint(ckpt_dir, hf_config)
+    arch = ckpt.plan.arch
+    stack = expert_orientation if arch.stacked_experts else None
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
     out = Path(out_dir).absolute()
@@ -271,7 +334,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.create()
             writer.close()
             summary.files = len(writer.files)
@@ -280,10 +343,13 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
             writer.write_index()
             copy_side_files(ckpt.config_dir, staging)
+            config = arch.hf_config(ckpt.config)
+            if config != ckpt.config:
+                (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             write_config_dtype(staging, entries)
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.open_existing()
             _write_exports(load, exports, index, size, writer, report, dtype)
             writer.close()
@@ -299,7 +365,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
             with _bar(summary.bytes, "mcore2hf", progress) as bar:
                 if workers > 1:
                     run_workers(_export_share, workers,
-                                (ckpt_dir, hf_config, staging, entries, max_shard_bytes, dtype), bar.update)
+                                (ckpt_dir, hf_config, staging, entries, max_shard_bytes, dtype, stack), bar.update)
                 else:
                     write_here(staging, 0, 1, bar.update)
             finish(writer, staging)
