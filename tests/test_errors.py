@@ -53,6 +53,7 @@ def test_missing_safetensors_file(tmp_path):
 def test_shard_listed_in_index_is_missing(tmp_path):
     hf = copy_model(tmp_path)
     names = load_file(hf / "model.safetensors").keys()
+    (hf / "model.safetensors").unlink()  # transformers reads model.safetensors before an index
     (hf / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {n: "model-00001-of-00002.safetensors" for n in names}}))
     assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", "model-00001-of-00002.safetensors")
@@ -62,13 +63,13 @@ def test_truncated_safetensors(tmp_path):
     hf = copy_model(tmp_path)
     data = (hf / "model.safetensors").read_bytes()
     (hf / "model.safetensors").write_bytes(data[: len(data) - 1000])
-    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", "truncated")
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", "is truncated: its header describes")
 
 
 def test_garbage_safetensors(tmp_path):
     hf = copy_model(tmp_path)
     (hf / "model.safetensors").write_bytes(struct.pack("<Q", 10**12) + b"{}")
-    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", "not a readable safetensors")
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", "model.safetensors is not a valid safetensors file (", "header too large")
 
 
 def test_tensor_missing(tmp_path):
