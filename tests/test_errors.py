@@ -186,3 +186,81 @@ def test_inputs_are_not_modified(tmp_path):
     before = {p.name: p.read_bytes() for p in hf.iterdir()}
     assert mconv("hf2mcore", hf, tmp_path / "m", "--tp", "2", "-q").exit_code == 0
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
+
+
+# ----------------------------------------------------------------------------- usage errors (issue 10.12)
+
+@pytest.mark.parametrize("args,fragment", [
+    (["hf2mcore", TINY / "config.json", "out"], "Invalid value for 'HF_DIR': Directory"),
+    (["mcore2hf", "ckpt", "out", "--max-shard-size", "3XB"], "'--max-shard-size': '3XB' is not a size"),
+    (["mcore2hf", "ckpt", "out", "--max-shard-size", "0"], "'--max-shard-size': '0' is not a positive size"),
+    (["hf2mcore", TINY, "out", "--tpp", "2"], "No such option '--tpp'"),
+    (["hf2mcore", TINY, "out", "--tp", "two"], "'--tp': 'two' is not a valid integer"),
+    (["hf2mcore", TINY], "Missing argument 'OUT_DIR'"),
+    (["convert", TINY], "No such command 'convert'"),
+])
+def test_usage_errors_are_one_line_with_status_2(tmp_path, args, fragment):
+    result = mconv(*args)
+    assert result.exit_code == 2, result.output
+    assert result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("mconv: error: ") and fragment in result.stderr, result.stderr
+
+
+def test_help_is_not_an_error():
+    assert mconv("hf2mcore", "--help").exit_code == 0
+    assert "Usage:" in mconv().output  # plain `mconv` still shows the help
+
+
+# ----------------------------------------------------------------------------- output naming (issue 10.6)
+
+def hf_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("model"))
+
+
+def test_output_files_are_named_as_transformers_names_them(tmp_path):
+    """Oracle: transformers' save_pretrained of the same model, unsharded and sharded."""
+    from fixtures.make_fixtures import make_qwen3
+
+    theirs_one = make_qwen3(tmp_path / "one", tokenizer=False)
+    theirs_many = make_qwen3(tmp_path / "many", tokenizer=False, max_shard_size="100KB")
+    assert mconv("hf2mcore", theirs_one, tmp_path / "m", "--format", "torch", "-q").exit_code == 0
+    assert mconv("mcore2hf", tmp_path / "m", tmp_path / "ours-one", "-q", "--workers", 2).exit_code == 0
+    assert mconv("mcore2hf", tmp_path / "m", tmp_path / "ours-many", "-q", "--max-shard-size", "100KB").exit_code == 0
+    assert hf_files(tmp_path / "ours-one") == hf_files(theirs_one) == ["model.safetensors"]
+    assert hf_files(tmp_path / "ours-many") == hf_files(theirs_many)  # model-0000i-of-0000n + index
+    ours, index = (json.loads((d / "model.safetensors.index.json").read_text())
+                   for d in (tmp_path / "ours-many", theirs_many))
+    assert ours["metadata"] == index["metadata"] and ours["weight_map"].keys() == index["weight_map"].keys()
+    assert mconv("verify", theirs_one, tmp_path / "ours-many", "-q").exit_code == 0
+
+
+# ----------------------------------------------------------------------------- permissions (issue 10.7)
+
+def modes_made_by_the_shell(where: Path, mask: int, side_files: Path) -> dict[str, int]:
+    """Oracle: the modes `mkdir`, a shell redirection and `cp` give under this umask."""
+    import subprocess
+
+    where.mkdir()
+    subprocess.run(["sh", "-c", f"umask {mask:03o} && mkdir dir && : > file && cp {side_files}/*.json ."],
+                   cwd=where, check=True)
+    return {p.name: p.stat().st_mode & 0o7777 for p in where.iterdir()}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002, 0o027])
+def test_outputs_get_the_permissions_of_the_callers_umask(tmp_path, mask):
+    import os
+
+    hf = copy_model(tmp_path)
+    (hf / "tokenizer.json").chmod(0o640)  # cp keeps a side file's own bits, less the umask
+    shell = modes_made_by_the_shell(tmp_path / "shell", mask, hf)
+    previous = os.umask(mask)
+    try:
+        for args in (["hf2mcore", hf, tmp_path / "dist"], ["hf2mcore", hf, tmp_path / "torch", "--format", "torch"],
+                     ["mcore2hf", tmp_path / "torch", tmp_path / "back"]):
+            assert mconv(*args, "-q").exit_code == 0
+    finally:
+        os.umask(previous)
+    for out in ("dist", "torch", "back"):
+        for path in [tmp_path / out, *(tmp_path / out).rglob("*")]:
+            expected = shell["dir"] if path.is_dir() else shell.get(path.name, shell["file"])
+            assert path.stat().st_mode & 0o7777 == expected, (path, oct(path.stat().st_mode), oct(expected))
