@@ -185,6 +185,8 @@ def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first
                                    overwrite=overwrite, dry_run=dry_run, progress=not (quiet or as_json),
                                    workers=workers or default_workers()))
     plan = summary.plan
+    for note in summary.notes:
+        click.echo(f"mconv: note: {note}", err=True)
     header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
               f"padded vocab {plan.padded_vocab}")
     if dry_run:

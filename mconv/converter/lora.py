@@ -197,11 +197,8 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     over layers (and experts) like it; megatron-core's own model says where each base weight lives,
     so each adapter tensor is read as that layer's (and expert's) box of its global tensor.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
-
-    from mconv.converter.torch_dist import (TorchDistReader, _box_planner_class, megatron_process_group, meta_model,
-                                            sharded_parameters)
+    from mconv.converter.torch_dist import megatron_process_group, meta_model, sharded_parameters
+    from mconv.converter.torch_dist_io import TorchDistReader
 
     reader = TorchDistReader(location.iter_dir)
     stored = {key: md for key, md in reader.tensors.items() if ADAPTER in key}
@@ -213,11 +210,11 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
                                 torch.bfloat16, "torch_dist")
     if reader.args is not None:
         check_args(reader.args, make_plan(arch, config, layout, "local"), location.iter_dir)
-    rank = _one_rank({key: md.size[-1] for key, md in stored.items() if key.endswith(".linear_out.weight")}, where)
+    rank = _one_rank({key: md.shape[-1] for key, md in stored.items() if key.endswith(".linear_out.weight")}, where)
     names = {t.megatron for canonical in (False, True)
              for t in make_plan(lora_architecture(arch, rank, canonical), config, layout, "local").ranks[0].chunks[0]}
     suffixes = {name.split(ADAPTER)[1] for name in names}
-    chunk, requests, found = {}, {}, set()
+    chunk, requests, found = {}, [], set()
     with megatron_process_group():
         for parameter, entries in sharded_parameters(meta_model(args, torch.bfloat16)).items():
             for entry in entries:
@@ -230,14 +227,13 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
                     name, key = f"{module}adapter.{suffix}", f"{prefix}adapter.{suffix}"
                     if name not in names or key not in stored or name in chunk:
                         continue
-                    shape = tuple(stored[key].size)[len(offsets):]
-                    chunk[name] = torch.empty(shape, dtype=stored[key].properties.dtype)
-                    requests[(key, offsets + (0,) * len(shape))] = chunk[name].view((1,) * len(offsets) + shape)
+                    shape = stored[key].shape[len(offsets):]
+                    chunk[name] = torch.empty(shape, dtype=stored[key].dtype)
+                    requests.append((key, offsets + (0,) * len(shape), chunk[name].view((1,) * len(offsets) + shape)))
                     found.add(key)
         for key in sorted(stored.keys() - found):
             raise _not_exportable(f"{where}: {key}", arch)
-        dcp_load({}, storage_reader=FileSystemReader(str(location.iter_dir)), planner=_box_planner_class()(requests),
-                 no_dist=True)
+    reader.read(requests)
     return {Rank(0, 0): [chunk]}, layout
 
 

@@ -2,7 +2,7 @@
 
 Both readers expose the same thing: a plan whose export tasks name Megatron tensors, and a
 session that loads those tensors in batches. Legacy rank files are memory-mapped; torch_dist
-tensors are read by megatron-core's loader, only the keys a batch needs.
+tensors are read as boxes of global tensors (megatron-core's model says which), only those a batch needs.
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ class DistCheckpoint:
     TP1/PP1/EP1 checkpoint; only the vocabulary padding is taken from the stored embedding."""
 
     def __init__(self, location: mio.CheckpointLocation, hf_config: str | Path | None = None):
-        from mconv.converter.torch_dist import TorchDistReader
+        from mconv.converter.torch_dist_io import TorchDistReader
 
         self.location = location
         self.metadata = mio.read_metadata(location.save_dir) or {}
@@ -130,11 +130,14 @@ class DistCheckpoint:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[tuple[Loader, DtypeOf]]:
-        with self.reader.session(self.load_args, torch.bfloat16) as (load, dtype_of):
-            def load_sources(sources: list[ShardSource]) -> list[torch.Tensor]:
-                loaded = load(sorted({s.megatron for s in sources}))
-                return [loaded[s.megatron] for s in sources]
-            yield load_sources, (lambda source: dtype_of(source.megatron))
+        from mconv.converter.torch_dist import parameter_session
+
+        load, dtype_of = parameter_session(self.reader, self.load_args, torch.bfloat16)
+
+        def load_sources(sources: list[ShardSource]) -> list[torch.Tensor]:
+            loaded = load(sorted({s.megatron for s in sources}))
+            return [loaded[s.megatron] for s in sources]
+        yield load_sources, (lambda source: dtype_of(source.megatron))
 
 
 def open_checkpoint(path: str | Path, hf_config: str | Path | None = None) -> LegacyCheckpoint | DistCheckpoint:

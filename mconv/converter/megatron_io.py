@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import enum
-import importlib
 import json
-import pickle
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mconv.converter import safe_load
 from mconv.converter.layout import Layout, Rank
 from mconv.errors import MconvError
 
@@ -121,39 +118,16 @@ def rank_file(iter_dir: Path, layout: Layout, rank: Rank) -> Path:
     return iter_dir / layout.rank_dir(rank) / RANK_FILE
 
 
-def _megatron_enums() -> list:
-    """Megatron's enums, which Megatron-LM's saved args may hold; imported only when needed."""
-    trusted = []
-    for module_name in ("megatron.core.enums", "megatron.core.transformer.enums"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                module = importlib.import_module(module_name)
-            except Exception:
-                continue
-        trusted += [v for v in vars(module).values()
-                    if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module_name]
-    return trusted
-
-
 def load_rank_file(path: Path) -> dict:
-    """Load a legacy rank file with a restricted unpickler (tensors, the args Namespace and
-    Megatron's enums; no arbitrary code), tensors memory-mapped rather than read."""
+    """Load a legacy rank file through mconv's restricted unpickler (`safe_load`: tensors, the args
+    Namespace, Megatron's enums, optimizer/RNG/scheduler state; no arbitrary code), tensors
+    memory-mapped rather than read. Raises MconvError naming the file."""
     if not path.is_file():
         raise MconvError(f"{path} is missing from the checkpoint")
-    trusted = [argparse.Namespace]
-    while True:
-        try:
-            with torch.serialization.safe_globals(trusted):
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as e:
-            if "megatron." in str(e) and len(trusted) == 1:
-                trusted += _megatron_enums()
-                continue
-            message = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-            raise MconvError(f"{path} holds objects mconv does not unpickle for safety ({message})") from None
-        except (RuntimeError, EOFError, OSError) as e:
-            raise MconvError(f"{path} is not a readable torch checkpoint ({str(e).splitlines()[0]})") from None
+    state = safe_load.load_torch(path, mmap=True)
+    if not isinstance(state, dict):
+        raise MconvError(f"{path} holds a {type(state).__name__}, not a Megatron-LM checkpoint dict")
+    return state
 
 
 def rank_chunks(state: dict, path: Path) -> list[dict]:

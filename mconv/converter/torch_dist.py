@@ -1,19 +1,19 @@
-"""Megatron-LM's `torch_dist` format, written and read through megatron-core itself.
+"""Megatron-LM's `torch_dist` format for mconv's models: what a checkpoint holds comes from megatron-core.
 
 The keys, global shapes, layer stacking and expert axes are not re-derived here: megatron-core
 builds the model (local spec, TP1/PP1/EP1, on the meta device, so it costs no memory) and its
 `sharded_state_dict()` says what the checkpoint holds; torch_dist keys are independent of the
-parallel layout, so the trainer reshards on load. Only the bytes come from mconv: when
-torch.distributed.checkpoint's writer asks for a tensor, the meta view it was planned with is
-traced back to its parameter and that parameter is built from the HF slices on the spot. One
-parameter is in memory at a time, whatever the size of the model.
+parallel layout, so the trainer reshards on load. Only the bytes come from mconv, through the
+format-level reader and writer (`torch_dist_io`, which import neither megatron-core nor DCP): each
+box megatron-core planned is traced back to its parameter, built from the HF slices when the writer
+gets to it. One parameter per writer thread is in memory at a time, whatever the size of the model.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import tempfile
+import threading
 import warnings
 from argparse import Namespace
 from pathlib import Path
@@ -21,7 +21,10 @@ from typing import Callable, Iterator
 
 import torch
 
+from mconv.converter import torch_dist_io
+from mconv.converter.torch_dist_io import COMMON_KEY, DistEntry
 from mconv.errors import MconvError
+
 
 @contextlib.contextmanager
 def quiet_megatron() -> Iterator[None]:
@@ -128,186 +131,99 @@ def sharded_parameters(model) -> dict[str, list]:
     return boxes
 
 
-def _streaming_strategy(materialize: Callable[[torch.Tensor], torch.Tensor], progress: Callable[[int], None]):
-    from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, TorchDistSaveShardedStrategy,
-                                                                    _replace_state_dict_keys_with_sharded_keys,
-                                                                    mcore_to_pyt_state_dict)
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
+def write_entries(args: Namespace, dtype: torch.dtype, iteration: int | None, parameter: Callable[[str], torch.Tensor], dtypes: dict[str, torch.dtype]) -> list[DistEntry]:
+    """What a torch_dist checkpoint of mconv's model holds, as the writer's entries: every main-replica
+    ShardedTensor and ShardedObject of megatron-core's `sharded_state_dict()` of the meta model (keys,
+    global shapes, offsets as megatron-core plans them), then the common state. `parameter(name)`
+    builds the full (TP1) tensor of a parameter named as in the local-spec state dict, `dtypes`
+    each parameter's dtype. Needs `megatron_process_group()`."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 
-    class StreamingPlanner(MCoreSavePlanner):
-        def resolve_data(self, write_item):
-            data = super().resolve_data(write_item)
-            if isinstance(data, torch.Tensor) and data.is_meta:
-                data = materialize(data)
-                progress(data.nbytes)
-            return data
+    model = meta_model(args, dtype, dtypes)
+    names = _parameter_names(model)
+    local = threading.local()  # each writer thread builds its own parameters
 
-    class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
-        """megatron-core's torch_dist save, with torch's serial file writer, which asks for each
-        tensor only when it writes it (megatron's own writer stages everything first)."""
+    def box(entry) -> Callable[[], torch.Tensor]:
+        name = names.get(_storage_id(entry.data))
+        if name is None:
+            raise MconvError(f"internal: megatron-core planned {entry.key}, which is not a model parameter")
+        view, sizes = entry.data, (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
 
-        def save(self, sharded_state_dict, checkpoint_dir):
-            sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1)
-            planner = StreamingPlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
-                                       flatten_sharded_tensors=False)
-            dcp_save(mcore_to_pyt_state_dict(sharded, False), storage_writer=writer, planner=planner)
-
-    return StreamingSaveStrategy()
-
-
-def save(iter_dir: Path, args: Namespace, dtype: torch.dtype, iteration: int | None, model_chunks: int,
-         parameter: Callable[[str], torch.Tensor], dtypes: dict[str, torch.dtype],
-         progress: Callable[[int], None]) -> None:
-    """Write a torch_dist checkpoint; `parameter(name)` builds the full (TP1) tensor of a parameter
-    named as in megatron-core's local-spec state dict, `dtypes` gives each parameter's dtype."""
-    iter_dir.mkdir(parents=True)
-    with megatron_process_group():
-        from megatron.core import dist_checkpointing
-
-        model = meta_model(args, dtype, dtypes)
-        names = _parameter_names(model)
-        cache: dict[str, torch.Tensor] = {}
-
-        def materialize(view: torch.Tensor) -> torch.Tensor:
-            name = names.get(_storage_id(view))
-            if name is None:
-                raise MconvError("internal: megatron-core planned a tensor that is not a model parameter")
-            if name not in cache:  # GLU fc1 is written as two halves of one parameter, one after the other
-                cache.clear()
-                cache[name] = parameter(name)
-            full = cache[name]
+        def produce() -> torch.Tensor:
+            if getattr(local, "name", None) != name:  # GLU fc1 is two boxes of one parameter, written in turn
+                local.name, local.full = name, parameter(name)
+            full = local.full
             if view.storage_offset() == 0 and view.numel() == full.numel() and view.is_contiguous():
-                return full.view(view.size())  # the whole parameter (maybe with a stacking axis): no copy
-            return full.as_strided(view.size(), view.stride(), view.storage_offset()).clone()
+                return full.view(sizes)  # the whole parameter: no copy
+            return full.as_strided(view.size(), view.stride(), view.storage_offset()).reshape(sizes)
+        return produce, name
 
-        sharded = model.sharded_state_dict()
-        state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration or 0}
-        state.update({"model": sharded} if model_chunks == 1 else {"model0": sharded})
-        dist_checkpointing.save(state, str(iter_dir), sharded_strategy=_streaming_strategy(materialize, progress))
-
-
-@functools.cache
-def _box_planner_class():
-    """A DCP load planner that reads boxes of global tensors; DCP finds the stored chunks that
-    overlap each box. (Defined once: a class made per call would be cyclic garbage holding the
-    destination buffers until the garbage collector ran.)"""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    class BoxLoadPlanner(LoadPlanner):
-        def __init__(self, requests: dict[tuple[str, tuple[int, ...]], torch.Tensor]):
-            self.requests = requests  # (key, global offset) -> destination view with the box's shape
-
-        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-            self.metadata = metadata
-
-        def create_local_plan(self):
-            items = []
-            for (key, offsets), dest in self.requests.items():
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.shape)
-                items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
-            return LoadPlan(items)
-
-        def create_global_plan(self, global_plan):
-            return global_plan
-
-        def finish_plan(self, central_plan):
-            return central_plan
-
-        def load_bytes(self, read_item, value):
-            raise MconvError("internal: a tensor read was planned as bytes")
-
-        def resolve_tensor(self, read_item):
-            dest = self.requests[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-                dest = dest.narrow(dim, start, length)
-            return dest
-
-        def commit_tensor(self, read_item, tensor):
-            pass  # resolve_tensor handed out views of the destination: the data is in place
-
-    return BoxLoadPlanner
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)
+    entries = []
+    for item in nested_values(sharded):
+        if isinstance(item, ShardedTensor) and item.replica_id in (0, (0, 0, 0), (0, 0)):
+            produce, name = box(item)
+            entries.append(DistEntry(item.key, tuple(item.global_shape), item.dtype, produce,
+                                     tuple(item.global_offset), (1,) * item.prepend_axis_num + tuple(item.local_shape),
+                                     group=name))
+        elif isinstance(item, ShardedObject) and item.replica_id in (0, (0, 0, 0), (0, 0)):
+            entries.append(DistEntry(item.unique_key, None, None, lambda data=item.data: data))
+        elif not isinstance(item, (ShardedTensor, ShardedObject)):
+            raise MconvError(f"internal: megatron-core's sharded state dict holds a {type(item).__name__}")
+    common = common_state(args, iteration)
+    entries.append(DistEntry(COMMON_KEY, None, None, lambda: common))
+    return entries
 
 
-class TorchDistReader:
-    """Reads parameters of a torch_dist checkpoint by their megatron-core (TP1) names.
+def common_state(args: Namespace, iteration: int | None) -> dict:
+    """The common (non-sharded) state Megatron-LM stores beside the model: args, version, iteration."""
+    return {"args": args, "checkpoint_version": 3.0, "iteration": iteration or 0}
 
-    megatron-core's sharded state dict says which box of which global tensor each parameter (or
-    each half of a GLU fc1) is; torch.distributed.checkpoint reads exactly those boxes, whatever
-    chunking the checkpoint was written with.
-    """
 
-    def __init__(self, iter_dir: Path):
-        from torch.distributed.checkpoint import FileSystemReader
+def save(iter_dir: Path, args: Namespace, dtype: torch.dtype, iteration: int | None, parameter: Callable[[str], torch.Tensor], dtypes: dict[str, torch.dtype],
+         progress: Callable[[int], None], workers: int = 1) -> None:
+    """Write a torch_dist checkpoint of mconv's model (see `write_entries`) with `workers` threads,
+    with `common.pt` too, so megatron-core releases before 0.19 load it."""
+    with megatron_process_group():
+        entries = write_entries(args, dtype, iteration, parameter, dtypes)
+    torch_dist_io.write(iter_dir, entries, workers, common_state(args, iteration), progress)
 
-        self.iter_dir = iter_dir
-        with quiet_megatron():
-            from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
-            try:
-                self.common = load_common_state_dict(str(iter_dir))
-                self.metadata = FileSystemReader(str(iter_dir)).read_metadata()
-            except Exception as e:  # megatron-core and DCP raise assorted types for unreadable checkpoints
-                raise MconvError(f"{iter_dir} is not a readable torch_dist checkpoint ({type(e).__name__}: "
-                                 f"{str(e).splitlines()[0] if str(e) else ''})") from None
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def parameter_session(reader: torch_dist_io.TorchDistReader, args: Namespace, dtype: torch.dtype):
+    """(load, dtype_of) for a torch_dist checkpoint read by megatron-core's (TP1) parameter names:
+    load(names) -> {name: tensor}; dtype_of(name) is the stored dtype of that parameter.
+    megatron-core's sharded state dict says which box of which global tensor each parameter (or each
+    half of a GLU fc1) is; the reader reads those boxes, whatever chunking was written."""
+    with megatron_process_group():
+        model = meta_model(args, dtype)
+        shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()
+                  if isinstance(t, torch.Tensor)}
+        boxes = sharded_parameters(model)
+    where = reader.iter_dir
 
-        self.tensors = {key: md for key, md in self.metadata.state_dict_metadata.items()
-                        if isinstance(md, TensorStorageMetadata)}
-        self.args = self.common.get("args") if isinstance(self.common, dict) else None
+    def stored_dtype(name: str) -> torch.dtype:
+        key = boxes[name][0].key
+        if key not in reader.tensors:
+            raise MconvError(f"{where}: tensor {key} (for {name}) is missing from the checkpoint")
+        return reader.tensors[key].dtype
 
-    def global_shape(self, key: str) -> tuple[int, ...] | None:
-        entry = self.tensors.get(key)
-        return None if entry is None else tuple(entry.size)
+    def load(wanted: list[str]) -> dict[str, torch.Tensor]:
+        out, requests = {}, []
+        for name in wanted:
+            if name not in boxes:
+                raise MconvError(f"internal: megatron-core's model has no parameter {name}")
+            out[name] = buffer = torch.empty(shapes[name], dtype=stored_dtype(name))
+            for entry in boxes[name]:
+                if reader.tensors[entry.key].shape != tuple(entry.global_shape):
+                    raise MconvError(f"{where}: tensor {entry.key} has shape {list(reader.tensors[entry.key].shape)}, "
+                                     f"the HF config implies {list(entry.global_shape)}")
+                view = entry.data
+                dest = buffer.as_strided(view.size(), view.stride(), view.storage_offset())
+                requests.append((entry.key, tuple(entry.global_offset),
+                                 dest.view((1,) * entry.prepend_axis_num + tuple(entry.local_shape))))
+        reader.read(requests)
+        return out
 
-    def nbytes(self) -> int:
-        total = 0
-        for entry in self.tensors.values():
-            n = entry.properties.dtype.itemsize
-            for s in entry.size:
-                n *= s
-            total += n
-        return total
-
-    @contextlib.contextmanager
-    def session(self, args: Namespace, dtype: torch.dtype):
-        """Yields (load, dtype_of) within a megatron-core process group: load(names) ->
-        {name: tensor}; dtype_of(name) is the stored dtype of that parameter."""
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint import load as dcp_load
-
-        with megatron_process_group():
-            model = meta_model(args, dtype)
-            shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()
-                      if isinstance(t, torch.Tensor)}
-            boxes = sharded_parameters(model)
-
-            def stored_dtype(name: str) -> torch.dtype:
-                key = boxes[name][0].key
-                if key not in self.tensors:
-                    raise MconvError(f"{self.iter_dir}: tensor {key} (for {name}) is missing from the checkpoint")
-                return self.tensors[key].properties.dtype
-
-            def load(wanted: list[str]) -> dict[str, torch.Tensor]:
-                out, requests = {}, {}
-                for name in wanted:
-                    if name not in boxes:
-                        raise MconvError(f"internal: megatron-core's model has no parameter {name}")
-                    out[name] = buffer = torch.empty(shapes[name], dtype=stored_dtype(name))
-                    for entry in boxes[name]:
-                        expected = (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
-                        if tuple(self.tensors[entry.key].size) != tuple(entry.global_shape):
-                            raise MconvError(f"{self.iter_dir}: tensor {entry.key} has shape "
-                                             f"{list(self.tensors[entry.key].size)}, the HF config implies "
-                                             f"{list(entry.global_shape)}")
-                        view = entry.data
-                        dest = buffer.as_strided(view.size(), view.stride(), view.storage_offset())
-                        requests[(entry.key, tuple(entry.global_offset))] = dest.view(expected)
-                dcp_load({}, storage_reader=FileSystemReader(str(self.iter_dir)), planner=_box_planner_class()(requests),
-                         no_dist=True)
-                return out
-
-            yield load, stored_dtype
+    return load, stored_dtype

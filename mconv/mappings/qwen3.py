@@ -61,15 +61,20 @@ DENSE_MLP = (
     *linear(L + "mlp.linear_fc2", {H + "mlp.down_proj.weight": "hidden ffn"}, ROW, when=dense),
 )
 
-EMBEDDING_AND_OUTPUT = (
-    Rule("embedding.word_embeddings.weight", {"model.embed_tokens.weight": "vocab hidden"}, VOCAB, stage=FIRST),
-    Rule("decoder.final_layernorm.weight", {"model.norm.weight": "hidden"}, REPLICATED, stage=LAST),
-    extra_state("decoder.final_layernorm", stage=LAST, specs=("te",)),
-    Rule("output_layer.weight", {"lm_head.weight": "vocab hidden"}, VOCAB, stage=LAST, when=lambda d: not d.tied),
-    # Tied embeddings: the last stage of a pipeline keeps its own copy of the embedding.
-    Rule("output_layer.weight", {"model.embed_tokens.weight": "vocab hidden"}, VOCAB, stage=LAST,
-         when=lambda d: d.tied and d.pp > 1, exported=False),
-    extra_state("output_layer", stage=LAST),
-)
+def embedding_and_output(embedding: str = "model.embed_tokens.weight") -> tuple[Rule, ...]:
+    """Embedding, final norm and output layer; `embedding` is the HF name of the word embeddings."""
+    return (
+        Rule("embedding.word_embeddings.weight", {embedding: "vocab hidden"}, VOCAB, stage=FIRST),
+        Rule("decoder.final_layernorm.weight", {"model.norm.weight": "hidden"}, REPLICATED, stage=LAST),
+        extra_state("decoder.final_layernorm", stage=LAST, specs=("te",)),
+        Rule("output_layer.weight", {"lm_head.weight": "vocab hidden"}, VOCAB, stage=LAST, when=lambda d: not d.tied),
+        # Tied embeddings: the last stage of a pipeline keeps its own copy of the embedding.
+        Rule("output_layer.weight", {embedding: "vocab hidden"}, VOCAB, stage=LAST,
+             when=lambda d: d.tied and d.pp > 1, exported=False),
+        extra_state("output_layer", stage=LAST),
+    )
+
+
+EMBEDDING_AND_OUTPUT = embedding_and_output()
 
 QWEN3 = Architecture("Qwen3ForCausalLM", dims, EMBEDDING_AND_OUTPUT + ATTENTION + DENSE_MLP, megatron_args)

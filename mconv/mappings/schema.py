@@ -41,6 +41,9 @@ class Architecture:
     dims: Callable[[dict], SimpleNamespace]  # config.json -> model dimensions used by shapes and params
     rules: tuple[Rule, ...]
     megatron_args: Callable[[SimpleNamespace], dict] = field(default=lambda d: {})  # Megatron-LM args
+    # HF tensors the Megatron layout has no place for: {HF name prefix: why}; hf2mcore leaves them out
+    # and says so (mcore2hf cannot bring them back).
+    dropped: Callable[[SimpleNamespace], dict[str, str]] = field(default=lambda d: {})
 
 
 def extra_state(module: str, stage: str | None = None, specs=("local", "te"), when=None) -> Rule:

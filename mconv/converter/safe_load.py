@@ -1,0 +1,193 @@
+"""The one restricted unpickler every pickle mconv reads goes through: nothing in a checkpoint executes.
+
+Megatron checkpoints hold pickles in four places: torch.distributed.checkpoint's `.metadata` (a
+plain pickle of DCP's metadata dataclasses), `common.pt` and the `common_state` object inside
+`.distcp` files (torch.save archives of Megatron-LM's args Namespace, optimizer/scheduler/RNG/rerun
+state), and legacy `model_optim_rng.pt` rank files (torch.save archives). A pickle may name any
+importable callable, so each is unpickled against ONE explicit allow-list (`ALLOWED`): plain pickles
+by a `pickle.Unpickler` whose `find_class` refuses every other global (the pickle module's own
+"restricting globals" rule; torch's weights-only unpickler cannot read them, it lacks protocol 4's
+opcodes), torch.save archives by `torch.load(weights_only=True)` with the same list as its
+`safe_globals` (tensors, storages, dtypes and `torch.Size` are built into it).
+
+The allow-list is megatron-core's own (`megatron/core/safe_globals.py`, 0.19.2: what Megatron-LM's
+`save_checkpoint` stores) plus DCP's metadata types. Megatron's enums and `OptimizerConfig`, and
+DCP's metadata classes, are mapped to light stand-ins (`StoredObject`) so that reading a checkpoint
+imports neither megatron-core nor torch.distributed.checkpoint (seconds of imports each); mconv
+reads only plain fields of them.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import pathlib
+import pickle
+import re
+import signal
+import types
+from collections import OrderedDict
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from mconv.errors import MconvError
+
+
+class StoredObject:
+    """Stands in for a class a checkpoint names that mconv reads without importing it: a Megatron
+    enum member or dataclass (e.g. the args' `attention_backend`), or one of DCP's metadata
+    dataclasses (importing torch.distributed.checkpoint costs seconds: it pulls in DTensor and
+    sympy). It holds what the pickle gave it: `args` (an enum's value), `state` (and the state's
+    fields as attributes when it is a dict)."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        value = self.args[0] if len(self.args) == 1 else self.args
+        return f"{type(self).__module__}.{type(self).__qualname__}({value!r})"
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    """torch._utils._rebuild_tensor_v2 without backward hooks or Python attributes (a bare tensor)."""
+    if hooks or metadata:
+        raise pickle.UnpicklingError("Unsupported global: GLOBAL torch._utils._rebuild_tensor_v2 with hooks")
+    return torch._utils._rebuild_tensor(storage, storage_offset, size, stride)
+
+
+def _stand_in(path: str) -> tuple[type, str]:
+    module, _, name = path.rpartition(".")
+    return type(name, (StoredObject,), {"__module__": module, "__qualname__": name}), path
+
+
+# megatron-core 0.19.2 safe_globals.SAFE_GLOBALS names these (plus the stdlib, NumPy and torch types
+# below); the enum modules' other enums are listed too, as older Megatron-LM args stored them.
+MEGATRON_NAMES = (
+    "megatron.core.enums.ModelType", "megatron.core.enums.Fp8Recipe", "megatron.core.enums.Fp4Recipe",
+    "megatron.core.transformer.enums.ModelType", "megatron.core.transformer.enums.LayerType",
+    "megatron.core.transformer.enums.AttnType", "megatron.core.transformer.enums.AttnMaskType",
+    "megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphModule",
+    "megatron.core.transformer.enums.CudaGraphScope", "megatron.core.transformer.enums.InferenceCudaGraphScope",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.rerun_state_machine.RerunDiagnostic", "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+)
+
+
+def _numpy_globals() -> list[tuple[object, str]]:
+    """NumPy's RNG state (`np.random.get_state()`, in Megatron-LM's rng_state) is an ndarray: its
+    reconstructor, class and dtypes, under NumPy 1's and NumPy 2's module names."""
+    import numpy
+    from numpy import dtypes
+
+    reconstruct = numpy._core.multiarray._reconstruct if hasattr(numpy, "_core") else numpy.core.multiarray._reconstruct
+    entries = [(reconstruct, "numpy.core.multiarray._reconstruct"), (reconstruct, "numpy._core.multiarray._reconstruct"),
+               (numpy.ndarray, "numpy.ndarray"), (numpy.dtype, "numpy.dtype")]
+    scalar = getattr(getattr(numpy, "_core", None) or numpy.core, "multiarray").scalar
+    entries += [(scalar, "numpy.core.multiarray.scalar"), (scalar, "numpy._core.multiarray.scalar")]
+    entries += [(cls, f"numpy.dtypes.{name}") for name, cls in vars(dtypes).items()
+                if isinstance(cls, type) and issubclass(cls, numpy.dtype) and name != "StringDType"]
+    return entries
+
+
+# torch.distributed.checkpoint's `.metadata` (torch 2.11): its dataclasses and memory-format enum.
+DCP_NAMES = tuple(f"torch.distributed.checkpoint.metadata.{name}" for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")) + ("torch.distributed.checkpoint.filesystem._StorageInfo",)
+
+
+def _allowed() -> list[tuple[object, str]]:
+    entries = [(cls, f"{cls.__module__}.{cls.__qualname__}") for cls in (
+        argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO, signal.Signals, OrderedDict)]
+    entries += [(torch._C.Generator, "torch._C.Generator"), (torch.Size, "torch.Size")]
+    entries += [(value, f"torch.{name}") for name, value in vars(torch).items() if isinstance(value, torch.dtype)]
+    entries += [_stand_in(name) for name in MEGATRON_NAMES + DCP_NAMES]
+    entries += [(torch.serialization._get_layout, "torch.serialization._get_layout")]
+    # A tensor in a torch.save archive (built into torch's weights-only unpickler; listed for DCP chunk headers).
+    entries += [(_rebuild_tensor, "torch._utils._rebuild_tensor_v2")]
+    entries += [(getattr(torch, name), f"torch.{name}") for name in dir(torch)
+                if name.endswith("Storage") and isinstance(getattr(torch, name), type)
+                and issubclass(getattr(torch, name), torch.storage._LegacyStorage)]
+    return entries + _numpy_globals()
+
+
+ALLOWED: dict[str, object] = {}  # "module.qualname" -> the object a pickle naming it gets
+
+
+def _allow_list() -> dict[str, object]:
+    if not ALLOWED:
+        ALLOWED.update({name: obj for obj, name in _allowed()})
+    return ALLOWED
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        found = _allow_list().get(f"{module}.{name}")
+        if found is None:
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+        return found
+
+
+def _refusal(path: Path, error: Exception, what: str) -> MconvError:
+    text = str(error).strip()
+    refused = re.search(r"GLOBAL ([\w.]+)", text)
+    if refused:
+        return MconvError(f"{path}: refused to unpickle {refused.group(1)} (not on mconv's allow-list; "
+                          "nothing in a checkpoint is executed)")
+    first = text.splitlines()[0] if text else type(error).__name__
+    return MconvError(f"{path} is not a readable {what} ({first})")
+
+
+def load_pickle(path: Path, data: bytes | None = None) -> object:
+    """Unpickle a plain pickle (DCP `.metadata`) from `data` or the file at `path`, refusing every
+    global not in the allow-list. Raises MconvError naming the file (and the refused global)."""
+    try:
+        if data is None:
+            data = path.read_bytes()
+        return _RestrictedUnpickler(io.BytesIO(data)).load()
+    except MconvError:
+        raise
+    except Exception as e:  # corrupt pickles raise assorted types (EOFError, ValueError, KeyError...)
+        raise _refusal(path, e, "pickle") from None
+
+
+def load_torch(path: Path, source: IO[bytes] | None = None, mmap: bool = False) -> object:
+    """torch.load with weights_only=True and the allow-list as safe globals, from `source` or the
+    file at `path` (memory-mapped with `mmap`: tensors are read on access). Raises MconvError."""
+    try:
+        with torch.serialization.safe_globals([(obj, name) for name, obj in _allow_list().items()]):
+            return torch.load(path if source is None else source, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # UnpicklingError for refused globals; RuntimeError/EOFError/... for corrupt files
+        raise _refusal(path, e, "torch checkpoint file") from None
+
+
+def load_tensor_header(path: Path, data: bytes) -> tuple[torch.Tensor, str]:
+    """The tensor a torch.save archive's `data.pkl` describes, on the meta device (no bytes read),
+    and the name of its storage record. Raises MconvError."""
+    records = []
+
+    def persistent_load(pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str)
+                and isinstance(pid[4], int) and isinstance(pid[1], type)
+                and issubclass(pid[1], torch.storage._LegacyStorage)):
+            raise pickle.UnpicklingError(f"a persistent id that is not a tensor storage: {str(pid)[:80]}")
+        records.append(pid[2])
+        dtype = torch.storage._get_dtype_from_pickle_storage_type(pid[1].__name__)
+        storage = torch.UntypedStorage(pid[4] * dtype.itemsize, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    try:
+        unpickler = _RestrictedUnpickler(io.BytesIO(data))
+        unpickler.persistent_load = persistent_load
+        tensor = unpickler.load()
+        if not isinstance(tensor, torch.Tensor) or len(records) != 1:
+            raise pickle.UnpicklingError("it is not one tensor")
+    except Exception as e:  # refused globals and corrupt pickles alike
+        raise _refusal(path, e, "tensor archive") from None
+    return tensor, records[0]

@@ -1,0 +1,574 @@
+"""The torch_dist file format (torch.distributed.checkpoint as megatron-core uses it): a reader and a
+writer of boxes of global tensors by key, independent of any model, without megatron-core.
+
+On disk (torch 2.x `FileSystemWriter`, which megatron-core's `dist_checkpointing.save` drives):
+`.metadata` is a pickle of DCP's `Metadata` (global key -> global shape, dtype and the chunks
+stored, each chunk -> file, byte offset, length); every chunk is a torch.save archive of one
+tensor (a zip: `data.pkl`, then the storage bytes stored uncompressed); objects (megatron-core's
+ShardedObjects: `_extra_state`, `common_state`) are torch.save archives of `[object]` stored as
+bytes under their unique key (`key/shard_{offsets}_{shape}`); `metadata.json` names the backend.
+
+Reading parses `.metadata` once per reader, through mconv's restricted unpickler, and indexes each
+key's stored chunks once; a read of many boxes finds the overlapping chunks, decodes each chunk's
+archive header (a small restricted unpickle) and reads the storage bytes straight into the
+destination, requests sorted by file and offset and merged into large `preadv` calls. Writing
+serializes chunks with torch.save (the archive format DCP's reader expects) into large buffers,
+written with few `writev` calls and one fsync per file; each member of a team writes its own
+`__{member}_0.distcp`, and one `.metadata` is written at the end.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+import uuid
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from mconv.converter import safe_load
+from mconv.converter.parallel import share
+from mconv.errors import MconvError
+
+METADATA_FILE = ".metadata"
+COMMON_FILE = "common.pt"  # megatron-core <= 0.18 keeps the common state here (0.19 reads it first)
+COMMON_KEY = "common_state/shard_0_1"  # megatron-core 0.19's ShardedObject("common_state", ...).unique_key
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+WRITE_BUFFER_BYTES = 64 * 2**20  # serialized chunks gathered per writev
+MERGE_GAP_BYTES = 64 * 2**10  # reads closer than this are merged into one request
+metadata_reads = 0  # `.metadata` files this process parsed (tests count them)
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """One stored box of a global tensor (or an object): where it is and which box it is."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int  # byte offset of its torch.save archive in `file`
+    length: int
+
+
+@dataclass
+class StoredTensor:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[StoredChunk]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class _ChunkData:
+    """Where a chunk's storage bytes are and how its tensor views them (from its archive header)."""
+
+    start: int  # file offset of the storage bytes
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    storage_bytes: int
+
+    @property
+    def dense(self) -> bool:
+        expected, step = [], 1
+        for s in reversed(self.size):
+            expected.insert(0, step)
+            step *= s
+        return self.storage_offset == 0 and (tuple(expected) == self.stride or step <= 1)
+
+
+class _Window(io.RawIOBase):
+    """A read-only file object over bytes [offset, offset+length) of an open file (zipfile reads the
+    chunk archive through it); `cached` holds bytes already read, by absolute offset."""
+
+    def __init__(self, fd: int, offset: int, length: int, cached: tuple[int, bytes]):
+        self.fd, self.base, self.length, self.pos = fd, offset, length, 0
+        self.cached = cached
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        start = self.base + self.pos
+        at, data = self.cached
+        if at <= start and start + n <= at + len(data):
+            buffer[:n] = data[start - at:start - at + n]
+        else:
+            n = os.preadv(self.fd, [memoryview(buffer)[:n]], start)
+        self.pos += n
+        return n
+
+
+def _box_overlap(a_off, a_size, b_off, b_size) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    starts = tuple(max(x, y) for x, y in zip(a_off, b_off))
+    stops = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size))
+    if any(b <= a for a, b in zip(starts, stops)):
+        return None
+    return starts, tuple(b - a for a, b in zip(starts, stops))
+
+
+def _narrow(tensor: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    for dim, (start, size) in enumerate(zip(starts, sizes)):
+        if start != 0 or size != tensor.shape[dim]:
+            tensor = tensor.narrow(dim, start, size)
+    return tensor
+
+
+def _bytes_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
+
+
+class TorchDistReader:
+    """Reads boxes of the global tensors of a torch_dist checkpoint directory by key.
+
+    `tensors` maps each key to its global shape, dtype and stored chunks; `objects` each object's
+    unique key to its chunk; `common` is megatron-core's common state dict (from `common.pt` when
+    present, as megatron-core reads it, else the `common_state` object) and `args` its Megatron-LM
+    args Namespace (None if absent). Every pickle goes through `safe_load`. Errors: MconvError
+    naming the file. Concurrent `read` calls from threads are safe (chunk decoding is idempotent).
+    """
+
+    def __init__(self, iter_dir: str | Path):
+        global metadata_reads
+        self._fds: dict[str, int] = {}  # first: __del__ closes them
+        self.iter_dir = Path(iter_dir)
+        path = self.iter_dir / METADATA_FILE
+        if not path.is_file():
+            raise MconvError(f"{path} is missing: {self.iter_dir} is not a complete torch_dist checkpoint")
+        metadata_reads += 1
+        metadata = safe_load.load_pickle(path)
+        try:
+            self.tensors, self.objects = _index(path, metadata)
+        except (TypeError, AttributeError, ValueError, IndexError) as e:  # fields of the wrong type
+            raise MconvError(f"{path}: not a torch.distributed.checkpoint metadata file mconv can read "
+                             f"({type(e).__name__}: {e})") from None
+        self._decoded: dict[StoredChunk, _ChunkData] = {}
+        self.common = self._common_state()
+        self.args = self.common.get("args") if isinstance(self.common, dict) else None
+
+    def _common_state(self) -> Any:
+        common = self.iter_dir / COMMON_FILE
+        if common.is_file():
+            return safe_load.load_torch(common)
+        if COMMON_KEY not in self.objects:
+            return None
+        return self.read_object(COMMON_KEY)
+
+    def read_object(self, key: str) -> Any:
+        """An object (megatron-core ShardedObject) by its unique key, through the restricted unpickler."""
+        chunk = self.objects[key]
+        data = bytearray(chunk.length)
+        self._pread(chunk.file, memoryview(data), chunk.offset)
+        value = safe_load.load_torch(self.iter_dir / chunk.file, io.BytesIO(data))
+        if not isinstance(value, list) or len(value) != 1:
+            raise MconvError(f"{self.iter_dir / chunk.file}: object {key} is not stored as megatron-core stores one")
+        return value[0]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def global_shape(self, key: str) -> tuple[int, ...] | None:
+        entry = self.tensors.get(key)
+        return None if entry is None else entry.shape
+
+    def read_box(self, key: str, offsets: Sequence[int] | None = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """The box [offsets, offsets+sizes) of global tensor `key` (the whole tensor by default)."""
+        info = self._tensor(key)
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(info.shape)
+        out = torch.empty(tuple(sizes) if sizes is not None else info.shape, dtype=info.dtype)
+        self.read([(key, offsets, out)])
+        return out
+
+    def read(self, requests: Sequence[tuple[str, Sequence[int], torch.Tensor]]) -> None:
+        """Fill each destination tensor (any strides, the stored dtype) with the box of global tensor
+        `key` at `offsets` of the destination's shape. All stored chunks overlapping the boxes are
+        read with requests sorted by file and offset, adjacent ones merged."""
+        reads: list[tuple[str, int, memoryview]] = []
+        copies: list[Callable[[], None]] = []
+        for key, offsets, dest in requests:
+            info = self._tensor(key)
+            offsets, sizes = tuple(offsets), tuple(dest.shape)
+            if dest.dtype != info.dtype or len(offsets) != len(info.shape) or any(
+                    o < 0 or o + s > g for o, s, g in zip(offsets, sizes, info.shape)):
+                raise MconvError(f"{self.iter_dir}: tensor {key} ({info.dtype}, {list(info.shape)}) has no box "
+                                 f"{list(sizes)} {dest.dtype} at {list(offsets)}")
+            covered = 0
+            for chunk in info.chunks:
+                overlap = _box_overlap(chunk.offsets, chunk.sizes, offsets, sizes)
+                if overlap is None:
+                    continue
+                starts, lengths = overlap
+                covered += torch.Size(lengths).numel()
+                target = _narrow(dest, [s - o for s, o in zip(starts, offsets)], lengths)
+                self._plan_read(info, chunk, [s - o for s, o in zip(starts, chunk.offsets)], lengths, target,
+                                reads, copies)
+            if covered != dest.numel():
+                raise MconvError(f"{self.iter_dir}: the stored chunks of {key} do not cover the box "
+                                 f"{list(sizes)} at {list(offsets)}")
+        self._read_merged(reads)
+        for copy in copies:
+            copy()
+
+    def _tensor(self, key: str) -> StoredTensor:
+        info = self.tensors.get(key)
+        if info is None:
+            raise MconvError(f"{self.iter_dir}: tensor {key} is missing from the checkpoint")
+        return info
+
+    def _plan_read(self, info: StoredTensor, chunk: StoredChunk, starts: list[int], lengths: tuple[int, ...],
+                   target: torch.Tensor, reads: list, copies: list) -> None:
+        data = self._decode(info, chunk)
+        row = info.dtype.itemsize * torch.Size(chunk.sizes[1:]).numel()
+        rows_only = all(s == 0 and n == c for s, n, c in zip(starts[1:], lengths[1:], chunk.sizes[1:]))
+        if data.dense and rows_only and lengths:  # a range of whole rows: contiguous bytes on disk
+            at, nbytes = data.start + starts[0] * row, lengths[0] * row
+            if target.is_contiguous():
+                reads.append((chunk.file, at, _bytes_view(target)))
+                return
+            staged = torch.empty(lengths, dtype=info.dtype)
+            reads.append((chunk.file, at, _bytes_view(staged)))
+            copies.append(lambda: target.copy_(staged))
+            return
+        storage = torch.empty(data.storage_bytes, dtype=torch.uint8)
+        reads.append((chunk.file, data.start, _bytes_view(storage)))
+        copies.append(lambda: target.copy_(_narrow(storage.view(info.dtype).as_strided(
+            data.size, data.stride, data.storage_offset), starts, lengths)))
+
+    def _decode(self, info: StoredTensor, chunk: StoredChunk) -> _ChunkData:
+        """Parse a chunk's torch.save archive: the header pickle (restricted) and the storage record."""
+        found = self._decoded.get(chunk)
+        if found is not None:
+            return found
+        path = self.iter_dir / chunk.file
+        fd = self._fd(chunk.file)
+        head = min(chunk.length, 64 * 2**10)
+        cached = bytearray(head)
+        self._pread(chunk.file, memoryview(cached), chunk.offset)
+        window = _Window(fd, chunk.offset, chunk.length, (chunk.offset, bytes(cached)))
+        try:
+            with zipfile.ZipFile(io.BufferedReader(window, 4096)) as archive:
+                names = archive.namelist()
+                pickle_name = next((n for n in names if n.endswith("/data.pkl")), None)
+                if pickle_name is None:
+                    raise ValueError("no data.pkl")
+                tensor, record = safe_load.load_tensor_header(path, archive.read(pickle_name))
+                entry = archive.getinfo(f"{pickle_name[:-len('data.pkl')]}data/{record}")
+                local = window.base + entry.header_offset
+            header = bytearray(30)
+            self._pread(chunk.file, memoryview(header), local)
+            signature, *_, name_len, extra_len = struct.unpack("<4s5H3L2H", header)
+            if signature != b"PK\x03\x04" or entry.compress_type != zipfile.ZIP_STORED:
+                raise ValueError("the storage record is not stored uncompressed")
+        except MconvError:
+            raise
+        except (ValueError, KeyError, zipfile.BadZipFile, OSError, StopIteration) as e:
+            raise MconvError(f"{path}: the stored chunk of {info.key} at byte {chunk.offset} is not a readable "
+                             f"tensor archive ({e})") from None
+        start = local + 30 + name_len + extra_len
+        data = _ChunkData(start, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), entry.file_size)
+        extent = data.storage_offset + sum((s - 1) * st for s, st in zip(data.size, data.stride)) + 1
+        if (tensor.dtype != info.dtype or data.size != chunk.sizes or entry.file_size < extent * info.dtype.itemsize
+                or start + entry.file_size > chunk.offset + chunk.length):
+            raise MconvError(f"{path}: the stored chunk of {info.key} at byte {chunk.offset} holds a {tensor.dtype} "
+                             f"{list(tensor.shape)} tensor, the metadata says {info.dtype} {list(chunk.sizes)}")
+        self._decoded[chunk] = data
+        return data
+
+    def _fd(self, name: str) -> int:
+        if name not in self._fds:
+            path = self.iter_dir / name
+            try:
+                self._fds[name] = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise MconvError(f"{path}: cannot be read ({e.strerror})") from None
+        return self._fds[name]
+
+    def _pread(self, name: str, buffer: memoryview, offset: int) -> None:
+        fd = self._fd(name)
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(fd, [buffer[done:]], offset + done)
+            if n == 0:
+                raise MconvError(f"{self.iter_dir / name} ends before byte {offset + len(buffer)} "
+                                 "that .metadata points at (truncated?)")
+            done += n
+
+    def _read_merged(self, reads: list[tuple[str, int, memoryview]]) -> None:
+        """One preadv per run of requests in the same file no further apart than MERGE_GAP_BYTES."""
+        reads.sort(key=lambda r: (r[0], r[1]))
+        i = 0
+        while i < len(reads):
+            name, start, first = reads[i]
+            buffers, end, j = [first], start + len(first), i + 1
+            while (j < len(reads) and reads[j][0] == name and 0 <= reads[j][1] - end <= MERGE_GAP_BYTES
+                   and len(buffers) < 1000):
+                if reads[j][1] > end:
+                    buffers.append(memoryview(bytearray(reads[j][1] - end)))
+                buffers.append(reads[j][2])
+                end = reads[j][1] + len(reads[j][2])
+                j += 1
+            fd = self._fd(name)
+            n = os.preadv(fd, buffers, start) if len(buffers) > 1 else 0
+            if n != end - start:  # a short read (or a single buffer): finish buffer by buffer
+                at = start
+                for buffer in buffers:
+                    if n < len(buffer):
+                        self._pread(name, buffer[max(n, 0):], at + max(n, 0))
+                    n -= len(buffer)
+                    at += len(buffer)
+            i = j
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self):
+        self.close()
+
+
+def _kind(record) -> str | None:
+    """The DCP metadata class a record from `.metadata` stands for (see safe_load.StoredObject)."""
+    cls = type(record)
+    return cls.__qualname__ if cls.__module__.startswith("torch.distributed.checkpoint.") else None
+
+
+def _index(path: Path, metadata) -> tuple[dict[str, StoredTensor], dict[str, StoredChunk]]:
+    """Check DCP's Metadata and index every key's stored chunks (built once per reader)."""
+    def bad(what: str) -> MconvError:
+        return MconvError(f"{path}: {what}; the file is not a torch.distributed.checkpoint metadata file "
+                          "mconv can read")
+
+    if _kind(metadata) != "Metadata" or not isinstance(getattr(metadata, "state_dict_metadata", None), dict) \
+            or not isinstance(getattr(metadata, "storage_data", None), dict):
+        raise bad(f"it holds a {type(metadata).__name__}")
+    where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    for index, info in metadata.storage_data.items():
+        name = getattr(info, "relative_path", None)
+        if (_kind(index) != "MetadataIndex" or not isinstance(getattr(index, "fqn", None), str)
+                or not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".")
+                or not isinstance(info.offset, int) or not isinstance(info.length, int)
+                or info.offset < 0 or info.length < 0):
+            raise bad(f"storage entry {getattr(index, 'fqn', index)!s:.80} names no file inside the checkpoint")
+        if getattr(info, "transform_descriptors", None):
+            raise MconvError(f"{path}: {index.fqn} is stored with transforms {list(info.transform_descriptors)} "
+                             "(compression?), which mconv does not read")
+        offset = None if getattr(index, "offset", None) is None else tuple(index.offset)
+        where[(index.fqn, offset)] = (name, info.offset, info.length)
+    tensors, objects = {}, {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if _kind(entry) == "BytesStorageMetadata":
+            if (key, None) not in where:
+                raise bad(f"object {key} has no storage entry")
+            objects[key] = StoredChunk((), (), *where[(key, None)])
+            continue
+        properties = getattr(getattr(entry, "properties", None), "state", None)
+        if (_kind(entry) != "TensorStorageMetadata" or not isinstance(properties, tuple) or not properties
+                or not isinstance(properties[0], torch.dtype) or not isinstance(getattr(entry, "size", None), torch.Size)
+                or not isinstance(getattr(entry, "chunks", None), list)
+                or not all(_kind(c) == "ChunkStorageMetadata" for c in entry.chunks)):
+            raise bad(f"entry {key!s:.80} is not a tensor or object description")
+        shape = tuple(entry.size)
+        chunks = []
+        for c in entry.chunks:
+            offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+            if (len(offsets) != len(shape) or len(sizes) != len(shape)
+                    or any(o < 0 or s < 0 or o + s > g for o, s, g in zip(offsets, sizes, shape))):
+                raise bad(f"tensor {key} has a chunk {list(sizes)} at {list(offsets)} outside its shape {list(shape)}")
+            if (key, offsets) not in where:
+                raise bad(f"tensor {key} has no storage entry for its chunk at {list(offsets)}")
+            chunks.append(StoredChunk(offsets, sizes, *where[(key, offsets)]))
+        tensors[key] = StoredTensor(key, shape, properties[0], chunks)
+    return tensors, objects
+
+
+# ----------------------------------------------------------------------------------------- writing
+
+@dataclass
+class DistEntry:
+    """One box of a global tensor a torch_dist checkpoint will hold (or one object).
+
+    `produce()` returns the box's tensor (`sizes`, `dtype`) when the writer gets to it, so one
+    box is in memory at a time; `offsets` defaults to zeros and `sizes` to `global_shape` (the whole
+    tensor). An object entry has `global_shape=None`, `key` its unique key (`key/shard_0_1`), and
+    `produce()` returns the object (a restricted-unpickler type: tensors, dicts, Namespace...).
+    Entries with the same `group` are written by the same team member, in order (e.g. two halves of
+    one parameter built once).
+    """
+
+    key: str
+    global_shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    produce: Callable[[], Any]
+    offsets: tuple[int, ...] | None = None
+    sizes: tuple[int, ...] | None = None
+    group: str | None = None
+
+    def __post_init__(self):
+        if self.global_shape is not None:
+            self.global_shape = tuple(self.global_shape)
+            self.offsets = tuple(self.offsets) if self.offsets is not None else (0,) * len(self.global_shape)
+            self.sizes = tuple(self.sizes) if self.sizes is not None else self.global_shape
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.global_shape is None else self.dtype.itemsize * torch.Size(self.sizes).numel()
+
+
+def _serialize(entry: DistEntry) -> bytes | memoryview:
+    value = entry.produce()
+    buffer = io.BytesIO()
+    if entry.global_shape is None:
+        torch.save([value], buffer)
+    else:
+        if not isinstance(value, torch.Tensor) or value.dtype != entry.dtype or tuple(value.shape) != entry.sizes:
+            got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise MconvError(f"internal: {entry.key} at {list(entry.offsets)} was produced as {got}, "
+                             f"expected {entry.dtype} {list(entry.sizes)}")
+        value = value.detach().cpu().contiguous()
+        if value.untyped_storage().nbytes() != value.nbytes or value.storage_offset():
+            value = value.clone()  # torch.save stores a view's whole storage
+        torch.save(value, buffer)
+    return buffer.getbuffer()
+
+
+def data_file(member: int) -> str:
+    return f"__{member}_0.distcp"
+
+
+def _part_file(member: int) -> str:
+    return f".mconv-part-{member}.json"
+
+
+def member_share(entries: Sequence[DistEntry], member: int, members: int) -> list[int]:
+    """Indices of the entries team member `member` of `members` writes (whole groups, balanced by bytes)."""
+    groups: dict[str, list[int]] = {}
+    for i, entry in enumerate(entries):
+        groups.setdefault(entry.group or entry.key, []).append(i)
+    runs = list(groups.values())
+    mine = share([sum(entries[i].nbytes for i in run) + 1 for run in runs], member, members)
+    return sorted(i for r in mine for i in runs[r])
+
+
+def write_share(iter_dir: Path, entries: Sequence[DistEntry], member: int, members: int,
+                progress: Callable[[int], None] = lambda n: None) -> None:
+    """Write team member `member`'s share of `entries` into `__{member}_0.distcp` (large writev
+    calls, one fsync), and where each landed into a part file `finish` reads."""
+    path = iter_dir / data_file(member)
+    records, pending, pending_bytes, position = [], [], 0, 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        def flush():
+            nonlocal pending, pending_bytes
+            views = [memoryview(p) for p in pending]
+            while views:
+                n = os.writev(fd, views[:1000])
+                while n and views:
+                    if n >= len(views[0]):
+                        n -= len(views.pop(0))
+                    else:
+                        views[0], n = views[0][n:], 0
+            pending, pending_bytes = [], 0
+
+        for i in member_share(entries, member, members):
+            entry = entries[i]
+            data = _serialize(entry)
+            records.append([entry.key, list(entry.offsets) if entry.global_shape is not None else None,
+                            position, len(data)])
+            pending.append(data)
+            position += len(data)
+            pending_bytes += len(data)
+            progress(entry.nbytes)
+            if pending_bytes >= WRITE_BUFFER_BYTES:
+                flush()
+        flush()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    (iter_dir / _part_file(member)).write_text(json.dumps(records))
+
+
+def finish(iter_dir: Path, entries: Sequence[DistEntry], members: int, common_pt: Any = None) -> None:
+    """After every member's `write_share`: write DCP's `.metadata` (one for all members), `common.pt`
+    (if given: the common state as megatron-core <= 0.18 reads it) and `metadata.json`."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    state, storage = {}, {}
+    for entry in entries:
+        if entry.global_shape is None:
+            state[entry.key] = BytesStorageMetadata()
+        elif entry.key not in state:
+            state[entry.key] = TensorStorageMetadata(TensorProperties(dtype=entry.dtype),
+                                                     torch.Size(entry.global_shape), [])
+        elif tuple(state[entry.key].size) != entry.global_shape or state[entry.key].properties.dtype != entry.dtype:
+            raise MconvError(f"internal: tensor {entry.key} is given two global shapes or dtypes")
+    sizes = {(e.key, e.offsets): e.sizes for e in entries if e.global_shape is not None}
+    for member in range(members):
+        part = iter_dir / _part_file(member)
+        for key, offsets, offset, length in json.loads(part.read_text()):
+            info = _StorageInfo(data_file(member), offset, length)
+            if offsets is None:
+                storage[MetadataIndex(key)] = info
+            else:
+                storage[MetadataIndex(key, torch.Size(offsets))] = info
+                state[key].chunks.append(tuple(offsets))
+        part.unlink()
+    for key, entry in state.items():
+        if isinstance(entry, TensorStorageMetadata):
+            entry.chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(sizes[(key, o)])) for o in sorted(entry.chunks)]
+    metadata = Metadata(state, storage_data=storage,
+                        storage_meta=StorageMeta(checkpoint_id=str(iter_dir), save_id=str(uuid.uuid4())),
+                        version=CURRENT_DCP_VERSION)
+    if common_pt is not None:
+        _write_file(iter_dir / COMMON_FILE, lambda f: torch.save(common_pt, f))
+    _write_file(iter_dir / METADATA_FILE, lambda f: pickle.dump(metadata, f))
+    _write_file(iter_dir / "metadata.json", lambda f: f.write(json.dumps(BACKEND).encode()))
+
+
+def _write_file(path: Path, write: Callable[[io.BufferedWriter], Any]) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write(iter_dir: Path, entries: Sequence[DistEntry], workers: int = 1, common_pt: Any = None,
+          progress: Callable[[int], None] = lambda n: None) -> None:
+    """Write a whole torch_dist checkpoint into `iter_dir` from `entries`, `workers` threads each
+    writing its own `.distcp` file (pread, torch.save and the writes release the GIL)."""
+    iter_dir.mkdir(parents=True, exist_ok=True)
+    if workers <= 1:
+        write_share(iter_dir, entries, 0, 1, progress)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            for future in [pool.submit(write_share, iter_dir, entries, m, workers, progress) for m in range(workers)]:
+                future.result()
+    finish(iter_dir, entries, max(workers, 1), common_pt)

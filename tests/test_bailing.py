@@ -1,0 +1,217 @@
+"""BailingMoeV3 (Ling 3.0): bit-exact round trips over layouts and model variants, the MTP rule, the
+names AReaL's Bailing V3 bridge loads, and the Megatron args (with the refusals megatron-core forces)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fixtures.make_fixtures import BAILING_V3, bailing_v3_tensors, make_bailing_v3
+from mconv import Layout, MconvError, hf2mcore, mcore2hf
+from mconv.converter.planner import make_plan
+from mconv.mappings import architecture_for
+from tests.conftest import FIXTURES, ROOT
+from tests.test_roundtrip import assert_bit_identical, read_all
+
+SMALL = dict(hidden_size=32, head_dim=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+             v_head_dim=8, intermediate_size=32, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+             vocab_size=100)
+
+
+@st.composite
+def model_and_layout(draw):
+    layers = draw(st.integers(1, 5))
+    model = dict(SMALL, num_hidden_layers=layers, layer_group_size=draw(st.integers(1, 4)),
+                 first_k_dense_replace=draw(st.integers(0, layers)), no_kda_lora=draw(st.booleans()),
+                 q_lora_rank=draw(st.sampled_from([None, 16])), tie_word_embeddings=draw(st.booleans()),
+                 num_experts=draw(st.sampled_from([4, 8])), vocab_size=draw(st.integers(17, 120)))
+    tp = draw(st.sampled_from([1, 2, 4]))
+    pp = draw(st.sampled_from([p for p in (1, 2, 3) if p <= layers]))
+    vpp = draw(st.sampled_from([1, 2])) if pp > 1 else 1
+    ep = draw(st.sampled_from([e for e in (1, 2, 4) if model["num_experts"] % e == 0]))
+    etp = draw(st.sampled_from([e for e in (1, 2, 4) if tp % e == 0]))
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, vocab_divisor=draw(st.sampled_from([1, 8, 128])))
+    try:
+        layout.validate(layers)
+    except MconvError:
+        layout = Layout(tp=tp, ep=ep, etp=etp, vocab_divisor=layout.vocab_divisor)
+    return model, layout, draw(st.sampled_from(["local", "te"])), draw(st.sampled_from([torch.bfloat16, torch.float32]))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=model_and_layout(), seed=st.integers(0, 2**16))
+def test_round_trip_is_bit_identical(tmp_path_factory, case, seed):
+    model, layout, spec, dtype = case
+    tmp = tmp_path_factory.mktemp("bailing")
+    hf = make_bailing_v3(tmp / "hf", seed=seed, dtype=dtype, tokenizer=False, **model)
+    hf2mcore(hf, tmp / "megatron", layout, spec=spec, fmt="torch", progress=False)
+    mcore2hf(tmp / "megatron", tmp / "back", progress=False)
+    assert_bit_identical(read_all(hf), read_all(tmp / "back"))
+
+
+def test_fixture_round_trip_keeps_fp32_buffers(tmp_path):
+    hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", Layout(tp=2, ep=2), spec="te", fmt="torch", progress=False)
+    state = torch.load(tmp_path / "m/release/mp_rank_01_001/model_optim_rng.pt", weights_only=False)["model"]
+    assert state["decoder.layers.3.mlp.router.expert_bias"].dtype == torch.float32
+    assert state["decoder.layers.0.self_attention.A_log"].dtype == torch.float32
+    assert state["decoder.layers.1.self_attention.linear_gate.weight"].dtype == torch.bfloat16
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    assert_bit_identical(read_all(FIXTURES / "bailing-v3-tiny"), read_all(tmp_path / "back"))
+
+
+def test_config_carries_every_ling3_key():
+    config = json.loads((FIXTURES / "bailing-v3-tiny" / "config.json").read_text())
+    keys = """vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads
+        head_dim rms_norm_eps use_qkv_bias rope_theta rope_scaling rope_interleave q_lora_rank kv_lora_rank
+        qk_nope_head_dim qk_rope_head_dim v_head_dim gated_attention_proj_granularity_type layer_group_size
+        no_kda_lora kda_safe_gate kda_lower_bound short_conv_kernel_size num_experts num_experts_per_tok
+        num_shared_experts moe_intermediate_size moe_shared_expert_intermediate_size first_k_dense_replace n_group
+        topk_group routed_scaling_factor score_function num_nextn_predict_layers mtp_loss_scaling_factor
+        tie_word_embeddings""".split()
+    assert not set(keys) - config.keys()
+    assert config == BAILING_V3
+
+
+def test_mtp_layers_are_left_out_with_a_note(tmp_path):
+    hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=1)
+    summary = hf2mcore(hf, tmp_path / "m", Layout(tp=2), fmt="torch", progress=False)
+    assert summary.notes == ["left out model.layers.4.* (multi-token-prediction layer: AReaL's layout has no MTP, "
+                             "so it is not converted)"]
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    original = {k: v for k, v in read_all(hf).items() if not k.startswith("model.layers.4.")}
+    assert len(original) < len(read_all(hf))
+    assert_bit_identical(original, read_all(tmp_path / "back"))
+    cli = subprocess.run([sys.executable, "-m", "mconv.cli", "hf2mcore", str(hf), str(tmp_path / "c"), "--format",
+                          "torch", "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert cli.returncode == 0 and cli.stderr.strip() == "mconv: note: " + summary.notes[0]
+
+
+# AReaL's Bailing V3 bridge (areal-project/AReaL branch chucai.dzq/gh-bailing-v3-swe-sft,
+# areal/models/mcore/bailing_v3_bridge.py): _DIRECT_MAPPING, _KDA_ATTENTION_MAPPING,
+# _MLA_ATTENTION_MAPPING_{COMMON,Q_LORA,Q_DIRECT} and _MLP_MAPPING, copied as data.
+AREAL_DIRECT = {"embedding.word_embeddings.weight": "model.word_embeddings.weight",
+                "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
+AREAL_KDA = {
+    "input_layernorm.weight": ["input_layernorm.weight"],
+    "self_attention.in_proj.weight": ["attention.q_proj.weight", "attention.k_proj.weight", "attention.v_proj.weight",
+                                      "attention.f_proj.weight", "attention.g_proj.weight"],
+    "self_attention.conv1d.weight": ["attention.q_conv1d.weight", "attention.k_conv1d.weight",
+                                     "attention.v_conv1d.weight"],
+    "self_attention.beta_proj.weight": ["attention.b_proj.weight"],
+    "self_attention.out_norm.weight": ["attention.o_norm.weight"],
+    "self_attention.out_proj.weight": ["attention.o_proj.weight"],
+    "self_attention.dt_bias": ["attention.dt_bias"],
+    "self_attention.A_log": ["attention.A_log"],
+}
+AREAL_MLA_Q_DIRECT = {"self_attention.linear_q_proj.weight": ["attention.q_proj.weight"]}
+AREAL_MLA_Q_LORA = {
+    "self_attention.linear_q_down_proj.weight": ["attention.q_a_proj.weight"],
+    "self_attention.linear_q_up_proj.layer_norm_weight": ["attention.q_a_layernorm.weight"],
+    "self_attention.linear_q_up_proj.weight": ["attention.q_b_proj.weight"],
+}
+AREAL_MLA = {
+    "input_layernorm.weight": ["input_layernorm.weight"],
+    "self_attention.linear_kv_down_proj.weight": ["attention.kv_a_proj_with_mqa.weight"],
+    "self_attention.linear_kv_up_proj.layer_norm_weight": ["attention.kv_a_layernorm.weight"],
+    "self_attention.linear_kv_up_proj.weight": ["attention.kv_b_proj.weight"],
+    "self_attention.linear_proj.weight": ["attention.dense.weight"],
+    "self_attention.linear_gate.weight": ["attention.g_proj.weight"],
+}
+AREAL_MLP = {
+    "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],
+    "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+    "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "mlp.shared_experts.linear_fc2.weight": ["mlp.shared_experts.down_proj.weight"],
+    "mlp.shared_experts.linear_fc1.weight": ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
+    "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
+    "mlp.router.weight": ["mlp.gate.weight"],
+    "mlp.router.expert_bias": ["mlp.gate.expert_bias"],
+    "mlp.experts.linear_fc1.weight": ["mlp.experts.{expert_id}.gate_proj.weight", "mlp.experts.{expert_id}.up_proj.weight"],
+    "mlp.experts.linear_fc2.weight": ["mlp.experts.{expert_id}.down_proj.weight"],
+}
+
+
+def areal_hf_names(name: str, config: dict) -> list[str]:
+    """What AReaL's bridge maps a Megatron name to (its _weight_name_mapping_mcore_to_hf, by substring)."""
+    if name in AREAL_DIRECT:
+        return [AREAL_DIRECT[name]]
+    layer = name.split(".")[2]
+    prefix = f"model.layers.{layer}."
+    if "self_attention" in name or "input_layernorm.weight" in name:
+        i, group, total = int(layer), config["layer_group_size"], config["num_hidden_layers"]
+        is_kda = group > 1 and i < total // group * group and (i + 1) % group != 0
+        mapping = AREAL_KDA if is_kda else {**AREAL_MLA, **(AREAL_MLA_Q_LORA if config["q_lora_rank"] else AREAL_MLA_Q_DIRECT)}
+    else:
+        mapping = AREAL_MLP
+    for keyword, names in mapping.items():
+        if keyword in name:
+            expert = name.split("weight")[-1]
+            return [prefix + n.format(expert_id=expert) for n in names]
+    raise AssertionError(f"AReaL's bridge has no mapping for {name}")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None}, {"tie_word_embeddings": True},
+                                       {"layer_group_size": 4, "num_hidden_layers": 6, "first_k_dense_replace": 1}])
+def test_te_names_are_arealS_bridge_names(overrides):
+    config = {**BAILING_V3, **overrides}
+    plan = make_plan(architecture_for(config), config, Layout(), "te")
+    tasks = [t for t in plan.ranks[0].chunks[0] if t.shard is not None]
+    assert tasks
+    for task in tasks:
+        assert list(task.hf) == areal_hf_names(task.megatron, config), task.megatron
+    # Every HF tensor of the checkpoint is covered, and nothing else is asked for.
+    assert plan.hf_shapes() == {name: shape for name, (shape, _) in bailing_v3_tensors(config).items()}
+
+
+def test_megatron_args_for_a_trainer():
+    arch = architecture_for(BAILING_V3)
+    args = arch.megatron_args(arch.dims(BAILING_V3))
+    assert args["moe_layer_freq"] == [0, 0, 1, 1]
+    assert {k: args[k] for k in ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
+                                 "moe_router_group_topk", "moe_router_topk", "moe_router_topk_scaling_factor",
+                                 "moe_shared_expert_intermediate_size", "moe_ffn_hidden_size", "num_experts")} == dict(
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+        moe_router_group_topk=2, moe_router_topk=4, moe_router_topk_scaling_factor=2.5,
+        moe_shared_expert_intermediate_size=32, moe_ffn_hidden_size=32, num_experts=8)
+    assert {k: args[k] for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                 "qk_pos_emb_head_dim", "v_head_dim", "rotary_percent", "rope_type",
+                                 "rotary_base")} == dict(
+        multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+        v_head_dim=16, rotary_percent=1.0, rope_type="rope", rotary_base=600000.0)
+    yarn = dict(BAILING_V3, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+    args = arch.megatron_args(arch.dims(yarn))
+    assert {k: args[k] for k in ("rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+                                 "original_max_position_embeddings")} == dict(
+        rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+        original_max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"num_experts_per_tok": 2}, "num_experts_per_tok=2 with topk_group=2"),
+    ({"rope_interleave": False}, "rope_interleave=false"),
+    ({"use_qkv_bias": True}, "use_qkv_bias=true"),
+    ({"gated_attention_proj_granularity_type": "element_wise"}, "gated_attention_proj_granularity_type"),
+])
+def test_refuses_what_megatron_core_cannot_compute(tmp_path, overrides, field):
+    hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, **overrides)
+    with pytest.raises(MconvError, match="^config.json") as error:
+        hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch", progress=False)
+    assert field in str(error.value) and not (tmp_path / "m").exists()
+
+
+def test_refusal_is_one_line_on_the_command_line(tmp_path):
+    hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_experts_per_tok=6)
+    cli = subprocess.run([sys.executable, "-m", "mconv.cli", "hf2mcore", str(hf), str(tmp_path / "m"), "--format",
+                          "torch", "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert cli.returncode == 1 and cli.stderr.count("\n") == 1, cli.stderr
+    assert cli.stderr.startswith("mconv: error: config.json num_experts_per_tok=6 with topk_group=2")
+
+
+def test_torch_dist_is_refused_until_it_can_be_written(tmp_path):
+    with pytest.raises(MconvError, match="--format torch_dist is not available for BailingMoeV3ForCausalLM"):
+        hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", Layout(), progress=False)
+    assert not (tmp_path / "m").exists()
