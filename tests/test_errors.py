@@ -172,7 +172,7 @@ def test_legacy_reader_refuses_arbitrary_pickles(tmp_path):
     state["payload"] = Exploit()
     torch.save(state, path)
     Path("/tmp/mconv-exploit-ran").unlink(missing_ok=True)
-    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out", "does not unpickle")
+    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out", "refused to unpickle")
     assert not Path("/tmp/mconv-exploit-ran").exists()
 
 
