@@ -70,8 +70,49 @@ def read_json(path: Path, what: str, object_pairs_hook=None) -> dict:
     return value
 
 
+# Standard transformers config fields and what they must be: a config.json that gives another type
+# (or a size no model has, which would make the plan itself unbounded) is refused by name, before
+# any table reads it. The limits are far above any released model.
+CONFIG_FIELDS = {
+    **{key: (int, 1, 2**31) for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                         "intermediate_size", "vocab_size", "max_position_embeddings",
+                                         "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step",
+                                         "shared_expert_intermediate_size")},
+    **{key: (int, 1, 100_000) for key in ("num_hidden_layers", "num_experts", "num_local_experts")},
+    **{key: (float, 0, float("inf")) for key in ("rms_norm_eps", "rope_theta", "layer_norm_eps")},
+    **{key: (bool, None, None) for key in ("tie_word_embeddings", "attention_bias", "norm_topk_prob")},
+    "architectures": (list, None, None),
+    "mlp_only_layers": (list, None, None),
+}
+
+
+def check_config(config: dict, path: Path) -> None:
+    """Refuse standard config fields of the wrong type or size (`CONFIG_FIELDS`), in config.json
+    and in a nested `text_config` (vision-language models)."""
+    for where, fields in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(fields, dict):
+            continue
+        for key, (kind, low, high) in CONFIG_FIELDS.items():
+            value = fields.get(key)
+            if value is None:
+                continue
+            number = kind in (int, float) and isinstance(value, (int, float) if kind is float else int)
+            if isinstance(value, bool) != (kind is bool) or not (number or isinstance(value, kind)):
+                raise MconvError(f"{path}: {where}{key} is {value!r}, not {'a number' if kind is float else kind.__name__}")
+            if number and not low <= value <= high:
+                raise MconvError(f"{path}: {where}{key} is {value!r}, outside [{low}, {high:g}]")
+            if kind is list and not all(isinstance(v, str if key == "architectures" else int)
+                                        and not isinstance(v, bool) for v in value):
+                raise MconvError(f"{path}: {where}{key} is {value!r}, not a list of "
+                                 f"{'names' if key == 'architectures' else 'layer numbers'}")
+
+
 def read_config(directory: Path) -> dict:
-    return read_json(Path(directory) / "config.json", "an HF model directory needs its config.json")
+    """config.json of an HF model directory, its standard fields checked (`check_config`)."""
+    path = Path(directory) / "config.json"
+    config = read_json(path, "an HF model directory needs its config.json")
+    check_config(config, path)
+    return config
 
 
 def _unique_keys(pairs: list) -> dict:

@@ -13,5 +13,6 @@ def architecture_for(config: dict) -> Architecture:
     if not names:
         raise MconvError("config.json has no 'architectures' entry, so the model type is unknown")
     if names[0] not in ARCHITECTURES:
-        raise MconvError(f"unsupported architecture {names[0]!r}; mconv supports: {', '.join(sorted(ARCHITECTURES))}")
+        raise MconvError(f"config.json names unsupported architecture {names[0]!r}; mconv supports: "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
     return ARCHITECTURES[names[0]]
