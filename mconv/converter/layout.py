@@ -30,6 +30,15 @@ class Layout:
     last_stage_layers: int | None = None  # megatron-core num_layers_in_last_pipeline_stage
     vocab_divisor: int = 128  # make_vocab_size_divisible_by
 
+    def __post_init__(self):
+        """Sizes are positive integers (a checkpoint's saved args may hold anything)."""
+        for name, value in vars(self).items():
+            optional = name.endswith("_stage_layers")
+            if optional and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not (0 if optional else 1) <= value <= 2**16:
+                raise MconvError(f"the layout's {name} is {value!r}, not a {'' if optional else 'positive '}size")
+
     def to_dict(self) -> dict:
         return asdict(self)
 

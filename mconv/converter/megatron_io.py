@@ -169,6 +169,8 @@ def layout_from_args(args, path: Path) -> Layout:
                       vocab_divisor=getattr(args, "make_vocab_size_divisible_by", 128) or 128)
     except AttributeError as e:
         raise MconvError(f"{path}: the saved args lack {e.name}, so the parallel layout is unknown") from None
+    except MconvError as e:
+        raise MconvError(f"{path}: in the saved args, {e}") from None
 
 
 def read_legacy_ranks(location: CheckpointLocation) -> tuple[argparse.Namespace, Layout, dict[Rank, list[dict]], Path]:
