@@ -11,7 +11,8 @@ import time
 import click
 
 from mconv.converter.layout import Layout, parse_layout_string
-from mconv.converter.pipelines import FORMATS, compare_hf, hf2mcore, inspect_path, mcore2hf
+from mconv.converter.describe import inspect_path, render
+from mconv.converter.pipelines import FORMATS, compare_hf, hf2mcore, mcore2hf
 from mconv.converter.planner import SPECS
 from mconv.errors import MconvError
 
@@ -36,10 +37,24 @@ class Size(click.ParamType):
         return size
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str | None):
+    """The torch dtype of a --dtype choice (None stays None)."""
+    if name is None:
+        return None
+    import torch
+
+    return getattr(torch, name)
+
+
 def default_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
+REVISION_HELP = ("Branch, tag or commit of a hub model name (default: its default branch). Hub names are "
+                 "resolved as transformers does: the hub cache under HF_HOME, HF_HUB_OFFLINE, HF_TOKEN.")
 WORKERS_HELP = ("Worker processes that convert disjoint shares of the output (default: half the CPUs, at most 8). "
                 "Under torchrun, the ranks share the work instead.")
 
@@ -133,6 +148,7 @@ def main():
 @main.command("hf2mcore")
 @click.argument("hf_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--tp", default=1, show_default=True, help="Tensor parallel size.")
 @click.option("--pp", default=1, show_default=True, help="Pipeline parallel size.")
 @click.option("--vpp", default=1, show_default=True, help="Virtual pipeline chunks per pipeline rank.")
@@ -163,9 +179,10 @@ def main():
 @click.option("--workers", type=int, default=None, help=WORKERS_HELP + " torch_dist is written by one process.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
+def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
                      vocab_divisor, spec, fmt, iteration, dry_run, overwrite, workers, as_json, quiet):
-    """Convert the HF model in HF_DIR into a Megatron checkpoint in OUT_DIR.
+    """Convert the HF model HF_DIR (a directory, or a hub name such as Qwen/Qwen3-8B) into a
+    Megatron checkpoint in OUT_DIR.
 
     The layout (--tp/--pp/--vpp...) and --spec must match the Megatron job that will load it.
     The HF config and tokenizer are stored in the checkpoint, so `mconv mcore2hf` can reverse
@@ -183,7 +200,7 @@ def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first
     started = time.perf_counter()
     summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration,
                                    overwrite=overwrite, dry_run=dry_run, progress=not (quiet or as_json),
-                                   workers=workers or default_workers()))
+                                   workers=workers or default_workers(), revision=revision))
     plan = summary.plan
     for note in summary.notes:
         click.echo(f"mconv: note: {note}", err=True)
@@ -203,15 +220,24 @@ def hf2mcore_command(hf_dir, out_dir, tp, pp, vpp, ep, etp, layout_string, first
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None,
-              help="Directory with the HF config.json (and tokenizer) of the model; needed for checkpoints "
-                   "not written by mconv, and overrides the one stored in the checkpoint.")
+              help="Directory or hub name with the HF config.json (and tokenizer) of the model; needed for "
+                   "checkpoints not written by mconv, and overrides the one stored in the checkpoint.")
+@click.option("--revision", default=None, help=REVISION_HELP)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
+              help="Cast every tensor to this dtype (e.g. a float32 training checkpoint to bfloat16). Default: "
+                   "each tensor keeps its dtype. config.json's dtype follows what is written.")
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True,
               help="Largest safetensors shard (a larger tensor gets a shard of its own).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
+@click.option("--expert-orientation", type=click.Choice(["4.x", "5.x"]), default="4.x", show_default=True,
+              help="Stacked HF experts (Qwen3-VL-MoE): 4.x writes gate_up_proj [E, hidden, 2I] / down_proj "
+                   "[E, I, hidden], which transformers 4.57 and 5.x both load; 5.x writes [E, 2I, hidden] / "
+                   "[E, hidden, I], as transformers 5.x saves.")
 @click.option("--workers", type=int, default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def mcore2hf_command(ckpt_dir, out_dir, hf_config, max_shard_size, overwrite, workers, as_json, quiet):
+def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_size, overwrite, expert_orientation,
+                     workers, as_json, quiet):
     """Convert the Megatron checkpoint in CKPT_DIR into an HF model directory OUT_DIR.
 
     CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
@@ -220,28 +246,30 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, max_shard_size, overwrite, wo
     started = time.perf_counter()
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=max_shard_size,
                                    overwrite=overwrite, progress=not (quiet or as_json),
-                                   workers=workers or default_workers()))
+                                   workers=workers or default_workers(), dtype=torch_dtype(dtype),
+                                   revision=revision, expert_orientation=expert_orientation))
     if not quiet or as_json:
         report(summary, started, as_json, f"wrote {out_dir}: {summary.files} safetensors shard(s), "
                                           f"{summary.tensors} tensors, {summary.bytes:,} bytes ({summary.plan.arch.name})")
 
 
 @main.command("inspect")
-@click.argument("path", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def inspect_command(path, as_json):
-    """Describe PATH: an HF model directory or a Megatron checkpoint (format, architecture, layout,
-    tensors, bytes)."""
-    info = run(lambda: inspect_path(path))
+@click.argument("path")
+@click.option("--hf-config", default=None,
+              help="Directory or hub name with the HF config.json of the model, for checkpoints that store none: "
+                   "the tensors are then checked against the architecture.")
+@click.option("--revision", default=None, help=REVISION_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of text.")
+def inspect_command(path, hf_config, revision, as_json):
+    """Describe PATH: a Megatron checkpoint (legacy torch or torch_dist, written by any tool) or an
+    HF model (directory or hub name): format, model, layout, dtypes, size, and the Megatron-LM
+    flags the training job must pass."""
+    info = run(lambda: inspect_path(path, hf_config=hf_config, revision=revision))
     if as_json:
-        click.echo(json.dumps(info, indent=2, default=str))
+        click.echo(json.dumps(info, indent=2))
         return
-    for key, value in info.items():
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={v}" for k, v in value.items())
-        elif isinstance(value, int) and key == "bytes":
-            value = f"{value:,}"
-        click.echo(f"{key:>12}: {value}")
+    for line in render(info):
+        click.echo(line)
 
 
 @main.command("verify")
@@ -265,7 +293,8 @@ def verify_command(first, second, quiet):
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None,
-              help="Directory with the base model's HF config.json; needed for checkpoints not written by mconv.")
+              help="Directory or hub name with the base model's HF config.json; needed for checkpoints not "
+                   "written by mconv.")
 @click.option("--rank", type=int, default=None,
               help="Expected LoRA rank r (Megatron-Bridge's `dim`); the export stops if the adapters have another. "
                    "Read from the tensors either way.")
@@ -273,18 +302,19 @@ def verify_command(first, second, quiet):
               help="LoRA alpha (scale = alpha / r). Default: peft.alpha from Megatron-Bridge's run_config.yaml in the "
                    "checkpoint; required when there is none.")
 @click.option("--base-model", default=None,
-              help="Written as base_model_name_or_path (a hub name or path). With --merge: the local HF model "
-                   "directory whose weights the delta is added to.")
+              help="Written as base_model_name_or_path (a hub name or path). With --merge: the HF model "
+                   "(directory or hub name) whose weights the delta is added to.")
+@click.option("--revision", default=None, help=REVISION_HELP + " Applies to --hf-config and --merge's --base-model.")
 @click.option("--merge", is_flag=True,
               help="Write a full HF model (base + alpha/r * B @ A) instead of an adapter, for serving merged weights.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="With --merge: dtype of the written tensors (default: each base tensor's own). The delta is "
                    "added in float32 either way.")
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True, help="With --merge: largest safetensors shard.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
-def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, merge, dtype, max_shard_size,
-                        overwrite, quiet):
+def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, revision, merge, dtype,
+                        max_shard_size, overwrite, quiet):
     """Export the Megatron-Bridge LoRA adapter in CKPT_DIR as a HF PEFT adapter in OUT_DIR.
 
     CKPT_DIR is a legacy (torch) or torch_dist checkpoint, adapter-only or with the base weights,
@@ -303,16 +333,12 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, m
     Loads with peft.PeftModel.from_pretrained and vLLM (one r and alpha for all modules;
     adapters with different ranks are refused).
     """
-    torch_dtype = None
-    if dtype:
-        import torch
-
-        torch_dtype = getattr(torch, dtype)
     from mconv.converter.lora import export_lora
 
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
-                                     base_model=base_model, merge_into=merge, dtype=torch_dtype, overwrite=overwrite,
-                                     max_shard_bytes=max_shard_size))
+                                     base_model=base_model, merge_into=merge, dtype=torch_dtype(dtype),
+                                     overwrite=overwrite, max_shard_bytes=max_shard_size,
+                                     revision=revision))
     if not quiet:
         adapter = result.adapter
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else

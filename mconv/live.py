@@ -7,6 +7,7 @@ stage), wrapped or not (DDP / Float16Module `module.` prefixes, Megatron-Bridge 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -20,7 +21,9 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config
+from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config,
+                                   write_config_dtype)
+from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.planner import RankPlan, TensorTask, make_plan, plan_rank, validate_layout
 from mconv.converter.transforms import merge, merge_single, split_into
@@ -79,7 +82,7 @@ class LiveModel:
                     ep=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank())
         arch = architecture_for(hf_config)
         dims = arch.dims(hf_config)
-        validate_layout(dims, layout)
+        validate_layout(dims, layout, arch.check_layout)
         spec = "te" if fused else "local"
         plan = plan_rank(arch, dims, layout, spec, rank)
         for v, (state, tasks) in enumerate(zip(states, plan.chunks)):
@@ -103,17 +106,25 @@ class LiveModel:
         return plan_rank(self.arch, self.dims, self.layout, self.spec, rank)
 
 
-def _config(hf_config) -> dict:
-    return hf_config if isinstance(hf_config, dict) else read_config(Path(hf_config))
+@functools.cache
+def _model_dir(name_or_path: str, revision: str | None, weights: bool) -> Path:
+    """A hub name is resolved once per process (online, each resolution asks the Hub for the
+    revision's commit; a weight sync must not)."""
+    return resolve_model(name_or_path, revision, weights=weights)
+
+
+def _config(hf_config, revision: str | None = None) -> dict:
+    return hf_config if isinstance(hf_config, dict) else read_config(_model_dir(str(hf_config), revision, False))
 
 
 def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path, threads: int = 8,
-                    staged: bool | None = None) -> None:
+                    staged: bool | None = None, revision: str | None = None) -> None:
     """Copy the HF checkpoint into this rank's parameters. Each rank reads only the slices it owns
     (its TP/ETP shard, its PP stage's layers, its EP rank's experts), straight from the files:
     `threads` readers run ahead; for a model on a GPU (or with `staged=True`) they read into a
-    staging buffer that reaches the device in large copies."""
-    ckpt = HFCheckpoint(hf_dir)
+    staging buffer that reaches the device in large copies. `hf_dir` is a directory or a hub name
+    (`Qwen/Qwen3-8B` at `revision`, fetched into the hub cache as transformers does)."""
+    ckpt = HFCheckpoint(_model_dir(str(hf_dir), revision, True))
     live = LiveModel.of(model_chunks, ckpt.config)
     jobs = []
     for tasks, tensors in zip(live.plan.chunks, live.tensors):
@@ -324,15 +335,16 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
 
 def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path | dict,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
-                    gather_pp: bool = False) -> Iterator[Bucket]:
+                    gather_pp: bool = False, revision: str | None = None) -> Iterator[Bucket]:
     """Yield buckets of (HF name, tensor) for this rank's pipeline stage (every stage by default
     yields its own layers; with gather_pp every rank yields the whole model, stage by stage).
 
     Tensors are gathered over TP/ETP (one collective per bucket and dtype), experts over EP, with
     global layer and expert numbers, fused QKV / GLU split, vocabulary padding removed; they stay
-    on the parameters' device. `hf_config` is the HF model directory or its config dict.
+    on the parameters' device. `hf_config` is the HF model directory, a hub name (at `revision`)
+    or the config dict.
     """
-    live, schedule = _prepared(list(model_chunks), _config(hf_config), bucket_bytes)
+    live, schedule = _prepared(list(model_chunks), _config(hf_config, revision), bucket_bytes)
     if not gather_pp or live.layout.pp == 1:
         yield from _stage_buckets(live, schedule, dtype)
         return
@@ -360,17 +372,20 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
 
 
 def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path, hf_config: str | Path,
-                    max_shard_bytes: int = 3_000_000_000, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                    max_shard_bytes: int = 3_000_000_000, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    revision: str | None = None) -> None:
     """Save the live model as an HF directory, the same files `mconv mcore2hf` writes.
 
     Rank 0 lays out the shard files (headers are known in advance); one rank per pipeline stage
     (TP, EP and DP rank 0) writes its stage's tensors into them in place; rank 0 then writes the
-    index, copies config and tokenizer from `hf_config` (the HF model directory) and renames the
-    finished directory into place. The output path must be on a filesystem all ranks share.
+    index, copies config and tokenizer from `hf_config` (the HF model directory or hub name) and
+    renames the finished directory into place; config.json's dtype names the dtype written. The
+    output path must be on a filesystem all ranks share.
     """
     from megatron.core import parallel_state as ps
 
-    config = read_config(Path(hf_config))
+    source = _model_dir(str(hf_config), revision, False)
+    config = read_config(source)
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes)
     full = make_plan(live.arch, config, live.layout, live.spec)
     dtypes: dict[str, torch.dtype] = {}
@@ -405,7 +420,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     dist.barrier()
     if dist.get_rank() == 0:
         writer.write_index()
-        copy_side_files(Path(hf_config), staging)
+        copy_side_files(source, staging)
+        write_config_dtype(staging, entries)
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)

@@ -14,9 +14,15 @@ find_python() {
     return 1
 }
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import mconv, megatron.core, transformers, hypothesis' 2>/dev/null; then
+# mbridge with Qwen3-VL (mbridge/models/qwen3_vl, the Megatron Qwen3VLModel the Qwen3-VL tests build):
+# only in mbridge's git history after 0.15.1, so it is carried here as a wheel (see wheels/README.md).
+MBRIDGE_WHEEL=wheels/mbridge-0.15.1+git.10cb17f-py3-none-any.whl
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c '
+import importlib.metadata as m, mconv, megatron.core, transformers, hypothesis, einops
+assert m.version("mbridge") == "0.15.1+git.10cb17f"' 2>/dev/null; then
     PYTHON="$(find_python)"
     [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test,mbridge]'
+    .venv/bin/python -m pip install --quiet --no-deps --force-reinstall "$MBRIDGE_WHEEL"
 fi

@@ -185,5 +185,5 @@ def test_megatron_checkpoint_missing_one_expert(tmp_path):
 def test_inspect_shows_moe_settings(tmp_path):
     assert legacy(MOE, tmp_path / "m", "--ep", "2").exit_code == 0
     result = mconv("inspect", tmp_path / "m")
-    for fragment in ("experts=8", "top_k=2", "moe_ffn=32", "router softmax after top-k (norm_topk_prob)"):
+    for fragment in ("8 experts, top 2, expert ffn 32", "router top-k, then softmax over them (norm_topk_prob true)"):
         assert fragment in result.output, result.output

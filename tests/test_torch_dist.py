@@ -83,3 +83,45 @@ def test_torch_dist_is_the_default_and_te_is_refused(tmp_path):
     assert (tmp_path / "m" / "release" / "metadata.json").is_file()
     assert_refused(mconv("hf2mcore", FIXTURES / "qwen3-tiny", tmp_path / "te", "--spec", "te"), tmp_path / "te",
                    "--format torch_dist", "--spec local")
+
+
+@pytest.mark.slow
+def test_torch_dist_written_by_threads_and_torchrun_ranks(tmp_path):
+    """Several writers (threads with --workers, ranks under torchrun) each write their own .distcp
+    file and one .metadata: megatron-core loads it at another layout (logits equal transformers'),
+    and it reads back to the same HF bytes as a one-process checkpoint."""
+    from tests.test_parallel import torchrun
+
+    hf_dir = FIXTURES / "qwen3-moe-tiny"
+    summary = hf2mcore(hf_dir, tmp_path / "one", Layout(tp=2), progress=False)
+    hf2mcore(hf_dir, tmp_path / "threads", Layout(tp=2), progress=False, workers=3)
+    torchrun("hf2mcore", hf_dir, tmp_path / "ranks", "--tp", "2")
+    expected = None
+    for name, files in (("one", 1), ("threads", 3), ("ranks", 2)):
+        assert len(list((tmp_path / name / "release").glob("*.distcp"))) == files
+        mcore2hf(tmp_path / name, tmp_path / f"hf-{name}", progress=False)
+        tensors = read_all(tmp_path / f"hf-{name}")
+        expected = expected or tensors
+        assert_bit_identical(expected, tensors)
+    for name, sizes in (("threads", dict(tp=2, ep=2, etp=1)), ("ranks", dict(pp=2, ep=4))):
+        run = MegatronRun(tmp_path / name, read_config(hf_dir), **sizes, fmt="torch_dist",
+                          padded_vocab=summary.plan.padded_vocab, tokens=TOKENS)
+        assert (megatron_logits(run, tmp_path) - hf_logits(hf_dir, TOKENS)).abs().max().item() < 1e-4
+
+
+def test_metadata_is_parsed_once_per_process(tmp_path, monkeypatch):
+    """Reading a torch_dist checkpoint in many batches, then inspecting it, opens and unpickles
+    `.metadata` once in the process."""
+    from mconv.converter import safe_load, torch_dist_io
+    from mconv.converter.describe import inspect_path
+
+    hf2mcore(FIXTURES / "qwen3-moe-tiny", tmp_path / "m", Layout(), progress=False)
+    parsed = []
+    real = safe_load.load_pickle
+    monkeypatch.setattr(safe_load, "load_pickle", lambda path, *a: parsed.append(path.name) or real(path, *a))
+    monkeypatch.setattr("mconv.converter.pipelines.LOAD_BATCH_BYTES", 1)  # one tensor group per batch
+    before = torch_dist_io.metadata_reads
+    mcore2hf(tmp_path / "m", tmp_path / "hf", progress=False)
+    assert parsed == [".metadata"] and torch_dist_io.metadata_reads == before + 1
+    inspect_path(tmp_path / "m")
+    assert parsed == [".metadata"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -24,6 +25,12 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
+# transformers keeps the routed experts of some models (Qwen3-VL-MoE) stacked: one tensor per layer
+# and projection, no `.weight` suffix, holding per expert these modules in order along the output
+# dimension (gate first). transformers 5.x stores each expert as nn.Linear does, `[E, out, in]`;
+# 4.57 transposed, `[E, in, out]` (reference qwen3-vl.md, section 1).
+STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+ORIENTATIONS = ("4.x", "5.x")  # "4.x": [E, in, out], which transformers 4.57 and 5.x both load
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,9 @@ class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int = 0  # where the tensor's bytes start in the file
+    # Nonzero for one expert's module inside a transposed (4.x) stacked tensor: the [out, in] matrix
+    # is stored as `in` rows of this many elements, of which it owns the first `out`.
+    transposed_stride: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -168,8 +178,56 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return infos
 
 
+def _stacked_orientation(where: str, prefix: str, gate_up: tuple[int, ...], down: tuple[int, ...]) -> bool:
+    """True for the transposed (4.x) orientation. Decided from both tensors, never from one: with
+    gate_up [E, a, b] and down [E, c, d], 5.x has a == 2d and b == c, 4.x b == 2c and a == d; both
+    at once would need d == 0, so a consistent pair always decides, even where one of them is square
+    (hidden == 2 * moe_intermediate_size or hidden == moe_intermediate_size)."""
+    (e, a, b), (e2, c, d) = gate_up, down
+    linear, transposed = e == e2 and a == 2 * d and b == c, e == e2 and b == 2 * c and a == d
+    if linear == transposed:
+        raise MconvError(f"{where}: cannot tell the orientation of the stacked experts {prefix}.gate_up_proj "
+                         f"{list(gate_up)} and down_proj {list(down)}: they fit neither transformers 5.x "
+                         "([E, 2I, h] / [E, h, I]) nor 4.x ([E, h, 2I] / [E, I, h])")
+    return transposed
+
+
+def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[str, TensorInfo]:
+    """Present stacked experts (`<p>.mlp.experts.gate_up_proj` / `down_proj`, either orientation) as
+    the per-expert tensors `<p>.mlp.experts.{e}.gate_proj.weight` ... `[out, in]` that the tables use
+    (and that AReaL sends to inference engines). Nothing is read: each is a byte range of its
+    stacked tensor (5.x), or a strided, transposed one (4.x)."""
+    plain, stacks = {}, {}
+    for name, info in tensors.items():
+        prefix, _, proj = name.rpartition(".")
+        if proj in STACKED_EXPERTS and prefix.endswith(".mlp.experts") and len(info.shape) == 3:
+            stacks.setdefault(prefix, {})[proj] = info
+        else:
+            plain[name] = info
+    for prefix, pair in stacks.items():
+        for proj in STACKED_EXPERTS:
+            if proj not in pair:
+                raise MconvError(f"{where}: tensor {prefix}.{proj} is missing (stacked experts need both "
+                                 f"{' and '.join(STACKED_EXPERTS)})")
+        transposed = _stacked_orientation(where, prefix, pair["gate_up_proj"].shape, pair["down_proj"].shape)
+        for proj, info in pair.items():
+            experts, rows, cols = info.shape
+            out, fan_in = (cols, rows) if transposed else (rows, cols)
+            parts = STACKED_EXPERTS[proj]
+            section, size = out // len(parts), _itemsize(info.dtype)
+            for e in range(experts):
+                base = info.offset + e * rows * cols * size
+                for i, part in enumerate(parts):
+                    plain[f"{prefix}.{e}.{part}.weight"] = (
+                        TensorInfo(info.file, info.dtype, (section, fan_in), base + i * section * size, out)
+                        if transposed else
+                        TensorInfo(info.file, info.dtype, (section, fan_in), base + i * section * fan_in * size))
+    return plain
+
+
 class HFCheckpoint:
-    """A HF model directory, read lazily: headers up front, tensor bytes only when sliced."""
+    """A HF model directory, read lazily: headers up front, tensor bytes only when sliced.
+    Stacked experts appear as per-expert tensors (see expand_stacked_experts)."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
@@ -186,6 +244,7 @@ class HFCheckpoint:
         for name, file in (weight_map or {}).items():
             if name not in self.tensors or self.tensors[name].file != file:
                 raise MconvError(f"{self.dir / INDEX_NAME} says tensor {name} is in {file}, but it is not there")
+        self.tensors = expand_stacked_experts(self.tensors, str(self.dir))
         self._handles: dict[str, int] = {}
         for file in {info.file for info in self.tensors.values()}:  # opened up front: readers may be threads
             self._fd(file)
@@ -229,6 +288,8 @@ class HFCheckpoint:
     def read_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
         """`read` into an existing contiguous CPU tensor of the slice's shape and dtype."""
         info = self.tensors[name]
+        if info.transposed_stride:
+            return self._read_transposed(info, dim, start, stop, out)
         shape = list(info.shape)
         inner = _numel(shape[dim + 1:]) * _itemsize(info.dtype)  # bytes of one step along dim
         buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
@@ -239,6 +300,17 @@ class HFCheckpoint:
             row, piece = shape[dim] * inner, (stop - start) * inner
             for r in range(_numel(shape[:dim])):
                 self._pread(fd, buffer[r * piece:(r + 1) * piece], info.offset + r * row + start * inner)
+
+    def _read_transposed(self, info: TensorInfo, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
+        """One expert's module of a 4.x stacked tensor: the stored rows it needs (all of them for a
+        range of output rows, else the range) are read in one pread, at most the expert's slice."""
+        out_dim, fan_in = info.shape
+        stride, size = info.transposed_stride, _itemsize(info.dtype)
+        first, last = (start, stop) if dim == 1 else (0, fan_in)
+        block = torch.empty((last - first - 1) * stride + out_dim, dtype=info.dtype)
+        self._pread(self._fd(info.file), memoryview(block.view(torch.uint8).numpy()), info.offset + first * stride * size)
+        stored = block.as_strided((last - first, out_dim), (stride, 1))
+        out.copy_((stored[:, start:stop] if dim == 0 else stored).T)
 
     def _fd(self, file: str) -> int:
         if file not in self._handles:
@@ -282,8 +354,16 @@ class ShardedSafetensorsWriter:
     """
 
     def __init__(self, directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 max_shard_bytes: int):
+                 max_shard_bytes: int, stack_experts: str | None = None):
+        """`stack_experts` ("4.x" or "5.x", see ORIENTATIONS): per-expert tensors
+        `<p>.mlp.experts.{e}.gate_proj.weight` ... are written into stacked `<p>.mlp.experts.gate_up_proj`
+        / `down_proj` tensors of that orientation."""
         self.dir = Path(directory)
+        self.views: dict[str, tuple[str, int, int, int]] = {}  # per-expert name -> (stacked, expert, part, parts)
+        if stack_experts is not None:
+            entries = self._stack(entries, stack_experts == "4.x")
+        self.transposed = stack_experts == "4.x"
+        self._pending: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
         self.entries = entries
         shards = plan_shards(entries, max_shard_bytes)
         # transformers' names: model.safetensors alone, or numbered shards and an index.
@@ -310,6 +390,31 @@ class ShardedSafetensorsWriter:
         self.total_size = sum(nbytes for _, _, nbytes in self.location.values())
         self._fds: dict[str, int] = {}
 
+    def _stack(self, entries: list, transposed: bool) -> list:
+        """The entries with per-expert tensors replaced by their stacked tensors (placed where the
+        first expert's first module was)."""
+        grouped: dict[str, list] = {}
+        for name, dtype, shape in entries:
+            prefix, _, rest = name.rpartition(".mlp.experts.")
+            expert, _, module = rest.partition(".")
+            for proj, parts in STACKED_EXPERTS.items():
+                if prefix and expert.isdigit() and module.removesuffix(".weight") in parts:
+                    stacked = f"{prefix}.mlp.experts.{proj}"
+                    self.views[name] = (stacked, int(expert), parts.index(module.removesuffix(".weight")), len(parts))
+                    grouped.setdefault(stacked, []).append((dtype, shape))
+        stacked_entries, done = [], set()
+        for name, dtype, shape in entries:
+            if name not in self.views:
+                stacked_entries.append((name, dtype, shape))
+                continue
+            stacked, _, _, parts = self.views[name]
+            if stacked not in done:
+                done.add(stacked)
+                (section, fan_in), experts = shape, len(grouped[stacked]) // parts
+                stacked_entries.append((stacked, dtype, (experts, fan_in, section * parts) if transposed
+                                        else (experts, section * parts, fan_in)))
+        return stacked_entries
+
     def create(self) -> None:
         for file, header in zip(self.files, self.headers):
             fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
@@ -322,7 +427,25 @@ class ShardedSafetensorsWriter:
             self._fds[file] = os.open(self.dir / file, os.O_RDWR)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        file, offset, nbytes = self.location[name]
+        """Write one tensor (any order). A per-expert tensor of stacked experts goes into its stacked
+        tensor; in the transposed orientation the modules of one expert (gate and up) are held until
+        all have come (the exporter writes them together) and written as the expert's one range."""
+        if name not in self.views:
+            return self._write_at(name, tensor, *self.location[name])
+        stacked, expert, part, parts = self.views[name]
+        file, offset, _ = self.location[stacked]
+        slice_bytes = tensor.numel() * tensor.element_size() * parts
+        if not self.transposed:
+            section = slice_bytes // parts
+            return self._write_at(name, tensor, file, offset + expert * slice_bytes + part * section, section)
+        pending = self._pending.setdefault((stacked, expert), {})
+        pending[part] = tensor
+        if len(pending) == parts:
+            del self._pending[(stacked, expert)]
+            whole = torch.cat([pending[i] for i in range(parts)]).T
+            self._write_at(stacked, whole, file, offset + expert * slice_bytes, slice_bytes)
+
+    def _write_at(self, name: str, tensor: torch.Tensor, file: str, offset: int, nbytes: int) -> None:
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         if data.nbytes != nbytes:
             raise MconvError(f"internal: {name} has {data.nbytes} bytes, its header promised {nbytes}")
@@ -332,6 +455,8 @@ class ShardedSafetensorsWriter:
 
 
     def close(self) -> None:
+        if self._pending:
+            raise MconvError(f"internal: stacked experts left incomplete: {sorted(self._pending)[:2]}")
         for fd in self._fds.values():
             os.fsync(fd)
             os.close(fd)
@@ -356,3 +481,20 @@ def copy_side_files(source: Path, destination: Path) -> list[str]:
             copy_file(Path(source) / name, Path(destination) / name)
             copied.append(name)
     return copied
+
+
+def write_config_dtype(directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    """Record the dtype of the weights written (`entries`: name, dtype, shape; the dtype holding
+    most bytes if they are mixed) in `directory`/config.json, under the key the config already
+    uses (`dtype` in transformers 5, `torch_dtype` before), as `save_pretrained` does."""
+    written: dict[torch.dtype, int] = {}
+    for _, dtype, shape in entries:
+        written[dtype] = written.get(dtype, 0) + math.prod(shape) * dtype.itemsize
+    dtype = max(written, key=written.get)
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    key = "dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"
+    if config.get(key) == str(dtype).removeprefix("torch."):
+        return  # already right: keep the file as it was
+    config[key] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(config, indent=2) + "\n")

@@ -18,7 +18,9 @@ from typing import Mapping, Sequence
 import torch
 
 from mconv.converter import megatron_io as mio
-from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config
+from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config,
+                                   write_config_dtype)
+from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.megatron_checkpoint import _config_dir, check_args
 from mconv.converter.output import check_output_path, staged_directory
@@ -200,7 +202,7 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     from mconv.converter.torch_dist import megatron_process_group, meta_model, sharded_parameters
     from mconv.converter.torch_dist_io import TorchDistReader
 
-    reader = TorchDistReader(location.iter_dir)
+    reader = TorchDistReader.open(location.iter_dir)
     stored = {key: md for key, md in reader.tensors.items() if ADAPTER in key}
     where = str(location.iter_dir)
     arch = architecture_for(config)
@@ -278,13 +280,17 @@ def read_adapter(location: mio.CheckpointLocation,
 def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
                 rank: int | None = None, alpha: float | None = None, base_model: str | None = None,
                 merge_into: bool = False, dtype: torch.dtype | None = None, overwrite: bool = False,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> LoraExport:
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, revision: str | None = None) -> LoraExport:
     """Write the checkpoint's LoRA adapter as a HF PEFT adapter directory, or with `merge_into` a HF
-    model: the base model in `base_model` (a local HF directory) with alpha/r * B @ A added."""
+    model: the base model `base_model` (a directory or hub name, at `revision`) with alpha/r * B @ A
+    added. `hf_config` may be a hub name too; without `merge_into`, `base_model` is only recorded."""
     location = mio.locate(ckpt_dir)
-    if merge_into and not (base_model and (Path(base_model) / "config.json").is_file()):
-        raise MconvError("--merge needs --base-model DIR, the local HF model the adapter was trained on "
-                         f"(got {base_model!r})")
+    if merge_into and not base_model:
+        raise MconvError("--merge needs --base-model, the HF model (directory or hub name) the adapter was trained on")
+    if hf_config:
+        hf_config = resolve_model(hf_config, revision, weights=False)
+    if merge_into:
+        base_model = resolve_model(base_model, revision)
     check_output_path(Path(out_dir), overwrite, (location.save_dir,))
     adapter, layout, config_dir = read_adapter(location, hf_config)
     if rank is not None and rank != adapter.rank:
@@ -329,10 +335,6 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     writer.close()
     writer.write_index()
     copy_side_files(base.dir, out)
-    if dtype is not None:
-        config = json.loads((out / "config.json").read_text())
-        key = "dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"
-        config[key] = str(dtype).removeprefix("torch.")
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_config_dtype(out, entries)
     base.close()
     return len(deltas)

@@ -109,7 +109,7 @@ class DistCheckpoint:
         self.metadata = mio.read_metadata(location.save_dir) or {}
         self.config_dir = _config_dir(location, hf_config)
         self.config = read_config(self.config_dir)
-        self.reader = TorchDistReader(location.iter_dir)
+        self.reader = TorchDistReader.open(location.iter_dir)
         self.args = self.reader.args
         arch = architecture_for(self.config)
         dims = arch.dims(self.config)

@@ -1,6 +1,8 @@
 """Offline conversions: HF -> Megatron, Megatron -> HF, and inspection."""
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 from argparse import Namespace
@@ -14,7 +16,10 @@ from tqdm import tqdm
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
-from mconv.converter.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_side_files
+from mconv.converter import torch_dist_io
+from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, copy_side_files,
+                                   write_config_dtype)
+from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.converter.output import check_output_path, output_path, staged_directory, write_errors
@@ -104,10 +109,10 @@ def _legacy_share(index: int, size: int, progress: Callable[[int], None], hf_dir
     ckpt.close()
 
 
-def _write_torch_dist(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, dtype: torch.dtype,
-                      iteration: int | None, progress: Callable[[int], None]) -> None:
-    """Global (layout-independent) tensors are the TP1/PP1/EP1 ones, with the vocabulary padded
-    as the target TP pads it."""
+def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, dtype: torch.dtype, common: dict) -> list:
+    """What the torch_dist checkpoint holds (from megatron-core's model), each box built from the HF
+    slices when written. Global (layout-independent) tensors are the TP1/PP1/EP1 ones, with the
+    vocabulary padded as the target TP pads it."""
     from mconv.converter import torch_dist
 
     flat = make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local")
@@ -120,7 +125,7 @@ def _write_torch_dist(plan: Plan, ckpt: HFCheckpoint, iter_dir: Path, args, dtyp
         return _read_shard(tasks[name], ckpt)
 
     dtypes = {name: ckpt.tensors[task.hf[0]].dtype for name, task in tasks.items()}
-    torch_dist.save(iter_dir, args, dtype, iteration, parameter, dtypes, progress)
+    return torch_dist.entries(args, dtype, common, parameter, dtypes)
 
 
 def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
@@ -138,15 +143,18 @@ def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
 
 def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
-             progress: bool = True, workers: int = 1) -> Summary:
-    """HF -> Megatron. With `workers` > 1 (legacy format), worker processes write disjoint rank
-    files; under torchrun every rank writes its share (torch_dist: rank 0 writes it)."""
+             progress: bool = True, workers: int = 1, revision: str | None = None) -> Summary:
+    """HF -> Megatron. `hf_dir` is a local directory or a hub name (`Qwen/Qwen3-8B`, at `revision`;
+    see `hub.resolve_model`). With `workers` > 1, worker processes write disjoint rank files (legacy
+    format) or threads their own `.distcp` files (torch_dist); under torchrun every rank writes its
+    share (its rank files, or its own `.distcp` file; rank 0 writes `.metadata`)."""
     if fmt not in FORMATS:
         raise MconvError(f"--format {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
         raise MconvError("--format torch_dist is written from megatron-core's local-spec model; the extra "
                          "_extra_state objects a Transformer Engine model also asks for cannot be derived "
                          "without Transformer Engine. Use --spec local (same tensor keys) or --format torch")
+    hf_dir = resolve_model(hf_dir, revision, progress=progress)
     ckpt = HFCheckpoint(hf_dir)
     arch = architecture_for(ckpt.config)
     plan = make_plan(arch, ckpt.config, layout, spec)
@@ -156,6 +164,10 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         # mconv writes torch_dist through megatron-core's own GPTModel, which cannot build KDA or gated MLA.
         raise MconvError(f"--format torch_dist is not available for {arch.name} yet: megatron-core cannot build "
                          "its layers to derive the checkpoint keys; use --format torch")
+    if fmt == "torch_dist" and arch_args.get("position_embedding_type") == "mrope":
+        # The torch_dist keys come from megatron-core's GPTModel; a vision-language model is not one.
+        raise MconvError(f"--format torch_dist is not available for {arch.name} yet (its keys would come from "
+                         "the Megatron Qwen3VLModel); use --format torch")
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
@@ -171,14 +183,20 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     args = mio.megatron_lm_args(layout, plan.dims, arch_args, spec, plan.padded_vocab,
                                 dtype, fmt)
 
+    common = {"args": args, "checkpoint_version": mio.CHECKPOINT_VERSION, "iteration": iteration or 0}
+    dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, dtype, common))
+
     def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
         iter_dir = staging / mio.iteration_dir_name(iteration)
         if fmt == "torch":
             _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration)
-        elif index == 0:  # torch_dist is written by one process (megatron-core's save of one model)
-            _write_torch_dist(plan, ckpt, iter_dir, args, dtype, iteration, report)
+        else:  # a torchrun rank: its own .distcp file
+            iter_dir.mkdir(parents=True, exist_ok=True)
+            torch_dist_io.write_share(iter_dir, dist_entries(), index, size, report)
 
-    def finish(_, staging: Path) -> None:
+    def finish(_, staging: Path, dist_members: int = 0) -> None:
+        if dist_members:  # torchrun: one .metadata for all ranks' files
+            torch_dist_io.finish(staging / mio.iteration_dir_name(iteration), dist_entries(), dist_members, common)
         mio.write_tracker(staging, iteration)
         (staging / mio.HF_CONFIG_DIR).mkdir()
         copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
@@ -190,13 +208,17 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
     if team is not None:
         check_output_path(out, overwrite, (Path(hf_dir),))
-        _run_team(team, out, overwrite, lambda staging: None, finish,
+        _run_team(team, out, overwrite, lambda staging: None,
+                  lambda _, staging: finish(_, staging, team.size if fmt == "torch_dist" else 0),
                   lambda staging, report: write_share(staging, team.rank, team.size, report),
                   summary.bytes, "hf2mcore", progress)
         return summary
     with staged_directory(out, overwrite, inputs=(Path(hf_dir),)) as staging:
         with _bar(summary.bytes, "hf2mcore", progress) as bar:
-            if workers > 1 and fmt == "torch":
+            if fmt == "torch_dist":  # threads, each writing its own .distcp file, one .metadata
+                torch_dist_io.write(staging / mio.iteration_dir_name(iteration), dist_entries(), workers, common,
+                                    bar.update)
+            elif workers > 1:
                 run_workers(_legacy_share, workers, (hf_dir, staging / mio.iteration_dir_name(iteration), layout,
                                                      spec, args, iteration), bar.update)
             else:
@@ -220,8 +242,9 @@ def _batches(exports: list[ExportTask], budget: int) -> Iterator[list[ExportTask
 
 
 def _write_exports(load, exports: list[ExportTask], index: int, size: int, writer: ShardedSafetensorsWriter,
-                   progress: Callable[[int], None]) -> None:
-    """Write member `index`'s share of the HF tensors into the prepared shard files."""
+                   progress: Callable[[int], None], dtype: torch.dtype | None = None) -> None:
+    """Write member `index`'s share of the HF tensors into the prepared shard files (cast to
+    `dtype` if given)."""
     costs = [sum(_nbytes(s, torch.float32) for s in task.hf_shapes) for task in exports]
     mine = [exports[i] for i in share(costs, index, size)]
     for batch in _batches(mine, LOAD_BATCH_BYTES):
@@ -229,38 +252,52 @@ def _write_exports(load, exports: list[ExportTask], index: int, size: int, write
         for task in batch:
             task_shards = [next(shards) for _ in task.sources]
             for name, tensor in zip(task.hf, merge([s.shard for s in task.sources], task_shards, task.hf_shapes)):
+                tensor = tensor if dtype is None else tensor.to(dtype)
                 writer.write(name, tensor)
                 progress(tensor.nbytes)
 
 
 def _export_share(index: int, size: int, progress: Callable[[int], None], ckpt_dir, hf_config, staging: Path,
-                  entries: list, max_shard_bytes: int) -> None:
+                  entries: list, max_shard_bytes: int, dtype: torch.dtype | None, stack_experts: str | None) -> None:
     """A worker process: open the checkpoint and write its share."""
     ckpt = open_checkpoint(ckpt_dir, hf_config)
-    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack_experts)
     writer.open_existing()
     with ckpt.session() as (load, _):
-        _write_exports(load, ckpt.plan.exports(), index, size, writer, progress)
+        _write_exports(load, ckpt.plan.exports(), index, size, writer, progress, dtype)
     writer.close()
 
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True,
-             workers: int = 1) -> Summary:
+             workers: int = 1, dtype: torch.dtype | None = None, revision: str | None = None,
+             expert_orientation: str = "4.x") -> Summary:
     """Megatron -> HF. With `workers` > 1, worker processes write disjoint tensors of the shards;
-    under torchrun every rank writes its share and rank 0 prepares and finishes the output."""
+    under torchrun every rank writes its share and rank 0 prepares and finishes the output.
+
+    `hf_config`: a directory or hub name (at `revision`) with the model's config.json, for
+    checkpoints mconv did not write. `dtype`: cast every tensor to it (float32, bfloat16 or
+    float16); by default each tensor keeps the dtype it has in the checkpoint. config.json's
+    `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
+    `expert_orientation` ("4.x" or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see hf_io.ORIENTATIONS."""
+    if expert_orientation not in ORIENTATIONS:
+        raise MconvError(f"--expert-orientation must be one of {', '.join(ORIENTATIONS)}, got {expert_orientation!r}")
+    if hf_config:
+        hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     ckpt = open_checkpoint(ckpt_dir, hf_config)
+    arch = ckpt.plan.arch
+    stack = expert_orientation if arch.stacked_experts else None
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
     out = output_path(out_dir)
     check_output_path(out, overwrite, inputs)
     with ckpt.session() as (load, dtype_of):
-        entries = [(name, dtype_of(task.sources[0]), shape)
+        entries = [(name, dtype or dtype_of(task.sources[0]), shape)
                    for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.create()
             writer.close()
             summary.files = len(writer.files)
@@ -269,11 +306,15 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
             writer.write_index()
             copy_side_files(ckpt.config_dir, staging)
+            config = arch.hf_config(ckpt.config)
+            if config != ckpt.config:
+                (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            write_config_dtype(staging, entries)
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.open_existing()
-            _write_exports(load, exports, index, size, writer, report)
+            _write_exports(load, exports, index, size, writer, report, dtype)
             writer.close()
 
         team = TorchrunTeam.from_environment(f"mcore2hf:{out}")
@@ -286,8 +327,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
             writer = prepare(staging)
             with _bar(summary.bytes, "mcore2hf", progress) as bar:
                 if workers > 1:
-                    run_workers(_export_share, workers, (ckpt_dir, hf_config, staging, entries, max_shard_bytes),
-                                bar.update)
+                    run_workers(_export_share, workers,
+                                (ckpt_dir, hf_config, staging, entries, max_shard_bytes, dtype, stack), bar.update)
                 else:
                     write_here(staging, 0, 1, bar.update)
             finish(writer, staging)
@@ -333,43 +374,10 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
         raise
 
 
-def inspect_path(path: str | Path) -> dict:
-    """Describe an HF directory or a Megatron checkpoint."""
-    path = Path(path)
-    if (path / "config.json").is_file() and not (path / mio.TRACKER).is_file():
-        ckpt = HFCheckpoint(path)
-        arch = architecture_for(ckpt.config)
-        dims = arch.dims(ckpt.config)
-        dtypes = Counter(str(i.dtype).removeprefix("torch.") for i in ckpt.tensors.values())
-        return {"kind": "huggingface", "path": str(path), "architecture": arch.name, "dimensions": vars(dims),
-                "files": len({i.file for i in ckpt.tensors.values()}), "tensors": len(ckpt.tensors),
-                "bytes": sum(i.nbytes for i in ckpt.tensors.values()), "dtypes": dict(dtypes)}
-    ckpt = open_checkpoint(path)
-    count, nbytes = ckpt.tensor_bytes()
-    args = ckpt.args or Namespace()
-    moe = {}
-    if getattr(args, "num_experts", None):
-        router = ("softmax over all experts, then top-k (norm_topk_prob false)" if getattr(args, "moe_router_pre_softmax", False)
-                  else "router softmax after top-k (norm_topk_prob)")
-        layers = [i for i, flag in enumerate(getattr(args, "moe_layer_freq", []) or []) if flag]
-        moe = {"moe": f"experts={args.num_experts}, top_k={getattr(args, 'moe_router_topk', '?')}, "
-                      f"moe_ffn={getattr(args, 'moe_ffn_hidden_size', '?')}, {router}, MoE layers {layers}, "
-                      f"{'grouped GEMM' if getattr(args, 'moe_grouped_gemm', False) else 'SequentialMLP'} experts"}
-    dist = ckpt.location.format == "torch_dist"
-    layout = ("any (torch_dist reshards on load)" if dist else ckpt.layout.describe())
-    return {"kind": "megatron", "path": str(path), "format": ckpt.location.format,
-            "iteration": ckpt.location.iteration if ckpt.location.iteration is not None else "release",
-            "architecture": ckpt.plan.arch.name, "spec": ckpt.metadata.get("spec", ckpt.plan.spec), "layout": layout,
-            "files": len(list(ckpt.location.iter_dir.glob("__*.distcp" if dist else "mp_rank_*"))),
-            "tensors": count, "bytes": nbytes,
-            "padded vocab": ckpt.plan.padded_vocab, **moe,
-            "written by": "mconv " + ckpt.metadata["mconv_version"] if ckpt.metadata else "another tool"}
-
-
 def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[int, int, list[str]]:
-    """Compare two HF directories tensor by tensor (names, dtypes, shapes, bytes), one tensor in
-    memory at a time. Returns (tensors, bytes, differences)."""
-    left, right = HFCheckpoint(a), HFCheckpoint(b)
+    """Compare two HF models (directories or hub names) tensor by tensor (names, dtypes, shapes,
+    bytes), one tensor in memory at a time. Returns (tensors, bytes, differences)."""
+    left, right = (HFCheckpoint(resolve_model(x, progress=progress)) for x in (a, b))
     differences = [f"{name}: only in {left.dir}" for name in sorted(left.tensors.keys() - right.tensors.keys())]
     differences += [f"{name}: only in {right.dir}" for name in sorted(right.tensors.keys() - left.tensors.keys())]
     common = sorted(left.tensors.keys() & right.tensors.keys())

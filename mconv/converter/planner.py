@@ -119,12 +119,14 @@ def _shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
         raise MconvError(f"internal: the table's shape {spec!r} for {name} names unknown dimension {e.name}") from None
 
 
-def validate_layout(dims: SimpleNamespace, layout: Layout) -> None:
+def validate_layout(dims: SimpleNamespace, layout: Layout, arch_check=None) -> None:
     layout.validate(dims.layers)
     for what, value in (("num_attention_heads", getattr(dims, "heads", None)),
                         ("num_key_value_heads (query groups)", getattr(dims, "groups", None))):
         if value is not None and value % layout.tp:
             raise MconvError(f"{what}={value} is not divisible by --tp {layout.tp}")
+    if arch_check is not None:
+        arch_check(dims, layout)
     experts = getattr(dims, "experts", 0)
     if not experts and (layout.ep > 1 or layout.etp > 1):
         raise MconvError("--ep/--etp need a model with experts")
@@ -140,7 +142,7 @@ def make_plan(arch: Architecture, config: dict, layout: Layout, spec: str) -> Pl
     if spec not in SPECS:
         raise MconvError(f"--spec must be one of {', '.join(SPECS)}, got {spec!r}")
     dims = arch.dims(config)
-    validate_layout(dims, layout)
+    validate_layout(dims, layout, arch.check_layout)
     ranks = [plan_rank(arch, dims, layout, spec, rank) for rank in layout.ranks()]
     return Plan(arch, config, dims, layout, spec, ranks)
 
@@ -164,7 +166,10 @@ def plan_rank(arch: Architecture, dims: SimpleNamespace, layout: Layout, spec: s
                             chunk += _layer_tasks(rule, ctx, layout, rank, spec, position, layer,
                                                   layer - layers.start)
                 elif placed[stage] == (rank.pp, v) and (rule.when is None or rule.when(ctx)):
-                    chunk.append(_task(rule, ctx, layout, rank, spec, position))
+                    field_name, count = rule.repeat or ("", None)
+                    for index in range(getattr(ctx, count)) if count else (None,):
+                        chunk.append(_task(rule, ctx, layout, rank, spec, position,
+                                           index={field_name: index} if count else {}))
         chunks.append(chunk)
     return RankPlan(rank, chunks)
 
@@ -181,14 +186,15 @@ def _layer_tasks(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, s
 
 def _task(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: str, position: int,
           layer: int | None = None, local_layer: int | None = None, expert: int | None = None,
-          local_expert: int | None = None) -> TensorTask:
-    megatron = rule.megatron_name(spec).format(layer=local_layer, expert=local_expert)
-    hf = tuple(name.format(layer=layer, expert=expert) for name in rule.hf)
+          local_expert: int | None = None, index: dict | None = None) -> TensorTask:
+    index = index or {}
+    megatron = rule.megatron_name(spec).format(layer=local_layer, expert=local_expert, **index)
+    hf = tuple(name.format(layer=layer, expert=expert, **index) for name in rule.hf)
     hf_shapes = tuple(_shape(shape, ctx, name) for name, shape in zip(hf, rule.hf.values()))
     shard = None
     if rule.kind is not EXTRA_STATE:
-        params = dict(name=megatron, heads=getattr(ctx, "heads", None), groups=getattr(ctx, "groups", None),
-                      head_dim=getattr(ctx, "head_dim", None), vocab_divisor=layout.vocab_divisor)
+        heads, groups, head_dim = (getattr(ctx, name, None) for name in rule.qkv_dims)
+        params = dict(name=megatron, heads=heads, groups=groups, head_dim=head_dim, vocab_divisor=layout.vocab_divisor)
         shard = rule.kind.layout(hf_shapes, group_rank(rule, rank), group_size(rule, layout), params)
-    order = (STAGE_ORDER[rule.stage], layer or 0, expert or 0, position)
+    order = (STAGE_ORDER[rule.stage], layer or next(iter(index.values()), 0) or 0, expert or 0, position)
     return TensorTask(megatron, rule, hf, hf_shapes, shard, order)

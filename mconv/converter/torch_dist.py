@@ -131,10 +131,11 @@ def sharded_parameters(model) -> dict[str, list]:
     return boxes
 
 
-def write_entries(args: Namespace, dtype: torch.dtype, iteration: int | None, parameter: Callable[[str], torch.Tensor], dtypes: dict[str, torch.dtype]) -> list[DistEntry]:
+def write_entries(args: Namespace, dtype: torch.dtype, common: dict, parameter: Callable[[str], torch.Tensor], dtypes: dict[str, torch.dtype]) -> list[DistEntry]:
     """What a torch_dist checkpoint of mconv's model holds, as the writer's entries: every main-replica
     ShardedTensor and ShardedObject of megatron-core's `sharded_state_dict()` of the meta model (keys,
-    global shapes, offsets as megatron-core plans them), then the common state. `parameter(name)`
+    global shapes, offsets as megatron-core plans them), then the `common` state (as Megatron-LM's:
+    args, checkpoint_version, iteration). `parameter(name)`
     builds the full (TP1) tensor of a parameter named as in the local-spec state dict, `dtypes`
     each parameter's dtype. Needs `megatron_process_group()`."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -172,23 +173,15 @@ def write_entries(args: Namespace, dtype: torch.dtype, iteration: int | None, pa
             entries.append(DistEntry(item.unique_key, None, None, lambda data=item.data: data))
         elif not isinstance(item, (ShardedTensor, ShardedObject)):
             raise MconvError(f"internal: megatron-core's sharded state dict holds a {type(item).__name__}")
-    common = common_state(args, iteration)
     entries.append(DistEntry(COMMON_KEY, None, None, lambda: common))
     return entries
 
 
-def common_state(args: Namespace, iteration: int | None) -> dict:
-    """The common (non-sharded) state Megatron-LM stores beside the model: args, version, iteration."""
-    return {"args": args, "checkpoint_version": 3.0, "iteration": iteration or 0}
-
-
-def save(iter_dir: Path, args: Namespace, dtype: torch.dtype, iteration: int | None, parameter: Callable[[str], torch.Tensor], dtypes: dict[str, torch.dtype],
-         progress: Callable[[int], None], workers: int = 1) -> None:
-    """Write a torch_dist checkpoint of mconv's model (see `write_entries`) with `workers` threads,
-    with `common.pt` too, so megatron-core releases before 0.19 load it."""
+def entries(args: Namespace, dtype: torch.dtype, common: dict, parameter: Callable[[str], torch.Tensor],
+            dtypes: dict[str, torch.dtype]) -> list[DistEntry]:
+    """`write_entries` in its own megatron-core process group (computed once per writing process)."""
     with megatron_process_group():
-        entries = write_entries(args, dtype, iteration, parameter, dtypes)
-    torch_dist_io.write(iter_dir, entries, workers, common_state(args, iteration), progress)
+        return write_entries(args, dtype, common, parameter, dtypes)
 
 
 def parameter_session(reader: torch_dist_io.TorchDistReader, args: Namespace, dtype: torch.dtype):

@@ -169,6 +169,25 @@ class TorchDistReader:
         self.common = self._common_state()
         self.args = self.common.get("args") if isinstance(self.common, dict) else None
 
+    _opened: dict[tuple, "TorchDistReader"] = {}
+
+    @classmethod
+    def open(cls, iter_dir: str | Path) -> "TorchDistReader":
+        """The process's reader of `iter_dir`: `.metadata` is parsed once per process, however many
+        callers (inspect, the export session, worker threads) read the checkpoint; a changed
+        `.metadata` (another mtime, size or inode) is parsed again."""
+        path = Path(iter_dir).resolve() / METADATA_FILE
+        try:
+            stat = path.stat()
+            key = (str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        except OSError:
+            return cls(iter_dir)  # raises, naming the missing file
+        if key not in cls._opened:
+            if len(cls._opened) >= 4:  # a long-lived process (a trainer) reads many checkpoints: keep a few
+                cls._opened.pop(next(iter(cls._opened))).close()
+            cls._opened[key] = cls(iter_dir)
+        return cls._opened[key]
+
     def _common_state(self) -> Any:
         common = self.iter_dir / COMMON_FILE
         if common.is_file():

@@ -95,16 +95,23 @@ def _sectioned(shapes, rank, size, params) -> ShardLayout:
 
 def _qkv(shapes, rank, size, params) -> ShardLayout:
     # Megatron groups rows by KV group: the group's query heads, then its key, then its value.
+    # The HF side is q, k, v apart, or one packed tensor [Q_all; K_all; V_all] (Qwen3-VL's vision
+    # `attn.qkv`, where groups == heads: Megatron's per-head [q_h; k_h; v_h], as mbridge and
+    # Megatron-Bridge view it: hf.view(3, heads, head_dim, -1).transpose(0, 1)).
     heads, groups, head_dim = params["heads"], params["groups"], params["head_dim"]
     if groups % size:
         raise MconvError(f"{params['name']}: {groups} query groups are not divisible by tensor parallel size {size}")
     q_rows = heads // groups * head_dim
+    if len(shapes) == 1:
+        (q, k, v), (q0, k0, v0) = (0, 0, 0), (0, heads * head_dim, (heads + groups) * head_dim)
+    else:
+        (q, k, v), (q0, k0, v0) = (0, 1, 2), (0, 0, 0)
     pieces = []
     per_rank = groups // size
     for g in range(rank * per_rank, (rank + 1) * per_rank):
-        pieces += [Piece(0, g * q_rows, (g + 1) * q_rows),
-                   Piece(1, g * head_dim, (g + 1) * head_dim),
-                   Piece(2, g * head_dim, (g + 1) * head_dim)]
+        pieces += [Piece(q, q0 + g * q_rows, q0 + (g + 1) * q_rows),
+                   Piece(k, k0 + g * head_dim, k0 + (g + 1) * head_dim),
+                   Piece(v, v0 + g * head_dim, v0 + (g + 1) * head_dim)]
     return ShardLayout(0, tuple(pieces))
 
 
@@ -115,7 +122,7 @@ ROW = Kind("row", _row)
 VOCAB = Kind("vocab", _vocab)
 GLU = Kind("glu", _sectioned, sources=2)
 SECTIONED = Kind("sectioned", _sectioned, sources=None)
-QKV = Kind("qkv", _qkv, sources=3)
+QKV = Kind("qkv", _qkv, sources=None)  # q, k, v or one packed qkv
 EXTRA_STATE = Kind("extra_state", _whole, replicated=True, sources=0)  # TE/linear `_extra_state`: None
 
 

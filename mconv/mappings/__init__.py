@@ -3,9 +3,11 @@ from mconv.errors import MconvError
 from mconv.mappings.bailing_v3 import BAILING_V3
 from mconv.mappings.qwen3 import QWEN3
 from mconv.mappings.qwen3_moe import QWEN3_MOE
+from mconv.mappings.qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 from mconv.mappings.schema import Architecture
 
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (QWEN3, QWEN3_MOE, BAILING_V3)}
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (QWEN3, QWEN3_MOE, QWEN3_VL, QWEN3_VL_MOE,
+                                                                          BAILING_V3)}
 
 
 def architecture_for(config: dict) -> Architecture:

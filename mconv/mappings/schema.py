@@ -2,11 +2,13 @@
 
 A table is a list of `Rule`s. A rule names one Megatron tensor (a template with `{layer}` for
 per-layer tensors and `{expert}` for per-expert ones), the HF tensors it is made of (templates with their shapes, written as
-space-separated names of model dimensions), and the transform kind that relates them.
+space-separated names of model dimensions), and the transform kind that relates them. Tensors
+outside the layers that come in numbered copies (a vision tower's blocks) name their index in
+`repeat`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Callable
 
@@ -26,6 +28,11 @@ class Rule:
     group: str = "tp"  # which parallel group splits it: "tp" (or "etp" for experts)
     exported: bool = True  # False for copies (the tied output layer): mcore2hf takes the original
     specs: tuple[str, ...] = ("local", "te")
+    # Non-layer rules repeated over an index: (template field, dims attribute with the count),
+    # e.g. ("block", "vision_layers") for `vision_model.decoder.layers.{block}.`.
+    repeat: tuple[str, str] | None = None
+    # The dims attributes a fused QKV rule takes its (heads, query groups, head_dim) from.
+    qkv_dims: tuple[str, str, str] = ("heads", "groups", "head_dim")
 
     def megatron_name(self, spec: str) -> str:
         return self.te if spec == "te" and self.te else self.megatron
@@ -41,14 +48,28 @@ class Architecture:
     dims: Callable[[dict], SimpleNamespace]  # config.json -> model dimensions used by shapes and params
     rules: tuple[Rule, ...]
     megatron_args: Callable[[SimpleNamespace], dict] = field(default=lambda d: {})  # Megatron-LM args
+    # Extra layout checks of the architecture (dims, layout) -> None, raising MconvError.
+    check_layout: Callable | None = None
+    # HF keeps routed experts stacked (`mlp.experts.gate_up_proj` / `down_proj`, transformers'
+    # Qwen3-VL-MoE): the table names them per expert and the HF writer stacks them.
+    stacked_experts: bool = False
+    # config.json as mcore2hf writes it (e.g. with the keys of both transformers 4.x and 5.x).
+    hf_config: Callable[[dict], dict] = field(default=lambda config: config)
     # HF tensors the Megatron layout has no place for: {HF name prefix: why}; hf2mcore leaves them out
     # and says so (mcore2hf cannot bring them back).
     dropped: Callable[[SimpleNamespace], dict[str, str]] = field(default=lambda d: {})
 
 
-def extra_state(module: str, stage: str | None = None, specs=("local", "te"), when=None) -> Rule:
+def prefixed(rules: tuple[Rule, ...], megatron: str, hf: Callable[[str], str]) -> tuple[Rule, ...]:
+    """The rules of a model nested inside another one (the language model of a vision-language
+    model): `megatron` is prepended to the Megatron names, `hf` renames the HF templates."""
+    return tuple(replace(r, megatron=megatron + r.megatron, te=r.te and megatron + r.te,
+                         hf={hf(name): shape for name, shape in r.hf.items()}) for r in rules)
+
+
+def extra_state(module: str, stage: str | None = None, specs=("local", "te"), when=None, repeat=None) -> Rule:
     """The `_extra_state` entry (None in converted checkpoints) that Megatron linear modules carry."""
-    return Rule(f"{module}._extra_state", {}, EXTRA_STATE, stage=stage, specs=specs, when=when)
+    return Rule(f"{module}._extra_state", {}, EXTRA_STATE, stage=stage, specs=specs, when=when, repeat=repeat)
 
 
 def linear(module: str, hf: dict[str, str], kind: Kind, **options) -> tuple[Rule, Rule]:

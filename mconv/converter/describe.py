@@ -1,0 +1,269 @@
+"""`mconv inspect`: what a checkpoint is, for people (grouped text) and scripts (JSON).
+
+Works on checkpoints mconv did not write: without an HF config it reports what the checkpoint
+itself says (format, iteration, the layout and model in its saved Megatron-LM args, tensor keys,
+dtypes, bytes); with one (stored by mconv, or `--hf-config`) it also checks the tensors against
+the architecture table and counts them as `hf2mcore` does. No megatron-core import on this path
+beyond what the checkpoint readers need.
+"""
+from __future__ import annotations
+
+from argparse import Namespace
+from pathlib import Path
+
+from mconv.converter import megatron_io as mio
+from mconv.converter.hf_io import HFCheckpoint
+from mconv.converter.hub import resolve_model
+from mconv.converter.megatron_checkpoint import open_checkpoint
+from mconv.converter.planner import make_plan
+from mconv.errors import MconvError
+from mconv.mappings import architecture_for
+
+# Megatron-LM's command-line flag for each saved args field a trainer must match (the field, or
+# the fields different writers use, first found wins), in the order people read them. Checked
+# against Megatron-LM's own parser by tests/test_inspect.py.
+MODEL_FLAGS = (
+    ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"), ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"), ("group_query_attention", "--group-query-attention"),
+    ("num_query_groups", "--num-query-groups"), ("kv_channels", "--kv-channels"),
+    ("normalization", "--normalization"), (("layernorm_epsilon", "norm_epsilon"), "--norm-epsilon"), ("qk_layernorm", "--qk-layernorm"),
+    ("swiglu", "--swiglu"), ("add_bias_linear", "--disable-bias-linear"), ("add_qkv_bias", "--add-qkv-bias"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("position_embedding_type", "--position-embedding-type"), ("rotary_base", "--rotary-base"),
+    ("rotary_percent", "--rotary-percent"), ("max_position_embeddings", "--max-position-embeddings"),
+    ("num_experts", "--num-experts"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+    ("moe_router_topk", "--moe-router-topk"), ("moe_router_pre_softmax", "--moe-router-pre-softmax"),
+    ("moe_router_score_function", "--moe-router-score-function"), ("moe_layer_freq", "--moe-layer-freq"),
+    ("moe_grouped_gemm", "--moe-grouped-gemm"), ("transformer_impl", "--transformer-impl"),
+    ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"), ("bf16", "--bf16"), ("fp16", "--fp16"),
+)
+LAYOUT_FLAGS = (
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    (("num_virtual_stages_per_pipeline_rank", "virtual_pipeline_model_parallel_size"),
+     "--num-virtual-stages-per-pipeline-rank"),
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
+    ("expert_model_parallel_size", "--expert-model-parallel-size"),
+    ("expert_tensor_parallel_size", "--expert-tensor-parallel-size"),
+)
+INVERTED = {"add_bias_linear"}  # Megatron-LM sets these False with the flag
+
+
+def saved_value(args: dict, dests):
+    """The saved args' value of a field (or of the first of several names it has)."""
+    for dest in (dests,) if isinstance(dests, str) else dests:
+        if args.get(dest) is not None:
+            return args[dest]
+    return None
+
+
+def trainer_flags(args: dict, layout: bool = True) -> list[str]:
+    """Megatron-LM flags reproducing the saved args' model (and, with `layout`, parallel layout):
+    booleans as bare flags, lists in Megatron-LM's `[1,0,1]` syntax, unset fields left out."""
+    flags = []
+    for dests, flag in MODEL_FLAGS + (LAYOUT_FLAGS if layout else ()):
+        value = saved_value(args, dests)
+        if dests in INVERTED:
+            value = value is False
+        # Megatron-LM's defaults: parallel sizes 1, except ETP, which defaults to TP.
+        default = (args.get("tensor_model_parallel_size") if dests == "expert_tensor_parallel_size" else 1)
+        if value is None or value is False or ((dests, flag) in LAYOUT_FLAGS and value == default):
+            continue
+        if value is True:
+            flags.append(flag)
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, "[" + ",".join(str(v) for v in value) + "]"]
+        elif isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+            flags += [flag, str(int(value))]  # e.g. --rotary-base, an int in Megatron-LM's parser
+        else:
+            flags += [flag, str(getattr(value, "name", value))]
+    return flags
+
+
+def _plain(value):
+    """JSON-ready values: dtypes and enums by name, sets as sorted lists."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "itemsize") and hasattr(value, "is_floating_point"):  # a torch.dtype
+        return str(value).removeprefix("torch.")
+    if hasattr(value, "name") and hasattr(value, "value"):  # an enum
+        return value.name
+    return value
+
+
+def _model(args: dict, name: str | None) -> dict:
+    """The architecture a set of Megatron-LM args describes."""
+    model = {"name": name or "unknown (no HF config)", "layers": args.get("num_layers"),
+             "hidden": args.get("hidden_size"), "ffn": args.get("ffn_hidden_size"),
+             "attention_heads": args.get("num_attention_heads"),
+             "query_groups": args.get("num_query_groups") or args.get("num_attention_heads"),
+             "head_dim": args.get("kv_channels"), "vocab": args.get("vocab_size"),
+             "padded_vocab": args.get("padded_vocab_size"),
+             "tied_embeddings": (None if args.get("untie_embeddings_and_output_weights") is None
+                                 else not args["untie_embeddings_and_output_weights"])}
+    if args.get("num_experts"):
+        freq = args.get("moe_layer_freq")
+        layers = args.get("num_layers") or 0
+        moe_layers = ([i for i, f in enumerate(freq) if f] if isinstance(freq, (list, tuple))
+                      else [i for i in range(layers) if i % (freq or 1) == 0])
+        model.update({"experts": args["num_experts"], "top_k": args.get("moe_router_topk"),
+                      "expert_ffn": args.get("moe_ffn_hidden_size"), "moe_layers": moe_layers,
+                      "router": ("sigmoid scores, then top-k" if args.get("moe_router_score_function") == "sigmoid"
+                                 else "softmax over all experts, then top-k (norm_topk_prob false)"
+                                 if args.get("moe_router_pre_softmax") else
+                                 "top-k, then softmax over them (norm_topk_prob true)"),
+                      "expert_modules": ("TE grouped GEMM" if args.get("moe_grouped_gemm") else
+                                         "SequentialMLP" if "moe_grouped_gemm" in args else None)})
+    return {k: _plain(v) for k, v in model.items() if v is not None}
+
+
+def _sizes(dtypes: dict) -> dict:
+    return {"tensors": sum(n for n, _ in dtypes.values()), "bytes": sum(b for _, b in dtypes.values())}
+
+
+def _count(counts: dict, dtype, nbytes: int) -> None:
+    n, b = counts.get(_plain(dtype), (0, 0))
+    counts[_plain(dtype)] = (n + 1, b + nbytes)
+
+
+def _describe_hf(path: Path, shown: str) -> dict:
+    ckpt = HFCheckpoint(path)
+    arch = architecture_for(ckpt.config)
+    dims = arch.dims(ckpt.config)
+    args = {"num_layers": dims.layers, "hidden_size": dims.hidden, "num_attention_heads": dims.heads,
+            "vocab_size": dims.vocab, "untie_embeddings_and_output_weights": not dims.tied,
+            **arch.megatron_args(dims)}
+    dtypes: dict = {}
+    for info in ckpt.tensors.values():
+        _count(dtypes, info.dtype, info.nbytes)
+    ckpt.close()
+    return {"kind": "huggingface", "path": shown, "model": _model(args, arch.name),
+            "dtypes": {k: {"tensors": n, "bytes": b} for k, (n, b) in dtypes.items()},
+            "size": {**_sizes(dtypes), "files": len({i.file for i in ckpt.tensors.values()})},
+            "trainer_flags": trainer_flags(args, layout=False)}
+
+
+def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision: str | None = None) -> dict:
+    """Describe an HF model (a directory or a hub name at `revision`) or a Megatron checkpoint
+    (legacy `torch` or `torch_dist`, from mconv or any other tool). Returns a JSON-ready dict of
+    groups: `checkpoint` (format, iteration, writer, files), `model` (architecture, from the HF
+    config and the saved args), `layout`, `dtypes` ({dtype: {tensors, bytes}}), `size`
+    (`tensors` counted as hf2mcore counts them, `stored tensors` for torch_dist's stacked keys)
+    and `trainer flags` (the Megatron-LM flags the training job must pass). `hf_config` (a
+    directory or hub name) names the HF model of a checkpoint that stores none. Raises
+    MconvError for what is neither."""
+    local = Path(path)
+    if not local.is_dir() or ((local / "config.json").is_file() and not (local / mio.TRACKER).is_file()):
+        return _describe_hf(resolve_model(path, revision), str(path))
+    location = mio.locate(local)
+    if hf_config:
+        hf_config = resolve_model(hf_config, revision, weights=False)
+    dist = location.format == "torch_dist"
+    metadata = mio.read_metadata(location.save_dir) or {}
+    stored_config = (location.save_dir / mio.HF_CONFIG_DIR / "config.json").is_file()
+    dtypes: dict = {}
+    if dist:
+        from mconv.converter.torch_dist_io import TorchDistReader
+
+        reader = TorchDistReader.open(location.iter_dir)
+        args = reader.args
+        for entry in reader.tensors.values():
+            _count(dtypes, entry.dtype, entry.nbytes)
+        stored = len(reader.tensors)
+        reader.close()
+    else:
+        args, layout, chunks, _ = mio.read_legacy_ranks(location)
+        for rank_chunks in chunks.values():
+            for chunk in rank_chunks:
+                for tensor in chunk.values():
+                    if hasattr(tensor, "dtype"):
+                        _count(dtypes, tensor.dtype, tensor.nbytes)
+        stored = None
+    args = vars(args) if isinstance(args, Namespace) else dict(args or {})
+    info = {"kind": "megatron", "path": str(path),
+            "checkpoint": {"format": location.format,
+                           "iteration": location.iteration if location.iteration is not None else "release",
+                           "written_by": f"mconv {metadata['mconv_version']}" if metadata else "another tool",
+                           "files": len(list(location.iter_dir.glob("*.distcp" if dist else "mp_rank_*")))}}
+    name = None
+    size = _sizes(dtypes)
+    if hf_config or stored_config:
+        ckpt = open_checkpoint(location.iter_dir, hf_config)  # checks the tensors against the HF config
+        name = ckpt.plan.arch.name
+        args.setdefault("padded_vocab_size", ckpt.plan.padded_vocab)
+        if dist:  # hf2mcore counts megatron-core's parameters, which torch_dist stores stacked by layer
+            size["tensors"] = sum(1 for task in ckpt.plan.ranks[0].chunks[0] if task.shape is not None)
+    else:
+        info["note"] = ("no HF config stored in the checkpoint: the architecture is not checked; pass "
+                        "--hf-config (a directory or hub name) to check it and to convert it")
+    info["model"] = _model(args, name)
+    if dist:
+        short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
+                 "expert_model_parallel_size": "EP", "expert_tensor_parallel_size": "ETP"}
+        saved = " ".join(f"{label}{args[dest]}" for dest, label in short.items() if args.get(dest))
+        info["layout"] = {"any": "torch_dist reshards on load to the trainer's layout",
+                          "saved_by": saved or "unknown (no args)"}
+    else:
+        info["layout"] = {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep, "etp": layout.etp,
+                          "first_stage_layers": layout.first_stage_layers,
+                          "last_stage_layers": layout.last_stage_layers, "text": layout.describe()}
+        info["layout"] = {k: v for k, v in info["layout"].items() if v is not None}
+    spec = metadata.get("spec") or ("te" if args.get("transformer_impl") == "transformer_engine" else
+                                    "local" if args.get("transformer_impl") else None)
+    if spec:
+        info["layout"]["spec"] = spec
+    info["dtypes"] = {k: {"tensors": n, "bytes": b} for k, (n, b) in dtypes.items()}
+    info["size"] = {**size, **({"stored_tensors": stored} if dist else {}), "files": info["checkpoint"]["files"]}
+    info["trainer_flags"] = trainer_flags(args, layout=not dist)
+    return info
+
+
+def render(info: dict) -> list[str]:
+    """The text `mconv inspect` prints: one line per group, most wanted first."""
+    lines = []
+    if info["kind"] == "huggingface":
+        lines.append(f"{info['path']}: Hugging Face model")
+    else:
+        c = info["checkpoint"]
+        iteration = "release" if c["iteration"] == "release" else f"iteration {c['iteration']}"
+        lines.append(f"{info['path']}: Megatron checkpoint, {c['format']} format, {iteration}, "
+                     f"written by {c['written_by']}")
+    m = dict(info["model"])
+    text = f"{m.pop('name')}: " + ", ".join(f"{k.replace('_', ' ')} {_text(v)}" for k, v in m.items()
+                                             if k not in ("router", "expert_modules", "moe_layers", "experts",
+                                                          "top_k", "expert_ffn"))
+    lines.append(("model", text))
+    if "experts" in m:
+        lines.append(("experts", f"{m['experts']} experts, top {m['top_k']}, expert ffn {m['expert_ffn']}, "
+                                 f"MoE layers {_text(m['moe_layers'])}, router {m['router']}"
+                                 + (f", {m['expert_modules']}" if "expert_modules" in m else "")))
+    if "layout" in info:
+        layout = info["layout"]
+        if "any" in layout:
+            text = f"any ({layout['any']}); saved by {layout['saved_by']}"
+        else:
+            text = layout["text"]
+        lines.append(("layout", text + (f", spec {layout['spec']}" if "spec" in layout else "")))
+    lines.append(("dtypes", "; ".join(f"{d}: {v['tensors']} tensors, {v['bytes']:,} bytes"
+                                      for d, v in info["dtypes"].items())))
+    s = info["size"]
+    stored = f" (stored as {s['stored_tensors']} torch_dist tensors)" if "stored_tensors" in s else ""
+    lines.append(("size", f"{s['tensors']} tensors{stored}, {s['bytes']:,} bytes, {s['files']} file(s)"))
+    lines.append(("trainer", " ".join(info["trainer_flags"])))
+    if "note" in info:
+        lines.append(("note", info["note"]))
+    return [line if isinstance(line, str) else f"  {line[0]:<8} {line[1]}" for line in lines]
+
+
+def _text(value) -> str:
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value) if value else "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+__all__ = ["inspect_path", "render", "trainer_flags"]

@@ -1,0 +1,78 @@
+"""Hugging Face Hub model names (`Qwen/Qwen3-8B`) wherever mconv takes an HF model directory.
+
+A name is resolved the way transformers' `from_pretrained` resolves it, through huggingface_hub:
+an existing local directory always wins; otherwise the name is a hub repository id and
+`huggingface_hub.snapshot_download` returns its snapshot in the hub cache (`HF_HUB_CACHE`,
+by default `$HF_HOME/hub`, laid out as `models--ORG--NAME/{blobs,refs,snapshots/COMMIT}`),
+downloading what is missing unless `HF_HUB_OFFLINE=1`, with huggingface_hub's own progress bars
+and token. Only the files mconv reads are fetched: safetensors weights and their index (when
+weights are needed), JSON configs and tokenizer files.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mconv.errors import MconvError
+
+# What transformers reads of a model besides its weights: configs, tokenizer, chat template.
+CONFIG_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "merges.txt", "*.tiktoken"]
+WEIGHT_PATTERNS = ["*.safetensors"]
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text
+
+
+def resolve_model(name_or_path: str | Path, revision: str | None = None, weights: bool = True,
+                  progress: bool = True) -> Path:
+    """The local directory of an HF model given as a directory or as a hub name.
+
+    `name_or_path`: an existing directory (returned as is, whatever `revision` says), or a hub
+    repository id such as `Qwen/Qwen3-8B`, resolved with `huggingface_hub.snapshot_download` at
+    `revision` (branch, tag or commit; default the repository's default branch). `weights=False`
+    fetches only configs and tokenizer files (e.g. for `--hf-config`). Returns the snapshot
+    directory inside the hub cache. Raises MconvError (one sentence naming the cache) when the
+    name is not a directory and cannot be found in the cache or on the Hub.
+    """
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or _looks_like_path(text):
+        raise MconvError(f"{text} is not a directory")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    cache = constants.HF_HUB_CACHE
+    at = f" at revision {revision}" if revision else ""
+    quiet = not progress and not are_progress_bars_disabled()
+    if quiet:
+        disable_progress_bars()
+    try:
+        # Offline, transformers asks for local files only (a commit hash would otherwise still be fetched).
+        folder = snapshot_download(text, revision=revision, local_files_only=constants.HF_HUB_OFFLINE,
+                                   allow_patterns=CONFIG_PATTERNS + (WEIGHT_PATTERNS if weights else []))
+    except HFValidationError:
+        raise MconvError(f"{text} is not a directory, nor a hub model name such as Qwen/Qwen3-8B") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:  # GatedRepoError is a RepositoryNotFoundError
+        what = "is gated (log in with `hf auth login` after accepting its terms)" if isinstance(e, GatedRepoError) \
+            else "was not found on the Hugging Face Hub"
+        raise MconvError(f"{text}{at} is not a local directory and {what}; the hub cache is {cache}") from None
+    except LocalEntryNotFoundError as e:
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else
+               f"the Hub could not be reached ({type(e.__cause__ or e).__name__})")
+        raise MconvError(f"{text}{at} is not a local directory and is not in the Hugging Face cache {cache} "
+                         f"({why})") from None
+    except OSError as e:  # a partial snapshot offline, a full disk, a network error mid-download
+        raise MconvError(f"{text}{at}: fetching it into the Hugging Face cache {cache} failed: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    finally:
+        if quiet:
+            enable_progress_bars()
+    folder = Path(folder)
+    if weights and not any(folder.glob("*.safetensors")):
+        raise MconvError(f"{text}{at} (in {folder}) has no safetensors weights; mconv reads only safetensors")
+    return folder
+

@@ -1,0 +1,199 @@
+"""Oracle for Qwen3-VL: mbridge's own Megatron `Qwen3VLModel` (the model mbridge, Megatron-Bridge and
+AReaL train), built per rank in gloo processes on the CPU, against transformers'
+Qwen3VL(Moe)ForConditionalGeneration.
+
+Each process builds its (tp, pp, ep) rank of the model from megatron-core's local specs (vision
+blocks: `get_vit_layer_with_local_spec`; mergers: WrappedTorchNorm / ColumnParallelLinear /
+RowParallelLinear; language model: `get_gpt_decoder_block_spec`), with the CPU shims of
+tests/megatron_oracle.py, loads its legacy rank file (Megatron-LM's `get_checkpoint_name`) with
+`load_state_dict(strict=True)`, and runs a text-only and a text+image forward pass. Two test-only
+adjustments, both model-implementation differences rather than conversion ones (reference
+qwen3-vl.md, sections 0.4 and 4): the vision tower gets no packed-sequence params (megatron-core's
+local attention has no THD path; for one single-frame image this is the same full attention over
+its patches), and the patch mergers use exact GELU, as transformers does (mbridge gives them the
+vision config's tanh GELU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from copy import deepcopy
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.multiprocessing as mp
+
+from tests.megatron_oracle import MegatronRun, _cpu_shims, _free_port, _transformer_config
+
+PATCHES = (1, 4, 4)  # image_grid_thw: one frame of 4 x 4 patches -> 4 merged image tokens
+
+
+@dataclass
+class VLRun:
+    checkpoint: Path | None  # save directory of legacy rank files (None with `bridge_hf`)
+    hf_config: dict
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    padded_vocab: int = 0
+    inputs: dict = field(default_factory=dict)  # name -> (input_ids, pixel_values or None)
+    dump_state: Path | None = None  # also save this rank's state dict after loading
+    bridge_hf: Path | None = None  # instead of rank files: load this HF directory with Megatron-Bridge's mapping
+
+    @property
+    def world(self) -> int:
+        return self.pp * math.lcm(self.tp, self.etp * self.ep)
+
+
+def example_inputs(config: dict, length: int = 12, seed: int = 0) -> dict:
+    """A text-only sequence, and one with an image: vision start, the image's merged tokens, vision end."""
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(0, 250, (length,), generator=generator)
+    vision = config["vision_config"]
+    t, h, w = PATCHES
+    image_tokens = t * h * w // vision["spatial_merge_size"] ** 2
+    ids = torch.cat([text[:4], torch.tensor([config["vision_start_token_id"]] + [config["image_token_id"]] * image_tokens
+                                            + [config["vision_end_token_id"]]), text[4:]])
+    patch = vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    pixels = torch.randn(t * h * w, patch, generator=generator)
+    return {"text": (text.unsqueeze(0), None), "image": (ids.unsqueeze(0), pixels)}
+
+
+def _config(run: VLRun):
+    from mbridge.models.qwen3_vl.transformer_config import Qwen3VLTransformerConfig, get_vision_model_config
+
+    c = run.hf_config
+    text, vision = c["text_config"], c["vision_config"]
+    # The Qwen3-VL-MoE router always renormalises its top-k weights (as norm_topk_prob does).
+    base, theta = _transformer_config(MegatronRun(None, {**text, "norm_topk_prob": True}, tp=run.tp, pp=run.pp,
+                                                  ep=run.ep, etp=run.etp))
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    config = Qwen3VLTransformerConfig(**{
+        **{f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init},
+        "mrope_section": rope["mrope_section"]}, patch_size=vision["patch_size"],
+        temporal_patch_size=vision["temporal_patch_size"], in_channels=vision["in_channels"],
+        spatial_merge_size=vision["spatial_merge_size"], num_position_embeddings=vision["num_position_embeddings"],
+        out_hidden_size=vision["out_hidden_size"], deepstack_visual_indexes=list(vision["deepstack_visual_indexes"]))
+    return config, get_vision_model_config(deepcopy(config), SimpleNamespace(**vision)), theta
+
+
+def build_model(run: VLRun, pre_process: bool, post_process: bool):
+    """mbridge's Qwen3VLModel for this rank, from local specs, merger activation set to exact GELU."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from mbridge.models.qwen3_vl.model import Qwen3VLModel
+    from mbridge.models.qwen3_vl.utils import PatchMergerSubmodules
+    from mbridge.models.qwen3_vl.vision_model import Qwen3VLVisionModel
+
+    config, vision_config, theta = _config(run)
+    Qwen3VLVisionModel.build_packed_seq_params = lambda self, grid_thw: None
+    c = run.hf_config
+    torch.manual_seed(1234)
+    model = Qwen3VLModel(
+        language_transformer_config=config,
+        language_transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                                   normalization="RMSNorm", qk_l2_norm=False),
+        language_vocab_size=run.padded_vocab,
+        language_max_sequence_length=c["text_config"]["max_position_embeddings"],
+        vision_transformer_config=vision_config, vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
+        vision_patch_merger_spec=PatchMergerSubmodules(WrappedTorchNorm, ColumnParallelLinear, RowParallelLinear),
+        parallel_output=False, pre_process=pre_process, post_process=post_process, language_rotary_base=theta,
+        language_share_embeddings_and_output_weights=bool(c.get("tie_word_embeddings", False)),
+        image_token_id=c["image_token_id"], video_token_id=c["video_token_id"],
+        vision_start_token_id=c["vision_start_token_id"])
+    if model.vision_model is not None:
+        for merger in [model.vision_model.merger, *model.vision_model.decoder.deepstack_merger_list]:
+            merger.activation_func = torch.nn.functional.gelu
+    return model.eval()
+
+
+def _load_bridge(model, hf_dir: Path) -> None:
+    from tests.test_qwen3_vl_bridge import load_with_megatron_bridge
+
+    load_with_megatron_bridge(model, hf_dir)
+
+
+def _worker(rank: int, run: VLRun, port: int, out: Path):
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=run.world)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.training.checkpointing import get_checkpoint_name
+    from mbridge.models.qwen3_vl.rope_utils import get_rope_index
+
+    ps.initialize_model_parallel(run.tp, run.pp, expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.etp)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    model = build_model(run, first, last)
+    if run.bridge_hf is not None:
+        _load_bridge(model, run.bridge_hf)
+    else:
+        tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
+        release = tracker == "release"
+        path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
+                                   expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
+    if run.dump_state is not None:
+        torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
+                   run.dump_state / f"rank{rank}.pt")
+
+    c = run.hf_config
+    results = {}
+    with torch.no_grad():
+        for name, (ids, pixels) in run.inputs.items():
+            seq = ids.shape[1]
+            grid = torch.tensor([PATCHES]) if pixels is not None else None
+            positions, _ = get_rope_index(c["vision_config"]["spatial_merge_size"], c["image_token_id"],
+                                          c["video_token_id"], c["vision_start_token_id"], ids, image_grid_thw=grid,
+                                          attention_mask=torch.ones_like(ids))
+            mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True = masked
+            if not first:
+                hidden = torch.empty(seq, 1, c["text_config"]["hidden_size"])
+                dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+                model.set_input_tensor(hidden)
+            output = model(ids, positions, mask, pixel_values=pixels, image_grid_thw=grid)
+            if last:
+                results[name] = output.float()
+            else:
+                dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    if last and ps.get_tensor_model_parallel_rank() == 0 and ps.get_expert_model_parallel_rank() == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def megatron_logits(run: VLRun, workdir: Path) -> dict[str, torch.Tensor]:
+    """Logits [1, seq, vocab] of mbridge's Qwen3VLModel for each input (padding rows dropped)."""
+    out = Path(workdir) / "qwen3_vl_logits.pt"
+    mp.start_processes(_worker, args=(run, _free_port(), out), nprocs=run.world, start_method="spawn")
+    vocab = run.hf_config["text_config"]["vocab_size"]
+    return {name: logits[..., :vocab] for name, logits in torch.load(out).items()}
+
+
+def hf_logits(hf_dir: Path, inputs: dict) -> dict[str, torch.Tensor]:
+    """transformers' logits (float32) for the same inputs; it computes its own mrope positions."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    results = {}
+    with torch.no_grad():
+        for name, (ids, pixels) in inputs.items():
+            extra = {} if pixels is None else {"pixel_values": pixels, "image_grid_thw": torch.tensor([PATCHES]),
+                                               # what the processor returns beside input_ids: 1 marks image tokens
+                                               "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+            results[name] = model(input_ids=ids, **extra).logits
+    return results
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,132 @@
+"""`mconv inspect`: readable text with no Python reprs, JSON for scripts, checkpoints mconv did
+not write (with and without --hf-config). Oracles: torch's distributed-checkpoint metadata
+reader (stored tensor count, dtypes, bytes), the rank files as torch loads them, hf2mcore's own
+report (the same tensor count) and Megatron-LM's argument parser (the trainer flags parse back
+to the saved args)."""
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from mconv.cli import main
+from mconv.converter.describe import LAYOUT_FLAGS, MODEL_FLAGS, saved_value
+from tests.conftest import FIXTURES
+
+MOE = FIXTURES / "qwen3-moe-tiny"
+
+
+def mconv(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A torch_dist and a legacy (TP2 EP2) MoE checkpoint, with hf2mcore's reports."""
+    tmp = tmp_path_factory.mktemp("inspect")
+    reports = {}
+    for fmt, extra in (("torch_dist", []), ("torch", ["--tp", "2", "--ep", "2"])):
+        result = mconv("hf2mcore", MOE, tmp / fmt, "--format", fmt, "--json", *extra)
+        assert result.exit_code == 0, result.output
+        reports[fmt] = json.loads(result.output.strip().splitlines()[-1])
+    return tmp, reports
+
+
+def foreign(tmp_path, source):
+    """The same checkpoint as another tool leaves it: no mconv metadata, no stored HF config."""
+    copy = tmp_path / "foreign"
+    shutil.copytree(source, copy)
+    shutil.rmtree(copy / "hf_config")
+    (copy / "mconv.json").unlink()
+    return copy
+
+
+def assert_readable(text: str):
+    for repr_marker in ("frozenset", "Namespace(", "torch.", "None", "{", "[(", "<"):
+        assert repr_marker not in text, (repr_marker, text)
+
+
+def test_text_is_grouped_and_has_no_reprs(checkpoints):
+    tmp, _ = checkpoints
+    for path in (tmp / "torch_dist", tmp / "torch", MOE):
+        result = mconv("inspect", path)
+        assert result.exit_code == 0, result.output
+        assert_readable(result.output)
+        labels = [line.split()[0] for line in result.output.splitlines()[1:]]
+        assert labels[:2] == ["model", "experts"] and "dtypes" in labels and "size" in labels and "trainer" in labels
+    assert "MoE layers 0, 2, 3" in mconv("inspect", tmp / "torch").output
+    assert "TP2 PP1 EP2 ETP1" in mconv("inspect", tmp / "torch").output
+
+
+def test_torch_dist_counts(checkpoints, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tmp, reports = checkpoints
+    stored = {k: md for k, md in FileSystemReader(str(tmp / "torch_dist" / "release")).read_metadata()
+              .state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    nbytes = sum(md.properties.dtype.itemsize * torch.Size(md.size).numel() for md in stored.values())
+    for path, args in ((tmp / "torch_dist", []), (foreign(tmp_path, tmp / "torch_dist"), ["--hf-config", MOE])):
+        info = json.loads(mconv("inspect", path, "--json", *args).output)
+        assert info["size"]["tensors"] == reports["torch_dist"]["tensors"]  # as hf2mcore counted them
+        assert info["size"]["stored_tensors"] == len(stored)
+        assert info["size"]["bytes"] == nbytes == reports["torch_dist"]["bytes"]
+        assert info["dtypes"] == {"bfloat16": {"tensors": len(stored), "bytes": nbytes}}
+        assert info["model"]["name"] == "Qwen3MoeForCausalLM" and info["model"]["moe_layers"] == [0, 2, 3]
+
+
+def test_a_checkpoint_mconv_did_not_write(checkpoints, tmp_path):
+    tmp, reports = checkpoints
+    for fmt in ("torch_dist", "torch"):
+        path = foreign(tmp_path / fmt, tmp / fmt)
+        result = mconv("inspect", path)
+        assert result.exit_code == 0, result.output
+        assert_readable(result.output)
+        assert "another tool" in result.output and "--hf-config" in result.output
+        info = json.loads(mconv("inspect", path, "--json").output)
+        assert info["checkpoint"]["format"] == fmt and info["checkpoint"]["iteration"] == "release"
+        assert info["model"]["layers"] == 4 and info["model"]["experts"] == 8  # from the saved args
+        if fmt == "torch":
+            # The rank files as torch loads them: every tensor, its dtype and bytes.
+            tensors = [t for f in sorted((path / "release").glob("mp_rank_*/model_optim_rng.pt"))
+                       for t in torch.load(f, weights_only=False)["model"].values() if isinstance(t, torch.Tensor)]
+            assert info["size"]["tensors"] == len(tensors) == reports["torch"]["tensors"]
+            assert info["size"]["bytes"] == sum(t.nbytes for t in tensors)
+            assert info["layout"]["text"] == "TP2 PP1 EP2 ETP1"
+        with_config = json.loads(mconv("inspect", path, "--json", "--hf-config", MOE).output)
+        assert with_config["model"]["name"] == "Qwen3MoeForCausalLM" and "note" not in with_config
+    # A wrong --hf-config is refused by name, as mcore2hf refuses it.
+    result = mconv("inspect", foreign(tmp_path / "wrong", tmp / "torch"), "--hf-config", FIXTURES / "qwen3-tiny")
+    assert result.exit_code == 1 and result.stderr.startswith("mconv: error: ")
+
+
+def test_trainer_flags_parse_back_with_megatron_lm(checkpoints):
+    """Megatron-LM's own parser reads the printed flags into the saved args' values."""
+    import argparse
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.training.arguments import add_megatron_arguments
+
+    from mconv.converter import megatron_io as mio
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    tmp, _ = checkpoints
+    args = vars(mio.load_rank_file(tmp / "torch" / "release" / "mp_rank_00_000" / "model_optim_rng.pt")["args"])
+    info = json.loads(mconv("inspect", tmp / "torch", "--json").output)
+    parsed, unknown = parser.parse_known_args(info["trainer_flags"])
+    assert not unknown
+    checked = 0
+    for dests, flag in MODEL_FLAGS + LAYOUT_FLAGS:
+        saved = saved_value(args, dests)
+        if saved is None:
+            continue
+        parsed_value = getattr(parsed, parser._option_string_actions[flag].dest)
+        if flag == "--expert-tensor-parallel-size" and parsed_value is None:
+            parsed_value = parsed.tensor_model_parallel_size  # Megatron-LM's validate_args default
+        assert parsed_value == saved, (flag, parsed_value, saved)
+        checked += 1
+    assert checked > 25
+    assert re.search(r"--moe-layer-freq \[1,0,1,1\]", " ".join(info["trainer_flags"]))

@@ -1,0 +1,180 @@
+"""Qwen3-VL dense and MoE: byte-exact round trips over layouts and both stacked-expert orientations,
+transformers loading what mcore2hf writes, the orientation of square expert tensors decided
+against transformers' own in-memory experts, and bad inputs."""
+import json
+import shutil
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from fixtures.make_fixtures import make_qwen3_vl
+from mconv import Layout, MconvError, hf2mcore, mcore2hf
+from tests.conftest import FIXTURES
+from tests.test_errors import assert_refused, legacy, mconv
+from tests.test_roundtrip import assert_bit_identical, read_all
+
+DENSE, MOE = FIXTURES / "qwen3-vl-tiny", FIXTURES / "qwen3-vl-moe-tiny"
+STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def transposed_experts(tensors: dict) -> dict:
+    """The other orientation of every stacked expert tensor ([E, a, b] -> [E, b, a])."""
+    return {k: v.transpose(1, 2).contiguous() if k.endswith(STACKED) else v for k, v in tensors.items()}
+
+
+@st.composite
+def vl_case(draw):
+    moe = draw(st.booleans())
+    tp = draw(st.sampled_from([1, 2]))
+    layers = draw(st.integers(2, 4))
+    deepstack = draw(st.sampled_from([[], [0], [0, 1]]))
+    pp, vpp, first = 1, 1, None
+    if layers - 1 >= max(1, len(deepstack)) and draw(st.booleans()):
+        pp = 2  # the deepstack targets must stay on the first stage (chunk)
+        if layers == 4 and len(deepstack) <= 1 and draw(st.booleans()):
+            vpp = 2
+        else:
+            first = draw(st.integers(max(1, len(deepstack)), layers - 1))
+    ep = draw(st.sampled_from([1, 2, 4])) if moe else 1
+    etp = draw(st.sampled_from([e for e in (1, 2) if tp % e == 0])) if moe else 1
+    text = dict(num_hidden_layers=layers, hidden_size=32, intermediate_size=16 * tp, num_key_value_heads=2,
+                num_attention_heads=4, head_dim=8, vocab_size=draw(st.integers(60, 200)),
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True})
+    if moe:
+        text.update(num_local_experts=4, moe_intermediate_size=8 * etp * draw(st.sampled_from([1, 3])),
+                    mlp_only_layers=sorted(draw(st.sets(st.integers(0, layers - 1), max_size=1))))
+    vision = dict(depth=2, hidden_size=16, num_heads=2 * tp, intermediate_size=8 * tp, patch_size=2,
+                  num_position_embeddings=16, out_hidden_size=32, deepstack_visual_indexes=deepstack)
+    model = dict(moe=moe, text=text, vision=vision, tie_word_embeddings=draw(st.booleans()),
+                 transposed_experts=draw(st.booleans()), dtype=draw(st.sampled_from([torch.bfloat16, torch.float32])))
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, first_stage_layers=first,
+                    vocab_divisor=draw(st.sampled_from([1, 128])))
+    return model, layout, draw(st.sampled_from(["local", "te"])), draw(st.sampled_from(["4.x", "5.x"]))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=vl_case(), seed=st.integers(0, 2**16))
+def test_round_trip_is_bit_identical(tmp_path_factory, case, seed):
+    """HF -> Megatron -> HF gives back every byte; stacked experts in the orientation asked for."""
+    model, layout, spec, orientation = case
+    tmp = tmp_path_factory.mktemp("vl")
+    hf = make_qwen3_vl(tmp / "hf", seed=seed, **model)
+    hf2mcore(hf, tmp / "megatron", layout, spec=spec, fmt="torch", progress=False)
+    mcore2hf(tmp / "megatron", tmp / "back", progress=False, expert_orientation=orientation)
+    original = read_all(hf)
+    if model["transposed_experts"] != (orientation == "4.x"):
+        original = transposed_experts(original)
+    assert_bit_identical(original, read_all(tmp / "back"))
+
+
+@pytest.mark.parametrize("fixture,orientation", [(DENSE, "4.x"), (MOE, "4.x"), (MOE, "5.x")])
+def test_transformers_loads_output_without_missing_or_unexpected_keys(tmp_path, fixture, orientation):
+    from transformers import AutoModelForImageTextToText
+
+    hf2mcore(fixture, tmp_path / "m", Layout(tp=2, pp=2), spec="te", fmt="torch", progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "back", max_shard_bytes=200_000, progress=False,
+             expert_orientation=orientation)
+    assert len(list((tmp_path / "back").glob("model-*.safetensors"))) > 1
+    model, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    tensors = read_all(tmp_path / "back")
+    expected = read_all(fixture)  # the fixture's experts are in the 4.x orientation
+    assert_bit_identical(expected if orientation == "4.x" else transposed_experts(expected), tensors)
+    # transformers' in-memory experts (5.x: nn.Linear orientation [E, 2I, h]) are the written ones.
+    if fixture == MOE:
+        written = tensors["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+        memory = model.model.language_model.layers[0].mlp.experts.gate_up_proj.detach()
+        assert torch.equal(memory, written if orientation == "5.x" else written.transpose(1, 2))
+
+
+def test_config_written_for_transformers_4_and_5(tmp_path):
+    """transformers 4.57 reads rope_theta + rope_scaling and num_experts, 5.x rope_parameters and
+    num_local_experts (reference qwen3-vl.md, section 2: 4.57 crashes on a 5.x-only config); the 4.x
+    expert orientation is [E, h, 2I] / [E, I, h], the shapes of 4.57's in-memory parameters."""
+    hf2mcore(MOE, tmp_path / "m", Layout(ep=2), fmt="torch", progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    text = json.loads((tmp_path / "back/config.json").read_text())["text_config"]
+    assert text["rope_theta"] == text["rope_parameters"]["rope_theta"] == 1_000_000.0
+    assert text["rope_scaling"]["mrope_section"] == text["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    assert text["num_experts"] == text["num_local_experts"] == 4
+    tensors = read_all(tmp_path / "back")
+    assert tuple(tensors["model.language_model.layers.2.mlp.experts.gate_up_proj"].shape) == (4, 64, 80)
+    assert tuple(tensors["model.language_model.layers.2.mlp.experts.down_proj"].shape) == (4, 40, 64)
+
+
+@pytest.mark.parametrize("moe_ffn", [32, 64])  # hidden == 2 * I (gate_up square), hidden == I (down square)
+def test_square_expert_tensors_read_as_transformers_holds_them(tmp_path, moe_ffn):
+    """With a square stacked tensor the orientation is decided from the other one: in both files
+    (5.x as transformers 5.17 saved it, and its 4.x transpose) every expert's Megatron fc1 / fc2 is
+    transformers' own in-memory expert (5.17 holds gate_up_proj [E, 2I, h], down_proj [E, h, I])."""
+    from transformers import AutoModelForImageTextToText
+
+    text = dict(hidden_size=64, moe_intermediate_size=moe_ffn, num_hidden_layers=2, mlp_only_layers=[])
+    five = make_qwen3_vl(tmp_path / "five", moe=True, transposed_experts=False, text=text, dtype=torch.float32)
+    four = make_qwen3_vl(tmp_path / "four", moe=True, transposed_experts=True, text=text, dtype=torch.float32)
+    experts = AutoModelForImageTextToText.from_pretrained(five).model.language_model.layers[1].mlp.experts
+    for name, hf in (("5", five), ("4", four)):
+        hf2mcore(hf, tmp_path / name, Layout(ep=2), fmt="torch", progress=False)
+        for ep in range(2):
+            state = torch.load(tmp_path / name / f"release/mp_rank_00_{ep:03d}/model_optim_rng.pt",
+                               weights_only=False)["model"]
+            for local in range(2):
+                prefix = f"language_model.decoder.layers.1.mlp.experts.local_experts.{local}."
+                assert torch.equal(state[prefix + "linear_fc1.weight"], experts.gate_up_proj[2 * ep + local])
+                assert torch.equal(state[prefix + "linear_fc2.weight"], experts.down_proj[2 * ep + local])
+
+
+def test_dry_run_and_inspect(tmp_path):
+    result = mconv("hf2mcore", MOE, tmp_path / "m", "--tp", "2", "--ep", "2", "--format", "torch", "--dry-run")
+    assert result.exit_code == 0 and "mp_rank_00_000" in result.output and not (tmp_path / "m").exists()
+    result = mconv("inspect", MOE)
+    assert result.exit_code == 0 and "Qwen3VLMoeForConditionalGeneration" in result.output
+
+
+def _edit(tmp_path, source, edit) -> str:
+    hf = shutil.copytree(source, tmp_path / "hf")
+    tensors = load_file(hf / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    return hf
+
+
+def test_missing_vision_tensor(tmp_path):
+    hf = _edit(tmp_path, DENSE, lambda t: t.pop("model.visual.blocks.1.attn.qkv.bias"))
+    assert_refused(legacy(hf, tmp_path / "out"), tmp_path / "out", "model.visual.blocks.1.attn.qkv.bias", "missing")
+
+
+def test_stacked_experts_of_no_known_orientation(tmp_path):
+    name = "model.language_model.layers.2.mlp.experts.down_proj"
+    hf = _edit(tmp_path, MOE, lambda t: t.update({name: t[name].transpose(1, 2).contiguous()}))
+    assert_refused(legacy(hf, tmp_path / "out"), tmp_path / "out", "cannot tell the orientation",
+                   "layers.2.mlp.experts.gate_up_proj [4, 64, 80]", "down_proj [4, 64, 40]")
+
+
+def test_vision_heads_not_divisible_by_tp(tmp_path):
+    hf = make_qwen3_vl(tmp_path / "hf", text={"num_key_value_heads": 4}, vision={"num_heads": 2})
+    assert_refused(legacy(hf, tmp_path / "out", "--tp", "4", "--vocab-divisor", "1"), tmp_path / "out",
+                   "vision_config.num_heads=2 is not divisible by --tp 4")
+
+
+def test_deepstack_off_the_first_stage(tmp_path):
+    assert_refused(legacy(DENSE, tmp_path / "out", "--pp", "2", "--first-stage-layers", "1"), tmp_path / "out",
+                   "2 deepstack_visual_indexes", "first pipeline stage (chunk) holds only 1 layer")
+
+
+def test_torch_dist_refused_for_now(tmp_path):
+    assert_refused(mconv("hf2mcore", DENSE, tmp_path / "out", "-q"), tmp_path / "out",
+                   "--format torch_dist is not available for Qwen3VLForConditionalGeneration")
+
+
+def test_mrope_section_must_cover_head_dim(tmp_path):
+    hf = shutil.copytree(DENSE, tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    config["text_config"]["rope_parameters"]["mrope_section"] = [2, 2, 2]
+    (hf / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MconvError, match="mrope_section"):
+        hf2mcore(hf, tmp_path / "out", Layout(), fmt="torch", progress=False)
