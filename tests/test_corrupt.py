@@ -12,6 +12,7 @@ to a device or a FIFO) must be refused.
 MCONV_CORRUPT_EXAMPLES (default 8) sets the examples per input kind; the run is derandomized so
 CI sees the same cases every time.
 """
+import io
 import json
 import os
 import pickle
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -129,10 +131,10 @@ def _torch_load(path: Path):
 
 def structured(fmt: str, data: bytes, path: Path):
     """A strategy for damaged contents that still parse at the outer level: wrong types, huge sizes."""
-    if fmt in (JSON, TEXT, YAML) and fmt != TEXT:
-        value = json.loads(data) if fmt == JSON else __import__("yaml").safe_load(data)
-        encode = (lambda v: json.dumps(v).encode()) if fmt == JSON else (lambda v: __import__("yaml").safe_dump(v).encode())
-        return wrong_type(value).map(encode)
+    if fmt == JSON:
+        return wrong_type(json.loads(data)).map(lambda v: json.dumps(v).encode())
+    if fmt == YAML:
+        return wrong_type(yaml.safe_load(data)).map(lambda v: yaml.safe_dump(v).encode())
     if fmt == TEXT:
         return st.one_of(st.text(max_size=30), st.sampled_from(["-1", "99999999999999999999999", "iter_1", "1e3",
                                                                  "release\x00", "7"])).map(str.encode)
@@ -151,7 +153,7 @@ def structured(fmt: str, data: bytes, path: Path):
         state = _torch_load(path)
 
         def save(value):
-            buffer = __import__("io").BytesIO()
+            buffer = io.BytesIO()
             torch.save(value, buffer)
             return buffer.getvalue()
 

@@ -204,11 +204,13 @@ def layout_from_args(args, path: Path) -> Layout:
                              "Megatron-LM 0.8-0.9), an expert layout mconv does not read")
         ep, etp = value("expert_model_parallel_size", 1), value("expert_tensor_parallel_size", tp)
     try:
-        return Layout(tp=tp, pp=value("pipeline_model_parallel_size", 1),
-                      vpp=value("virtual_pipeline_model_parallel_size", 1), ep=ep, etp=etp,
-                      first_stage_layers=value("decoder_first_pipeline_num_layers"),
-                      last_stage_layers=value("decoder_last_pipeline_num_layers"),
-                      vocab_divisor=value("make_vocab_size_divisible_by", 128))
+        layout = Layout(tp=tp, pp=value("pipeline_model_parallel_size", 1),
+                        vpp=value("virtual_pipeline_model_parallel_size", 1), ep=ep, etp=etp,
+                        first_stage_layers=value("decoder_first_pipeline_num_layers"),
+                        last_stage_layers=value("decoder_last_pipeline_num_layers"),
+                        vocab_divisor=value("make_vocab_size_divisible_by", 128))
+        layout.check_sizes()
+        return layout
     except MconvError as e:  # sizes of the wrong type or range
         raise MconvError(f"{path}: in the saved args, {e}") from None
 
