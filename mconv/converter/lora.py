@@ -188,7 +188,8 @@ def _not_exportable(what: str, arch: Architecture) -> MconvError:
 def _legacy_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankStates, Layout]:
     """Every rank file of a legacy checkpoint, memory-mapped (only the adapter bytes are read)."""
     args, layout, states, first = mio.read_legacy_ranks(location)
-    check_args(args, make_plan(architecture_for(config), config, layout, "local"), first)
+    arch = architecture_for(config)
+    check_args(args, arch, arch.dims(config), first)
     return states, layout
 
 
@@ -211,7 +212,7 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     args = mio.megatron_lm_args(layout, dims, arch.megatron_args(dims), "local", padded_vocab_size(dims.vocab, 128, 1),
                                 torch.bfloat16, "torch_dist")
     if reader.args is not None:
-        check_args(reader.args, make_plan(arch, config, layout, "local"), location.iter_dir)
+        check_args(reader.args, arch, dims, location.iter_dir)
     rank = _one_rank({key: md.shape[-1] for key, md in stored.items() if key.endswith(".linear_out.weight")}, where)
     names = {t.megatron for canonical in (False, True)
              for t in make_plan(lora_architecture(arch, rank, canonical), config, layout, "local").ranks[0].chunks[0]}

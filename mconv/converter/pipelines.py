@@ -58,9 +58,39 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n
 
 
+COMPARE_BYTES = 64 * 2**20  # rows of the tied head compared at a time
+
+
+def _tied_copy(plan: Plan, ckpt: HFCheckpoint, name: str) -> str | None:
+    """For a model with tied embeddings, the embedding tensor whose copy `name` is if the table's
+    untied output layer reads `name` (transformers loads such files and ties the head anyway);
+    None otherwise."""
+    heads = {hf for rule in plan.arch.rules if rule.megatron == "output_layer.weight" and rule.exported
+             for hf in rule.hf}
+    embeddings = [hf for rule in plan.arch.rules if rule.megatron == "embedding.word_embeddings.weight" for hf in rule.hf]
+    return embeddings[0] if plan.dims.tied and name in heads and embeddings else None
+
+
+def _equal_bits(ckpt: HFCheckpoint, a: str, b: str) -> bool:
+    """Whether two tensors hold the same dtype, shape and bytes, compared a block of rows at a time."""
+    x, y = ckpt.tensors[a], ckpt.tensors[b]
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    rows = x.shape[0] if x.shape else 1
+    step = max(1, COMPARE_BYTES // max(1, x.nbytes // max(rows, 1)))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        if not torch.equal(*(ckpt.read(n, 0, start, stop).reshape(-1).view(torch.uint8) for n in (a, b))):
+            return False
+    return True
+
+
 def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
     """Every HF tensor the plan needs is there with its shape, and nothing else is, except the
-    tensors the table drops; returns one note per dropped group that the checkpoint holds."""
+    tensors the table drops and the copy of the embedding a tied model's files may also hold as
+    its output layer (`lm_head.weight`), accepted when equal to the embedding bit for bit and not
+    converted. Returns one note per dropped group the checkpoint holds and per such copy; raises
+    MconvError naming a missing, mis-shaped, unexpected or differing tensor."""
     expected = plan.hf_shapes()
     dropped = plan.arch.dropped(plan.dims)
     held = [prefix for prefix in dropped if any(name.startswith(prefix) for name in ckpt.tensors)]
@@ -70,11 +100,19 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
         if ckpt.tensors[name].shape != shape:
             raise MconvError(f"{ckpt.dir / ckpt.tensors[name].file}: tensor {name} has shape "
                              f"{list(ckpt.tensors[name].shape)}, but config.json implies {list(shape)}")
+    notes = []
     for name, info in ckpt.tensors.items():
-        if name not in expected and not name.startswith(tuple(held)):
+        if name in expected or name.startswith(tuple(held)):
+            continue
+        embedding = _tied_copy(plan, ckpt, name)
+        if embedding is None:
             raise MconvError(f"{ckpt.dir / info.file}: unexpected tensor {name} "
                              f"(not part of {plan.arch.name} as described by config.json)")
-    return [f"left out {prefix}* ({dropped[prefix]})" for prefix in held]
+        if not _equal_bits(ckpt, name, embedding):
+            raise MconvError(f"{ckpt.dir / info.file}: tensor {name} differs from {embedding}, but config.json sets "
+                             "tie_word_embeddings, so the output layer is the embedding")
+        notes.append(f"{name} equals {embedding} bit for bit (tied embeddings): not converted")
+    return [f"left out {prefix}* ({dropped[prefix]})" for prefix in held] + notes
 
 
 def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
