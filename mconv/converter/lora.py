@@ -248,11 +248,14 @@ def _run_config_alpha(location: mio.CheckpointLocation) -> float | None:
     for path in (location.iter_dir / "run_config.yaml", location.save_dir / "run_config.yaml"):
         if path.is_file():
             try:
-                peft = (yaml.safe_load(path.read_text()) or {}).get("peft") or {}
-            except (yaml.YAMLError, AttributeError) as e:
+                peft = (yaml.safe_load(path.read_bytes().decode("utf-8")) or {}).get("peft") or {}
+            except (yaml.YAMLError, AttributeError, UnicodeDecodeError) as e:
                 raise MconvError(f"{path} is not readable YAML ({str(e).splitlines()[0]}); pass --alpha") from None
-            if "alpha" in peft:
-                return float(peft["alpha"])
+            alpha = peft.get("alpha") if isinstance(peft, dict) else None
+            if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < float("inf"):
+                return float(alpha)
+            if alpha is not None or not isinstance(peft, dict):
+                raise MconvError(f"{path}: peft.alpha is {alpha!r}, not a positive number; pass --alpha")
     return None
 
 
