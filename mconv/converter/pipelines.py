@@ -202,10 +202,6 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         # mconv writes torch_dist through megatron-core's own GPTModel, which cannot build KDA or gated MLA.
         raise MconvError(f"--format torch_dist is not available for {arch.name} yet: megatron-core cannot build "
                          "its layers to derive the checkpoint keys; use --format torch")
-    if fmt == "torch_dist" and arch_args.get("position_embedding_type") == "mrope":
-        # The torch_dist keys come from megatron-core's GPTModel; a vision-language model is not one.
-        raise MconvError(f"--format torch_dist is not available for {arch.name} yet (its keys would come from "
-                         "the Megatron Qwen3VLModel); use --format torch")
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
