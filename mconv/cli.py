@@ -338,7 +338,7 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
                                      base_model=base_model, merge_into=merge, dtype=torch_dtype(dtype),
                                      overwrite=overwrite, max_shard_bytes=max_shard_size,
-                                     revision=revision))
+                                     revision=revision, progress=not quiet))
     if not quiet:
         adapter = result.adapter
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else
