@@ -43,6 +43,7 @@ class VLRun:
     padded_vocab: int = 0
     inputs: dict = field(default_factory=dict)  # name -> (input_ids, pixel_values or None)
     bridge_hf: Path | None = None  # also load this HF directory with Megatron-Bridge's mapping and compare
+    dist_checkpoint: Path | None = None  # also load this torch_dist checkpoint with megatron-core and compare
 
     @property
     def world(self) -> int:
@@ -164,6 +165,19 @@ def load_with_megatron_bridge(model, hf_dir: Path) -> None:
     bridge.load_weights_hf_to_megatron(hf, [model])
 
 
+def _compare(model, other, report: Path) -> None:
+    """Save which tensors of two models of this rank differ (bit for bit)."""
+    ours, theirs = ({k: v for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)} for m in (model, other))
+    differ = sorted(k for k in ours if not torch.equal(ours[k], theirs[k]))
+    torch.save({"compared": len(ours), "differ": differ, "keys_equal": ours.keys() == theirs.keys()}, report)
+
+
+def assert_same(workdir: Path, label: str, world: int) -> None:
+    for rank in range(world):
+        report = torch.load(Path(workdir) / f"{label}{rank}.pt")
+        assert report["keys_equal"] and report["compared"] > 100 and report["differ"] == [], report
+
+
 def _worker(rank: int, run: VLRun, port: int, out: Path):
     warnings.filterwarnings("ignore")
     _cpu_shims()
@@ -188,11 +202,14 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
     if run.bridge_hf is not None:  # a second, independent mapping into a second model of this rank
         other = build_model(run, first, last)
         load_with_megatron_bridge(other, run.bridge_hf)
-        ours, theirs = (
-            {k: v for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)} for m in (model, other))
-        differ = sorted(k for k in ours if not torch.equal(ours[k], theirs[k]))
-        torch.save({"compared": len(ours), "differ": differ, "keys_equal": ours.keys() == theirs.keys()},
-                   out.with_name(f"bridge{rank}.pt"))
+        _compare(model, other, out.with_name(f"bridge{rank}.pt"))
+    if run.dist_checkpoint is not None:  # megatron-core's own loader, resharding to this rank
+        from megatron.core import dist_checkpointing
+
+        other = build_model(run, first, last)
+        loaded = dist_checkpointing.load({"model": other.sharded_state_dict()}, str(run.dist_checkpoint / "release"))
+        other.load_state_dict(loaded["model"], strict=True)
+        _compare(model, other, out.with_name(f"dist{rank}.pt"))
 
     c = run.hf_config
     results = {}
