@@ -76,7 +76,8 @@ class LiveModel:
         states = [{_canonical(k): v.detach() for k, v in c.state_dict(keep_vars=True).items()
                    if isinstance(v, torch.Tensor) and ".adapter." not in k} for c in chunks]
         tp = ps.get_tensor_model_parallel_world_size()
-        fused = any(k.endswith(".self_attention.linear_qkv.layer_norm_weight") for s in states for k in s)
+        # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
+        fused = any(k.endswith(".layer_norm_weight") for s in states for k in s)
         arch = architecture_for(hf_config)
         dims = arch.dims(hf_config)
         # A dense model has no expert groups to follow, though megatron-core sizes them anyway

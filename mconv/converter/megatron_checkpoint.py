@@ -66,8 +66,8 @@ def check_args(args, arch: Architecture, dims, path: Path) -> None:
 
 
 def _detect_spec(chunks: list[dict]) -> str:
-    te_marker = ".self_attention.linear_qkv.layer_norm_weight"
-    return "te" if any(k.endswith(te_marker) for chunk in chunks for k in chunk) else "local"
+    # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
+    return "te" if any(k.endswith(".layer_norm_weight") for chunk in chunks for k in chunk) else "local"
 
 
 class LegacyCheckpoint:

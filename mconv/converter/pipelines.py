@@ -21,7 +21,7 @@ from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensor
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.output import check_output_path, staged_directory
+from mconv.converter.output import check_output_path, output_path, staged_directory, write_errors
 from mconv.converter.parallel import TorchrunTeam, run_workers, share
 from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
 from mconv.converter.transforms import merge, split
@@ -210,6 +210,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         summary = _rank_summary(plan, ckpt, lambda r: layout.rank_dir(r.rank))
     summary.notes = notes
     if dry_run:
+        check_output_path(out_dir, overwrite, (Path(hf_dir),))
         return summary
 
     args = mio.megatron_lm_args(layout, plan.dims, arch_args, spec, plan.padded_vocab,
@@ -236,7 +237,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
                                      "format": fmt, "layout": layout.to_dict(),
                                      "dtype": str(dtype).removeprefix("torch.")})
 
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
     if team is not None:
         check_output_path(out, overwrite, (Path(hf_dir),))
@@ -321,7 +322,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     stack = expert_orientation if arch.stacked_experts else None
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     check_output_path(out, overwrite, inputs)
     with ckpt.session() as (load, dtype_of):
         entries = [(name, dtype or dtype_of(task.sources[0]), shape)
@@ -378,10 +379,6 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
             staging.mkdir(parents=True)
             prepared["writer"] = prepare(staging)
 
-    team.step("prepared", first)
-    with _bar(total, f"{label} (rank {team.rank})", progress and team.rank == 0) as bar:
-        team.step("written", lambda: write_share(staging, bar.update))
-
     def last():
         if team.rank == 0:
             finish(prepared["writer"], staging)
@@ -391,7 +388,21 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
                 shutil.rmtree(out)
             os.replace(staging, out)
 
-    team.step("finished", last)
+    def step(name: str, action) -> None:
+        def guarded():  # a failed write (full disk...) stops every rank with one sentence
+            with write_errors(out, staging):
+                action()
+        team.step(name, guarded)
+
+    try:
+        step("prepared", first)
+        with _bar(total, f"{label} (rank {team.rank})", progress and team.rank == 0) as bar:
+            step("written", lambda: write_share(staging, bar.update))
+        step("finished", last)
+    except BaseException:
+        if team.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[int, int, list[str]]:
