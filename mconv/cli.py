@@ -146,7 +146,7 @@ def main():
 
 
 @main.command("hf2mcore")
-@click.argument("hf_dir", type=click.Path(file_okay=False))
+@click.argument("hf_dir", type=click.Path(file_okay=False), metavar="HF_DIR|HUB_NAME")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--tp", default=1, show_default=True, help="Tensor parallel size.")
@@ -219,7 +219,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
 @main.command("mcore2hf")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--hf-config", type=click.Path(file_okay=False), default=None,
+@click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the HF config.json (and tokenizer) of the model; needed for "
                    "checkpoints not written by mconv, and overrides the one stored in the checkpoint.")
 @click.option("--revision", default=None, help=REVISION_HELP)
@@ -255,7 +255,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
 
 @main.command("inspect")
 @click.argument("path")
-@click.option("--hf-config", default=None,
+@click.option("--hf-config", default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the HF config.json of the model, for checkpoints that store none: "
                    "the tensors are then checked against the architecture.")
 @click.option("--revision", default=None, help=REVISION_HELP)
@@ -292,7 +292,7 @@ def verify_command(first, second, quiet):
 @main.command("export-lora")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--hf-config", type=click.Path(file_okay=False), default=None,
+@click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the base model's HF config.json; needed for checkpoints not "
                    "written by mconv.")
 @click.option("--rank", type=int, default=None,
@@ -301,7 +301,7 @@ def verify_command(first, second, quiet):
 @click.option("--alpha", type=float, default=None,
               help="LoRA alpha (scale = alpha / r). Default: peft.alpha from Megatron-Bridge's run_config.yaml in the "
                    "checkpoint; required when there is none.")
-@click.option("--base-model", default=None,
+@click.option("--base-model", default=None, metavar="DIR|HUB_NAME",
               help="Written as base_model_name_or_path (a hub name or path). With --merge: the HF model "
                    "(directory or hub name) whose weights the delta is added to.")
 @click.option("--revision", default=None, help=REVISION_HELP + " Applies to --hf-config and --merge's --base-model.")
@@ -338,7 +338,7 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
                                      base_model=base_model, merge_into=merge, dtype=torch_dtype(dtype),
                                      overwrite=overwrite, max_shard_bytes=max_shard_size,
-                                     revision=revision))
+                                     revision=revision, progress=not quiet))
     if not quiet:
         adapter = result.adapter
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else

@@ -56,7 +56,7 @@ def _numel(shape) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def read_json(path: Path, what: str, object_pairs_hook=None) -> dict:
