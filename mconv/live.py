@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config,
-                                   write_config_dtype)
+                                   write_config_dtype, write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.planner import RankPlan, TensorTask, make_plan, plan_rank, validate_layout
@@ -45,6 +45,11 @@ def _unwrap(chunk):
     while not hasattr(chunk, "vocab_size") and hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
+
+
+def _vocab_size(core) -> int:
+    """The padded vocabulary of a GPTModel, or of a vision-language model's `language_model` (Qwen3VLModel)."""
+    return core.vocab_size if hasattr(core, "vocab_size") else core.language_model.vocab_size
 
 
 @dataclass
@@ -83,7 +88,7 @@ class LiveModel:
                         etp=ps.get_expert_tensor_parallel_world_size() if experts else 1,
                         first_stage_layers=core.config.num_layers_in_first_pipeline_stage,
                         last_stage_layers=core.config.num_layers_in_last_pipeline_stage,
-                        vocab_divisor=core.vocab_size // tp)
+                        vocab_divisor=_vocab_size(core) // tp)
         rank = Rank(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
                     ep=ps.get_expert_model_parallel_rank() if experts else 0,
                     etp=ps.get_expert_tensor_parallel_rank() if experts else 0)
@@ -445,7 +450,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
 
     out = Path(out_dir).absolute()
     staging = out.with_name(f".{out.name}.mconv-partial-live")
-    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+    # Stacked HF experts (Qwen3-VL-MoE) in the orientation mcore2hf writes by default.
+    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, "4.x" if live.arch.stacked_experts else None)
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -466,6 +472,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     if dist.get_rank() == 0:
         writer.write_index()
         copy_side_files(source, staging)
+        write_hf_config(staging, live.arch.hf_config(config), config)
         write_config_dtype(staging, entries)
         if out.exists():
             shutil.rmtree(out)

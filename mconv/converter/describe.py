@@ -89,6 +89,14 @@ def trainer_flags(args: dict, layout: bool = True) -> list[str]:
     return flags
 
 
+def other_settings(arch, dims) -> dict:
+    """The architecture's Megatron settings that the flags above do not carry (e.g. Qwen3-VL's
+    vision tower), for the trainer's model provider; dropout rates are training choices."""
+    covered = {d for dests, _ in MODEL_FLAGS + LAYOUT_FLAGS for d in ((dests,) if isinstance(dests, str) else dests)}
+    return {k: _plain(v) for k, v in arch.megatron_args(dims).items()
+            if k not in covered and k not in ("attention_dropout", "hidden_dropout")}
+
+
 def _plain(value):
     """JSON-ready values: dtypes and enums by name, sets as sorted lists."""
     if isinstance(value, (set, frozenset)):
@@ -151,7 +159,8 @@ def _describe_hf(path: Path, shown: str) -> dict:
     return {"kind": "huggingface", "path": shown, "model": _model(args, arch.name),
             "dtypes": {k: {"tensors": n, "bytes": b} for k, (n, b) in dtypes.items()},
             "size": {**_sizes(dtypes), "files": len({i.file for i in ckpt.tensors.values()})},
-            "trainer_flags": trainer_flags(args, layout=False)}
+            "trainer_flags": trainer_flags(args, layout=False),
+            **({"other_settings": other_settings(arch, dims)} if other_settings(arch, dims) else {})}
 
 
 def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision: str | None = None) -> dict:
@@ -202,6 +211,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
         ckpt = open_checkpoint(location.iter_dir, hf_config)  # checks the tensors against the HF config
         name = ckpt.plan.arch.name
         args.setdefault("padded_vocab_size", ckpt.plan.padded_vocab)
+        info["other_settings"] = other_settings(ckpt.plan.arch, ckpt.plan.dims)
         if dist:  # hf2mcore counts megatron-core's parameters, which torch_dist stores stacked by layer
             size["tensors"] = sum(1 for task in ckpt.plan.ranks[0].chunks[0] if task.shape is not None)
     else:
@@ -261,6 +271,9 @@ def render(info: dict) -> list[str]:
     stored = f" (stored as {s['stored_tensors']} torch_dist tensors)" if "stored_tensors" in s else ""
     lines.append(("size", f"{s['tensors']} tensors{stored}, {s['bytes']:,} bytes, {s['files']} file(s)"))
     lines.append(("trainer", " ".join(info["trainer_flags"])))
+    if info.get("other_settings"):
+        lines.append(("also", "model settings beyond these flags: " + ", ".join(
+            f"{k} {_text(v)}" for k, v in info["other_settings"].items())))
     if "note" in info:
         lines.append(("note", info["note"]))
     return [line if isinstance(line, str) else f"  {line[0]:<8} {line[1]}" for line in lines]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 from argparse import Namespace
@@ -19,7 +18,7 @@ from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist_io
 from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, copy_side_files,
-                                   write_config_dtype)
+                                   write_config_dtype, write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -335,9 +334,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
             writer.write_index()
             copy_side_files(ckpt.config_dir, staging)
-            config = arch.hf_config(ckpt.config)
-            if config != ckpt.config:
-                (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            write_hf_config(staging, arch.hf_config(ckpt.config), ckpt.config)
             write_config_dtype(staging, entries)
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
