@@ -125,3 +125,21 @@ def test_metadata_is_parsed_once_per_process(tmp_path, monkeypatch):
     assert parsed == [".metadata"] and torch_dist_io.metadata_reads == before + 1
     inspect_path(tmp_path / "m")
     assert parsed == [".metadata"]
+
+
+@pytest.mark.slow
+def test_mconv_reads_all_moe_torch_dist_with_per_layer_keys(tmp_path):
+    """Issue 10.1, reading: megatron-core gives an all-MoE model configured with `moe_layer_freq` as a
+    list (as the oracle's config does: [1, 1, 1, 1]) per-layer keys, not the stacked ones of the int 1;
+    mconv reads such a checkpoint megatron-core saved (logits of our HF output equal megatron-core's)."""
+    from mconv.converter.torch_dist_io import TorchDistReader
+
+    hf_dir = make_qwen3_moe(tmp_path / "hf", mlp_only_layers=[], tokenizer=False)
+    iter_dir = tmp_path / "theirs" / "iter_0000003"
+    iter_dir.mkdir(parents=True)
+    run = MegatronRun(tmp_path / "theirs", read_config(hf_dir), ep=2, padded_vocab=384, tokens=TOKENS,
+                      save_to=iter_dir)
+    theirs = megatron_logits(run, tmp_path)
+    assert any(key.startswith("decoder.layers.0.") for key in TorchDistReader(iter_dir).tensors)
+    mcore2hf(iter_dir, tmp_path / "back", hf_config=hf_dir, progress=False)
+    assert (hf_logits(tmp_path / "back", TOKENS) - theirs).abs().max().item() < 1e-4
