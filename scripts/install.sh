@@ -26,3 +26,9 @@ assert m.version("mbridge") == "0.15.1+git.10cb17f"' 2>/dev/null; then
     .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test,mbridge]'
     .venv/bin/python -m pip install --quiet --no-deps --force-reinstall "$MBRIDGE_WHEEL"
 fi
+
+# An older megatron-core beside ours, for the test that it loads mconv's torch_dist checkpoints
+# (run with PYTHONPATH pointing here; 0.14.0 is the oldest release with a wheel for Python 3.12).
+if [ ! -d .venv/mcore-0.14/megatron ]; then
+    .venv/bin/python -m pip install --quiet --no-deps --only-binary=:all: --target .venv/mcore-0.14 megatron-core==0.14.0
+fi

@@ -1,5 +1,10 @@
 """torch_dist: written by mconv and loaded by megatron-core at another layout; written by
 megatron-core and read by mconv; bit-exact round trips."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -143,3 +148,25 @@ def test_mconv_reads_all_moe_torch_dist_with_per_layer_keys(tmp_path):
     assert any(key.startswith("decoder.layers.0.") for key in TorchDistReader(iter_dir).tensors)
     mcore2hf(iter_dir, tmp_path / "back", hf_config=hf_dir, progress=False)
     assert (hf_logits(tmp_path / "back", TOKENS) - theirs).abs().max().item() < 1e-4
+
+
+OLD_MEGATRON = Path(sys.prefix) / "mcore-0.14"  # scripts/install.sh: megatron-core 0.14.0 in its own target dir
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not OLD_MEGATRON.is_dir(), reason=f"no older megatron-core at {OLD_MEGATRON} "
+                    "(scripts/install.sh installs 0.14.0 there)")
+def test_older_megatron_core_loads_mconv_torch_dist(tmp_path):
+    """Issue 10.2: megatron-core 0.14.0 (the oldest release with a wheel for this Python; releases
+    before 0.19 read the common state only from `common.pt`) loads what mconv writes with its own
+    `dist_checkpointing.load` (strict), and its forward pass equals transformers'."""
+    hf_dir = FIXTURES / "qwen3-moe-tiny"
+    hf2mcore(hf_dir, tmp_path / "m", Layout(), progress=False)
+    env = {**os.environ, "PYTHONPATH": str(OLD_MEGATRON)}
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("old_megatron_load.py")),
+                             str(tmp_path / "m" / "release"), str(hf_dir), str(tmp_path / "logits.pt")],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("0.14.0 ") and str(OLD_MEGATRON) in result.stdout
+    logits = torch.load(tmp_path / "logits.pt")[..., :read_config(hf_dir)["vocab_size"]]
+    assert (logits - hf_logits(hf_dir, TOKENS)).abs().max().item() < 1e-4
