@@ -71,17 +71,22 @@ class LiveModel:
         states = [{_canonical(k): v.detach() for k, v in c.state_dict(keep_vars=True).items()
                    if isinstance(v, torch.Tensor) and ".adapter." not in k} for c in chunks]
         tp = ps.get_tensor_model_parallel_world_size()
-        fused = any(k.endswith(".self_attention.linear_qkv.layer_norm_weight") for s in states for k in s)
+        # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
+        fused = any(k.endswith(".layer_norm_weight") for s in states for k in s)
+        arch = architecture_for(hf_config)
+        dims = arch.dims(hf_config)
+        # A dense model has no expert groups to follow, though megatron-core sizes them anyway
+        # (Megatron-LM's and the bridges' default ETP is TP).
+        experts = bool(getattr(dims, "experts", 0))
         layout = Layout(tp=tp, pp=ps.get_pipeline_model_parallel_world_size(), vpp=len(chunks),
-                        ep=ps.get_expert_model_parallel_world_size(),
-                        etp=ps.get_expert_tensor_parallel_world_size(),
+                        ep=ps.get_expert_model_parallel_world_size() if experts else 1,
+                        etp=ps.get_expert_tensor_parallel_world_size() if experts else 1,
                         first_stage_layers=core.config.num_layers_in_first_pipeline_stage,
                         last_stage_layers=core.config.num_layers_in_last_pipeline_stage,
                         vocab_divisor=core.vocab_size // tp)
         rank = Rank(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
-                    ep=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank())
-        arch = architecture_for(hf_config)
-        dims = arch.dims(hf_config)
+                    ep=ps.get_expert_model_parallel_rank() if experts else 0,
+                    etp=ps.get_expert_tensor_parallel_rank() if experts else 0)
         validate_layout(dims, layout, arch.check_layout)
         spec = "te" if fused else "local"
         plan = plan_rank(arch, dims, layout, spec, rank)

@@ -10,13 +10,22 @@ and previous, in the order megatron-core's interleaved schedule runs chunks for 
 The last stage's TP rank 0 saves the logits (gathered over TP: parallel_output=False).
 MoE models use megatron-core's SequentialMLP experts with the allgather token dispatcher; the
 world is pp * lcm(tp, etp * ep) processes, as Megatron-LM needs for MoE parallel folding.
+
+With `args` (see `trainer_args`), the model is built as a Megatron-LM job builds it from its
+arguments: the TransformerConfig from Megatron-LM's `core_transformer_config_from_args` (which also
+sets megatron-core's YaRN settings) and GPTModel's position-embedding arguments as Megatron-LM's
+`gpt_builders` passes them. Without it, the config is written here from the HF config.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import math
 import os
 import socket
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +51,7 @@ class MegatronRun:
     save_to: Path | None = None  # instead of loading: random weights, saved with dist_checkpointing.save
     live_hf: Path | None = None  # instead of loading: mconv.live.load_hf_weights from this HF directory,
     live_out: Path | None = None  # then, after the forward, iter_hf_weights / save_hf_weights into this
-
+    args: argparse.Namespace | None = None  # Megatron-LM's validated args: build the model from them
 
     @property
     def world(self) -> int:
@@ -91,6 +100,63 @@ def _transformer_config(run: MegatronRun):
     ), float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
 
 
+def megatron_lm_args(argv: list[str], world: int = 1, overlay: dict | None = None) -> argparse.Namespace:
+    """Megatron-LM's own `parse_args` for a command line, with `overlay` set on the result, then its
+    `validate_args`, on this CPU machine: the GPU generation check answers Hopper and
+    CUDA_DEVICE_MAX_CONNECTIONS is 1 (what validate_args asks of a TP>1 job); neither changes a
+    stored arg. Its printout is swallowed."""
+    import megatron.training.arguments as arguments
+
+    arguments.get_device_arch_version = lambda: 9
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    sys.argv = ["pretrain_gpt.py", *argv]
+    os.environ.update(WORLD_SIZE=str(world), RANK="0")
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            args = arguments.parse_args()
+            for name, value in (overlay or {}).items():
+                setattr(args, name, value)
+            arguments.validate_args(args)
+    finally:
+        sys.argv = saved_argv
+        for k, v in saved_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return args
+
+
+# Args a CPU oracle run sets whatever the checkpoint stores: float32 compute (the bf16 weights
+# are exact in it), CPU initialisation, no fused GPU kernels, the allgather dispatcher and no auxiliary loss.
+CPU_RUN_ARGS = dict(bf16=False, fp16=False, use_cpu_initialization=True, moe_token_dispatcher_type="allgather",
+                    moe_aux_loss_coeff=0.0, init_method_std=0.2, apply_rope_fusion=False, masked_softmax_fusion=False,
+                    bias_swiglu_fusion=False, gradient_accumulation_fusion=False, no_persist_layer_norm=True)
+
+
+def trainer_args(stored: argparse.Namespace, run: MegatronRun) -> argparse.Namespace:
+    """The args of a Megatron-LM job that trains on a checkpoint: Megatron-LM's parser defaults with
+    every arg the checkpoint stores laid over them (a trainer passing exactly those flags), the
+    run's parallel sizes and CPU_RUN_ARGS, then Megatron-LM's `validate_args`."""
+    sizes = dict(tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
+                 num_virtual_stages_per_pipeline_rank=run.vpp if run.vpp > 1 else None,
+                 num_layers_per_virtual_pipeline_stage=None,
+                 expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.etp,
+                 decoder_first_pipeline_num_layers=run.first_stage_layers,
+                 decoder_last_pipeline_num_layers=run.last_stage_layers,
+                 world_size=run.world, rank=0, micro_batch_size=1, global_batch_size=None, data_parallel_size=None)
+    return megatron_lm_args([], run.world, {**vars(stored), **sizes, **CPU_RUN_ARGS})
+
+
+def _config_from_args(args: argparse.Namespace):
+    """Megatron-LM's TransformerConfig for the args, and GPTModel's rotary arguments as Megatron-LM's
+    `gpt_builders.gpt_builder` passes them."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args)
+    return config, dict(position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling)
+
+
 def _worker(rank: int, run: MegatronRun, port: int, out: Path):
     warnings.filterwarnings("ignore")
     _cpu_shims()
@@ -107,8 +173,13 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
     ps.initialize_model_parallel(run.tp, run.pp, run.vpp if run.vpp > 1 else None,
                                  expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.etp)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    config, rope_theta = _transformer_config(run)
-    tied = bool(run.hf_config.get("tie_word_embeddings", False))
+    if run.args is not None:
+        config, rotary = _config_from_args(run.args)
+    else:
+        config, rope_theta = _transformer_config(run)
+        rotary = dict(position_embedding_type="rope", rotary_base=rope_theta)
+    tied = (not run.args.untie_embeddings_and_output_weights if run.args is not None
+            else bool(run.hf_config.get("tie_word_embeddings", False)))
     pp_rank = ps.get_pipeline_model_parallel_rank()
 
     chunks = []
@@ -120,8 +191,8 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
                          max_sequence_length=run.hf_config["max_position_embeddings"],
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
-                         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
-                         rotary_base=rope_theta, parallel_output=False, vp_stage=v)
+                         share_embeddings_and_output_weights=tied, parallel_output=False, vp_stage=v,
+                         **rotary)
         chunks.append(model.eval())
 
     if run.save_to is not None:

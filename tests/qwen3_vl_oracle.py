@@ -34,7 +34,7 @@ PATCHES = (1, 4, 4)  # image_grid_thw: one frame of 4 x 4 patches -> 4 merged im
 
 @dataclass
 class VLRun:
-    checkpoint: Path | None  # save directory of legacy rank files (None with `bridge_hf`)
+    checkpoint: Path  # save directory of legacy rank files
     hf_config: dict
     tp: int = 1
     pp: int = 1
@@ -42,8 +42,8 @@ class VLRun:
     etp: int = 1
     padded_vocab: int = 0
     inputs: dict = field(default_factory=dict)  # name -> (input_ids, pixel_values or None)
-    dump_state: Path | None = None  # also save this rank's state dict after loading
-    bridge_hf: Path | None = None  # instead of rank files: load this HF directory with Megatron-Bridge's mapping
+    bridge_hf: Path | None = None  # also load this HF directory with Megatron-Bridge's mapping and compare
+    dist_checkpoint: Path | None = None  # also load this torch_dist checkpoint with megatron-core and compare
 
     @property
     def world(self) -> int:
@@ -114,10 +114,68 @@ def build_model(run: VLRun, pre_process: bool, post_process: bool):
     return model.eval()
 
 
-def _load_bridge(model, hf_dir: Path) -> None:
-    from tests.test_qwen3_vl_bridge import load_with_megatron_bridge
+def _import_megatron_bridge_mapping():
+    """Megatron-Bridge 0.6's Qwen3-VL bridges without Transformer Engine: `import megatron.bridge`
+    needs TE (its PEFT LoRA layers import it), so the package `__init__`s are bypassed (bare packages
+    over the installed directories) and the two TE-only LoRA layer modules are stubbed; the conversion
+    code itself runs unchanged."""
+    import importlib
+    import sys
+    import types
 
-    load_with_megatron_bridge(model, hf_dir)
+    import megatron
+
+    root = next(Path(p) / "bridge" for p in megatron.__path__ if (Path(p) / "bridge").is_dir())
+    for sub in ("", "models", "models/conversion", "models/qwen_vl", "models/qwen_vl/modelling_qwen3_vl",
+                "models/qwen", "models/hf_pretrained", "peft", "utils", "training"):
+        name = "megatron.bridge" + ("." + sub.replace("/", ".") if sub else "")
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [str(root / sub)]
+            sys.modules[name] = package
+
+    class Stub(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            setattr(self, name, type(name, (), {}))
+            return getattr(self, name)
+
+    for name in ("megatron.bridge.peft.lora_layers", "megatron.bridge.peft.dora_layers"):
+        sys.modules.setdefault(name, Stub(name))
+    return importlib.import_module("megatron.bridge.models.qwen_vl.qwen3_vl_bridge")
+
+
+def load_with_megatron_bridge(model, hf_dir: Path) -> None:
+    """Load the HF checkpoint into `model` with Megatron-Bridge's own Qwen3-VL mapping registry and
+    loader (`load_weights_hf_to_megatron`: its TP/EP scatter, QKV and GLU merges, vision QKV interleave,
+    stacked-expert handling)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    bridges = _import_megatron_bridge_mapping()
+    config = AutoConfig.from_pretrained(hf_dir)
+    tensors = load_file(Path(hf_dir) / "model.safetensors")
+
+    class State(dict):
+        source = SimpleNamespace(get_all_keys=lambda: list(tensors))
+
+    bridge = (bridges.Qwen3VLMoEBridge if config.model_type == "qwen3_vl_moe" else bridges.Qwen3VLBridge)()
+    hf = SimpleNamespace(config=config, state=State(tensors), model_name_or_path=str(hf_dir))
+    bridge.load_weights_hf_to_megatron(hf, [model])
+
+
+def _compare(model, other, report: Path) -> None:
+    """Save which tensors of two models of this rank differ (bit for bit)."""
+    ours, theirs = ({k: v for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)} for m in (model, other))
+    differ = sorted(k for k in ours if not torch.equal(ours[k], theirs[k]))
+    torch.save({"compared": len(ours), "differ": differ, "keys_equal": ours.keys() == theirs.keys()}, report)
+
+
+def assert_same(workdir: Path, label: str, world: int) -> None:
+    for rank in range(world):
+        report = torch.load(Path(workdir) / f"{label}{rank}.pt")
+        assert report["keys_equal"] and report["compared"] > 100 and report["differ"] == [], report
 
 
 def _worker(rank: int, run: VLRun, port: int, out: Path):
@@ -135,18 +193,23 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     model = build_model(run, first, last)
-    if run.bridge_hf is not None:
-        _load_bridge(model, run.bridge_hf)
-    else:
-        tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
-        release = tracker == "release"
-        path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
-                                   expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"], strict=True)
-    if run.dump_state is not None:
-        torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
-                   run.dump_state / f"rank{rank}.pt")
+    tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
+    release = tracker == "release"
+    path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
+                               expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"], strict=True)
+    if run.bridge_hf is not None:  # a second, independent mapping into a second model of this rank
+        other = build_model(run, first, last)
+        load_with_megatron_bridge(other, run.bridge_hf)
+        _compare(model, other, out.with_name(f"bridge{rank}.pt"))
+    if run.dist_checkpoint is not None:  # megatron-core's own loader, resharding to this rank
+        from megatron.core import dist_checkpointing
+
+        other = build_model(run, first, last)
+        loaded = dist_checkpointing.load({"model": other.sharded_state_dict()}, str(run.dist_checkpoint / "release"))
+        other.load_state_dict(loaded["model"], strict=True)
+        _compare(model, other, out.with_name(f"dist{rank}.pt"))
 
     c = run.hf_config
     results = {}

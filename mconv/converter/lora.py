@@ -113,7 +113,7 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
     """
     arch = architecture_for(config)
     rank = adapter_rank(states, where)
-    by_rule = {rule.megatron: target for target in targets(arch) for rule in (target.a, target.b)}
+    all_targets = targets(arch)  # found by rule, not by name: rules may share a name (KDA in_proj, by no_kda_lora)
     expected: set[tuple[Rank, int, str]] = set()
     tensors: dict[str, torch.Tensor] = {}
     for canonical in (False, True):
@@ -123,10 +123,11 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
                      for task in chunk}
         for export in plan.exports():
             rule = rule_of[export.hf]
-            merged = _gather(states, export, rule, by_rule[rule.megatron], plan, layout, where, expected)
+            target = next(t for t in all_targets if rule in (t.a, t.b))
+            merged = _gather(states, export, rule, target, plan, layout, where, expected)
             if merged is None:
                 continue
-            target, (_, layer, expert, _) = by_rule[rule.megatron], export.order
+            _, layer, expert, _ = export.order
             names = list(export.hf)
             if rule.megatron == target.a.megatron:  # a fused adapter's A is every split module's A
                 names += [f"{m.format(layer=layer, expert=expert)}.lora_A.weight" for m in target.hf_modules[1:]]
@@ -188,7 +189,8 @@ def _not_exportable(what: str, arch: Architecture) -> MconvError:
 def _legacy_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankStates, Layout]:
     """Every rank file of a legacy checkpoint, memory-mapped (only the adapter bytes are read)."""
     args, layout, states, first = mio.read_legacy_ranks(location)
-    check_args(args, make_plan(architecture_for(config), config, layout, "local"), first)
+    arch = architecture_for(config)
+    check_args(args, arch, arch.dims(config), first)
     return states, layout
 
 
@@ -211,7 +213,7 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     args = mio.megatron_lm_args(layout, dims, arch.megatron_args(dims), "local", padded_vocab_size(dims.vocab, 128, 1),
                                 torch.bfloat16, "torch_dist")
     if reader.args is not None:
-        check_args(reader.args, make_plan(arch, config, layout, "local"), location.iter_dir)
+        check_args(reader.args, arch, dims, location.iter_dir)
     rank = _one_rank({key: md.shape[-1] for key, md in stored.items() if key.endswith(".linear_out.weight")}, where)
     names = {t.megatron for canonical in (False, True)
              for t in make_plan(lora_architecture(arch, rank, canonical), config, layout, "local").ranks[0].chunks[0]}
@@ -246,11 +248,14 @@ def _run_config_alpha(location: mio.CheckpointLocation) -> float | None:
     for path in (location.iter_dir / "run_config.yaml", location.save_dir / "run_config.yaml"):
         if path.is_file():
             try:
-                peft = (yaml.safe_load(path.read_text()) or {}).get("peft") or {}
-            except (yaml.YAMLError, AttributeError) as e:
+                peft = (yaml.safe_load(path.read_bytes().decode("utf-8")) or {}).get("peft") or {}
+            except (yaml.YAMLError, AttributeError, UnicodeDecodeError) as e:
                 raise MconvError(f"{path} is not readable YAML ({str(e).splitlines()[0]}); pass --alpha") from None
-            if "alpha" in peft:
-                return float(peft["alpha"])
+            alpha = peft.get("alpha") if isinstance(peft, dict) else None
+            if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < float("inf"):
+                return float(alpha)
+            if alpha is not None or not isinstance(peft, dict):
+                raise MconvError(f"{path}: peft.alpha is {alpha!r}, not a positive number; pass --alpha")
     return None
 
 

@@ -15,9 +15,11 @@ import torch
 from mconv.converter import megatron_io as mio
 from mconv.converter.hf_io import read_config
 from mconv.converter.layout import Layout, Rank
-from mconv.converter.planner import Plan, ShardSource, make_plan
+from mconv.converter.planner import ShardSource, make_plan
+from mconv.converter.transforms import VOCAB
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
+from mconv.mappings.schema import FIRST, Architecture
 
 Loader = Callable[[list[ShardSource]], list[torch.Tensor]]
 DtypeOf = Callable[[ShardSource], torch.dtype]
@@ -31,24 +33,41 @@ def _config_dir(location: mio.CheckpointLocation, hf_config: str | Path | None) 
     return config_dir
 
 
-def check_args(args, plan: Plan, path: Path) -> None:
-    """The saved Megatron-LM args must describe the model the HF config describes."""
-    d = plan.dims
-    expected = {"num_layers": d.layers, "hidden_size": d.hidden, "num_attention_heads": d.heads,
-                "num_query_groups": getattr(d, "groups", None), "ffn_hidden_size": getattr(d, "ffn", None),
-                "untie_embeddings_and_output_weights": not d.tied,
-                "num_experts": getattr(d, "experts", 0) or None, "moe_ffn_hidden_size": getattr(d, "moe_ffn", None)}
+# Saved args that set the rotary embedding, compared where the checkpoint's args use one.
+_ROTARY = {"rope": ("rotary_base",),
+           "yarn": ("rotary_base", "rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                    "yarn_beta_slow", "mscale", "mscale_all_dim", "yarn_correction_range_round_to_int")}
+
+
+def check_args(args, arch: Architecture, dims, path: Path) -> None:
+    """The saved Megatron-LM args must describe the model the HF config describes: its shapes and,
+    where the args use rotary embeddings, its rope settings (a model trained with other ones is
+    another model). Only values both sides state are compared, as older Megatron-LM versions lack
+    fields, except experts: a MoE checkpoint is not a dense model. Megatron-LM stores
+    `num_query_groups` (default 1) even without `group_query_attention`, where each head is its own
+    group. Raises MconvError naming the first arg that differs."""
+    saved = dict(vars(args))
+    if saved.get("group_query_attention") is False:
+        saved["num_query_groups"] = saved.get("num_attention_heads")
+    expected = {"num_layers": dims.layers, "hidden_size": dims.hidden, "num_attention_heads": dims.heads,
+                "num_query_groups": getattr(dims, "groups", None), "kv_channels": getattr(dims, "head_dim", None),
+                "ffn_hidden_size": getattr(dims, "ffn", None), "untie_embeddings_and_output_weights": not dims.tied,
+                "num_experts": getattr(dims, "experts", 0) or None, "moe_ffn_hidden_size": getattr(dims, "moe_ffn", None)}
+    if saved.get("position_embedding_type") in _ROTARY:
+        ours = arch.megatron_args(dims)
+        expected["position_embedding_type"] = ours.get("position_embedding_type")
+        if saved["position_embedding_type"] == expected["position_embedding_type"]:
+            expected.update({name: ours.get(name) for name in _ROTARY[saved["position_embedding_type"]]})
     for name, value in expected.items():
-        saved = getattr(args, name, None)
-        # Only values both sides state are compared, except experts: a MoE checkpoint is not a dense model.
-        if saved != value and (name == "num_experts" or None not in (saved, value)):
-            raise MconvError(f"{path}: the checkpoint's args say {name}={saved}, but the HF config implies "
+        found = saved.get(name)
+        if found != value and (name == "num_experts" or None not in (found, value)):
+            raise MconvError(f"{path}: the checkpoint's args say {name}={found}, but the HF config implies "
                              f"{value}; pass the --hf-config of the model this checkpoint was made from")
 
 
 def _detect_spec(chunks: list[dict]) -> str:
-    te_marker = ".self_attention.linear_qkv.layer_norm_weight"
-    return "te" if any(k.endswith(te_marker) for chunk in chunks for k in chunk) else "local"
+    # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
+    return "te" if any(k.endswith(".layer_norm_weight") for chunk in chunks for k in chunk) else "local"
 
 
 class LegacyCheckpoint:
@@ -61,8 +80,9 @@ class LegacyCheckpoint:
         self.config = read_config(self.config_dir)
         self.args, self.layout, self.chunks, first = mio.read_legacy_ranks(loc)
         spec = self.metadata.get("spec") or _detect_spec(self.chunks[Rank(0, 0)])
-        self.plan = make_plan(architecture_for(self.config), self.config, self.layout, spec)
-        check_args(self.args, self.plan, first)
+        arch = architecture_for(self.config)
+        check_args(self.args, arch, arch.dims(self.config), first)
+        self.plan = make_plan(arch, self.config, self.layout, spec)
         for rank_plan in self.plan.ranks:
             path = mio.rank_file(loc.iter_dir, self.layout, rank_plan.rank)
             self._check_rank(path, rank_plan, self.chunks[rank_plan.rank])
@@ -113,7 +133,9 @@ class DistCheckpoint:
         self.args = self.reader.args
         arch = architecture_for(self.config)
         dims = arch.dims(self.config)
-        embedding = self.reader.global_shape("embedding.word_embeddings.weight")
+        # The word embedding (`language_model.`-prefixed in a vision-language model) gives the padded vocabulary.
+        key = next(r.megatron for r in arch.rules if r.kind is VOCAB and r.stage == FIRST)
+        embedding = self.reader.global_shape(key)
         if embedding is None or embedding[0] < dims.vocab:
             raise MconvError(f"{location.iter_dir}: no embedding of at least {dims.vocab} rows "
                              f"(found {embedding}); is this checkpoint of the model in the HF config?")
@@ -121,7 +143,7 @@ class DistCheckpoint:
         self.layout = Layout(vocab_divisor=self.padded_vocab)
         self.plan = make_plan(arch, self.config, self.layout, "local")
         if self.args is not None:
-            check_args(self.args, self.plan, location.iter_dir)
+            check_args(self.args, arch, dims, location.iter_dir)
         self.load_args = mio.megatron_lm_args(self.layout, dims, arch.megatron_args(dims), "local",
                                               self.padded_vocab, torch.bfloat16, "torch_dist")
         if getattr(self.load_args, "moe_layer_freq", None) == 1 and any(

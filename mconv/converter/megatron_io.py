@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mconv.converter import safe_load
+from mconv.converter.hf_io import read_json
 from mconv.converter.layout import Layout, Rank
 from mconv.errors import MconvError
 
@@ -42,7 +44,10 @@ def locate(path: str | Path) -> CheckpointLocation:
     if not path.is_dir():
         raise MconvError(f"{path} is not a directory")
     if (path / TRACKER).is_file():
-        text = (path / TRACKER).read_text().strip()
+        try:
+            text = (path / TRACKER).read_bytes()[:64].decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise MconvError(f"{path / TRACKER} is not text: it should hold an iteration number or 'release'") from None
         if text == "release":
             iteration = None
         elif text.isdigit():
@@ -57,7 +62,11 @@ def locate(path: str | Path) -> CheckpointLocation:
         iteration = None if path.name == "release" else int(path.name[5:])
     else:
         raise MconvError(f"{path} is not a Megatron checkpoint: no {TRACKER} and not an iter_*/release directory")
-    if (iter_dir / "metadata.json").is_file():
+    if os.path.lexists(iter_dir / "metadata.json"):
+        backend = read_json(iter_dir / "metadata.json", "megatron-core's description of a torch_dist checkpoint")
+        if backend.get("sharded_backend") != "torch_dist":
+            raise MconvError(f"{iter_dir / 'metadata.json'} gives sharded_backend {backend.get('sharded_backend')!r}; "
+                             "mconv reads 'torch_dist' checkpoints")
         fmt = "torch_dist"
     elif any(iter_dir.glob(f"mp_rank_*/{RANK_FILE}")):
         fmt = "torch"
@@ -71,8 +80,17 @@ def write_metadata(save_dir: Path, info: dict) -> None:
 
 
 def read_metadata(save_dir: Path) -> dict | None:
+    """mconv.json (None if absent); its fields that mconv reads are checked."""
     path = save_dir / METADATA
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not os.path.lexists(path):
+        return None
+    info = read_json(path, "mconv's record of how it wrote this checkpoint")
+    for key, allowed in (("spec", ("local", "te")), ("format", ("torch", "torch_dist"))):
+        if key in info and info[key] not in allowed:
+            raise MconvError(f"{path}: {key} is {info[key]!r}, not one of {', '.join(allowed)}")
+    if not isinstance(info.get("mconv_version", ""), str):
+        raise MconvError(f"{path}: mconv_version is {info['mconv_version']!r}, not a version string")
+    return info
 
 
 # ----------------------------------------------------------------------------- legacy torch format
@@ -92,6 +110,7 @@ def megatron_lm_args(layout: Layout, dims, arch_args: dict, spec: str, padded_vo
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         num_layers_per_virtual_pipeline_stage=None,
+        num_virtual_stages_per_pipeline_rank=layout.vpp if layout.vpp > 1 else None,
         decoder_first_pipeline_num_layers=layout.first_stage_layers,
         decoder_last_pipeline_num_layers=layout.last_stage_layers,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
@@ -140,17 +159,60 @@ def rank_chunks(state: dict, path: Path) -> list[dict]:
     return chunks
 
 
+# Saved-args switches that place layers or experts in ways a Layout cannot describe (Megatron-LM
+# versions in brackets); each refuses the checkpoint by name.
+_UNSUPPORTED_LAYOUT_ARGS = {
+    "pipeline_model_parallel_layout": "an explicit per-stage layer layout",  # 0.13+
+    "account_for_embedding_in_pipeline_split": "the embedding counted as a pipeline layer",  # 0.11+
+    "account_for_loss_in_pipeline_split": "the loss counted as a pipeline layer",  # 0.11+
+    "standalone_embedding_stage": "a pipeline stage holding only the embedding",  # up to 0.9
+    "encoder_pipeline_model_parallel_size": "encoder pipeline stages",  # 0.9-0.14
+    "pipeline_model_parallel_split_rank": "an encoder-decoder pipeline split",  # up to 0.10
+}
+
+
 def layout_from_args(args, path: Path) -> Layout:
+    """The parallel layout of a legacy checkpoint, read from the args Namespace Megatron-LM saved
+    in it, for every Megatron-LM version:
+
+    - TP from `tensor_model_parallel_size` (`model_parallel_size` before checkpoint version 3.0, as
+      Megatron-LM's `load_args_from_checkpoint` reads it); PP, VPP and the first/last stage layer
+      counts where stored (absent in older versions: 1, 1, even stages).
+    - Experts only when `num_experts` is set. Megatron-LM's `validate_args` stores
+      `expert_tensor_parallel_size = tensor_model_parallel_size` for every run since 0.10, dense
+      ones too, and `expert_model_parallel_size` (default 1) since 0.4; a dense model has no
+      expert layout, so both are ignored there. For MoE, ETP absent (before 0.10, when experts
+      were split like the dense layers) or None means ETP = TP, as `validate_args` sets it.
+    - Switches that place layers or experts in ways mconv does not lay out (`--moe-extended-tp`,
+      explicit pipeline layouts, embedding/loss stages, encoder stages) raise MconvError naming them.
+    """
+    def value(name, default=None):
+        found = getattr(args, name, None)
+        return default if found is None else found
+
+    for name, what in _UNSUPPORTED_LAYOUT_ARGS.items():
+        if value(name, False) not in (False, 0):
+            raise MconvError(f"{path}: the saved args set {name}={value(name)!r} ({what}); "
+                             "mconv reads only layouts of even or first/last-adjusted decoder stages")
+    tp = value("tensor_model_parallel_size", value("model_parallel_size"))
+    if tp is None:
+        raise MconvError(f"{path}: the saved args lack tensor_model_parallel_size, so the parallel layout is unknown")
+    ep = etp = 1
+    if value("num_experts"):
+        if getattr(args, "expert_tensor_parallel_size", None) is None and value("moe_extended_tp", False):
+            raise MconvError(f"{path}: the saved args set moe_extended_tp (experts split over TP x EP, "
+                             "Megatron-LM 0.8-0.9), an expert layout mconv does not read")
+        ep, etp = value("expert_model_parallel_size", 1), value("expert_tensor_parallel_size", tp)
     try:
-        return Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                      vpp=getattr(args, "virtual_pipeline_model_parallel_size", None) or 1,
-                      ep=getattr(args, "expert_model_parallel_size", 1) or 1,
-                      etp=getattr(args, "expert_tensor_parallel_size", None) or args.tensor_model_parallel_size,
-                      first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
-                      last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None),
-                      vocab_divisor=getattr(args, "make_vocab_size_divisible_by", 128) or 128)
-    except AttributeError as e:
-        raise MconvError(f"{path}: the saved args lack {e.name}, so the parallel layout is unknown") from None
+        layout = Layout(tp=tp, pp=value("pipeline_model_parallel_size", 1),
+                        vpp=value("virtual_pipeline_model_parallel_size", 1), ep=ep, etp=etp,
+                        first_stage_layers=value("decoder_first_pipeline_num_layers"),
+                        last_stage_layers=value("decoder_last_pipeline_num_layers"),
+                        vocab_divisor=value("make_vocab_size_divisible_by", 128))
+        layout.check_sizes()
+        return layout
+    except MconvError as e:  # sizes of the wrong type or range
+        raise MconvError(f"{path}: in the saved args, {e}") from None
 
 
 def read_legacy_ranks(location: CheckpointLocation) -> tuple[argparse.Namespace, Layout, dict[Rank, list[dict]], Path]:

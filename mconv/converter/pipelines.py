@@ -22,7 +22,7 @@ from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensor
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.output import check_output_path, staged_directory
+from mconv.converter.output import check_output_path, output_path, staged_directory, write_errors
 from mconv.converter.parallel import TorchrunTeam, run_workers, share
 from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
 from mconv.converter.transforms import merge, split
@@ -58,9 +58,39 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n
 
 
+COMPARE_BYTES = 64 * 2**20  # rows of the tied head compared at a time
+
+
+def _tied_copy(plan: Plan, ckpt: HFCheckpoint, name: str) -> str | None:
+    """For a model with tied embeddings, the embedding tensor whose copy `name` is if the table's
+    untied output layer reads `name` (transformers loads such files and ties the head anyway);
+    None otherwise."""
+    heads = {hf for rule in plan.arch.rules if rule.megatron == "output_layer.weight" and rule.exported
+             for hf in rule.hf}
+    embeddings = [hf for rule in plan.arch.rules if rule.megatron == "embedding.word_embeddings.weight" for hf in rule.hf]
+    return embeddings[0] if plan.dims.tied and name in heads and embeddings else None
+
+
+def _equal_bits(ckpt: HFCheckpoint, a: str, b: str) -> bool:
+    """Whether two tensors hold the same dtype, shape and bytes, compared a block of rows at a time."""
+    x, y = ckpt.tensors[a], ckpt.tensors[b]
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    rows = x.shape[0] if x.shape else 1
+    step = max(1, COMPARE_BYTES // max(1, x.nbytes // max(rows, 1)))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        if not torch.equal(*(ckpt.read(n, 0, start, stop).reshape(-1).view(torch.uint8) for n in (a, b))):
+            return False
+    return True
+
+
 def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
     """Every HF tensor the plan needs is there with its shape, and nothing else is, except the
-    tensors the table drops; returns one note per dropped group that the checkpoint holds."""
+    tensors the table drops and the copy of the embedding a tied model's files may also hold as
+    its output layer (`lm_head.weight`), accepted when equal to the embedding bit for bit and not
+    converted. Returns one note per dropped group the checkpoint holds and per such copy; raises
+    MconvError naming a missing, mis-shaped, unexpected or differing tensor."""
     expected = plan.hf_shapes()
     dropped = plan.arch.dropped(plan.dims)
     held = [prefix for prefix in dropped if any(name.startswith(prefix) for name in ckpt.tensors)]
@@ -70,11 +100,19 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
         if ckpt.tensors[name].shape != shape:
             raise MconvError(f"{ckpt.dir / ckpt.tensors[name].file}: tensor {name} has shape "
                              f"{list(ckpt.tensors[name].shape)}, but config.json implies {list(shape)}")
+    notes = []
     for name, info in ckpt.tensors.items():
-        if name not in expected and not name.startswith(tuple(held)):
+        if name in expected or name.startswith(tuple(held)):
+            continue
+        embedding = _tied_copy(plan, ckpt, name)
+        if embedding is None:
             raise MconvError(f"{ckpt.dir / info.file}: unexpected tensor {name} "
                              f"(not part of {plan.arch.name} as described by config.json)")
-    return [f"left out {prefix}* ({dropped[prefix]})" for prefix in held]
+        if not _equal_bits(ckpt, name, embedding):
+            raise MconvError(f"{ckpt.dir / info.file}: tensor {name} differs from {embedding}, but config.json sets "
+                             "tie_word_embeddings, so the output layer is the embedding")
+        notes.append(f"{name} equals {embedding} bit for bit (tied embeddings): not converted")
+    return [f"left out {prefix}* ({dropped[prefix]})" for prefix in held] + notes
 
 
 def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
@@ -164,10 +202,6 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         # mconv writes torch_dist through megatron-core's own GPTModel, which cannot build KDA or gated MLA.
         raise MconvError(f"--format torch_dist is not available for {arch.name} yet: megatron-core cannot build "
                          "its layers to derive the checkpoint keys; use --format torch")
-    if fmt == "torch_dist" and arch_args.get("position_embedding_type") == "mrope":
-        # The torch_dist keys come from megatron-core's GPTModel; a vision-language model is not one.
-        raise MconvError(f"--format torch_dist is not available for {arch.name} yet (its keys would come from "
-                         "the Megatron Qwen3VLModel); use --format torch")
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
@@ -177,6 +211,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         summary = _rank_summary(plan, ckpt, lambda r: layout.rank_dir(r.rank))
     summary.notes = notes
     if dry_run:
+        check_output_path(out_dir, overwrite, (Path(hf_dir),))
         return summary
 
     args = mio.megatron_lm_args(layout, plan.dims, arch_args, spec, plan.padded_vocab,
@@ -203,7 +238,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
                                      "format": fmt, "layout": layout.to_dict(),
                                      "dtype": str(dtype).removeprefix("torch.")})
 
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
     if team is not None:
         check_output_path(out, overwrite, (Path(hf_dir),))
@@ -288,7 +323,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     stack = expert_orientation if arch.stacked_experts else None
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     check_output_path(out, overwrite, inputs)
     with ckpt.session() as (load, dtype_of):
         entries = [(name, dtype or dtype_of(task.sources[0]), shape)
@@ -347,10 +382,6 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
             staging.mkdir(parents=True)
             prepared["writer"] = prepare(staging)
 
-    team.step("prepared", first)
-    with _bar(total, f"{label} (rank {team.rank})", progress and team.rank == 0) as bar:
-        team.step("written", lambda: write_share(staging, bar.update))
-
     def last():
         if team.rank == 0:
             finish(prepared["writer"], staging)
@@ -360,7 +391,21 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
                 shutil.rmtree(out)
             os.replace(staging, out)
 
-    team.step("finished", last)
+    def step(name: str, action) -> None:
+        def guarded():  # a failed write (full disk...) stops every rank with one sentence
+            with write_errors(out, staging):
+                action()
+        team.step(name, guarded)
+
+    try:
+        step("prepared", first)
+        with _bar(total, f"{label} (rank {team.rank})", progress and team.rank == 0) as bar:
+            step("written", lambda: write_share(staging, bar.update))
+        step("finished", last)
+    except BaseException:
+        if team.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[int, int, list[str]]:

@@ -1,4 +1,5 @@
-"""The architecture registry: config.json's architectures[0] picks the table."""
+"""The architecture registry: config.json's architectures[0] picks the table, or, without it,
+model_type as transformers' `AutoModelForCausalLM` maps it to a class."""
 from mconv.errors import MconvError
 from mconv.mappings.bailing_v3 import BAILING_V3
 from mconv.mappings.qwen3 import QWEN3
@@ -11,9 +12,21 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (QWEN3, QW
 
 
 def architecture_for(config: dict) -> Architecture:
+    """The table for config.json. Without `architectures`, the class transformers'
+    `AutoModelForCausalLM` picks for `model_type` (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), when exactly
+    one table has that model_type. Raises MconvError naming what is missing or unsupported."""
     names = config.get("architectures") or []
     if not names:
-        raise MconvError("config.json has no 'architectures' entry, so the model type is unknown")
+        model_type = config.get("model_type")
+        if not model_type:
+            raise MconvError("config.json has neither 'architectures' nor 'model_type', so the model class is unknown")
+        found = [arch for arch in ARCHITECTURES.values() if arch.model_type == model_type]
+        if len(found) != 1:
+            raise MconvError(f"config.json has no 'architectures' and mconv has no causal-LM table for "
+                             f"model_type {model_type!r}; supported: "
+                             f"{', '.join(sorted(a.model_type for a in ARCHITECTURES.values() if a.model_type))}")
+        return found[0]
     if names[0] not in ARCHITECTURES:
-        raise MconvError(f"unsupported architecture {names[0]!r}; mconv supports: {', '.join(sorted(ARCHITECTURES))}")
+        raise MconvError(f"config.json names unsupported architecture {names[0]!r}; mconv supports: "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
     return ARCHITECTURES[names[0]]

@@ -2,15 +2,22 @@
 from types import SimpleNamespace
 
 from mconv.converter.transforms import GLU, REPLICATED, ROW
+from mconv.errors import MconvError
 from mconv.mappings.common import config_value
 from mconv.mappings.qwen3 import ATTENTION, DENSE_MLP, EMBEDDING_AND_OUTPUT, L, H
-from mconv.mappings.qwen3 import dims as qwen3_dims
+from mconv.mappings.qwen3 import attention_dims
 from mconv.mappings.qwen3 import megatron_args as qwen3_args
 from mconv.mappings.schema import Architecture, Rule, extra_state
 
 
 def dims(config: dict) -> SimpleNamespace:
-    d = qwen3_dims(config)
+    """transformers' `Qwen3MoeConfig`: no head_dim field (hidden // heads when config.json omits
+    it) and 4 KV heads by default; `use_sliding_window` with a `sliding_window` makes every layer
+    slide, which is refused."""
+    d = attention_dims(config, head_dim=None, groups=4)
+    if config.get("use_sliding_window") and config.get("sliding_window", 4096) is not None:
+        raise MconvError("config.json sets use_sliding_window: every layer uses sliding-window attention, "
+                         "which mconv does not map to Megatron-LM's --window-size")
     # transformers 5.x writes num_local_experts, 4.x num_experts.
     d.experts = config.get("num_local_experts") or config_value(config, "num_experts")
     d.moe_ffn = config_value(config, "moe_intermediate_size")
@@ -61,4 +68,4 @@ MOE_MLP = (
 )
 
 QWEN3_MOE = Architecture("Qwen3MoeForCausalLM", dims, EMBEDDING_AND_OUTPUT + ATTENTION + DENSE_MLP + MOE_MLP,
-                         megatron_args)
+                         megatron_args, model_type="qwen3_moe")

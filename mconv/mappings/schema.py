@@ -48,6 +48,7 @@ class Architecture:
     dims: Callable[[dict], SimpleNamespace]  # config.json -> model dimensions used by shapes and params
     rules: tuple[Rule, ...]
     megatron_args: Callable[[SimpleNamespace], dict] = field(default=lambda d: {})  # Megatron-LM args
+    model_type: str | None = None  # config.json model_type whose CausalLM class (transformers' auto mapping) this is
     # Extra layout checks of the architecture (dims, layout) -> None, raising MconvError.
     check_layout: Callable | None = None
     # HF keeps routed experts stacked (`mlp.experts.gate_up_proj` / `down_proj`, transformers'
