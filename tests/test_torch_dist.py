@@ -170,3 +170,22 @@ def test_older_megatron_core_loads_mconv_torch_dist(tmp_path):
     assert result.stdout.startswith("0.14.0 ") and str(OLD_MEGATRON) in result.stdout
     logits = torch.load(tmp_path / "logits.pt")[..., :read_config(hf_dir)["vocab_size"]]
     assert (logits - hf_logits(hf_dir, TOKENS)).abs().max().item() < 1e-4
+
+
+@pytest.mark.slow
+def test_all_moe_torch_dist_loads_in_a_model_built_from_its_stored_args(tmp_path):
+    """Issue 10.1, writing: mconv's all-MoE torch_dist stores `moe_layer_freq=1`, so the model a
+    Megatron-LM job builds from the stored args (its parse_args defaults + the stored args,
+    validate_args, core_transformer_config_from_args) asks for the stacked keys the checkpoint holds:
+    megatron-core's dist_checkpointing.load (strict) at TP2/EP2, logits equal transformers'."""
+    from mconv.converter.torch_dist_io import TorchDistReader
+    from tests.megatron_oracle import trainer_args
+
+    hf_dir = make_qwen3_moe(tmp_path / "hf", mlp_only_layers=[], tokenizer=False)
+    summary = hf2mcore(hf_dir, tmp_path / "m", Layout(tp=2), progress=False)
+    stored = TorchDistReader(tmp_path / "m" / "release").args
+    assert stored.moe_layer_freq == 1
+    run = MegatronRun(tmp_path / "m", read_config(hf_dir), tp=2, ep=2, etp=1, fmt="torch_dist",
+                      padded_vocab=summary.plan.padded_vocab, tokens=TOKENS)
+    run.args = trainer_args(stored, run)
+    assert (megatron_logits(run, tmp_path) - hf_logits(hf_dir, TOKENS)).abs().max().item() < 1e-4
