@@ -1,6 +1,7 @@
 """Run by test_torch_dist with PYTHONPATH pointing at an older megatron-core release: load an mconv
 torch_dist checkpoint with that release's `dist_checkpointing.load` (strict) into its GPTModel, one
-process, and save the logits of its forward pass. Usage: old_megatron_load.py CKPT_ITER_DIR HF_DIR OUT."""
+process, and save the logits of its forward pass.
+Usage: old_megatron_load.py CKPT_ITER_DIR HF_DIR PADDED_VOCAB OUT."""
 import sys
 import tempfile
 import warnings
@@ -12,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.megatron_oracle import MegatronRun, _cpu_shims, _transformer_config, read_config  # noqa: E402
 
 
-def main(iter_dir: str, hf_dir: str, out: str) -> None:
+def main(iter_dir: str, hf_dir: str, padded_vocab: str, out: str) -> None:
     warnings.filterwarnings("ignore")
     _cpu_shims()
     import torch.distributed as dist
@@ -36,8 +37,7 @@ def main(iter_dir: str, hf_dir: str, out: str) -> None:
     run = MegatronRun(Path(iter_dir), read_config(hf_dir), padded_vocab=0, tokens=list(range(5, 70, 5)))
     config, rope_theta = _transformer_config(run)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    embedding = torch.load(Path(iter_dir) / "common.pt", weights_only=False)["args"].padded_vocab_size
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=embedding,
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=int(padded_vocab),
                      max_sequence_length=run.hf_config["max_position_embeddings"],
                      share_embeddings_and_output_weights=bool(run.hf_config.get("tie_word_embeddings")),
                      position_embedding_type="rope", rotary_base=rope_theta, parallel_output=False).eval()

@@ -161,10 +161,11 @@ def test_older_megatron_core_loads_mconv_torch_dist(tmp_path):
     before 0.19 read the common state only from `common.pt`) loads what mconv writes with its own
     `dist_checkpointing.load` (strict), and its forward pass equals transformers'."""
     hf_dir = FIXTURES / "qwen3-moe-tiny"
-    hf2mcore(hf_dir, tmp_path / "m", Layout(), progress=False)
+    summary = hf2mcore(hf_dir, tmp_path / "m", Layout(), progress=False)
     env = {**os.environ, "PYTHONPATH": str(OLD_MEGATRON)}
     result = subprocess.run([sys.executable, str(Path(__file__).with_name("old_megatron_load.py")),
-                             str(tmp_path / "m" / "release"), str(hf_dir), str(tmp_path / "logits.pt")],
+                             str(tmp_path / "m" / "release"), str(hf_dir), str(summary.plan.padded_vocab),
+                             str(tmp_path / "logits.pt")],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("0.14.0 ") and str(OLD_MEGATRON) in result.stdout
