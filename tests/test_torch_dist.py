@@ -190,3 +190,18 @@ def test_all_moe_torch_dist_loads_in_a_model_built_from_its_stored_args(tmp_path
                       padded_vocab=summary.plan.padded_vocab, tokens=TOKENS)
     run.args = trainer_args(stored, run)
     assert (megatron_logits(run, tmp_path) - hf_logits(hf_dir, TOKENS)).abs().max().item() < 1e-4
+
+
+def test_reading_metadata_and_inspect_import_neither_megatron_nor_dcp(tmp_path):
+    """The reader's metadata, common state and `inspect` of a torch_dist checkpoint need neither
+    megatron-core nor torch.distributed.checkpoint (seconds of imports each)."""
+    hf2mcore(FIXTURES / "qwen3-moe-tiny", tmp_path / "m", Layout(), progress=False)
+    code = ("import sys; from mconv.converter.describe import inspect_path; from mconv.converter.torch_dist_io "
+            f"import TorchDistReader; inspect_path({str(tmp_path / 'm')!r}); "
+            f"r = TorchDistReader({str(tmp_path / 'm' / 'release')!r}); r.read_box('embedding.word_embeddings.weight'); "
+            "assert r.args.num_layers == 4; "
+            "print(sorted(m for m in sys.modules if m.startswith(('megatron', 'torch.distributed.checkpoint'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
