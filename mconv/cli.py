@@ -12,7 +12,7 @@ import click
 
 from mconv.converter.layout import Layout, parse_layout_string
 from mconv.converter.describe import inspect_path, render
-from mconv.converter.pipelines import DEFAULT_SHARD_BYTES, FORMATS, compare_hf, hf2mcore, mcore2hf
+from mconv.converter.pipelines import FORMATS, compare_hf, hf2mcore, mcore2hf
 from mconv.converter.planner import SPECS
 from mconv.errors import MconvError
 
@@ -20,11 +20,21 @@ SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).upper() not in SIZE_UNITS:
-        raise click.BadParameter(f"{text!r} is not a size such as 3GB, 500MB or 1GiB")
-    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+class Size(click.ParamType):
+    """A byte size such as 3GB, 500MB or 1GiB (click names the option in its error)."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).upper() not in SIZE_UNITS:
+            self.fail(f"{value!r} is not a size such as 3GB, 500MB or 1GiB", param, ctx)
+        size = int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+        if size < 1:
+            self.fail(f"{value!r} is not a positive size", param, ctx)
+        return size
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -60,23 +70,65 @@ def report(summary, started: float, as_json: bool, text: str) -> None:
         click.echo(text)
 
 
+def one_line(message: str) -> str:
+    """Every error is one line: `mconv: error: ...`."""
+    return "mconv: error: " + " ".join(message.split())
+
+
 def fail(message: str):
-    click.echo(f"mconv: error: {message}", err=True)
+    click.echo(one_line(message), err=True)
     sys.exit(1)
 
 
 def run(action):
-    """Turn user errors into one line on stderr and exit status 1 (tracebacks are for bugs only)."""
+    """Turn user errors into one line on stderr and exit status 1 (tracebacks are for bugs only).
+
+    An OSError that reaches here (a file that cannot be read, a full or read-only disk) is the
+    environment's, not a bug: its path and cause are the sentence."""
     try:
         return action()
     except MconvError as e:
         fail(str(e))
+    except OSError as e:
+        fail(f"{e.filename}: {e.strerror or e}" if e.filename else str(e))
     except KeyboardInterrupt:
         click.echo("mconv: interrupted; no output was written", err=True)
         sys.exit(130)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class UsageLine(click.ClickException):
+    """A click usage error shown as one line; exit status stays click's 2."""
+
+    def __init__(self, error: click.UsageError):
+        super().__init__(error.format_message())
+        self.exit_code = error.exit_code
+        self.command = error.ctx.command_path if error.ctx else None
+
+    def show(self, file=None) -> None:
+        see = f" (see '{self.command} --help')" if self.command else ""
+        click.echo(one_line(self.format_message() + see), err=True)
+
+
+class Group(click.Group):
+    """The `mconv` group: usage errors (unknown option, a file where a directory is expected, a bad
+    value) are one line like every other error, instead of click's usage block."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError:
+            raise  # plain `mconv` prints the help
+        except click.UsageError as e:
+            raise UsageLine(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            raise UsageLine(e) from None
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="mconv")
 def main():
     """Convert model weights between Hugging Face and Megatron-Core, exactly.
@@ -94,7 +146,7 @@ def main():
 
 
 @main.command("hf2mcore")
-@click.argument("hf_dir", type=click.Path(file_okay=False))
+@click.argument("hf_dir", type=click.Path(file_okay=False), metavar="HF_DIR|HUB_NAME")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--tp", default=1, show_default=True, help="Tensor parallel size.")
@@ -167,14 +219,14 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
 @main.command("mcore2hf")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--hf-config", type=click.Path(file_okay=False), default=None,
+@click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the HF config.json (and tokenizer) of the model; needed for "
                    "checkpoints not written by mconv, and overrides the one stored in the checkpoint.")
 @click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Cast every tensor to this dtype (e.g. a float32 training checkpoint to bfloat16). Default: "
                    "each tensor keeps its dtype. config.json's dtype follows what is written.")
-@click.option("--max-shard-size", default="3GB", show_default=True,
+@click.option("--max-shard-size", type=Size(), default="3GB", show_default=True,
               help="Largest safetensors shard (a larger tensor gets a shard of its own).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--expert-orientation", type=click.Choice(["4.x", "5.x"]), default="4.x", show_default=True,
@@ -191,9 +243,8 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
     CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
     directory. The parallel layout is read from the checkpoint's saved args.
     """
-    shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_SHARD_BYTES
     started = time.perf_counter()
-    summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=shard_bytes,
+    summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=max_shard_size,
                                    overwrite=overwrite, progress=not (quiet or as_json),
                                    workers=workers or default_workers(), dtype=torch_dtype(dtype),
                                    revision=revision, expert_orientation=expert_orientation))
@@ -204,7 +255,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
 
 @main.command("inspect")
 @click.argument("path")
-@click.option("--hf-config", default=None,
+@click.option("--hf-config", default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the HF config.json of the model, for checkpoints that store none: "
                    "the tensors are then checked against the architecture.")
 @click.option("--revision", default=None, help=REVISION_HELP)
@@ -241,7 +292,7 @@ def verify_command(first, second, quiet):
 @main.command("export-lora")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--hf-config", type=click.Path(file_okay=False), default=None,
+@click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the base model's HF config.json; needed for checkpoints not "
                    "written by mconv.")
 @click.option("--rank", type=int, default=None,
@@ -250,7 +301,7 @@ def verify_command(first, second, quiet):
 @click.option("--alpha", type=float, default=None,
               help="LoRA alpha (scale = alpha / r). Default: peft.alpha from Megatron-Bridge's run_config.yaml in the "
                    "checkpoint; required when there is none.")
-@click.option("--base-model", default=None,
+@click.option("--base-model", default=None, metavar="DIR|HUB_NAME",
               help="Written as base_model_name_or_path (a hub name or path). With --merge: the HF model "
                    "(directory or hub name) whose weights the delta is added to.")
 @click.option("--revision", default=None, help=REVISION_HELP + " Applies to --hf-config and --merge's --base-model.")
@@ -259,7 +310,7 @@ def verify_command(first, second, quiet):
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="With --merge: dtype of the written tensors (default: each base tensor's own). The delta is "
                    "added in float32 either way.")
-@click.option("--max-shard-size", default="3GB", show_default=True, help="With --merge: largest safetensors shard.")
+@click.option("--max-shard-size", type=Size(), default="3GB", show_default=True, help="With --merge: largest safetensors shard.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
 def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, revision, merge, dtype,
@@ -286,8 +337,8 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
 
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
                                      base_model=base_model, merge_into=merge, dtype=torch_dtype(dtype),
-                                     overwrite=overwrite, max_shard_bytes=parse_size(max_shard_size),
-                                     revision=revision))
+                                     overwrite=overwrite, max_shard_bytes=max_shard_size,
+                                     revision=revision, progress=not quiet))
     if not quiet:
         adapter = result.adapter
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else

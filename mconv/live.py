@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config,
-                                   write_config_dtype)
+                                   write_config_dtype, write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.planner import RankPlan, TensorTask, make_plan, plan_rank, validate_layout
@@ -45,6 +45,11 @@ def _unwrap(chunk):
     while not hasattr(chunk, "vocab_size") and hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
+
+
+def _vocab_size(core) -> int:
+    """The padded vocabulary of a GPTModel, or of a vision-language model's `language_model` (Qwen3VLModel)."""
+    return core.vocab_size if hasattr(core, "vocab_size") else core.language_model.vocab_size
 
 
 @dataclass
@@ -71,17 +76,22 @@ class LiveModel:
         states = [{_canonical(k): v.detach() for k, v in c.state_dict(keep_vars=True).items()
                    if isinstance(v, torch.Tensor) and ".adapter." not in k} for c in chunks]
         tp = ps.get_tensor_model_parallel_world_size()
-        fused = any(k.endswith(".self_attention.linear_qkv.layer_norm_weight") for s in states for k in s)
-        layout = Layout(tp=tp, pp=ps.get_pipeline_model_parallel_world_size(), vpp=len(chunks),
-                        ep=ps.get_expert_model_parallel_world_size(),
-                        etp=ps.get_expert_tensor_parallel_world_size(),
-                        first_stage_layers=core.config.num_layers_in_first_pipeline_stage,
-                        last_stage_layers=core.config.num_layers_in_last_pipeline_stage,
-                        vocab_divisor=core.vocab_size // tp)
-        rank = Rank(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
-                    ep=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank())
+        # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
+        fused = any(k.endswith(".layer_norm_weight") for s in states for k in s)
         arch = architecture_for(hf_config)
         dims = arch.dims(hf_config)
+        # A dense model has no expert groups to follow, though megatron-core sizes them anyway
+        # (Megatron-LM's and the bridges' default ETP is TP).
+        experts = bool(getattr(dims, "experts", 0))
+        layout = Layout(tp=tp, pp=ps.get_pipeline_model_parallel_world_size(), vpp=len(chunks),
+                        ep=ps.get_expert_model_parallel_world_size() if experts else 1,
+                        etp=ps.get_expert_tensor_parallel_world_size() if experts else 1,
+                        first_stage_layers=core.config.num_layers_in_first_pipeline_stage,
+                        last_stage_layers=core.config.num_layers_in_last_pipeline_stage,
+                        vocab_divisor=_vocab_size(core) // tp)
+        rank = Rank(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                    ep=ps.get_expert_model_parallel_rank() if experts else 0,
+                    etp=ps.get_expert_tensor_parallel_rank() if experts else 0)
         validate_layout(dims, layout, arch.check_layout)
         spec = "te" if fused else "local"
         plan = plan_rank(arch, dims, layout, spec, rank)
@@ -400,7 +410,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
 
     out = Path(out_dir).absolute()
     staging = out.with_name(f".{out.name}.mconv-partial-live")
-    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+    # Stacked HF experts (Qwen3-VL-MoE) in the orientation mcore2hf writes by default.
+    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, "4.x" if live.arch.stacked_experts else None)
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -421,6 +432,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     if dist.get_rank() == 0:
         writer.write_index()
         copy_side_files(source, staging)
+        write_hf_config(staging, live.arch.hf_config(config), config)
         write_config_dtype(staging, entries)
         if out.exists():
             shutil.rmtree(out)

@@ -18,11 +18,16 @@ find_python() {
 # only in mbridge's git history after 0.15.1, so it is carried here as a wheel (see wheels/README.md).
 MBRIDGE_WHEEL=wheels/mbridge-0.15.1+git.10cb17f-py3-none-any.whl
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c '
-import importlib.metadata as m, mconv, megatron.core, transformers, hypothesis, einops
-assert m.version("mbridge") == "0.15.1+git.10cb17f"' 2>/dev/null; then
+import importlib.metadata as m, mconv, megatron.core, transformers, hypothesis, einops, omegaconf
+assert m.version("mbridge") == "0.15.1+git.10cb17f" and m.version("megatron-bridge") == "0.6.2"' 2>/dev/null; then
     PYTHON="$(find_python)"
     [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test,mbridge]'
     .venv/bin/python -m pip install --quiet --no-deps --force-reinstall "$MBRIDGE_WHEEL"
+    # Megatron-Bridge without its dependency set (Transformer Engine, modelopt, ...): the tests build
+    # local-spec models with its conversion modules only (tests/test_bridges.py says how); omegaconf
+    # is the one dependency those modules import.
+    .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps megatron-bridge
+    .venv/bin/python -m pip install --quiet -c constraints.txt omegaconf
 fi

@@ -34,7 +34,7 @@ PATCHES = (1, 4, 4)  # image_grid_thw: one frame of 4 x 4 patches -> 4 merged im
 
 @dataclass
 class VLRun:
-    checkpoint: Path  # save directory of legacy rank files
+    checkpoint: Path | None  # save directory of legacy rank files (None with `live_hf`)
     hf_config: dict
     tp: int = 1
     pp: int = 1
@@ -43,6 +43,9 @@ class VLRun:
     padded_vocab: int = 0
     inputs: dict = field(default_factory=dict)  # name -> (input_ids, pixel_values or None)
     bridge_hf: Path | None = None  # also load this HF directory with Megatron-Bridge's mapping and compare
+    dist_checkpoint: Path | None = None  # also load this torch_dist checkpoint with megatron-core and compare
+    live_hf: Path | None = None  # instead of rank files: mconv.live.load_hf_weights from this HF directory,
+    live_out: Path | None = None  # then iter_hf_weights and save_hf_weights into this directory
 
     @property
     def world(self) -> int:
@@ -164,6 +167,19 @@ def load_with_megatron_bridge(model, hf_dir: Path) -> None:
     bridge.load_weights_hf_to_megatron(hf, [model])
 
 
+def _compare(model, other, report: Path) -> None:
+    """Save which tensors of two models of this rank differ (bit for bit)."""
+    ours, theirs = ({k: v for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)} for m in (model, other))
+    differ = sorted(k for k in ours if not torch.equal(ours[k], theirs[k]))
+    torch.save({"compared": len(ours), "differ": differ, "keys_equal": ours.keys() == theirs.keys()}, report)
+
+
+def assert_same(workdir: Path, label: str, world: int) -> None:
+    for rank in range(world):
+        report = torch.load(Path(workdir) / f"{label}{rank}.pt")
+        assert report["keys_equal"] and report["compared"] > 100 and report["differ"] == [], report
+
+
 def _worker(rank: int, run: VLRun, port: int, out: Path):
     warnings.filterwarnings("ignore")
     _cpu_shims()
@@ -179,20 +195,28 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     model = build_model(run, first, last)
-    tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
-    release = tracker == "release"
-    path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
-                               expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"], strict=True)
+    if run.live_hf is not None:
+        from mconv.live import load_hf_weights
+
+        load_hf_weights([model], run.live_hf)
+    else:
+        tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
+        release = tracker == "release"
+        path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
+                                   expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
     if run.bridge_hf is not None:  # a second, independent mapping into a second model of this rank
         other = build_model(run, first, last)
         load_with_megatron_bridge(other, run.bridge_hf)
-        ours, theirs = (
-            {k: v for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)} for m in (model, other))
-        differ = sorted(k for k in ours if not torch.equal(ours[k], theirs[k]))
-        torch.save({"compared": len(ours), "differ": differ, "keys_equal": ours.keys() == theirs.keys()},
-                   out.with_name(f"bridge{rank}.pt"))
+        _compare(model, other, out.with_name(f"bridge{rank}.pt"))
+    if run.dist_checkpoint is not None:  # megatron-core's own loader, resharding to this rank
+        from megatron.core import dist_checkpointing
+
+        other = build_model(run, first, last)
+        loaded = dist_checkpointing.load({"model": other.sharded_state_dict()}, str(run.dist_checkpoint / "release"))
+        other.load_state_dict(loaded["model"], strict=True)
+        _compare(model, other, out.with_name(f"dist{rank}.pt"))
 
     c = run.hf_config
     results = {}
@@ -215,6 +239,13 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
                 dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
     if last and ps.get_tensor_model_parallel_rank() == 0 and ps.get_expert_model_parallel_rank() == 0:
         torch.save(results, out)
+    if run.live_out is not None:
+        from mconv.live import iter_hf_weights, save_hf_weights
+
+        yielded = [(name, tensor.clone()) for bucket in iter_hf_weights([model], run.live_hf, bucket_bytes=40_000)
+                   for name, tensor in bucket]
+        torch.save(yielded, run.live_out / f"yielded{rank}.pt")
+        save_hf_weights([model], run.live_out / "saved", run.live_hf, max_shard_bytes=200_000)
     dist.barrier()
     dist.destroy_process_group()
 

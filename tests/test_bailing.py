@@ -1,6 +1,8 @@
 """BailingMoeV3 (Ling 3.0): bit-exact round trips over layouts and model variants, the MTP rule, the
 names AReaL's Bailing V3 bridge loads, and the Megatron args (with the refusals megatron-core forces)."""
 import json
+import re
+import shutil
 import subprocess
 import sys
 
@@ -8,9 +10,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 from fixtures.make_fixtures import BAILING_V3, bailing_v3_tensors, make_bailing_v3
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
+from mconv.converter import megatron_io as mio
 from mconv.converter.planner import make_plan
 from mconv.mappings import architecture_for
 from tests.conftest import FIXTURES, ROOT
@@ -58,7 +62,9 @@ def test_fixture_round_trip_keeps_fp32_buffers(tmp_path):
     assert state["decoder.layers.3.mlp.router.expert_bias"].dtype == torch.float32
     assert state["decoder.layers.0.self_attention.A_log"].dtype == torch.float32
     assert state["decoder.layers.1.self_attention.linear_gate.weight"].dtype == torch.bfloat16
-    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    # As a checkpoint from another tool: no mconv.json, so the spec is read from the names (the fused MLA norms).
+    (tmp_path / "m" / "mconv.json").unlink()
+    mcore2hf(tmp_path / "m", tmp_path / "back", hf_config=FIXTURES / "bailing-v3-tiny", progress=False)
     assert_bit_identical(read_all(FIXTURES / "bailing-v3-tiny"), read_all(tmp_path / "back"))
 
 
@@ -215,3 +221,78 @@ def test_torch_dist_is_refused_until_it_can_be_written(tmp_path):
     with pytest.raises(MconvError, match="--format torch_dist is not available for BailingMoeV3ForCausalLM"):
         hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", Layout(), progress=False)
     assert not (tmp_path / "m").exists()
+
+
+LORA_MODULE = re.compile(r"decoder\.layers\.(\d+)\.(.*?)\.?(in_proj|out_proj|linear_q_up_proj|linear_kv_up_proj|linear_gate|"
+                         r"linear_proj|linear_fc1|linear_fc2)\.weight")
+LORA_COLUMN = {"in_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_gate", "linear_fc1"}
+
+
+def test_export_lora_merge_equals_megatron_layout_merge(tmp_path):
+    """LoRA on KDA in_proj (one A, B rows in the rank's [q; k; v; f; g] sections), MLA, gate, dense, experts
+    and shared experts at TP2/EP2: the adapters are made and merged in Megatron layout as in test_lora.py
+    (W + alpha/r * B @ A per rank shard); export-lora --merge must equal mcore2hf of the merged rank files
+    (whose base mapping the oracle in test_bailing_oracle.py checks)."""
+    from tests.test_lora import SCALE, Adapters, chunks_of, export
+
+    hf, layout = FIXTURES / "bailing-v3-tiny", Layout(tp=2, ep=2)
+    hf2mcore(hf, tmp_path / "lora", layout, fmt="torch", progress=False)
+    shutil.copytree(tmp_path / "lora", tmp_path / "merged")
+    adapters = Adapters(BAILING_V3, layout, canonical=False)
+    for rank in layout.ranks():
+        path = mio.rank_file(tmp_path / "lora" / "release", layout, rank)
+        state = torch.load(path, weights_only=False)
+        added = {}
+        for name, weight in list(chunks_of(state)[0].items()):
+            if not LORA_MODULE.fullmatch(name):
+                continue
+            layer, module_path, module = LORA_MODULE.fullmatch(name).groups()
+            expert = re.search(r"local_experts\.(\d+)", module_path)
+            size, group_rank = (layout.etp, rank.etp) if expert else (layout.tp, rank.tp)
+            ident = f"{layer}.{module_path}{rank.ep * 4 + int(expert.group(1)) if expert else ''}.{module}"
+            column = module in LORA_COLUMN
+            out, fan_in = weight.shape[0] * (size if column else 1), weight.shape[1] * (1 if column else size)
+            a, b, delta = adapters.shards(ident, column, out, fan_in, size, group_rank)
+            prefix = name.removesuffix(".weight") + ".adapter"
+            added[prefix + ".linear_in.weight"], added[prefix + ".linear_out.weight"] = a, b
+            chunks_of(state)[0][name] = weight.float() + SCALE * delta
+        torch.save(state, mio.rank_file(tmp_path / "merged" / "release", layout, rank))
+        state = torch.load(path, weights_only=False)
+        chunks_of(state)[0].update(added)
+        torch.save(state, path)
+    export(tmp_path / "lora", tmp_path / "adapter")
+    peft = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    a = "base_model.model.model.layers.0.attention.{}_proj.lora_A.weight"
+    assert all(torch.equal(peft[a.format("q")], peft[a.format(x)]) for x in "kvfg")
+    export(tmp_path / "lora", tmp_path / "ours", "--merge", "--base-model", hf, "--dtype", "float32")
+    mcore2hf(tmp_path / "merged", tmp_path / "theirs", progress=False)
+    ours, theirs, base = read_all(tmp_path / "ours"), read_all(tmp_path / "theirs"), read_all(hf)
+    assert ours.keys() == theirs.keys() == base.keys()
+    changed = 0
+    for name in ours:
+        assert torch.allclose(ours[name], theirs[name].float(), atol=1e-6, rtol=0), name
+        changed += not torch.equal(ours[name], base[name].float())
+    assert changed == len([k for k in peft if "lora_B" in k]) == 80  # every targeted HF projection
+
+
+def test_inspect_trainer_flags_parse_back_to_the_saved_args(tmp_path):
+    """`mconv inspect`'s trainer flags for this model (MLA dims, sigmoid router with expert bias and
+    groups, shared experts) mean, to Megatron-LM's own parser, the args hf2mcore stored."""
+    import argparse
+    import warnings
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from mconv.converter.describe import inspect_path
+
+    warnings.filterwarnings("ignore")
+    hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", Layout(tp=2, ep=2), fmt="torch", progress=False)
+    saved = vars(mio.load_rank_file(tmp_path / "m/release/mp_rank_00_000/model_optim_rng.pt")["args"])
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    parsed, unknown = parser.parse_known_args(inspect_path(tmp_path / "m")["trainer_flags"])
+    assert not unknown
+    for dest in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                 "v_head_dim", "rope_type", "moe_router_score_function", "moe_router_enable_expert_bias",
+                 "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+                 "moe_shared_expert_intermediate_size", "moe_router_dtype", "moe_layer_freq", "num_experts"):
+        assert getattr(parsed, dest) == saved[dest], dest

@@ -166,9 +166,31 @@ def test_deepstack_off_the_first_stage(tmp_path):
                    "2 deepstack_visual_indexes", "first pipeline stage (chunk) holds only 1 layer")
 
 
-def test_torch_dist_refused_for_now(tmp_path):
-    assert_refused(mconv("hf2mcore", DENSE, tmp_path / "out", "-q"), tmp_path / "out",
-                   "--format torch_dist is not available for Qwen3VLForConditionalGeneration")
+@pytest.mark.parametrize("fixture,moe", [(DENSE, False), (MOE, True)])
+def test_torch_dist_round_trip_and_keys(tmp_path, fixture, moe):
+    """torch_dist keys come from mbridge's Qwen3VLModel: layers stacked in the dense model; per layer in
+    the MoE model with a dense layer (its moe_layer_freq list), the vision blocks too (their config is a
+    copy of the language one); vision norms under their local names. megatron-core's loader reading
+    them into the model is tested in test_qwen3_vl_oracle.py."""
+    from mconv.converter.torch_dist_io import TorchDistReader
+
+    hf2mcore(fixture, tmp_path / "m", Layout(tp=2), progress=False)
+    keys = TorchDistReader.open(tmp_path / "m/release").tensors
+    if moe:
+        assert keys["vision_model.decoder.layers.2.input_layernorm.bias"].shape == (32,)
+        assert keys["language_model.decoder.layers.0.mlp.experts.experts.linear_fc1.weight"].shape == (4, 80, 64)
+    else:
+        assert keys["vision_model.decoder.layers.input_layernorm.bias"].shape == (3, 32)
+        assert keys["language_model.decoder.layers.mlp.linear_fc1.weight"].shape == (6, 160, 64)
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False, expert_orientation="5.x")
+    expected = read_all(fixture)
+    assert_bit_identical(transposed_experts(expected) if moe else expected, read_all(tmp_path / "back"))
+
+
+def test_torch_dist_needs_more_layers_than_deepstack_targets(tmp_path):
+    hf = make_qwen3_vl(tmp_path / "hf", text={"num_hidden_layers": 2})
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out", "-q"), tmp_path / "out",
+                   "needs more language layers (2) than deepstack targets (2)")
 
 
 def test_mrope_section_must_cover_head_dim(tmp_path):
@@ -178,3 +200,12 @@ def test_mrope_section_must_cover_head_dim(tmp_path):
     (hf / "config.json").write_text(json.dumps(config))
     with pytest.raises(MconvError, match="mrope_section"):
         hf2mcore(hf, tmp_path / "out", Layout(), fmt="torch", progress=False)
+
+
+def test_workers_write_the_same_bytes(tmp_path):
+    """Worker processes stack the experts they write (4.x: an expert's gate and up are written together)."""
+    hf2mcore(MOE, tmp_path / "m", Layout(ep=2), fmt="torch", progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "one", progress=False, max_shard_bytes=150_000)
+    mcore2hf(tmp_path / "m", tmp_path / "two", progress=False, max_shard_bytes=150_000, workers=2)
+    for path in sorted((tmp_path / "one").iterdir()):
+        assert path.read_bytes() == (tmp_path / "two" / path.name).read_bytes(), path.name

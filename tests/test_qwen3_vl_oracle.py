@@ -1,7 +1,10 @@
 """Oracle: what hf2mcore writes for Qwen3-VL loads (strict) into mbridge's Megatron Qwen3VLModel at
 TP1, TP2 (vision tower split too), PP2 (vision on stage 0) and MoE TP2/EP2/ETP1, and its logits
 equal transformers' on a text-only and a text+image input (fp32, 1e-4). The MoE fixture holds its
-stacked experts in the transformers 4.x orientation, which transformers 5.x transposes on load."""
+stacked experts in the transformers 4.x orientation, which transformers 5.x transposes on load.
+At TP2 and MoE TP2/EP2, the torch_dist output (keys from the Qwen3VLModel, written for any layout)
+is also loaded by megatron-core's `dist_checkpointing.load` into a second model of each rank, which
+must equal the first bit for bit."""
 import json
 
 import pytest
@@ -9,7 +12,7 @@ import pytest
 from mconv import Layout, hf2mcore
 from mconv.converter.transforms import padded_vocab_size
 from tests.conftest import FIXTURES
-from tests.qwen3_vl_oracle import VLRun, example_inputs, hf_logits, megatron_logits
+from tests.qwen3_vl_oracle import VLRun, assert_same, example_inputs, hf_logits, megatron_logits
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +27,15 @@ def test_logits_match_transformers(tmp_path, fixture, tp, pp, ep, etp):
     hf = FIXTURES / fixture
     config = json.loads((hf / "config.json").read_text())
     hf2mcore(hf, tmp_path / "m", Layout(tp=tp, pp=pp, ep=ep, etp=etp), fmt="torch", progress=False)
+    dist = tmp_path / "dist" if tp > 1 else None
+    if dist:
+        hf2mcore(hf, dist, Layout(tp=tp), progress=False)  # torch_dist: the layout only pads the vocabulary
     inputs = example_inputs(config)
-    run = VLRun(tmp_path / "m", config, tp=tp, pp=pp, ep=ep, etp=etp,
+    run = VLRun(tmp_path / "m", config, tp=tp, pp=pp, ep=ep, etp=etp, dist_checkpoint=dist,
                 padded_vocab=padded_vocab_size(config["text_config"]["vocab_size"], 128, tp), inputs=inputs)
     ours, theirs = megatron_logits(run, tmp_path), hf_logits(hf, inputs)
     for name in inputs:
         assert (ours[name] - theirs[name]).abs().max() < 1e-4, name
         assert theirs[name].abs().max() > 0.1  # not trivially small
+    if dist:
+        assert_same(tmp_path, "dist", run.world)

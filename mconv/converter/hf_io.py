@@ -4,13 +4,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mconv.converter.output import copy_file
 from mconv.errors import MconvError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -56,45 +56,125 @@ def _numel(shape) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
+
+
+def read_json(path: Path, what: str, object_pairs_hook=None) -> dict:
+    """A JSON object from `path` (`what` says what the file should be, for the error).
+
+    Raises MconvError naming the file if it is missing, not a regular file (a FIFO or a device is
+    never opened), not UTF-8, not JSON, or not a JSON object."""
+    if not path.is_file():
+        missing = not os.path.lexists(path) or (path.is_symlink() and not path.exists())
+        raise MconvError(f"{path} {'does not exist' if missing else 'is not a regular file'}: {what}")
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=object_pairs_hook)
+    except UnicodeDecodeError as e:
+        raise MconvError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}): {what}") from None
+    except (ValueError, RecursionError) as e:
+        raise MconvError(f"{path} is not valid JSON ({str(e).splitlines()[0]}): {what}") from None
+    except OSError as e:
+        raise MconvError(f"{path} cannot be read ({e.strerror}): {what}") from None
+    if not isinstance(value, dict):
+        raise MconvError(f"{path} holds a JSON {type(value).__name__}, not an object: {what}")
+    return value
+
+
+# Standard transformers config fields and what they must be: a config.json that gives another type
+# (or a size no model has, which would make the plan itself unbounded) is refused by name, before
+# any table reads it. The limits are far above any released model.
+CONFIG_FIELDS = {
+    **{key: (int, 1, 2**31) for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                         "intermediate_size", "vocab_size", "max_position_embeddings",
+                                         "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step",
+                                         "shared_expert_intermediate_size")},
+    **{key: (int, 1, 100_000) for key in ("num_hidden_layers", "num_experts", "num_local_experts")},
+    **{key: (float, 0, float("inf")) for key in ("rms_norm_eps", "rope_theta", "layer_norm_eps")},
+    **{key: (bool, None, None) for key in ("tie_word_embeddings", "attention_bias", "norm_topk_prob")},
+    "architectures": (list, None, None),
+    "mlp_only_layers": (list, None, None),
+}
+
+
+def check_config(config: dict, path: Path) -> None:
+    """Refuse standard config fields of the wrong type or size (`CONFIG_FIELDS`), in config.json
+    and in a nested `text_config` (vision-language models)."""
+    for where, fields in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(fields, dict):
+            continue
+        for key, (kind, low, high) in CONFIG_FIELDS.items():
+            value = fields.get(key)
+            if value is None:
+                continue
+            number = kind in (int, float) and isinstance(value, (int, float) if kind is float else int)
+            if isinstance(value, bool) != (kind is bool) or not (number or isinstance(value, kind)):
+                raise MconvError(f"{path}: {where}{key} is {value!r}, not {'a number' if kind is float else kind.__name__}")
+            if number and not low <= value <= high:
+                raise MconvError(f"{path}: {where}{key} is {value!r}, outside [{low}, {high:g}]")
+            if kind is list and not all(isinstance(v, str if key == "architectures" else int)
+                                        and not isinstance(v, bool) for v in value):
+                raise MconvError(f"{path}: {where}{key} is {value!r}, not a list of "
+                                 f"{'names' if key == 'architectures' else 'layer numbers'}")
 
 
 def read_config(directory: Path) -> dict:
+    """config.json of an HF model directory, its standard fields checked (`check_config`)."""
     path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise MconvError(f"{path} does not exist: an HF model directory needs its config.json")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise MconvError(f"{path} is not valid JSON ({e})") from None
+    config = read_json(path, "an HF model directory needs its config.json")
+    check_config(config, path)
+    return config
+
+
+def _unique_keys(pairs: list) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
+    return dict(pairs)
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse a safetensors header and check that the file holds every byte it promises."""
-    try:
-        size = path.stat().st_size
+    """The tensors of a safetensors file and where their bytes start.
+
+    The safetensors library itself validates the file first (its rules: a header under 100 MB,
+    known dtypes, byte ranges that match dtype x shape and tile the data section exactly, with no
+    overlap, gap or byte past the end); mconv then reads the same header for the offsets, since it
+    reads slices with pread rather than through the library. Raises MconvError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():  # safe_open would block on a FIFO
+        raise MconvError(f"{path} is not a regular file, so not a safetensors file")
+    def header() -> tuple[int, dict]:
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > size - 8:
-                raise ValueError("header longer than the file")
-            header = json.loads(f.read(header_len))
-    except (OSError, ValueError, struct.error) as e:
-        raise MconvError(f"{path} is not a readable safetensors file ({e})") from None
-    infos, data_end = {}, 0
-    for name, entry in header.items():
+            return header_len, json.loads(f.read(header_len), object_pairs_hook=_unique_keys)
+
+    try:
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except SafetensorError as e:
+            if "incomplete metadata" in str(e):  # say which: a partial download, or bytes past the end
+                header_len, entries = header()
+                end = 8 + header_len + max((v["data_offsets"][1] for k, v in entries.items() if k != "__metadata__"),
+                                           default=0)
+                size = path.stat().st_size
+                if end > size:
+                    raise MconvError(f"{path} is truncated: its header describes {end} bytes, the file has {size}")
+            raise
+        header_len, entries = header()
+    except (OSError, ValueError, SafetensorError, struct.error, KeyError, TypeError, IndexError) as e:
+        raise MconvError(f"{path} is not a valid safetensors file ({str(e).splitlines()[0]})") from None
+    infos = {}
+    for name, entry in entries.items():
         if name == "__metadata__":
             continue
-        if entry.get("dtype") not in DTYPES:
-            raise MconvError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')!r}")
+        if entry["dtype"] not in DTYPES:
+            raise MconvError(f"{path}: tensor {name} has dtype {entry['dtype']}, which mconv does not convert")
         start, stop = entry["data_offsets"]
         info = TensorInfo(path.name, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + header_len + start)
-        if stop - start != info.nbytes:
+        if stop - start != info.nbytes:  # the library checked this with its own dtype sizes
             raise MconvError(f"{path}: tensor {name} has {stop - start} bytes for shape {entry['shape']}")
         infos[name] = info
-        data_end = max(data_end, stop)
-    if 8 + header_len + data_end > size:
-        raise MconvError(f"{path} is truncated: its header describes {8 + header_len + data_end} bytes "
-                         f"but the file has {size}")
     return infos
 
 
@@ -155,29 +235,38 @@ class HFCheckpoint:
             raise MconvError(f"{self.dir} is not a directory")
         self.config = read_config(self.dir)
         self.tensors: dict[str, TensorInfo] = {}
-        for file in self._weight_files():
+        weight_map = self._weight_map()
+        for file in [SINGLE_NAME] if weight_map is None else sorted(set(weight_map.values())):
             for name, info in read_safetensors_header(self.dir / file).items():
+                if name in self.tensors:
+                    raise MconvError(f"{self.dir}: tensor {name} is in both {self.tensors[name].file} and {file}")
                 self.tensors[name] = info
+        for name, file in (weight_map or {}).items():
+            if name not in self.tensors or self.tensors[name].file != file:
+                raise MconvError(f"{self.dir / INDEX_NAME} says tensor {name} is in {file}, but it is not there")
         self.tensors = expand_stacked_experts(self.tensors, str(self.dir))
         self._handles: dict[str, int] = {}
         for file in {info.file for info in self.tensors.values()}:  # opened up front: readers may be threads
             self._fd(file)
 
-    def _weight_files(self) -> list[str]:
-        index = self.dir / INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise MconvError(f"{index} is not a valid safetensors index ({e})") from None
-            files = sorted(set(weight_map.values()))
-            for file in files:
-                if not (self.dir / file).is_file():
-                    raise MconvError(f"{self.dir / file} is listed in {INDEX_NAME} but does not exist")
-            return files
-        if (self.dir / SINGLE_NAME).is_file():
-            return [SINGLE_NAME]
-        raise MconvError(f"{self.dir} has no {SINGLE_NAME} or {INDEX_NAME}")
+    def _weight_map(self) -> dict[str, str] | None:
+        """The index's tensor -> file map, or None for a single model.safetensors (which transformers
+        prefers when both are present)."""
+        index, single = self.dir / INDEX_NAME, self.dir / SINGLE_NAME
+        if os.path.lexists(single) and (single.is_file() or not os.path.lexists(index)):
+            return None
+        if not os.path.lexists(index):
+            raise MconvError(f"{self.dir} has no {SINGLE_NAME} or {INDEX_NAME}")
+        weight_map = read_json(index, "the index of a sharded safetensors model").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise MconvError(f"{index} has no 'weight_map' object of tensor names and file names")
+        for file in sorted(set(weight_map.values())):
+            if Path(file).name != file or file in ("", ".", ".."):
+                raise MconvError(f"{index} names {file!r}, which is not a file in {self.dir}")
+            if not (self.dir / file).is_file():
+                raise MconvError(f"{self.dir / file} is listed in {INDEX_NAME} but "
+                                 f"{'is not a regular file' if os.path.lexists(self.dir / file) else 'does not exist'}")
+        return weight_map
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None,
              pin: bool = False) -> torch.Tensor:
@@ -277,7 +366,9 @@ class ShardedSafetensorsWriter:
         self._pending: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
         self.entries = entries
         shards = plan_shards(entries, max_shard_bytes)
-        self.files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        # transformers' names: model.safetensors alone, or numbered shards and an index.
+        self.files = ([SINGLE_NAME] if len(shards) == 1 else
+                      [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         self.location: dict[str, tuple[str, int, int]] = {}  # name -> (file, absolute offset, nbytes)
         self.headers: list[bytes] = []
         for file, members in zip(self.files, shards):
@@ -326,7 +417,7 @@ class ShardedSafetensorsWriter:
 
     def create(self) -> None:
         for file, header in zip(self.files, self.headers):
-            fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
             os.pwrite(fd, header, 0)
             self._fds[file] = fd
 
@@ -372,9 +463,14 @@ class ShardedSafetensorsWriter:
         self._fds.clear()
 
     def write_index(self) -> None:
+        """The index of a sharded output, as transformers' save_pretrained writes it (a single
+        model.safetensors has none)."""
+        if len(self.files) == 1:
+            return
         weight_map = {name: self.location[name][0] for name, _, _ in self.entries}
-        index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        parameters = sum(_numel(shape) for _, _, shape in self.entries)
+        index = {"metadata": {"total_parameters": parameters, "total_size": self.total_size}, "weight_map": weight_map}
+        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def copy_side_files(source: Path, destination: Path) -> list[str]:
@@ -382,9 +478,16 @@ def copy_side_files(source: Path, destination: Path) -> list[str]:
     copied = []
     for name in SIDE_FILES:
         if (Path(source) / name).is_file():
-            shutil.copy2(Path(source) / name, Path(destination) / name)
+            copy_file(Path(source) / name, Path(destination) / name)
             copied.append(name)
     return copied
+
+
+def write_hf_config(directory: Path, config: dict, original: dict) -> None:
+    """Replace the copied config.json by `config` (an architecture's rewrite of `original`, e.g. with
+    the keys of both transformers 4.x and 5.x), leaving the file as it was if nothing changed."""
+    if config != original:
+        (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def write_config_dtype(directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:

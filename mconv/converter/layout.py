@@ -30,6 +30,15 @@ class Layout:
     last_stage_layers: int | None = None  # megatron-core num_layers_in_last_pipeline_stage
     vocab_divisor: int = 128  # make_vocab_size_divisible_by
 
+    def __post_init__(self):
+        """Sizes are integers (a checkpoint's saved args may hold anything); `check_sizes` and
+        `validate` check their values."""
+        for name, value in vars(self).items():
+            if value is None and name.endswith("_stage_layers"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or abs(value) > 2**16:
+                raise MconvError(f"the layout's {name} is {value!r}, not a size")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -65,11 +74,14 @@ class Layout:
             name += f"_{rank.ep:03d}"
         return name
 
-    def validate(self, num_layers: int) -> None:
+    def check_sizes(self) -> None:
         for option, value in (("--tp", self.tp), ("--pp", self.pp), ("--vpp", self.vpp), ("--ep", self.ep),
                               ("--etp", self.etp), ("--vocab-divisor", self.vocab_divisor)):
             if value < 1:
                 raise MconvError(f"{option} must be a positive integer, got {value}")
+
+    def validate(self, num_layers: int) -> None:
+        self.check_sizes()
         if self.tp % self.etp:
             raise MconvError(f"--etp {self.etp} does not divide --tp {self.tp}: Megatron-LM's legacy format keeps "
                              "one expert shard per (tp, ep) rank file, which needs tp % etp == 0")

@@ -113,7 +113,7 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
     """
     arch = architecture_for(config)
     rank = adapter_rank(states, where)
-    by_rule = {rule.megatron: target for target in targets(arch) for rule in (target.a, target.b)}
+    all_targets = targets(arch)  # found by rule, not by name: rules may share a name (KDA in_proj, by no_kda_lora)
     expected: set[tuple[Rank, int, str]] = set()
     tensors: dict[str, torch.Tensor] = {}
     for canonical in (False, True):
@@ -123,10 +123,15 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
                      for task in chunk}
         for export in plan.exports():
             rule = rule_of[export.hf]
-            merged = _gather(states, export, rule, by_rule[rule.megatron], plan, layout, where, expected)
+            target = next(t for t in all_targets if rule in (t.a, t.b))
+            merged = _gather(states, export, rule, target, plan, layout, where, expected)
             if merged is None:
                 continue
-            target, (_, layer, expert, _) = by_rule[rule.megatron], export.order
+            if arch.stacked_experts and ".mlp.experts." in export.hf[0]:
+                raise MconvError(f"{where}: LoRA adapters on the routed experts of {arch.name} are not exported yet "
+                                 f"({export.hf[0].removesuffix('.weight')}): its HF experts are stacked, and peft and "
+                                 "vLLM take expert adapters in a fused 3-D form mconv does not write")
+            _, layer, expert, _ = export.order
             names = list(export.hf)
             if rule.megatron == target.a.megatron:  # a fused adapter's A is every split module's A
                 names += [f"{m.format(layer=layer, expert=expert)}.lora_A.weight" for m in target.hf_modules[1:]]
@@ -247,11 +252,14 @@ def _run_config_alpha(location: mio.CheckpointLocation) -> float | None:
     for path in (location.iter_dir / "run_config.yaml", location.save_dir / "run_config.yaml"):
         if path.is_file():
             try:
-                peft = (yaml.safe_load(path.read_text()) or {}).get("peft") or {}
-            except (yaml.YAMLError, AttributeError) as e:
+                peft = (yaml.safe_load(path.read_bytes().decode("utf-8")) or {}).get("peft") or {}
+            except (yaml.YAMLError, AttributeError, UnicodeDecodeError) as e:
                 raise MconvError(f"{path} is not readable YAML ({str(e).splitlines()[0]}); pass --alpha") from None
-            if "alpha" in peft:
-                return float(peft["alpha"])
+            alpha = peft.get("alpha") if isinstance(peft, dict) else None
+            if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < float("inf"):
+                return float(alpha)
+            if alpha is not None or not isinstance(peft, dict):
+                raise MconvError(f"{path}: peft.alpha is {alpha!r}, not a positive number; pass --alpha")
     return None
 
 
@@ -278,7 +286,8 @@ def read_adapter(location: mio.CheckpointLocation,
 def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
                 rank: int | None = None, alpha: float | None = None, base_model: str | None = None,
                 merge_into: bool = False, dtype: torch.dtype | None = None, overwrite: bool = False,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES, revision: str | None = None) -> LoraExport:
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, revision: str | None = None,
+                progress: bool = True) -> LoraExport:
     """Write the checkpoint's LoRA adapter as a HF PEFT adapter directory, or with `merge_into` a HF
     model: the base model `base_model` (a directory or hub name, at `revision`) with alpha/r * B @ A
     added. `hf_config` may be a hub name too; without `merge_into`, `base_model` is only recorded."""
@@ -286,9 +295,9 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
     if merge_into and not base_model:
         raise MconvError("--merge needs --base-model, the HF model (directory or hub name) the adapter was trained on")
     if hf_config:
-        hf_config = resolve_model(hf_config, revision, weights=False)
+        hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     if merge_into:
-        base_model = resolve_model(base_model, revision)
+        base_model = resolve_model(base_model, revision, progress=progress)
     check_output_path(Path(out_dir), overwrite, (location.save_dir,))
     adapter, layout, config_dir = read_adapter(location, hf_config)
     if rank is not None and rank != adapter.rank:

@@ -16,9 +16,10 @@ from mconv.converter import megatron_io as mio
 from mconv.converter.hf_io import read_config
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.planner import ShardSource, make_plan
+from mconv.converter.transforms import VOCAB
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
-from mconv.mappings.schema import Architecture
+from mconv.mappings.schema import FIRST, Architecture
 
 Loader = Callable[[list[ShardSource]], list[torch.Tensor]]
 DtypeOf = Callable[[ShardSource], torch.dtype]
@@ -65,8 +66,8 @@ def check_args(args, arch: Architecture, dims, path: Path) -> None:
 
 
 def _detect_spec(chunks: list[dict]) -> str:
-    te_marker = ".self_attention.linear_qkv.layer_norm_weight"
-    return "te" if any(k.endswith(te_marker) for chunk in chunks for k in chunk) else "local"
+    # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
+    return "te" if any(k.endswith(".layer_norm_weight") for chunk in chunks for k in chunk) else "local"
 
 
 class LegacyCheckpoint:
@@ -132,7 +133,9 @@ class DistCheckpoint:
         self.args = self.reader.args
         arch = architecture_for(self.config)
         dims = arch.dims(self.config)
-        embedding = self.reader.global_shape("embedding.word_embeddings.weight")
+        # The word embedding (`language_model.`-prefixed in a vision-language model) gives the padded vocabulary.
+        key = next(r.megatron for r in arch.rules if r.kind is VOCAB and r.stage == FIRST)
+        embedding = self.reader.global_shape(key)
         if embedding is None or embedding[0] < dims.vocab:
             raise MconvError(f"{location.iter_dir}: no embedding of at least {dims.vocab} rows "
                              f"(found {embedding}); is this checkpoint of the model in the HF config?")

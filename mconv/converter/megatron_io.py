@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mconv.converter import safe_load
+from mconv.converter.hf_io import read_json
 from mconv.converter.layout import Layout, Rank
 from mconv.errors import MconvError
 
@@ -42,7 +44,10 @@ def locate(path: str | Path) -> CheckpointLocation:
     if not path.is_dir():
         raise MconvError(f"{path} is not a directory")
     if (path / TRACKER).is_file():
-        text = (path / TRACKER).read_text().strip()
+        try:
+            text = (path / TRACKER).read_bytes()[:64].decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise MconvError(f"{path / TRACKER} is not text: it should hold an iteration number or 'release'") from None
         if text == "release":
             iteration = None
         elif text.isdigit():
@@ -57,7 +62,11 @@ def locate(path: str | Path) -> CheckpointLocation:
         iteration = None if path.name == "release" else int(path.name[5:])
     else:
         raise MconvError(f"{path} is not a Megatron checkpoint: no {TRACKER} and not an iter_*/release directory")
-    if (iter_dir / "metadata.json").is_file():
+    if os.path.lexists(iter_dir / "metadata.json"):
+        backend = read_json(iter_dir / "metadata.json", "megatron-core's description of a torch_dist checkpoint")
+        if backend.get("sharded_backend") != "torch_dist":
+            raise MconvError(f"{iter_dir / 'metadata.json'} gives sharded_backend {backend.get('sharded_backend')!r}; "
+                             "mconv reads 'torch_dist' checkpoints")
         fmt = "torch_dist"
     elif any(iter_dir.glob(f"mp_rank_*/{RANK_FILE}")):
         fmt = "torch"
@@ -71,8 +80,17 @@ def write_metadata(save_dir: Path, info: dict) -> None:
 
 
 def read_metadata(save_dir: Path) -> dict | None:
+    """mconv.json (None if absent); its fields that mconv reads are checked."""
     path = save_dir / METADATA
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not os.path.lexists(path):
+        return None
+    info = read_json(path, "mconv's record of how it wrote this checkpoint")
+    for key, allowed in (("spec", ("local", "te")), ("format", ("torch", "torch_dist"))):
+        if key in info and info[key] not in allowed:
+            raise MconvError(f"{path}: {key} is {info[key]!r}, not one of {', '.join(allowed)}")
+    if not isinstance(info.get("mconv_version", ""), str):
+        raise MconvError(f"{path}: mconv_version is {info['mconv_version']!r}, not a version string")
+    return info
 
 
 # ----------------------------------------------------------------------------- legacy torch format
@@ -185,11 +203,16 @@ def layout_from_args(args, path: Path) -> Layout:
             raise MconvError(f"{path}: the saved args set moe_extended_tp (experts split over TP x EP, "
                              "Megatron-LM 0.8-0.9), an expert layout mconv does not read")
         ep, etp = value("expert_model_parallel_size", 1), value("expert_tensor_parallel_size", tp)
-    return Layout(tp=tp, pp=value("pipeline_model_parallel_size", 1),
-                  vpp=value("virtual_pipeline_model_parallel_size", 1), ep=ep, etp=etp,
-                  first_stage_layers=value("decoder_first_pipeline_num_layers"),
-                  last_stage_layers=value("decoder_last_pipeline_num_layers"),
-                  vocab_divisor=value("make_vocab_size_divisible_by", 128))
+    try:
+        layout = Layout(tp=tp, pp=value("pipeline_model_parallel_size", 1),
+                        vpp=value("virtual_pipeline_model_parallel_size", 1), ep=ep, etp=etp,
+                        first_stage_layers=value("decoder_first_pipeline_num_layers"),
+                        last_stage_layers=value("decoder_last_pipeline_num_layers"),
+                        vocab_divisor=value("make_vocab_size_divisible_by", 128))
+        layout.check_sizes()
+        return layout
+    except MconvError as e:  # sizes of the wrong type or range
+        raise MconvError(f"{path}: in the saved args, {e}") from None
 
 
 def read_legacy_ranks(location: CheckpointLocation) -> tuple[argparse.Namespace, Layout, dict[Rank, list[dict]], Path]:

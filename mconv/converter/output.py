@@ -1,6 +1,8 @@
-"""Outputs appear at their final path only when complete."""
+"""Outputs appear at their final path only when complete, with the permissions the caller's
+umask gives, and a failed write (full disk, read-only or forbidden location) is one sentence."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -10,39 +12,140 @@ from typing import Iterator
 
 from mconv.errors import MconvError
 
+# errnos that only a write can raise: whatever file they name, the output is at fault.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 
-def check_output_path(out: Path, overwrite: bool, inputs: tuple[Path, ...] = ()) -> None:
-    out = Path(out).absolute()
+
+def output_path(out: str | Path) -> Path:
+    """The absolute output path with its parent's symlinks resolved: where the staging sibling is
+    made and the finished output renamed to."""
+    out = Path(os.path.abspath(out))
+    return out.parent.resolve() / out.name
+
+
+def check_output_path(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> None:
+    """Refuse an output that overlaps an input (paths compared with every symlink resolved, so an
+    input reached through a link is still the input), or that exists without `overwrite`.
+
+    Raises MconvError naming both paths."""
+    out = output_path(out)
+    real = out.resolve()
     for source in inputs:
-        source = Path(source).absolute()
-        if out == source or source.is_relative_to(out) or out.is_relative_to(source):
+        source = Path(source).resolve()
+        if real == source or source.is_relative_to(real) or real.is_relative_to(source):
             raise MconvError(f"output {out} overlaps the input {source}; choose another output directory")
-    if out.exists() and not overwrite:
+    if os.path.lexists(out) and not overwrite:
         raise MconvError(f"{out} already exists; pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
+    if os.path.lexists(out) and not out.is_dir():
         raise MconvError(f"{out} exists and is not a directory")
 
 
+def umask() -> int:
+    """The process's umask (read without changing it where Linux allows)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def copy_file(source: Path, destination: Path) -> None:
+    """Copy as a plain `cp` does: the bytes, and the source's permission bits less the umask."""
+    shutil.copyfile(source, destination)
+    os.chmod(destination, source.stat().st_mode & 0o777 & ~umask())
+
+
+def write_failure(error: BaseException, out: Path, staging: Path | None = None) -> MconvError | None:
+    """The one-sentence error for a failed write of `out` (through `staging`), or None if `error`
+    is not one: an OSError naming the output, the staging directory or a directory above them, or
+    one only a write raises (full disk, read-only file system); torch's zip writer's short write
+    ("unexpected pos")."""
+    if isinstance(error, OSError):
+        name = Path(os.path.abspath(error.filename)) if isinstance(error.filename, (str, Path)) else None
+        ours = name is not None and any(name == p or name.is_relative_to(p) or p.is_relative_to(name)
+                                        for p in (out, staging) if p is not None)
+        if not ours and error.errno not in WRITE_ERRNOS:
+            return None
+        cause = os.strerror(error.errno) if error.errno else str(error)
+        staged = staging is not None and name is not None and name.is_relative_to(staging)
+        where = f"{name}: " if name is not None and name != out and not staged else ""
+        return MconvError(f"cannot write {out}: {where}{cause}; nothing was written")
+    if isinstance(error, RuntimeError) and ("unexpected pos" in str(error) or "PytorchStreamWriter" in str(error)):
+        return MconvError(f"cannot write {out}: torch's writer could not write all its bytes "
+                          f"(no space left on device?); nothing was written")
+    return None
+
+
 @contextmanager
-def staged_directory(out: Path, overwrite: bool, inputs: tuple[Path, ...] = ()) -> Iterator[Path]:
+def write_errors(out: Path, staging: Path | None = None) -> Iterator[None]:
+    """Raise `write_failure`'s sentence instead of a failed write's exception."""
+    try:
+        yield
+    except MconvError:
+        raise
+    except BaseException as e:
+        failure = write_failure(e, out, staging)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _make_parents(directory: Path) -> list[Path]:
+    """mkdir -p; returns the directories it created, deepest first."""
+    created = []
+    for parent in [directory, *directory.parents]:
+        if parent.exists():
+            break
+        created.append(parent)
+    for parent in reversed(created):
+        parent.mkdir(exist_ok=True)
+    return created
+
+
+@contextmanager
+def staged_directory(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; on success it replaces `out` in one rename.
 
     An interrupted or failed run leaves `out` untouched (an existing one is replaced only after
-    the new one is complete).
+    the new one is complete) and removes the staging directory and the parents it created. The
+    output gets the permissions a plain mkdir would give under the caller's umask (mkdtemp's
+    0700 is not kept). A failed write raises MconvError naming `out` and the cause.
     """
-    out = Path(out).absolute()
+    out = output_path(out)
     check_output_path(out, overwrite, inputs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.mconv-partial-", dir=out.parent))
+    created: list[Path] = []
+    staging = None
     try:
-        yield staging
+        with write_errors(out):
+            created = _make_parents(out.parent)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.mconv-partial-", dir=out.parent))
+            os.chmod(staging, 0o777 & ~umask())
+        with write_errors(out, staging):
+            yield staging
+            if os.path.lexists(out):
+                retired = out.with_name(f".{out.name}.mconv-old-{os.getpid()}")
+                out.rename(retired)
+                try:
+                    staging.rename(out)
+                except BaseException:
+                    retired.rename(out)
+                    raise
+                if retired.is_symlink():  # the output was a link to a directory: the link is replaced
+                    retired.unlink()
+                else:
+                    shutil.rmtree(retired, ignore_errors=True)
+            else:
+                staging.rename(out)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        for parent in created:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
         raise
-    if out.exists():
-        retired = out.with_name(f".{out.name}.mconv-old-{os.getpid()}")
-        out.rename(retired)
-        staging.rename(out)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        staging.rename(out)

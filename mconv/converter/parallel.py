@@ -75,6 +75,8 @@ def _worker(target: Callable, index: int, size: int, queue, args: tuple) -> None
         queue.put(("done", index))
     except MconvError as e:
         queue.put(("error", str(e)))
+    except (OSError, RuntimeError) as e:  # raised as itself in the parent, which can tell a failed write
+        queue.put(("raise", e))
     except BaseException:
         queue.put(("error", f"worker {index} crashed: {traceback.format_exc().strip().splitlines()[-1]}"))
 
@@ -96,6 +98,8 @@ def run_workers(target: Callable, workers: int, args: tuple, progress: Callable[
                 progress(value)
             elif kind == "done":
                 finished += 1
+            elif kind == "raise":
+                raise value
             else:
                 raise MconvError(value)
     finally:

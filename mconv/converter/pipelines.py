@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 from argparse import Namespace
@@ -18,11 +17,11 @@ from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist_io
 from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, copy_side_files,
-                                   write_config_dtype)
+                                   write_config_dtype, write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.output import check_output_path, staged_directory
+from mconv.converter.output import check_output_path, output_path, staged_directory, write_errors
 from mconv.converter.parallel import TorchrunTeam, run_workers, share
 from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
 from mconv.converter.transforms import merge, split
@@ -202,10 +201,6 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         # mconv writes torch_dist through megatron-core's own GPTModel, which cannot build KDA or gated MLA.
         raise MconvError(f"--format torch_dist is not available for {arch.name} yet: megatron-core cannot build "
                          "its layers to derive the checkpoint keys; use --format torch")
-    if fmt == "torch_dist" and arch_args.get("position_embedding_type") == "mrope":
-        # The torch_dist keys come from megatron-core's GPTModel; a vision-language model is not one.
-        raise MconvError(f"--format torch_dist is not available for {arch.name} yet (its keys would come from "
-                         "the Megatron Qwen3VLModel); use --format torch")
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
@@ -215,6 +210,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         summary = _rank_summary(plan, ckpt, lambda r: layout.rank_dir(r.rank))
     summary.notes = notes
     if dry_run:
+        check_output_path(out_dir, overwrite, (Path(hf_dir),))
         return summary
 
     args = mio.megatron_lm_args(layout, plan.dims, arch_args, spec, plan.padded_vocab,
@@ -241,7 +237,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
                                      "format": fmt, "layout": layout.to_dict(),
                                      "dtype": str(dtype).removeprefix("torch.")})
 
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
     if team is not None:
         check_output_path(out, overwrite, (Path(hf_dir),))
@@ -326,7 +322,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     stack = expert_orientation if arch.stacked_experts else None
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     check_output_path(out, overwrite, inputs)
     with ckpt.session() as (load, dtype_of):
         entries = [(name, dtype or dtype_of(task.sources[0]), shape)
@@ -343,9 +339,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
             writer.write_index()
             copy_side_files(ckpt.config_dir, staging)
-            config = arch.hf_config(ckpt.config)
-            if config != ckpt.config:
-                (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            write_hf_config(staging, arch.hf_config(ckpt.config), ckpt.config)
             write_config_dtype(staging, entries)
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
@@ -385,10 +379,6 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
             staging.mkdir(parents=True)
             prepared["writer"] = prepare(staging)
 
-    team.step("prepared", first)
-    with _bar(total, f"{label} (rank {team.rank})", progress and team.rank == 0) as bar:
-        team.step("written", lambda: write_share(staging, bar.update))
-
     def last():
         if team.rank == 0:
             finish(prepared["writer"], staging)
@@ -398,7 +388,21 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
                 shutil.rmtree(out)
             os.replace(staging, out)
 
-    team.step("finished", last)
+    def step(name: str, action) -> None:
+        def guarded():  # a failed write (full disk...) stops every rank with one sentence
+            with write_errors(out, staging):
+                action()
+        team.step(name, guarded)
+
+    try:
+        step("prepared", first)
+        with _bar(total, f"{label} (rank {team.rank})", progress and team.rank == 0) as bar:
+            step("written", lambda: write_share(staging, bar.update))
+        step("finished", last)
+    except BaseException:
+        if team.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[int, int, list[str]]:

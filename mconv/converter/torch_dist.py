@@ -86,7 +86,8 @@ def core_config(args: Namespace, dtype: torch.dtype):
 
 
 def meta_model(args: Namespace, dtype: torch.dtype, dtypes: dict[str, torch.dtype] | None = None):
-    """megatron-core's GPTModel for these args, local spec, every parameter on the meta device;
+    """megatron-core's GPTModel (Qwen3-VL: mbridge's Qwen3VLModel) for these args, local spec, every
+    parameter on the meta device;
     `dtypes` overrides parameter dtypes (as a bf16 trainer's Float16Module would, per tensor)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -95,10 +96,15 @@ def meta_model(args: Namespace, dtype: torch.dtype, dtypes: dict[str, torch.dtyp
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
                                       qk_l2_norm=False)
     with torch.device("meta"):
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                         max_sequence_length=args.max_position_embeddings,
-                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                         position_embedding_type="rope", rotary_base=args.rotary_base)
+        if getattr(args, "vision_layers", None):  # Qwen3-VL: the Megatron Qwen3VLModel instead
+            from mconv.mappings.qwen3_vl import megatron_model
+
+            model = megatron_model(args, config)
+        else:
+            model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                             max_sequence_length=args.max_position_embeddings,
+                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                             position_embedding_type="rope", rotary_base=args.rotary_base)
         for name, param in model.named_parameters():
             if dtypes and name in dtypes and param.dtype != dtypes[name]:
                 param.data = torch.empty(param.shape, dtype=dtypes[name])

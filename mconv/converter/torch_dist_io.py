@@ -319,6 +319,9 @@ class TorchDistReader:
     def _fd(self, name: str) -> int:
         if name not in self._fds:
             path = self.iter_dir / name
+            if not path.is_file():  # a directory would fail later without a name; a FIFO would block
+                raise MconvError(f"{path}: {'is not a regular file' if os.path.lexists(path) else 'is missing'}, "
+                                 "but .metadata stores tensors in it")
             try:
                 self._fds[name] = os.open(path, os.O_RDONLY)
             except OSError as e:

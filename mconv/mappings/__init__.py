@@ -27,5 +27,6 @@ def architecture_for(config: dict) -> Architecture:
                              f"{', '.join(sorted(a.model_type for a in ARCHITECTURES.values() if a.model_type))}")
         return found[0]
     if names[0] not in ARCHITECTURES:
-        raise MconvError(f"unsupported architecture {names[0]!r}; mconv supports: {', '.join(sorted(ARCHITECTURES))}")
+        raise MconvError(f"config.json names unsupported architecture {names[0]!r}; mconv supports: "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
     return ARCHITECTURES[names[0]]

@@ -16,12 +16,13 @@ import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from mconv.converter.transforms import COLUMN, GLU, QKV, ROW, Kind
+from mconv.converter.transforms import COLUMN, GLU, QKV, ROW, SECTIONED, Kind
 from mconv.mappings.schema import Architecture, Rule
 
 RANK = "lora_rank"  # the model dimension the adapter shapes use
-A_KIND: dict[Kind, Kind] = {QKV: COLUMN, GLU: COLUMN, COLUMN: COLUMN, ROW: ROW}
-B_KIND: dict[Kind, Kind] = {QKV: QKV, GLU: GLU, COLUMN: COLUMN, ROW: COLUMN}
+# A sectioned projection (KDA in_proj) is column-parallel: its B rows follow the per-rank sections.
+A_KIND: dict[Kind, Kind] = {QKV: COLUMN, GLU: COLUMN, SECTIONED: COLUMN, COLUMN: COLUMN, ROW: ROW}
+B_KIND: dict[Kind, Kind] = {QKV: QKV, GLU: GLU, SECTIONED: SECTIONED, COLUMN: COLUMN, ROW: COLUMN}
 CANONICAL: dict[Kind, tuple[str, ...]] = {QKV: ("adapter_q", "adapter_k", "adapter_v"),
                                           GLU: ("adapter_gate", "adapter_up")}
 GROUPED_WEIGHT = ".weight{expert}"  # TE grouped-GEMM expert weights: one adapter shared by the rank's experts
@@ -63,7 +64,8 @@ def targets(arch: Architecture) -> tuple[Target, ...]:
     """Every adapter Megatron-Bridge's LoRA and CanonicalLoRA can put on the architecture's linear layers."""
     found = []
     for rule in arch.rules:
-        if rule.kind not in A_KIND or not rule.per_layer or not rule.megatron.endswith(".weight"):
+        linear = len(next(iter(rule.hf.values()), "").split()) == 2  # not a convolution (KDA conv1d)
+        if rule.kind not in A_KIND or not rule.per_layer or not rule.megatron.endswith(".weight") or not linear:
             continue
         found.append(_target(rule, "adapter", rule.hf, A_KIND[rule.kind], B_KIND[rule.kind]))
         for name, (hf, shape) in zip(CANONICAL.get(rule.kind, ()), rule.hf.items()):
