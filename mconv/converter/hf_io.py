@@ -483,6 +483,13 @@ def copy_side_files(source: Path, destination: Path) -> list[str]:
     return copied
 
 
+def write_hf_config(directory: Path, config: dict, original: dict) -> None:
+    """Replace the copied config.json by `config` (an architecture's rewrite of `original`, e.g. with
+    the keys of both transformers 4.x and 5.x), leaving the file as it was if nothing changed."""
+    if config != original:
+        (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def write_config_dtype(directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
     """Record the dtype of the weights written (`entries`: name, dtype, shape; the dtype holding
     most bytes if they are mixed) in `directory`/config.json, under the key the config already

@@ -127,6 +127,10 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
             merged = _gather(states, export, rule, target, plan, layout, where, expected)
             if merged is None:
                 continue
+            if arch.stacked_experts and ".mlp.experts." in export.hf[0]:
+                raise MconvError(f"{where}: LoRA adapters on the routed experts of {arch.name} are not exported yet "
+                                 f"({export.hf[0].removesuffix('.weight')}): its HF experts are stacked, and peft and "
+                                 "vLLM take expert adapters in a fused 3-D form mconv does not write")
             _, layer, expert, _ = export.order
             names = list(export.hf)
             if rule.megatron == target.a.megatron:  # a fused adapter's A is every split module's A
