@@ -34,7 +34,7 @@ PATCHES = (1, 4, 4)  # image_grid_thw: one frame of 4 x 4 patches -> 4 merged im
 
 @dataclass
 class VLRun:
-    checkpoint: Path  # save directory of legacy rank files
+    checkpoint: Path | None  # save directory of legacy rank files (None with `live_hf`)
     hf_config: dict
     tp: int = 1
     pp: int = 1
@@ -44,6 +44,8 @@ class VLRun:
     inputs: dict = field(default_factory=dict)  # name -> (input_ids, pixel_values or None)
     bridge_hf: Path | None = None  # also load this HF directory with Megatron-Bridge's mapping and compare
     dist_checkpoint: Path | None = None  # also load this torch_dist checkpoint with megatron-core and compare
+    live_hf: Path | None = None  # instead of rank files: mconv.live.load_hf_weights from this HF directory,
+    live_out: Path | None = None  # then iter_hf_weights and save_hf_weights into this directory
 
     @property
     def world(self) -> int:
@@ -193,12 +195,17 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     model = build_model(run, first, last)
-    tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
-    release = tracker == "release"
-    path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
-                               expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"], strict=True)
+    if run.live_hf is not None:
+        from mconv.live import load_hf_weights
+
+        load_hf_weights([model], run.live_hf)
+    else:
+        tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
+        release = tracker == "release"
+        path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
+                                   expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
     if run.bridge_hf is not None:  # a second, independent mapping into a second model of this rank
         other = build_model(run, first, last)
         load_with_megatron_bridge(other, run.bridge_hf)
@@ -232,6 +239,13 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
                 dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
     if last and ps.get_tensor_model_parallel_rank() == 0 and ps.get_expert_model_parallel_rank() == 0:
         torch.save(results, out)
+    if run.live_out is not None:
+        from mconv.live import iter_hf_weights, save_hf_weights
+
+        yielded = [(name, tensor.clone()) for bucket in iter_hf_weights([model], run.live_hf, bucket_bytes=40_000)
+                   for name, tensor in bucket]
+        torch.save(yielded, run.live_out / f"yielded{rank}.pt")
+        save_hf_weights([model], run.live_out / "saved", run.live_hf, max_shard_bytes=200_000)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -62,7 +62,9 @@ def test_fixture_round_trip_keeps_fp32_buffers(tmp_path):
     assert state["decoder.layers.3.mlp.router.expert_bias"].dtype == torch.float32
     assert state["decoder.layers.0.self_attention.A_log"].dtype == torch.float32
     assert state["decoder.layers.1.self_attention.linear_gate.weight"].dtype == torch.bfloat16
-    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    # As a checkpoint from another tool: no mconv.json, so the spec is read from the names (the fused MLA norms).
+    (tmp_path / "m" / "mconv.json").unlink()
+    mcore2hf(tmp_path / "m", tmp_path / "back", hf_config=FIXTURES / "bailing-v3-tiny", progress=False)
     assert_bit_identical(read_all(FIXTURES / "bailing-v3-tiny"), read_all(tmp_path / "back"))
 
 
@@ -271,3 +273,26 @@ def test_export_lora_merge_equals_megatron_layout_merge(tmp_path):
         assert torch.allclose(ours[name], theirs[name].float(), atol=1e-6, rtol=0), name
         changed += not torch.equal(ours[name], base[name].float())
     assert changed == len([k for k in peft if "lora_B" in k]) == 80  # every targeted HF projection
+
+
+def test_inspect_trainer_flags_parse_back_to_the_saved_args(tmp_path):
+    """`mconv inspect`'s trainer flags for this model (MLA dims, sigmoid router with expert bias and
+    groups, shared experts) mean, to Megatron-LM's own parser, the args hf2mcore stored."""
+    import argparse
+    import warnings
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from mconv.converter.describe import inspect_path
+
+    warnings.filterwarnings("ignore")
+    hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", Layout(tp=2, ep=2), fmt="torch", progress=False)
+    saved = vars(mio.load_rank_file(tmp_path / "m/release/mp_rank_00_000/model_optim_rng.pt")["args"])
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    parsed, unknown = parser.parse_known_args(inspect_path(tmp_path / "m")["trainer_flags"])
+    assert not unknown
+    for dest in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                 "v_head_dim", "rope_type", "moe_router_score_function", "moe_router_enable_expert_bias",
+                 "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+                 "moe_shared_expert_intermediate_size", "moe_router_dtype", "moe_layer_freq", "num_experts"):
+        assert getattr(parsed, dest) == saved[dest], dest

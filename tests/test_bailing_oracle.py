@@ -98,7 +98,9 @@ def _deepseek_config(c):
         v_head_dim=c["v_head_dim"], qk_nope_head_dim=c["qk_nope_head_dim"], n_group=c["n_group"],
         topk_group=c["topk_group"], num_experts_per_tok=c["num_experts_per_tok"], norm_topk_prob=True,
         rms_norm_eps=c["rms_norm_eps"], rope_interleave=c["rope_interleave"], attention_bias=False,
-        max_position_embeddings=c["max_position_embeddings"], rope_theta=c["rope_theta"])
+        max_position_embeddings=c["max_position_embeddings"],
+        rope_parameters={"rope_theta": c["rope_theta"], "rope_type": "default",
+                         **{k.replace("type", "rope_type"): v for k, v in (c["rope_scaling"] or {}).items()}})
     config._attn_implementation = "eager"
     return config
 
@@ -300,8 +302,10 @@ def _core_config(args, tp, ep):
             "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
             "moe_router_dtype", "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
             "moe_shared_expert_intermediate_size", "moe_layer_freq")
+    yarn = {k: a[k] for k in ("mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
+                              "beta_slow") if k in a}
     return MLATransformerConfig(
-        **{k: a[k] for k in same}, num_moe_experts=a["num_experts"], layernorm_epsilon=a["norm_epsilon"],
+        **{k: a[k] for k in same}, **yarn, num_moe_experts=a["num_experts"], layernorm_epsilon=a["norm_epsilon"],
         gated_linear_unit=a["swiglu"], activation_func=F.silu, moe_token_dispatcher_type="allgather",
         moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", attention_dropout=0.0, hidden_dropout=0.0,
         params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False,
@@ -398,12 +402,16 @@ def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bailing-oracle")
     # Every layer kind: 0 KDA+dense, 1 MLA+dense, 2 KDA+MoE, 3 MLA+MoE (BAILING_V3 in make_fixtures).
     return {"default": make_bailing_v3(tmp / "a", seed=7, dtype=torch.float32, tokenizer=False),
+            "yarn": make_bailing_v3(tmp / "c", seed=9, dtype=torch.float32, tokenizer=False, rope_scaling={
+                "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0,
+                "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
             "kda-lora-no-q-lora": make_bailing_v3(tmp / "b", seed=8, dtype=torch.float32, tokenizer=False,
                                                    no_kda_lora=False, q_lora_rank=None, tie_word_embeddings=True)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,tp,ep", [("default", 1, 1), ("default", 2, 2), ("kda-lora-no-q-lora", 2, 1)])
+@pytest.mark.parametrize("model,tp,ep", [("default", 1, 1), ("default", 2, 2), ("kda-lora-no-q-lora", 2, 1),
+                                         ("yarn", 1, 1)])
 def test_megatron_core_forward_matches_transformers_modules(tmp_path, models, model, tp, ep):
     assert _max_difference(tmp_path, models[model], tp, ep) < 1e-5
 

@@ -126,6 +126,14 @@ def megatron_bridge_model(hf: str, tp: int, ep: int):
     return bridge, model
 
 
+def mconv_layout(info: dict):
+    """The layout hf2mcore --dry-run needs to count a torch_dist checkpoint's tensors: TP1 with the
+    checkpoint's padded vocabulary."""
+    from mconv import Layout
+
+    return Layout(vocab_divisor=info["model"]["padded_vocab"])
+
+
 def bridge_io(kind: str, ep: int) -> bool:
     """Whether the bridge's own export, save and load run on this model. mbridge's tables name
     experts only as Transformer Engine's grouped GEMM (`mlp.experts.linear_fc1.weight{i}`), which
@@ -292,6 +300,26 @@ def test_bridge_built_model(models, tmp_path, monkeypatch, kind, model, tp, ep):
     mcore2hf(out / "bridge-ckpt", out / "back", hf_config=hf_dir, progress=False)
     back = HFCheckpoint(out / "back")
     assert {name: _bytes(back.read(name)) for name in back.tensors} == expected
+
+    # inspect describes it (megatron-core stored no args): as torch's DCP metadata says, and with
+    # --hf-config the tensors counted as hf2mcore counts them.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from mconv import hf2mcore, inspect_path
+    from mconv.converter.describe import render
+
+    metadata = FileSystemReader(str(out / "bridge-ckpt" / "release")).read_metadata().state_dict_metadata
+    stored = [md for md in metadata.values() if isinstance(md, TensorStorageMetadata)]
+    bare = inspect_path(out / "bridge-ckpt")
+    assert bare["checkpoint"] == {"format": "torch_dist", "iteration": "release", "written_by": "another tool",
+                                  "files": len(list((out / "bridge-ckpt" / "release").glob("*.distcp")))}
+    assert bare["size"]["stored_tensors"] == bare["size"]["tensors"] == len(stored)
+    assert bare["size"]["bytes"] == sum(md.properties.dtype.itemsize * md.size.numel() for md in stored)
+    assert all("None" not in line for line in render(bare))
+    described = inspect_path(out / "bridge-ckpt", hf_config=hf_dir)
+    planned = hf2mcore(hf_dir, out / "planned", mconv_layout(described), dry_run=True, progress=False)
+    assert described["size"]["tensors"] == planned.tensors
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from mconv import Layout
 from mconv.cli import main
 from tests.conftest import FIXTURES
 
@@ -232,6 +233,21 @@ def test_output_files_are_named_as_transformers_names_them(tmp_path):
                    for d in (tmp_path / "ours-many", theirs_many))
     assert ours["metadata"] == index["metadata"] and ours["weight_map"].keys() == index["weight_map"].keys()
     assert mconv("verify", theirs_one, tmp_path / "ours-many", "-q").exit_code == 0
+
+
+def test_merged_lora_output_is_named_as_transformers_names_it(tmp_path):
+    from tests.test_lora import lora_checkpoint
+
+    lora, _ = lora_checkpoint(tmp_path, TINY, Layout(tp=2))
+    for shard, files in (("3GB", ["model.safetensors"]),
+                         ("100KB", ["model-00001-of-00005.safetensors", "model-00002-of-00005.safetensors",
+                                    "model-00003-of-00005.safetensors", "model-00004-of-00005.safetensors",
+                                    "model-00005-of-00005.safetensors", "model.safetensors.index.json"])):
+        out = tmp_path / f"merged-{shard}"
+        result = mconv("export-lora", lora, out, "--merge", "--base-model", TINY, "--alpha", 8, "--max-shard-size",
+                       shard, "-q")
+        assert result.exit_code == 0, result.output
+        assert hf_files(out) == files
 
 
 # ----------------------------------------------------------------------------- permissions (issue 10.7)

@@ -130,3 +130,15 @@ def test_trainer_flags_parse_back_with_megatron_lm(checkpoints):
         checked += 1
     assert checked > 25
     assert re.search(r"--moe-layer-freq \[1,0,1,1\]", " ".join(info["trainer_flags"]))
+
+
+def test_settings_beyond_the_flags_are_shown():
+    """Qwen3-VL's vision tower and mrope sections have no place in the flags: shown as read from
+    its config.json."""
+    config = json.loads((FIXTURES / "qwen3-vl-tiny" / "config.json").read_text())
+    result = mconv("inspect", FIXTURES / "qwen3-vl-tiny")
+    assert result.exit_code == 0 and "model settings beyond these flags" in result.output
+    assert_readable(result.output)
+    other = json.loads(mconv("inspect", FIXTURES / "qwen3-vl-tiny", "--json").output)["other_settings"]
+    assert other["vision_layers"] == config["vision_config"]["depth"]
+    assert other["mrope_section"] == config["text_config"]["rope_parameters"]["mrope_section"]

@@ -32,7 +32,8 @@ from tests.test_roundtrip import read_all
 R, ALPHA = 4, 8.0
 SCALE = ALPHA / R
 TOKENS = list(range(3, 60, 4))
-MODULE = re.compile(r"decoder\.layers\.(\d+)\.(.+?)\.?(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight(\d*)")
+MODULE = re.compile(r"(?:language_model\.)?decoder\.layers\.(\d+)\.(.+?)\.?(linear_qkv|linear_proj|linear_fc1|linear_fc2)"
+                    r"\.weight(\d*)")  # a vision-language model's language layers too
 LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)")
 
 
@@ -51,6 +52,7 @@ class Adapters:
     """Random Megatron-Bridge adapters for every linear layer of one rank file's chunks."""
 
     def __init__(self, config: dict, layout: Layout, canonical: bool):
+        config = config.get("text_config", config)  # Qwen3-VL: adapters on the language model
         self.config, self.layout, self.canonical = config, layout, canonical
         experts = config.get("num_local_experts") or config.get("num_experts") or 0
         self.per_ep = experts // layout.ep if experts else 0

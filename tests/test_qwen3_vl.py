@@ -200,3 +200,12 @@ def test_mrope_section_must_cover_head_dim(tmp_path):
     (hf / "config.json").write_text(json.dumps(config))
     with pytest.raises(MconvError, match="mrope_section"):
         hf2mcore(hf, tmp_path / "out", Layout(), fmt="torch", progress=False)
+
+
+def test_workers_write_the_same_bytes(tmp_path):
+    """Worker processes stack the experts they write (4.x: an expert's gate and up are written together)."""
+    hf2mcore(MOE, tmp_path / "m", Layout(ep=2), fmt="torch", progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "one", progress=False, max_shard_bytes=150_000)
+    mcore2hf(tmp_path / "m", tmp_path / "two", progress=False, max_shard_bytes=150_000, workers=2)
+    for path in sorted((tmp_path / "one").iterdir()):
+        assert path.read_bytes() == (tmp_path / "two" / path.name).read_bytes(), path.name

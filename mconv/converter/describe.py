@@ -34,6 +34,14 @@ MODEL_FLAGS = (
     ("num_experts", "--num-experts"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
     ("moe_router_topk", "--moe-router-topk"), ("moe_router_pre_softmax", "--moe-router-pre-softmax"),
     ("moe_router_score_function", "--moe-router-score-function"), ("moe_layer_freq", "--moe-layer-freq"),
+    ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
+    ("moe_router_num_groups", "--moe-router-num-groups"), ("moe_router_group_topk", "--moe-router-group-topk"),
+    ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"), ("moe_router_dtype", "--moe-router-dtype"),
+    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
+    ("multi_latent_attention", "--multi-latent-attention"), ("q_lora_rank", "--q-lora-rank"),
+    ("kv_lora_rank", "--kv-lora-rank"), ("qk_head_dim", "--qk-head-dim"), ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim"),
+    ("v_head_dim", "--v-head-dim"), ("rope_type", "--rope-type"), ("rotary_scaling_factor", "--rotary-scaling-factor"),
+    ("mscale", "--mscale"), ("mscale_all_dim", "--mscale-all-dim"),
     ("moe_grouped_gemm", "--moe-grouped-gemm"), ("transformer_impl", "--transformer-impl"),
     ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"), ("bf16", "--bf16"), ("fp16", "--fp16"),
 )
@@ -79,6 +87,14 @@ def trainer_flags(args: dict, layout: bool = True) -> list[str]:
         else:
             flags += [flag, str(getattr(value, "name", value))]
     return flags
+
+
+def other_settings(arch, dims) -> dict:
+    """The architecture's Megatron settings that the flags above do not carry (e.g. Qwen3-VL's
+    vision tower), for the trainer's model provider; dropout rates are training choices."""
+    covered = {d for dests, _ in MODEL_FLAGS + LAYOUT_FLAGS for d in ((dests,) if isinstance(dests, str) else dests)}
+    return {k: _plain(v) for k, v in arch.megatron_args(dims).items()
+            if k not in covered and k not in ("attention_dropout", "hidden_dropout")}
 
 
 def _plain(value):
@@ -143,7 +159,8 @@ def _describe_hf(path: Path, shown: str) -> dict:
     return {"kind": "huggingface", "path": shown, "model": _model(args, arch.name),
             "dtypes": {k: {"tensors": n, "bytes": b} for k, (n, b) in dtypes.items()},
             "size": {**_sizes(dtypes), "files": len({i.file for i in ckpt.tensors.values()})},
-            "trainer_flags": trainer_flags(args, layout=False)}
+            "trainer_flags": trainer_flags(args, layout=False),
+            **({"other_settings": other_settings(arch, dims)} if other_settings(arch, dims) else {})}
 
 
 def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision: str | None = None) -> dict:
@@ -194,6 +211,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
         ckpt = open_checkpoint(location.iter_dir, hf_config)  # checks the tensors against the HF config
         name = ckpt.plan.arch.name
         args.setdefault("padded_vocab_size", ckpt.plan.padded_vocab)
+        info["other_settings"] = other_settings(ckpt.plan.arch, ckpt.plan.dims)
         if dist:  # hf2mcore counts megatron-core's parameters, which torch_dist stores stacked by layer
             size["tensors"] = sum(1 for task in ckpt.plan.ranks[0].chunks[0] if task.shape is not None)
     else:
@@ -253,6 +271,9 @@ def render(info: dict) -> list[str]:
     stored = f" (stored as {s['stored_tensors']} torch_dist tensors)" if "stored_tensors" in s else ""
     lines.append(("size", f"{s['tensors']} tensors{stored}, {s['bytes']:,} bytes, {s['files']} file(s)"))
     lines.append(("trainer", " ".join(info["trainer_flags"])))
+    if info.get("other_settings"):
+        lines.append(("also", "model settings beyond these flags: " + ", ".join(
+            f"{k} {_text(v)}" for k, v in info["other_settings"].items())))
     if "note" in info:
         lines.append(("note", info["note"]))
     return [line if isinstance(line, str) else f"  {line[0]:<8} {line[1]}" for line in lines]

@@ -56,7 +56,7 @@ def _numel(shape) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def read_json(path: Path, what: str, object_pairs_hook=None) -> dict:
@@ -481,6 +481,13 @@ def copy_side_files(source: Path, destination: Path) -> list[str]:
             copy_file(Path(source) / name, Path(destination) / name)
             copied.append(name)
     return copied
+
+
+def write_hf_config(directory: Path, config: dict, original: dict) -> None:
+    """Replace the copied config.json by `config` (an architecture's rewrite of `original`, e.g. with
+    the keys of both transformers 4.x and 5.x), leaving the file as it was if nothing changed."""
+    if config != original:
+        (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def write_config_dtype(directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:

@@ -62,7 +62,7 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
         raise MconvError(f"{text}{at} is not a local directory and {what}; the hub cache is {cache}") from None
     except LocalEntryNotFoundError as e:
         why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else
-               f"the Hub could not be reached ({type(e.__cause__ or e).__name__})")
+               f"the Hub could not be reached: {type(e.__cause__ or e).__name__}")
         raise MconvError(f"{text}{at} is not a local directory and is not in the Hugging Face cache {cache} "
                          f"({why})") from None
     except OSError as e:  # a partial snapshot offline, a full disk, a network error mid-download

@@ -127,6 +127,10 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
             merged = _gather(states, export, rule, target, plan, layout, where, expected)
             if merged is None:
                 continue
+            if arch.stacked_experts and ".mlp.experts." in export.hf[0]:
+                raise MconvError(f"{where}: LoRA adapters on the routed experts of {arch.name} are not exported yet "
+                                 f"({export.hf[0].removesuffix('.weight')}): its HF experts are stacked, and peft and "
+                                 "vLLM take expert adapters in a fused 3-D form mconv does not write")
             _, layer, expert, _ = export.order
             names = list(export.hf)
             if rule.megatron == target.a.megatron:  # a fused adapter's A is every split module's A
@@ -282,7 +286,8 @@ def read_adapter(location: mio.CheckpointLocation,
 def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
                 rank: int | None = None, alpha: float | None = None, base_model: str | None = None,
                 merge_into: bool = False, dtype: torch.dtype | None = None, overwrite: bool = False,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES, revision: str | None = None) -> LoraExport:
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, revision: str | None = None,
+                progress: bool = True) -> LoraExport:
     """Write the checkpoint's LoRA adapter as a HF PEFT adapter directory, or with `merge_into` a HF
     model: the base model `base_model` (a directory or hub name, at `revision`) with alpha/r * B @ A
     added. `hf_config` may be a hub name too; without `merge_into`, `base_model` is only recorded."""
@@ -290,9 +295,9 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
     if merge_into and not base_model:
         raise MconvError("--merge needs --base-model, the HF model (directory or hub name) the adapter was trained on")
     if hf_config:
-        hf_config = resolve_model(hf_config, revision, weights=False)
+        hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     if merge_into:
-        base_model = resolve_model(base_model, revision)
+        base_model = resolve_model(base_model, revision, progress=progress)
     check_output_path(Path(out_dir), overwrite, (location.save_dir,))
     adapter, layout, config_dir = read_adapter(location, hf_config)
     if rank is not None and rank != adapter.rank:

@@ -63,14 +63,7 @@ def write_failure(error: BaseException, out: Path, staging: Path | None = None) 
     """The one-sentence error for a failed write of `out` (through `staging`), or None if `error`
     is not one: an OSError naming the output, the staging directory or a directory above them, or
     one only a write raises (full disk, read-only file system); torch's zip writer's short write
-    ("unexpected pos"); torch.distributed.checkpoint's wrapper around either."""
-    failures = getattr(error, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-    if isinstance(failures, dict):
-        for wrapped in failures.values():
-            found = write_failure(wrapped[0] if isinstance(wrapped, tuple) else wrapped, out, staging)
-            if found is not None:
-                return found
-        return None
+    ("unexpected pos")."""
     if isinstance(error, OSError):
         name = Path(os.path.abspath(error.filename)) if isinstance(error.filename, (str, Path)) else None
         ours = name is not None and any(name == p or name.is_relative_to(p) or p.is_relative_to(name)
