@@ -1,7 +1,9 @@
-"""Offline conversion benchmark (CPU, run by hand): mconv against the I/O floor and a transformers peer.
+"""Offline conversion benchmark (run by hand): mconv against the I/O floor and two peers.
 
     .venv/bin/python bench/convert.py                        # Qwen3-MoE-like, about 3 GB, fresh temp dir
+    .venv/bin/python bench/convert.py --size-gb 11           # many cores: fixed costs become a small share
     .venv/bin/python bench/convert.py --size-gb 0.5          # quick debug run (smaller vocabulary / experts)
+    .venv/bin/python bench/convert.py --workers 1,2,4,8 --formats torch --peers none   # choose a default
     .venv/bin/python bench/convert.py --model dense --workdir /data/b --reuse --json-out bench/convert.json
 
 In one run, on a synthetic HF checkpoint (random bf16 bits, transformers' on-disk names, written by
@@ -11,7 +13,12 @@ fixtures.make_fixtures.make_synthetic), it times and takes the peak RSS of:
   - `mconv hf2mcore` at TP1 and TP2/EP2 (TP2 for the dense model), formats torch_dist and torch,
     and `mconv mcore2hf` back from each output (`mconv verify` checks the TP2 legacy round trip, untimed);
   - a peer standing for the verl / Pai-Megatron-Patch approach (whole model in memory):
-    transformers `from_pretrained` + `save_pretrained(max_shard_size="3GB")` (its output is verified too).
+    transformers `from_pretrained` + `save_pretrained(max_shard_size="3GB")` (its output is verified too);
+  - the mbridge peer (bench/peer_mbridge.py; on a GPU, or `--mbridge cpu`): AutoBridge.load_weights into a
+    megatron-core GPTModel + dist_checkpointing.save, and dist_checkpointing.load + save_weights back
+    (verified against the input).
+Ratios printed: x the floor, the marginal cost (time minus the same command on the tiny fixture) x the
+floor, and x each peer measured in the same run (mbridge: the same direction).
 Each command is a child process; its time includes a `sync` afterwards (so written bytes reach the
 disk, as the floor's do) and its peak RSS comes from `wait4` (the largest process of its tree). The
 page cache cannot be dropped, so every command's input is read once just before it: all methods
@@ -180,18 +187,20 @@ def measure(argv: list[str], warm_dir: Path, out: Path, repeat: int) -> tuple[fl
     return best, peak
 
 
-def mbridge_skip_reason() -> str:
-    """mbridge is tried only as far as it could run here (CPU, no GPU); this says why it cannot."""
-    reasons = []
-    probe = subprocess.run([sys.executable, "-c", "import mbridge"], capture_output=True, text=True)
+def mbridge_mode(choice: str) -> tuple[list[str] | None, str]:
+    """How to run the mbridge peer (bench/peer_mbridge.py), or why it is skipped. mbridge builds its
+    model on CUDA: it runs on a GPU; `--mbridge cpu` runs the same steps on the CPU with the
+    megatron-core CPU shims of mconv's tests (the model in host memory)."""
+    probe = subprocess.run([sys.executable, "-c", "import mbridge, megatron.core, torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
     if probe.returncode:
-        reasons.append(f"`import mbridge` fails: {probe.stderr.strip().splitlines()[-1]}")
-    if importlib.util.find_spec("transformer_engine") is None:
-        reasons.append("its layer spec is built with use_transformer_engine=True (mbridge/core/llm_bridge.py) "
-                       "and Transformer Engine is not installed")
-    reasons.append("get_model moves the model to CUDA and save_weights gathers on torch.cuda.current_device() "
-                   "(mbridge/core/util.py, bridge.py), so it needs a GPU")
-    return "; ".join(reasons)
+        return None, f"`import mbridge, megatron.core` fails: {probe.stderr.strip().splitlines()[-1]}"
+    gpu = probe.stdout.strip() == "True"
+    if choice == "off" or (choice == "auto" and not gpu):
+        return None, "no GPU (mbridge's get_model moves the model to CUDA); --mbridge cpu runs it on the CPU"
+    te = "" if importlib.util.find_spec("transformer_engine") else ", megatron-core local spec (no Transformer Engine)"
+    on_cpu = choice == "cpu" or not gpu
+    return ([sys.executable, str(ROOT / "bench" / "peer_mbridge.py")], ("cpu" if on_cpu else "gpu") + te)
 
 
 def main() -> None:
@@ -200,7 +209,9 @@ def main() -> None:
                         help="moe: Qwen3-30B-A3B shapes (128 experts, top-8); dense: Qwen3-8B shapes. Default moe.")
     parser.add_argument("--size-gb", type=float, default=3.0,
                         help="Target checkpoint size in GB (1e9 bytes); the layer count is chosen to come closest "
-                             "(below about 2.5 GB the vocabulary and experts / FFN are halved too). Default 3.")
+                             "(below about 2.5 GB the vocabulary and experts / FFN are halved too). Default 3; "
+                             "use 10 or more on a many-core machine, so that fixed costs (imports, planning) are "
+                             "a small share.")
     parser.add_argument("--layers", type=int, default=None, help="Use this many layers instead of fitting --size-gb.")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="Where the input checkpoint and the outputs go (the output file system is the one "
@@ -212,9 +223,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="Runs of each timed command; the fastest time and the largest peak RSS are kept. "
                              "Default 1.")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="Passed to mconv hf2mcore / mcore2hf (default: mconv's own, half the CPUs, at most 8). "
-                             "Peak RSS is that of the largest process, not the sum over workers.")
+    parser.add_argument("--workers", default=None,
+                        help="Comma-separated --workers values for the mconv commands, each timed (e.g. 1,2,4,8 "
+                             "to choose a default). Default: mconv's own default only.")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="Formats to time (default: both).")
+    parser.add_argument("--layouts", default="TP1,split",
+                        help="TP1 and/or split (TP2/EP2 for MoE, TP2 for dense). Default both.")
+    parser.add_argument("--peers", default="transformers,mbridge", help="Peers to time (default: both).")
+    parser.add_argument("--mbridge", choices=("auto", "gpu", "cpu", "off"), default="auto",
+                        help="auto: run the mbridge peer where a GPU is; cpu: on the CPU (model in host memory).")
     parser.add_argument("--json-out", type=Path, default=None, help="Also write the JSON line to this file.")
     args = parser.parse_args()
 
@@ -228,6 +245,12 @@ def main() -> None:
         shutil.rmtree(workdir if own_workdir else scratch, ignore_errors=True)
 
 
+def verify(a: Path, b: Path) -> str:
+    result = subprocess.run([sys.executable, "-m", "mconv.cli", "verify", str(a), str(b), "-q"], cwd=ROOT,
+                            capture_output=True, text=True)
+    return "exact" if result.returncode == 0 else (result.stderr.strip().splitlines() or ["differs"])[-1]
+
+
 def run_benchmark(args, workdir: Path, scratch: Path) -> None:
     from mconv.cli import default_workers
 
@@ -237,83 +260,121 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
     size = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
     tiny = ROOT / "fixtures" / ("qwen3-moe-tiny" if args.model == "moe" else "qwen3-tiny")
     mconv = [sys.executable, "-m", "mconv.cli"]
-    workers = args.workers or default_workers()
-    rows = []  # (method, seconds, peak RSS bytes, output bytes)
+    worker_counts = [int(w) for w in args.workers.split(",")] if args.workers else [None]
+    formats = [f for f in FORMATS if f in args.formats.split(",")]
+    rows = []  # dicts: method, command (what it does, for the ratios), seconds, peak RSS, output bytes, check
+    fixed = {}  # command -> seconds on the tiny fixture
 
-    def timed(method: str, argv: list[str], warm_dir: Path, out: Path) -> None:
+    def timed(method: str, command: str, argv: list[str], warm_dir: Path, out: Path, **extra) -> dict:
         log(f"{method} ...")
         seconds, rss = measure(argv, warm_dir, out, args.repeat)
-        rows.append((method, seconds, rss, tree_bytes(out)))
+        row = dict(method=method, command=command, seconds=seconds, rss=rss, output_bytes=tree_bytes(out), **extra)
+        rows.append(row)
         log(f"{method}: {seconds:.1f} s, peak RSS {rss / 2**20:.0f} MiB")
+        return row
 
     floor_out = scratch / "floor"  # made inside the timed command, as measure() empties it before each run
-    timed("I/O floor (cp + sync)", ["sh", "-c", 'mkdir -p "$0" && cp "$@" "$0"', str(floor_out),
-                                    *map(str, sorted(hf.glob("*.safetensors")))], hf, floor_out)
+    floor = timed("I/O floor (cp + sync)", "floor", ["sh", "-c", 'mkdir -p "$0" && cp "$@" "$0"', str(floor_out),
+                                                     *map(str, sorted(hf.glob("*.safetensors")))], hf, floor_out)
     shutil.rmtree(floor_out)
 
-    def round_trip(label: str, src: Path, flags: list[str], fmt: str) -> Path:
-        """Time hf2mcore of `src` and mcore2hf back; returns the directory converted back."""
+    def round_trip(label: str, src: Path, flags: list[str], fmt: str, workers: int | None, check: bool) -> None:
+        """Time hf2mcore of `src` and mcore2hf back (and verify the result when `check`)."""
         ckpt, back = scratch / "mcore", scratch / "hf-back"
-        common = ["--workers", str(workers), "-q"]
-        timed(f"{label}hf2mcore {fmt}", [*mconv, "hf2mcore", str(src), str(ckpt), *flags, "--format", fmt, *common],
-              src, ckpt)
-        timed(f"{label}mcore2hf {fmt}", [*mconv, "mcore2hf", str(ckpt), str(back), *common], ckpt, back)
+        common = ["-q"] + (["--workers", str(workers)] if workers else [])
+        suffix = f" w={workers}" if workers and len(worker_counts) > 1 else ""
+        for direction, argv, source, out in (("hf2mcore", [str(src), str(ckpt), *flags, "--format", fmt], src, ckpt),
+                                             ("mcore2hf", [str(ckpt), str(back)], ckpt, back)):
+            command = f"{direction} {fmt}"
+            row = timed(f"{label}{command}{suffix}", command, [*mconv, direction, *argv, *common], source, out,
+                        workers=workers or default_workers())
+            if label == TINY:
+                fixed[command] = row["seconds"]
+        if check:
+            rows[-1]["check"] = verify(src, back)
+            if rows[-1]["check"] != "exact":
+                raise SystemExit(f"round trip is not exact: {rows[-1]['method']}: {rows[-1]['check']}")
         shutil.rmtree(ckpt)
-        return back
+        shutil.rmtree(back)
 
     # What each mconv command costs before it moves a byte (interpreter, torch, megatron-core,
     # planning): the same commands on the tiny fixture. At a few GB it is a large share of each time.
-    for fmt in FORMATS:
-        shutil.rmtree(round_trip(TINY, tiny, [], fmt))
+    for fmt in formats:
+        round_trip(TINY, tiny, [], fmt, None, False)
     split = ("TP2/EP2", ["--tp", "2", "--ep", "2"]) if args.model == "moe" else ("TP2", ["--tp", "2"])  # dense: no EP
-    verified = None
-    for name, flags in [("TP1", []), split]:
-        for fmt in FORMATS:
-            back = round_trip(f"mconv {name} ", hf, flags, fmt)
-            if flags and fmt == "torch":  # verified once, on the layout whose rank files split the most
-                result = subprocess.run([*mconv, "verify", str(hf), str(back), "-q"], cwd=ROOT, capture_output=True,
-                                        text=True)
-                verified = f"{name} {fmt}: " + (result.stdout.strip() or result.stderr.strip())
-                log(f"verify {verified}")
-                if result.returncode:
-                    raise SystemExit(f"round trip is not exact: {verified}")
-            shutil.rmtree(back)
+    layouts = [x for x in [("TP1", []), split] if ("TP1" if x[0] == "TP1" else "split") in args.layouts.split(",")]
+    for name, flags in layouts:
+        for fmt in formats:
+            for workers in worker_counts:  # verified on the layout that splits the most (verify reads it all)
+                round_trip(f"mconv {name} ", hf, flags, fmt, workers, check=bool(flags) or len(layouts) == 1)
 
-    peer_out = scratch / "peer"
-    timed("peer: transformers load+save", [sys.executable, "-c", PEER, str(hf), str(peer_out)], hf, peer_out)
-    peer_check = subprocess.run([*mconv, "verify", str(hf), str(peer_out), "-q"], cwd=ROOT, capture_output=True,
-                                text=True)
-    peer_exact = peer_check.returncode == 0  # the peer did the same work only if it wrote the same bytes
-    shutil.rmtree(peer_out)
-    mbridge = mbridge_skip_reason()
+    peers = args.peers.split(",")
+    if "transformers" in peers:
+        peer_out = scratch / "peer"
+        row = timed("peer: transformers load+save", "transformers", [sys.executable, "-c", PEER, str(hf), str(peer_out)],
+                    hf, peer_out)
+        row["check"] = verify(hf, peer_out)  # the peer did the same work only if it wrote the same bytes
+        shutil.rmtree(peer_out)
+    mbridge, mbridge_note = mbridge_mode(args.mbridge) if "mbridge" in peers else (None, "not asked for")
+    if mbridge:
+        ckpt, back = scratch / "mbridge-ckpt", scratch / "mbridge-back"
+        cpu = ["--cpu"] if mbridge_note.startswith("cpu") else []
+        timed("peer: mbridge hf2mcore torch_dist", "hf2mcore torch_dist", [*mbridge, "hf2mcore", str(hf), str(ckpt), *cpu],
+              hf, ckpt, peer="mbridge")
+        shutil.rmtree(back, ignore_errors=True)
+        timed("peer: mbridge mcore2hf torch_dist", "mcore2hf torch_dist",
+              [*mbridge, "mcore2hf", str(hf), str(ckpt), str(back), *cpu], ckpt, back, peer="mbridge")
+        rows[-1]["check"] = verify(hf, back)
+        shutil.rmtree(ckpt)
+        shutil.rmtree(back)
 
     load_after = os.getloadavg()[0]
-    floor, peer = rows[0][1], rows[-1][1]
-    results = [dict(method=m, seconds=round(s, 2), x_floor=None if m.startswith(TINY) else round(s / floor, 2),
-                    peak_rss_mib=round(r / 2**20), vs_peer=round(s / peer, 2) if m.startswith("mconv ") else None,
-                    output_bytes=b)
-               for m, s, r, b in rows]
+    floor_s = floor["seconds"]
+    transformers = next((r["seconds"] for r in rows if r["command"] == "transformers"), None)
+    by_mbridge = {r["command"]: r["seconds"] for r in rows if r.get("peer") == "mbridge"}
+    results = []
+    for r in rows:
+        mine = r["method"].startswith("mconv ")
+        result = dict(method=r["method"], seconds=round(r["seconds"], 2), peak_rss_mib=round(r["rss"] / 2**20),
+                      output_bytes=r["output_bytes"])
+        if not r["method"].startswith(TINY):
+            result["x_floor"] = round(r["seconds"] / floor_s, 2)
+        if mine and r["command"] in fixed:  # its time above the same command on the tiny fixture
+            result["marginal_x_floor"] = round((r["seconds"] - fixed[r["command"]]) / floor_s, 2)
+        if mine and transformers:
+            result["x_transformers"] = round(r["seconds"] / transformers, 2)
+        if mine and r["command"] in by_mbridge:
+            result["x_mbridge"] = round(r["seconds"] / by_mbridge[r["command"]], 2)
+        for key in ("workers", "check"):
+            if key in r:
+                result[key] = r[key]
+        results.append(result)
+    stamp = ROOT / "COMMIT"  # a copy of the tree without git (the GPU machine) names its commit here
+    commit = stamp.read_text().strip() if stamp.exists() else subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     print(f"\nmconv offline conversion benchmark: {args.model} model, {kwargs}")
     print(f"checkpoint {size / 1e9:.2f} GB in {len(list(hf.glob('*.safetensors')))} shard(s) "
           f"({note}), on {workdir}")
     print(f"{os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM, "
           f"load average {load_before:.1f} before / {load_after:.1f} after, python {platform.python_version()}, "
-          f"torch {version('torch')}, transformers {version('transformers')}, mconv {version('mconv')}")
+          f"torch {version('torch')}, transformers {version('transformers')}, mconv commit {commit or '?'}, "
+          f"{time.strftime('%Y-%m-%d')}")
     print("page cache: warm (each command's input is read just before it; the cache cannot be dropped); "
-          f"times include a sync after the command; best of {args.repeat}; mconv --workers {workers}\n")
-    print(f"{'method':<34} {'seconds':>8} {'x floor':>8} {'peak RSS MiB':>13} {'vs peer':>8}")
+          f"times include a sync after the command; best of {args.repeat}; mconv default --workers {default_workers()}\n")
+    columns = ("x_floor", "marginal_x_floor", "x_transformers", "x_mbridge")
+    print(f"{'method':<40} {'seconds':>8} {'x floor':>8} {'marginal':>9} {'x transf.':>9} {'x mbridge':>9} "
+          f"{'peak RSS MiB':>13}  check")
     for r in results:
-        x_floor, vs_peer = (f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("x_floor", "vs_peer"))
-        print(f"{r['method']:<34} {r['seconds']:>8.1f} {x_floor:>8} {r['peak_rss_mib']:>13,} {vs_peer:>8}")
+        cells = [f"{r[k]:.2f}" if k in r else "-" for k in columns]
+        print(f"{r['method']:<40} {r['seconds']:>8.1f} {cells[0]:>8} {cells[1]:>9} {cells[2]:>9} {cells[3]:>9} "
+              f"{r['peak_rss_mib']:>13,}  {r.get('check', '')}")
     print(f"\n{TINY.strip()} the same command on {tiny.relative_to(ROOT)} ({tree_bytes(tiny) / 1e6:.1f} MB): "
-          "the fixed cost of each mconv command (interpreter, torch and megatron-core imports, planning)")
-    print(f"round trip verified: {verified}")
-    print(f"peer output bit-identical to its input: {peer_exact}")
-    print(f"mbridge: skipped ({mbridge})\n")
+          "the fixed cost of each mconv command (interpreter, imports, planning); marginal: (time - that) / floor")
+    print(f"mbridge: {'ran on the ' + mbridge_note if mbridge else 'skipped (' + mbridge_note + ')'}\n")
     line = json.dumps(dict(bench="convert", model=args.model, config=kwargs, checkpoint_bytes=size,
                            cores=os.cpu_count(), load_average=[round(load_before, 2), round(load_after, 2)],
-                           cache="warm", sync_included=True, repeat=args.repeat, workers=workers, results=results,
-                           verified=verified, peer_exact=peer_exact, mbridge_skipped=mbridge))
+                           cache="warm", sync_included=True, repeat=args.repeat, default_workers=default_workers(),
+                           commit=commit, date=time.strftime("%Y-%m-%d"), results=results, mbridge=mbridge_note))
     print(line)
     if args.json_out:
         args.json_out.write_text(line + "\n")

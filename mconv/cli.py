@@ -11,9 +11,7 @@ import time
 import click
 
 from mconv.converter.layout import Layout, parse_layout_string
-from mconv.converter.describe import inspect_path, render
-from mconv.converter.pipelines import FORMATS, compare_hf, hf2mcore, mcore2hf
-from mconv.converter.planner import SPECS
+from mconv.converter.options import FORMATS, SPECS
 from mconv.errors import MconvError
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -50,13 +48,17 @@ def torch_dtype(name: str | None):
 
 
 def default_workers() -> int:
-    return max(1, min(8, (os.cpu_count() or 1) // 2))
+    """Half the CPUs, at most 4: measured with bench/convert.py --workers 1,2,4,8 (README,
+    Benchmarks). On 16 cores 4 threads were the fastest or within noise of it for every command
+    (more add nothing: the page cache and the single torch.save stream are the limit); on 2 cores
+    this gives 1, which leaves a core to the kernel's writeback."""
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 REVISION_HELP = ("Branch, tag or commit of a hub model name (default: its default branch). Hub names are "
                  "resolved as transformers does: the hub cache under HF_HOME, HF_HUB_OFFLINE, HF_TOKEN.")
-WORKERS_HELP = ("Worker processes that convert disjoint shares of the output (default: half the CPUs, at most 8). "
-                "Under torchrun, the ranks share the work instead.")
+WORKERS_HELP = ("Threads that convert disjoint tensors of the output (default: half the CPUs, at most 4). "
+                "Under torchrun, the ranks share the work, each with this many threads.")
 
 
 def report(summary, started: float, as_json: bool, text: str) -> None:
@@ -176,7 +178,7 @@ def main():
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
-@click.option("--workers", type=int, default=None, help=WORKERS_HELP + " torch_dist is written by one process.")
+@click.option("--workers", type=int, default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
@@ -197,6 +199,8 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
         sizes = run(lambda: parse_layout_string(layout_string))
     layout = Layout(vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
                     vocab_divisor=vocab_divisor, **sizes)
+    from mconv.converter.pipelines import hf2mcore  # imports torch: not needed for --help
+
     started = time.perf_counter()
     summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration,
                                    overwrite=overwrite, dry_run=dry_run, progress=not (quiet or as_json),
@@ -243,6 +247,8 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
     CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
     directory. The parallel layout is read from the checkpoint's saved args.
     """
+    from mconv.converter.pipelines import mcore2hf
+
     started = time.perf_counter()
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=max_shard_size,
                                    overwrite=overwrite, progress=not (quiet or as_json),
@@ -264,6 +270,8 @@ def inspect_command(path, hf_config, revision, as_json):
     """Describe PATH: a Megatron checkpoint (legacy torch or torch_dist, written by any tool) or an
     HF model (directory or hub name): format, model, layout, dtypes, size, and the Megatron-LM
     flags the training job must pass."""
+    from mconv.converter.describe import inspect_path, render
+
     info = run(lambda: inspect_path(path, hf_config=hf_config, revision=revision))
     if as_json:
         click.echo(json.dumps(info, indent=2))
@@ -279,6 +287,8 @@ def inspect_command(path, hf_config, revision, as_json):
 def verify_command(first, second, quiet):
     """Check that two HF model directories hold the same tensors, bit for bit (names, dtypes,
     shapes and bytes; shard layout may differ). Exit status 1 if they differ."""
+    from mconv.converter.pipelines import compare_hf
+
     tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=not quiet))
     if differences:
         for line in differences[:20]:

@@ -260,7 +260,32 @@ class _GroupStep:
 
     static: list[tuple[str, torch.Tensor]]  # replicated tensors, and views of one-rank shards: no work per call
     gathered: list[tuple[torch.Tensor, list, tuple, tuple]]  # (local shard, peers' layouts, HF names, HF shapes)
+    permuted: list[tuple[torch.Tensor, int, torch.Tensor, list[int], tuple]]  # one-rank shards: see _permutation
     ep_names: list[list[str]] | None = None  # experts: HF names of every EP rank's tensors, in order
+
+
+def _permutation(layout, hf_shapes, device) -> tuple[torch.Tensor, list[int]] | None:
+    """For a shard that holds whole HF tensors (a group of one rank, e.g. fused QKV at TP1): the
+    indices along `layout.dim` that put the shard's pieces in HF order, and each HF tensor's length
+    along it. One index_select then rebuilds all the HF tensors of the shard in one copy (`merge`
+    makes one strided copy per HF tensor, and its Python costs more than the copies at TP1 on a GPU).
+    None if the pieces do not cover each HF tensor exactly once."""
+    index, sizes = [], []
+    positions, offset = [], 0
+    for p in layout.pieces:
+        positions.append((p, offset))
+        offset += p.length
+    for source, shape in enumerate(hf_shapes):
+        covered = 0
+        for p, at in sorted(((p, at) for p, at in positions if p.source == source), key=lambda x: x[0].start):
+            if p.start != covered:
+                return None
+            index.extend(range(at, at + p.length))
+            covered = p.stop
+        if covered != shape[layout.dim]:
+            return None
+        sizes.append(covered)
+    return torch.tensor(index, dtype=torch.long, device=device), sizes
 
 
 def _schedule(live: LiveModel, bucket_bytes: int) -> list[list[_GroupStep]]:
@@ -281,16 +306,19 @@ def _schedule(live: LiveModel, bucket_bytes: int) -> list[list[_GroupStep]]:
     for bucket in _buckets(tasks, nbytes, bucket_bytes):
         steps = []
         for group in ("tp", "etp"):
-            step = _GroupStep([], [])
+            step = _GroupStep([], [], [])
             members = [(v, t) for v, t in bucket if t.rule.group == group]
             for v, task in members:
                 local = live.tensors[v][task.megatron]
                 layouts = [peer[index[id(task)]][1].shard for peer in peers[group]]
-                views = (merge_single(task.shard, local, task.hf_shapes) if len(layouts) == 1 or task.rule.kind.replicated
-                         else None)
+                one_rank = len(layouts) == 1 or task.rule.kind.replicated
+                views = merge_single(task.shard, local, task.hf_shapes) if one_rank else None
                 storage = local.untyped_storage().data_ptr()
+                permutation = _permutation(task.shard, task.hf_shapes, local.device) if one_rank else None
                 if views is not None and all(x.untyped_storage().data_ptr() == storage for x in views):
                     step.static += list(zip(task.hf, views))
+                elif permutation is not None:
+                    step.permuted.append((local, task.shard.dim, *permutation, task.hf))
                 else:
                     step.gathered.append((local, layouts, task.hf, task.hf_shapes))
             if group == "etp":
@@ -303,19 +331,26 @@ def _schedule(live: LiveModel, bucket_bytes: int) -> list[list[_GroupStep]]:
 _LIVE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _storage_fingerprint(model_chunks) -> list[int]:
-    return [p.data_ptr() for chunk in model_chunks for p in chunk.parameters()]
+def _parameter_slots(model_chunks) -> list[tuple[dict, str, torch.Tensor, int]]:
+    """Where each parameter lives (its module's parameter dict and name), the parameter and its
+    storage address, to tell cheaply whether the model still holds the same tensors in place."""
+    return [(module._parameters, name, param, param.data_ptr()) for chunk in model_chunks
+            for module in chunk.modules() for name, param in module._parameters.items() if param is not None]
+
+
+def _unmoved(slots) -> bool:
+    return all(params.get(name) is param and param.data_ptr() == address for params, name, param, address in slots)
 
 
 def _prepared(model_chunks, hf_config: dict, bucket_bytes: int) -> tuple[LiveModel, list]:
     """LiveModel and schedule of a model, computed once per model, config and bucket size, and again
-    if any parameter's storage moved (a wrapper or optimizer replaced `param.data`)."""
+    if any parameter was replaced or its storage moved (a wrapper or optimizer replaced `param.data`).
+    The check on a cached schedule walks no module tree: it costs microseconds per sync."""
     key = (tuple(id(c) for c in model_chunks), json.dumps(hf_config, sort_keys=True, default=str), bucket_bytes)
-    fingerprint = _storage_fingerprint(model_chunks)
     cached = _LIVE_CACHE.get(model_chunks[0])
-    if cached is None or cached[0] != key or cached[1] != fingerprint:
+    if cached is None or cached[0] != key or not _unmoved(cached[1]):
         live = LiveModel.of(model_chunks, hf_config)
-        cached = (key, fingerprint, live, _schedule(live, bucket_bytes))
+        cached = (key, _parameter_slots(model_chunks), live, _schedule(live, bucket_bytes))
         _LIVE_CACHE[model_chunks[0]] = cached
     return cached[2], cached[3]
 
@@ -328,10 +363,15 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
     for steps in schedule:
         out: Bucket = []
         for group, step in zip(("tp", "etp"), steps):
-            shards = _all_gather([local for local, _, _, _ in step.gathered], groups[group])
+            if not (step.static or step.gathered or step.permuted):
+                continue  # no collectives to line up: every rank of the stage has the same schedule
             rebuilt = list(step.static)
-            for i, (_, layouts, names, shapes) in enumerate(step.gathered):
-                rebuilt += zip(names, merge(layouts, [rank_shards[i] for rank_shards in shards], shapes))
+            for local, dim, order, sizes, names in step.permuted:
+                rebuilt += zip(names, local.index_select(dim, order).split(sizes, dim))
+            if step.gathered:
+                shards = _all_gather([local for local, _, _, _ in step.gathered], groups[group])
+                for i, (_, layouts, names, shapes) in enumerate(step.gathered):
+                    rebuilt += zip(names, merge(layouts, [rank_shards[i] for rank_shards in shards], shapes))
             if group == "tp":
                 out += rebuilt
                 continue

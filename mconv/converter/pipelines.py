@@ -6,6 +6,7 @@ import os
 import shutil
 from argparse import Namespace
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -22,14 +23,13 @@ from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.converter.output import check_output_path, output_path, staged_directory, write_errors
-from mconv.converter.parallel import TorchrunTeam, run_workers, share
+from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS
+from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
 from mconv.converter.transforms import merge, split
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
-FORMATS = ("torch_dist", "torch")
-DEFAULT_SHARD_BYTES = 3_000_000_000
 LOAD_BATCH_BYTES = 32 * 2**20  # Megatron tensors loaded together when exporting (bounds memory)
 
 
@@ -119,31 +119,34 @@ def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
 
 
 def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, progress: Callable[[int], None],
-                      iter_dir: Path, args, iteration: int | None) -> None:
-    """Write member `index`'s share of the rank files, one at a time (the format pickles a rank's
-    state dict whole)."""
+                      iter_dir: Path, args, iteration: int | None, threads: int = 1) -> None:
+    """Write member `index`'s share of the rank files, one after the other (the format pickles a
+    rank's state dict whole). `threads` threads read the tensors (split by tensor, so a single rank
+    file gains too), and a rank file is saved while the next one is read: memory holds at most two
+    ranks' tensors (one with one thread)."""
     costs = [sum(_nbytes(t.shape, torch.float32) for chunk in r.chunks for t in chunk if t.shape) for r in plan.ranks]
-    for i in share(costs, index, size):
-        rank_plan = plan.ranks[i]
-        chunks = []
-        for chunk in rank_plan.chunks:
-            state = {}
-            for task in chunk:
-                state[task.megatron] = None if task.shard is None else _read_shard(task, ckpt)
-                progress(0 if state[task.megatron] is None else state[task.megatron].nbytes)
-            chunks.append(state)
-        path = mio.rank_file(iter_dir, plan.layout, rank_plan.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(mio.rank_state(chunks, args, iteration), path)
-
-
-def _legacy_share(index: int, size: int, progress: Callable[[int], None], hf_dir, iter_dir: Path, layout: Layout,
-                  spec: str, args, iteration: int | None) -> None:
-    """A worker process: open the HF checkpoint, plan, and write its share of the rank files."""
-    ckpt = HFCheckpoint(hf_dir)
-    plan = make_plan(architecture_for(ckpt.config), ckpt.config, layout, spec)
-    _write_rank_files(plan, ckpt, index, size, progress, iter_dir, args, iteration)
-    ckpt.close()
+    mine = share(costs, index, size)
+    reads = run_ordered(((lambda task=task: None if task.shard is None else _read_shard(task, ckpt))
+                         for i in mine for chunk in plan.ranks[i].chunks for task in chunk), threads)
+    with ThreadPoolExecutor(1, thread_name_prefix="mconv-save") as saver:
+        saving = None
+        for i in mine:
+            chunks = []
+            for chunk in plan.ranks[i].chunks:
+                state = {}
+                for task in chunk:
+                    state[task.megatron] = next(reads)
+                    progress(0 if state[task.megatron] is None else state[task.megatron].nbytes)
+                chunks.append(state)
+            path = mio.rank_file(iter_dir, plan.layout, plan.ranks[i].rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if saving is not None:
+                saving.result()
+            saving = saver.submit(torch.save, mio.rank_state(chunks, args, iteration), path)
+            if threads <= 1:
+                saving.result()
+        if saving is not None:
+            saving.result()
 
 
 def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, dtype: torch.dtype, common: dict) -> list:
@@ -182,9 +185,9 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
              progress: bool = True, workers: int = 1, revision: str | None = None) -> Summary:
     """HF -> Megatron. `hf_dir` is a local directory or a hub name (`Qwen/Qwen3-8B`, at `revision`;
-    see `hub.resolve_model`). With `workers` > 1, worker processes write disjoint rank files (legacy
-    format) or threads their own `.distcp` files (torch_dist); under torchrun every rank writes its
-    share (its rank files, or its own `.distcp` file; rank 0 writes `.metadata`)."""
+    see `hub.resolve_model`). `workers` threads read the tensors of the rank files (legacy format)
+    or write their own `.distcp` files (torch_dist); under torchrun every rank writes its share (its
+    rank files, or its own `.distcp` file; rank 0 writes `.metadata`)."""
     if fmt not in FORMATS:
         raise MconvError(f"--format {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
@@ -222,7 +225,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
         iter_dir = staging / mio.iteration_dir_name(iteration)
         if fmt == "torch":
-            _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration)
+            _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration, workers)
         else:  # a torchrun rank: its own .distcp file
             iter_dir.mkdir(parents=True, exist_ok=True)
             torch_dist_io.write_share(iter_dir, dist_entries(), index, size, report)
@@ -251,9 +254,6 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
             if fmt == "torch_dist":  # threads, each writing its own .distcp file, one .metadata
                 torch_dist_io.write(staging / mio.iteration_dir_name(iteration), dist_entries(), workers, common,
                                     bar.update)
-            elif workers > 1:
-                run_workers(_legacy_share, workers, (hf_dir, staging / mio.iteration_dir_name(iteration), layout,
-                                                     spec, args, iteration), bar.update)
             else:
                 write_share(staging, 0, 1, bar.update)
         finish(None, staging)
@@ -275,38 +275,33 @@ def _batches(exports: list[ExportTask], budget: int) -> Iterator[list[ExportTask
 
 
 def _write_exports(load, exports: list[ExportTask], index: int, size: int, writer: ShardedSafetensorsWriter,
-                   progress: Callable[[int], None], dtype: torch.dtype | None = None) -> None:
+                   progress: Callable[[int], None], dtype: torch.dtype | None = None, threads: int = 1) -> None:
     """Write member `index`'s share of the HF tensors into the prepared shard files (cast to
-    `dtype` if given)."""
+    `dtype` if given), a batch of LOAD_BATCH_BYTES per job, `threads` jobs at a time (tensors go to
+    disjoint, precomputed ranges of the files)."""
     costs = [sum(_nbytes(s, torch.float32) for s in task.hf_shapes) for task in exports]
     mine = [exports[i] for i in share(costs, index, size)]
-    for batch in _batches(mine, LOAD_BATCH_BYTES):
-        shards = iter(load([source for task in batch for source in task.sources]))
+
+    def write_batch(batch: list[ExportTask]) -> int:
+        shards, written = iter(load([source for task in batch for source in task.sources])), 0
         for task in batch:
             task_shards = [next(shards) for _ in task.sources]
             for name, tensor in zip(task.hf, merge([s.shard for s in task.sources], task_shards, task.hf_shapes)):
                 tensor = tensor if dtype is None else tensor.to(dtype)
                 writer.write(name, tensor)
-                progress(tensor.nbytes)
+                written += tensor.nbytes
+        return written
 
-
-def _export_share(index: int, size: int, progress: Callable[[int], None], ckpt_dir, hf_config, staging: Path,
-                  entries: list, max_shard_bytes: int, dtype: torch.dtype | None, stack_experts: str | None) -> None:
-    """A worker process: open the checkpoint and write its share."""
-    ckpt = open_checkpoint(ckpt_dir, hf_config)
-    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack_experts)
-    writer.open_existing()
-    with ckpt.session() as (load, _):
-        _write_exports(load, ckpt.plan.exports(), index, size, writer, progress, dtype)
-    writer.close()
+    for written in run_ordered((functools.partial(write_batch, b) for b in _batches(mine, LOAD_BATCH_BYTES)), threads):
+        progress(written)
 
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True,
              workers: int = 1, dtype: torch.dtype | None = None, revision: str | None = None,
              expert_orientation: str = "4.x") -> Summary:
-    """Megatron -> HF. With `workers` > 1, worker processes write disjoint tensors of the shards;
-    under torchrun every rank writes its share and rank 0 prepares and finishes the output.
+    """Megatron -> HF. `workers` threads write disjoint tensors of the shards; under torchrun every
+    rank writes its share (with `workers` threads) and rank 0 prepares and finishes the output.
 
     `hf_config`: a directory or hub name (at `revision`) with the model's config.json, for
     checkpoints mconv did not write. `dtype`: cast every tensor to it (float32, bfloat16 or
@@ -345,7 +340,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
             writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.open_existing()
-            _write_exports(load, exports, index, size, writer, report, dtype)
+            _write_exports(load, exports, index, size, writer, report, dtype, workers)
             writer.close()
 
         team = TorchrunTeam.from_environment(f"mcore2hf:{out}")
@@ -357,11 +352,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         with staged_directory(out, overwrite, inputs=inputs) as staging:
             writer = prepare(staging)
             with _bar(summary.bytes, "mcore2hf", progress) as bar:
-                if workers > 1:
-                    run_workers(_export_share, workers,
-                                (ckpt_dir, hf_config, staging, entries, max_shard_bytes, dtype, stack), bar.update)
-                else:
-                    write_here(staging, 0, 1, bar.update)
+                write_here(staging, 0, 1, bar.update)
             finish(writer, staging)
     return summary
 

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 
 from mconv.converter.layout import Layout, Rank
+from mconv.converter.options import SPECS
 from mconv.converter.transforms import EXTRA_STATE, ShardLayout, padded_vocab_size
 from mconv.errors import MconvError
 from mconv.mappings.schema import FIRST, LAST, Architecture, Rule
 
-SPECS = ("local", "te")
 STAGE_ORDER = {FIRST: 0, None: 1, LAST: 2}  # HF output order: embedding, layers, head
 
 

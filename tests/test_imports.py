@@ -1,0 +1,49 @@
+"""A command imports only what it needs: megatron-core, transformers and peft are heavy (seconds
+of imports: megatron-core pulls in torch.distributed.tensor, dynamo and sympy), so `--help`,
+`inspect`, `verify`, `--dry-run` and the legacy format in both directions must not import them, and
+`--help` must not import torch either. Each command runs in a fresh interpreter, which then lists
+the modules it loaded (`sys.modules`, the interpreter's own record)."""
+import json
+import subprocess
+import sys
+
+
+from tests.conftest import FIXTURES, ROOT
+
+HEAVY = ("megatron", "transformers", "peft", "torch")
+PROBE = """import json, sys
+from mconv.cli import main
+for line in json.loads(sys.argv[1]):
+    try:
+        main(line, standalone_mode=False)
+    except SystemExit as e:
+        assert not e.code, (line, e.code)
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(%r))))
+""" % (HEAVY,)
+
+
+def imported(*commands: list) -> set[str]:
+    """The heavy top-level packages that running `commands` (mconv argument lists, one after
+    another) imported in a fresh interpreter. One interpreter runs them all, to keep the test fast:
+    a package none of them may import is absent at the end only if each left it out."""
+    lines = [[str(a) for a in command] for command in commands]
+    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(lines)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_help_imports_no_torch():
+    assert imported(["--help"], ["hf2mcore", "--help"], ["mcore2hf", "--help"]) == set()
+
+
+def test_inspect_verify_dry_run_and_legacy_format_import_no_megatron(tmp_path):
+    """The whole legacy round trip (with 2 workers), inspect of both sides, verify and a dry run."""
+    hf, ckpt, back = FIXTURES / "qwen3-moe-tiny", tmp_path / "ckpt", tmp_path / "back"
+    assert imported(["inspect", hf],
+                    ["hf2mcore", hf, tmp_path / "plan", "--tp", "2", "--ep", "2", "--dry-run"],
+                    ["hf2mcore", hf, ckpt, "--tp", "2", "--pp", "2", "--ep", "2", "--format", "torch", "-q",
+                     "--workers", "2"],
+                    ["inspect", ckpt],
+                    ["mcore2hf", ckpt, back, "-q", "--workers", "2"],
+                    ["verify", hf, back, "-q"]) == {"torch"}
