@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 COUNT = """import sys
 from pathlib import Path
 calls = []
-from torch.distributed.checkpoint import FileSystemReader  # the reader before mconv had its own
+from torch.distributed.checkpoint.filesystem import FileSystemReader  # the reader before mconv had its own
 real = FileSystemReader.read_metadata
 FileSystemReader.read_metadata = lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
 try:
@@ -43,9 +43,18 @@ print(len(calls))
 """
 
 
+class Rows(list):
+    """The measured rows, each also printed to stderr as soon as it is measured."""
+
+    def append(self, row) -> None:
+        print("row:", json.dumps(row), file=sys.stderr, flush=True)
+        super().append(row)
+
+
 def timed(command: list[str], env: dict) -> float:
     start = time.perf_counter()
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    # cwd=/: `python -c` puts the working directory first on sys.path, before PYTHONPATH's tree
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, cwd="/")
     subprocess.run(["sync"], check=True)
     return time.perf_counter() - start
 
@@ -77,7 +86,7 @@ def main() -> None:
         make_synthetic(big, config)
     inputs = {"tiny": ROOT / "fixtures" / "qwen3-moe-tiny", "synthetic": big}
     sizes = {k: sum(p.stat().st_size for p in v.glob("*.safetensors")) for k, v in inputs.items()}
-    rows = []
+    rows = Rows()
     floor = work / "floor"
     start = time.perf_counter()
     floor.mkdir(exist_ok=True)
@@ -102,7 +111,7 @@ def main() -> None:
         out = work / f"{name}-synthetic-1"
         shutil.rmtree(f"{out}-count", ignore_errors=True)
         count = subprocess.run([sys.executable, "-c", COUNT, str(out), f"{out}-count"], env=mconv(tree)[1],
-                               check=True, capture_output=True, text=True).stdout.split()[-1]
+                               check=True, capture_output=True, text=True, cwd="/").stdout.split()[-1]
         rows.append((f"{name}: .metadata parses in one mcore2hf", "synthetic", 1, None, int(count)))
     print(f"synthetic checkpoint: {sizes['synthetic'] / 1e6:.0f} MB, {options.layers} layers, "
           f"{options.experts} experts; tiny: {sizes['tiny'] / 1e6:.1f} MB")
