@@ -31,3 +31,9 @@ assert m.version("mbridge") == "0.15.1+git.10cb17f" and m.version("megatron-brid
     .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps megatron-bridge
     .venv/bin/python -m pip install --quiet -c constraints.txt omegaconf
 fi
+
+# An older megatron-core beside ours, for the test that it loads mconv's torch_dist checkpoints
+# (run with PYTHONPATH pointing here; 0.14.0 is the oldest release with a wheel for Python 3.12).
+if [ ! -d .venv/mcore-0.14/megatron ]; then
+    .venv/bin/python -m pip install --quiet --no-deps --only-binary=:all: --target .venv/mcore-0.14 megatron-core==0.14.0
+fi

@@ -175,3 +175,22 @@ def test_tied_model_with_different_lm_head_is_refused(tmp_path):
     hf = tied_with_head(tmp_path, head)
     assert_refused(CliRunner().invoke(main, ["hf2mcore", str(hf), str(tmp_path / "out")]), tmp_path / "out",
                    "lm_head.weight differs from model.embed_tokens.weight")
+
+
+def test_yarn_args_in_torch_dist_common_state(tmp_path):
+    """torch_dist keys do not depend on the rotary embedding (it has no parameters): a YaRN model
+    converts both ways bit for bit, and megatron-core's own common-state loader reads the YaRN args."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    hf = shutil.copytree(FIXTURES / "qwen3-tiny", tmp_path / "hf")
+    config = {**DENSE, "rope_parameters": {**YARN, "rope_theta": 1e6}}
+    (hf / "config.json").write_text(json.dumps(config))
+    for command in (["hf2mcore", hf, tmp_path / "ckpt", "-q"], ["mcore2hf", tmp_path / "ckpt", tmp_path / "back", "-q"]):
+        result = CliRunner().invoke(main, [str(c) for c in command])
+        assert result.exit_code == 0, result.output
+    args = load_common_state_dict(str(tmp_path / "ckpt" / "release"))["args"]
+    assert {k: getattr(args, k) for k in rope_args(config)} == rope_args(config)
+    original = load_file(hf / "model.safetensors")
+    back = {k: v for f in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert original.keys() == back.keys()
+    assert all(torch.equal(original[k].view(torch.uint8), back[k].view(torch.uint8)) for k in original)

@@ -32,13 +32,15 @@ def fp32_checkpoint(tmp_path_factory):
     return fp32, ckpt
 
 
-@pytest.mark.parametrize("dtype", [None, "bfloat16", "float16", "float32"])
-def test_dtype_on_export(fp32_checkpoint, tmp_path, dtype):
+@pytest.mark.parametrize("dtype,workers", [(None, 1), ("bfloat16", 1), ("float16", 1), ("float32", 1),
+                                           ("bfloat16", 2)])
+def test_dtype_on_export(fp32_checkpoint, tmp_path, dtype, workers):
     from transformers import AutoModelForCausalLM
 
     fp32, ckpt = fp32_checkpoint
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["mcore2hf", str(ckpt), str(out), "-q"] + (["--dtype", dtype] if dtype else []))
+    result = CliRunner().invoke(main, ["mcore2hf", str(ckpt), str(out), "-q", "--workers", str(workers)]
+                                + (["--dtype", dtype] if dtype else []))
     assert result.exit_code == 0, result.output
     expected = getattr(torch, dtype or "float32")  # default: the checkpoint's own dtype, float32
     assert json.loads((out / "config.json").read_text())["dtype"] == str(expected).removeprefix("torch.")

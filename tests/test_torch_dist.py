@@ -1,5 +1,10 @@
 """torch_dist: written by mconv and loaded by megatron-core at another layout; written by
 megatron-core and read by mconv; bit-exact round trips."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -125,3 +130,78 @@ def test_metadata_is_parsed_once_per_process(tmp_path, monkeypatch):
     assert parsed == [".metadata"] and torch_dist_io.metadata_reads == before + 1
     inspect_path(tmp_path / "m")
     assert parsed == [".metadata"]
+
+
+@pytest.mark.slow
+def test_mconv_reads_all_moe_torch_dist_with_per_layer_keys(tmp_path):
+    """Issue 10.1, reading: megatron-core gives an all-MoE model configured with `moe_layer_freq` as a
+    list (as the oracle's config does: [1, 1, 1, 1]) per-layer keys, not the stacked ones of the int 1;
+    mconv reads such a checkpoint megatron-core saved (logits of our HF output equal megatron-core's)."""
+    from mconv.converter.torch_dist_io import TorchDistReader
+
+    hf_dir = make_qwen3_moe(tmp_path / "hf", mlp_only_layers=[], tokenizer=False)
+    iter_dir = tmp_path / "theirs" / "iter_0000003"
+    iter_dir.mkdir(parents=True)
+    run = MegatronRun(tmp_path / "theirs", read_config(hf_dir), ep=2, padded_vocab=384, tokens=TOKENS,
+                      save_to=iter_dir)
+    theirs = megatron_logits(run, tmp_path)
+    assert any(key.startswith("decoder.layers.0.") for key in TorchDistReader(iter_dir).tensors)
+    mcore2hf(iter_dir, tmp_path / "back", hf_config=hf_dir, progress=False)
+    assert (hf_logits(tmp_path / "back", TOKENS) - theirs).abs().max().item() < 1e-4
+
+
+OLD_MEGATRON = Path(sys.prefix) / "mcore-0.14"  # scripts/install.sh: megatron-core 0.14.0 in its own target dir
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not OLD_MEGATRON.is_dir(), reason=f"no older megatron-core at {OLD_MEGATRON} "
+                    "(scripts/install.sh installs 0.14.0 there)")
+def test_older_megatron_core_loads_mconv_torch_dist(tmp_path):
+    """Issue 10.2: megatron-core 0.14.0 (the oldest release with a wheel for this Python; releases
+    before 0.19 read the common state only from `common.pt`) loads what mconv writes with its own
+    `dist_checkpointing.load` (strict), and its forward pass equals transformers'."""
+    hf_dir = FIXTURES / "qwen3-moe-tiny"
+    summary = hf2mcore(hf_dir, tmp_path / "m", Layout(), progress=False)
+    env = {**os.environ, "PYTHONPATH": str(OLD_MEGATRON)}
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("old_megatron_load.py")),
+                             str(tmp_path / "m" / "release"), str(hf_dir), str(summary.plan.padded_vocab),
+                             str(tmp_path / "logits.pt")],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("0.14.0 ") and str(OLD_MEGATRON) in result.stdout
+    logits = torch.load(tmp_path / "logits.pt")[..., :read_config(hf_dir)["vocab_size"]]
+    assert (logits - hf_logits(hf_dir, TOKENS)).abs().max().item() < 1e-4
+
+
+@pytest.mark.slow
+def test_all_moe_torch_dist_loads_in_a_model_built_from_its_stored_args(tmp_path):
+    """Issue 10.1, writing: mconv's all-MoE torch_dist stores `moe_layer_freq=1`, so the model a
+    Megatron-LM job builds from the stored args (its parse_args defaults + the stored args,
+    validate_args, core_transformer_config_from_args) asks for the stacked keys the checkpoint holds:
+    megatron-core's dist_checkpointing.load (strict) at TP2/EP2, logits equal transformers'."""
+    from mconv.converter.torch_dist_io import TorchDistReader
+    from tests.megatron_oracle import trainer_args
+
+    hf_dir = make_qwen3_moe(tmp_path / "hf", mlp_only_layers=[], tokenizer=False)
+    summary = hf2mcore(hf_dir, tmp_path / "m", Layout(tp=2), progress=False)
+    stored = TorchDistReader(tmp_path / "m" / "release").args
+    assert stored.moe_layer_freq == 1
+    run = MegatronRun(tmp_path / "m", read_config(hf_dir), tp=2, ep=2, etp=1, fmt="torch_dist",
+                      padded_vocab=summary.plan.padded_vocab, tokens=TOKENS)
+    run.args = trainer_args(stored, run)
+    assert (megatron_logits(run, tmp_path) - hf_logits(hf_dir, TOKENS)).abs().max().item() < 1e-4
+
+
+def test_reading_metadata_and_inspect_import_neither_megatron_nor_dcp(tmp_path):
+    """The reader's metadata, common state and `inspect` of a torch_dist checkpoint need neither
+    megatron-core nor torch.distributed.checkpoint (seconds of imports each)."""
+    hf2mcore(FIXTURES / "qwen3-moe-tiny", tmp_path / "m", Layout(), progress=False)
+    code = ("import sys; from mconv.converter.describe import inspect_path; from mconv.converter.torch_dist_io "
+            f"import TorchDistReader; inspect_path({str(tmp_path / 'm')!r}); "
+            f"r = TorchDistReader({str(tmp_path / 'm' / 'release')!r}); r.read_box('embedding.word_embeddings.weight'); "
+            "assert r.args.num_layers == 4; "
+            "print(sorted(m for m in sys.modules if m.startswith(('megatron', 'torch.distributed.checkpoint'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

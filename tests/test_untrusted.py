@@ -3,6 +3,7 @@
 is refused with one sentence when it names a global outside the allow-list, by every command and
 library call, and the payload never runs. The oracle is the payload itself: a `__reduce__` that
 would create a marker file."""
+import argparse
 import io
 import os
 import pickle
@@ -142,3 +143,121 @@ def test_payload_is_refused_by_the_library(checkpoints, tmp_path, kind):
         with pytest.raises(MconvError, match="refused to unpickle posix.system"):
             call()
     assert not marker.exists() and not (tmp_path / "hf").exists() and not (tmp_path / "adapter").exists()
+
+
+# ------------------------------------------------------- real training checkpoints still load
+
+def training_args(stored) -> "argparse.Namespace":
+    """The full args Namespace Megatron-LM stores: its own parser's defaults (enums such as
+    `attention_backend`, dtypes, lists, paths) with the model's args laid over them."""
+    import contextlib
+    import sys
+
+    import megatron.training.arguments as arguments
+
+    argv, sys.argv = sys.argv, ["pretrain_gpt.py"]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = arguments.parse_args()
+    finally:
+        sys.argv = argv
+    for name, value in vars(stored).items():
+        setattr(args, name, value)
+    args.main_grads_dtype = args.main_params_dtype = args.exp_avg_dtype = args.exp_avg_sq_dtype = torch.float32
+    return args
+
+
+def training_state(model, args, sharded: bool) -> dict:
+    """What Megatron-LM's save_checkpoint adds beside the model, built with megatron-core: Adam's
+    state (sharded like the parameters, through megatron-core's optim_state_to_sharding_state, for
+    torch_dist), the LR scheduler's and rerun state machine's state dicts, RNG state with NumPy's."""
+    import random
+
+    import numpy as np
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            optim_state_to_sharding_state)
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine, initialize_rerun_state_machine
+
+    params = [p for p in model.parameters()]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    adam = torch.optim.Adam(params, lr=0.0)  # state as after a step, weights unchanged
+    adam.step()
+    scheduler = OptimizerParamScheduler(adam, init_lr=0.0, max_lr=1e-4, min_lr=1e-5, lr_warmup_steps=10,
+                                        lr_decay_steps=100, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                        wd_incr_steps=100, wd_incr_style="constant")
+    from megatron.core import rerun_state_machine
+
+    if rerun_state_machine._GLOBAL_RERUN_STATE_MACHINE is None:
+        initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS)
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()}}
+    optimizer = adam.state_dict()
+    if sharded:
+        optim_state_to_sharding_state(optimizer, get_param_id_to_sharded_param_map(model.sharded_state_dict(), params),
+                                      exclude_keys="step")
+        rng = ShardedObject("rng_state", [rng], (1, 1), (0, 0), replica_id=0)
+    return {"args": args, "checkpoint_version": 3.0, "iteration": 100, "optimizer": optimizer,
+            "opt_param_scheduler": scheduler.state_dict(), "rng_state": rng if sharded else [rng],
+            "rerun_state_machine": get_rerun_state_machine().state_dict(None, "torch_dist" if sharded else "torch"),
+            "num_floating_point_operations_so_far": 1.5e15}
+
+
+@pytest.mark.slow
+def test_training_checkpoints_with_optimizer_and_rng_state_convert_bit_exactly(checkpoints, tmp_path, monkeypatch):
+    """A torch_dist checkpoint saved by megatron-core's dist_checkpointing.save and legacy rank files
+    (torch.save), each with Megatron-LM's full args, Adam state, LR scheduler, rerun state and RNG
+    state (NumPy's too), convert to the original HF weights bit for bit; the unpickler refuses none
+    of it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from mconv.converter.torch_dist import core_config, megatron_process_group, sharded_parameters
+    from mconv.converter.torch_dist_io import TorchDistReader
+    from tests.test_roundtrip import assert_bit_identical, read_all
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    reader = TorchDistReader(checkpoints / "torch_dist" / "release")
+    stored = reader.args
+    args = training_args(stored)
+    theirs = tmp_path / "dist" / "iter_0000100"
+    theirs.mkdir(parents=True)
+    (tmp_path / "dist" / "latest_checkpointed_iteration.txt").write_text("100")
+    with megatron_process_group():
+        config = core_config(stored, torch.bfloat16)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=stored.padded_vocab_size,
+                         max_sequence_length=stored.max_position_embeddings, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=not stored.untie_embeddings_and_output_weights,
+                         rotary_base=stored.rotary_base)
+        stored_dtypes = {name: reader.tensors[entries[0].key].dtype for name, entries in sharded_parameters(model).items()}
+        for name, param in model.named_parameters():  # as stored (bf16 weights, fp32 norms), as a trainer's
+            param.data = param.data.to(stored_dtypes[name])
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()},
+                                         str(checkpoints / "torch_dist" / "release"))
+        model.load_state_dict(loaded["model"], strict=True)
+        state = training_state(model, args, sharded=True)
+        dist_checkpointing.save({"model": model.sharded_state_dict(), **state}, str(theirs))
+    assert not (theirs / "common.pt").exists()  # 0.19 keeps the common state inside the .distcp files
+    common = TorchDistReader(theirs).common  # through the restricted unpickler, without megatron-core's classes
+    assert {"optimizer", "opt_param_scheduler", "rerun_state_machine"} <= common.keys()
+    assert type(common["args"].attention_backend).__name__ == "AttnBackend"
+    mcore2hf(tmp_path / "dist", tmp_path / "hf-dist", hf_config=TINY, progress=False)
+    assert_bit_identical(read_all(TINY), read_all(tmp_path / "hf-dist"))
+
+    legacy = Path(shutil.copytree(checkpoints / "torch", tmp_path / "legacy"))
+    for path in legacy.glob("release/mp_rank_*/model_optim_rng.pt"):
+        rank = torch.load(path, weights_only=False)
+        with megatron_process_group():
+            extra = training_state(torch.nn.Linear(2, 2), training_args(rank["args"]), sharded=False)
+        torch.save({**rank, **extra, "iteration": 0}, path)
+    from mconv.converter.megatron_io import load_rank_file
+
+    rank = load_rank_file(next(legacy.glob("release/mp_rank_*/model_optim_rng.pt")))
+    assert rank["rng_state"][0]["np_rng_state"][1].dtype.name == "uint32" and "exp_avg" in str(rank["optimizer"])
+    mcore2hf(legacy, tmp_path / "hf-legacy", progress=False)
+    assert_bit_identical(read_all(TINY), read_all(tmp_path / "hf-legacy"))

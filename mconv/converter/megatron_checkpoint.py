@@ -146,6 +146,10 @@ class DistCheckpoint:
             check_args(self.args, arch, dims, location.iter_dir)
         self.load_args = mio.megatron_lm_args(self.layout, dims, arch.megatron_args(dims), "local",
                                               self.padded_vocab, torch.bfloat16, "torch_dist")
+        if getattr(self.load_args, "moe_layer_freq", None) == 1 and any(
+                key.startswith("decoder.layers.0.") for key in self.reader.tensors):
+            # An all-MoE model trained with --moe-layer-freq given as a list stores per-layer keys.
+            self.load_args.moe_layer_freq = [1] * dims.layers
 
     def tensor_bytes(self) -> tuple[int, int]:
         return len(self.reader.tensors), self.reader.nbytes()

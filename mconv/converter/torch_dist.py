@@ -72,10 +72,9 @@ def core_config(args: Namespace, dtype: torch.dtype):
 
     moe = {}
     if getattr(args, "num_experts", None):
-        freq = args.moe_layer_freq
         moe = dict(num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                    moe_router_topk=args.moe_router_topk, moe_router_pre_softmax=args.moe_router_pre_softmax,
-                   moe_layer_freq=1 if all(freq) else list(freq), moe_grouped_gemm=False)
+                   moe_layer_freq=args.moe_layer_freq, moe_grouped_gemm=False)
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,

@@ -18,6 +18,7 @@ written with few `writev` calls and one fsync per file; each member of a team wr
 """
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import os
@@ -27,7 +28,7 @@ import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -122,6 +123,35 @@ class _Window(io.RawIOBase):
         return n
 
 
+class _ChunkIndex:
+    """The stored chunks of one tensor, indexed dimension by dimension (sorted starts, bisect), so
+    finding the chunks a box overlaps costs about log(chunks), not one test per chunk: stacked keys
+    hold one chunk per layer (and expert, and GLU half)."""
+
+    def __init__(self, chunks: Sequence[StoredChunk], dim: int = 0):
+        self.dim = dim
+        groups: dict[int, list[StoredChunk]] = {}
+        for chunk in chunks:
+            groups.setdefault(chunk.offsets[dim] if chunk.offsets else 0, []).append(chunk)
+        self.starts = sorted(groups)
+        self.longest = max((c.sizes[dim] for c in chunks if c.sizes), default=1)
+        last = not chunks or dim + 1 >= len(chunks[0].offsets)
+        self.groups = {start: (group if last else _ChunkIndex(group, dim + 1)) for start, group in groups.items()}
+
+    def find(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterator[StoredChunk]:
+        if not offsets:
+            yield from (c for group in self.groups.values() for c in group)
+            return
+        lo = bisect.bisect_left(self.starts, offsets[self.dim] - self.longest + 1)
+        hi = bisect.bisect_left(self.starts, offsets[self.dim] + sizes[self.dim])
+        for start in self.starts[lo:hi]:
+            group = self.groups[start]
+            if isinstance(group, _ChunkIndex):
+                yield from group.find(offsets, sizes)
+            else:
+                yield from group
+
+
 def _box_overlap(a_off, a_size, b_off, b_size) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     starts = tuple(max(x, y) for x, y in zip(a_off, b_off))
     stops = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size))
@@ -166,6 +196,7 @@ class TorchDistReader:
             raise MconvError(f"{path}: not a torch.distributed.checkpoint metadata file mconv can read "
                              f"({type(e).__name__}: {e})") from None
         self._decoded: dict[StoredChunk, _ChunkData] = {}
+        self._indexes: dict[str, _ChunkIndex] = {}  # built on a key's first read
         self.common = self._common_state()
         self.args = self.common.get("args") if isinstance(self.common, dict) else None
 
@@ -235,7 +266,9 @@ class TorchDistReader:
                 raise MconvError(f"{self.iter_dir}: tensor {key} ({info.dtype}, {list(info.shape)}) has no box "
                                  f"{list(sizes)} {dest.dtype} at {list(offsets)}")
             covered = 0
-            for chunk in info.chunks:
+            if key not in self._indexes:
+                self._indexes[key] = _ChunkIndex(info.chunks)
+            for chunk in self._indexes[key].find(offsets, sizes):
                 overlap = _box_overlap(chunk.offsets, chunk.sizes, offsets, sizes)
                 if overlap is None:
                     continue

@@ -34,7 +34,16 @@ def megatron_args(d: SimpleNamespace) -> dict:
                 # Softmax over the top-k logits (pre_softmax False) renormalises like norm_topk_prob;
                 # softmax over all experts first (pre_softmax True) keeps the raw probabilities.
                 moe_router_pre_softmax=not d.norm_topk_prob, moe_router_score_function="softmax",
-                moe_layer_freq=[int(i in d.moe_layers) for i in range(d.layers)])
+                moe_layer_freq=moe_layer_freq(d))
+
+
+def moe_layer_freq(d: SimpleNamespace) -> int | list[int]:
+    """Megatron-LM's --moe-layer-freq: the int 1 when every layer is MoE, else the per-layer list.
+    It changes megatron-core's torch_dist keys: a list gives per-layer keys (`decoder.layers.0....`)
+    even when all ones, the int stacked ones; the stored args must build the model whose keys the
+    checkpoint holds (megatron-core 0.19.2)."""
+    flags = [int(i in d.moe_layers) for i in range(d.layers)]
+    return 1 if all(flags) else flags
 
 
 def moe(d, layer):

@@ -16,12 +16,10 @@ the MLP is not gated; norms are LayerNorms (weight and bias); the merger's norm 
 import logging
 from types import SimpleNamespace
 
-import torch
-
 from mconv.converter.transforms import COLUMN, QKV, REPLICATED, ROW
 from mconv.errors import MconvError
 from mconv.mappings import qwen3, qwen3_moe
-from mconv.mappings.common import config_value
+from mconv.mappings.common import config_value, rope_parameters
 from mconv.mappings.schema import FIRST, Architecture, Rule, extra_state, prefixed
 
 V = "vision_model."
@@ -88,21 +86,19 @@ VISION = (
 )
 
 
-def _rope(text: dict) -> dict:
-    """transformers 5.x: rope_parameters; 4.x: rope_theta beside rope_scaling."""
-    return text.get("rope_parameters") or text.get("rope_scaling") or {}
-
-
 def dims(config: dict, language=qwen3.dims) -> SimpleNamespace:
     text, vision = config_value(config, "text_config"), config_value(config, "vision_config")
     # The top-level tie_word_embeddings decides (5.x MoE text configs carry their own default true,
     # which transformers and Megatron-Bridge ignore).
     d = language({**text, "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))})
-    section = _rope(text).get("mrope_section")
+    section = rope_parameters(text)[0].get("mrope_section")
     if not section or sum(section) * 2 != d.head_dim:
         raise MconvError(f"config.json: text_config's mrope_section {section} does not cover head_dim {d.head_dim} "
                          "(its entries must add up to head_dim / 2)")
     d.mrope_section = list(section)
+    if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise MconvError(f"config.json: vision_config.hidden_act is {vision['hidden_act']!r}; the Megatron "
+                         "Qwen3VLModel's vision blocks use gelu_pytorch_tanh (tanh-approximated GELU)")
     hidden, heads = config_value(vision, "hidden_size"), config_value(vision, "num_heads")
     merge = config_value(vision, "spatial_merge_size")
     d.vision_layers, d.vision_hidden, d.vision_heads = config_value(vision, "depth"), hidden, heads
@@ -162,6 +158,8 @@ def megatron_model(args, config):
     `config` is the language model's TransformerConfig. Its `sharded_state_dict()` gives the
     torch_dist keys (the vision tower's local-spec norms keep their local names there)."""
     import dataclasses
+
+    import torch
 
     try:
         from mbridge.models.qwen3_vl.model import Qwen3VLModel
@@ -231,9 +229,9 @@ def hf_config(config: dict) -> dict:
     """config.json that transformers 4.57 and 5.x both read: 4.x reads rope_theta + rope_scaling and
     num_experts, 5.x rope_parameters and num_local_experts (reference qwen3-vl.md, section 2)."""
     text = dict(config["text_config"])
-    rope = dict(_rope(text))
+    rope = rope_parameters(text)[0]
     text["rope_parameters"] = rope
-    text["rope_theta"] = rope.get("rope_theta", text.get("rope_theta"))
+    text["rope_theta"] = rope["rope_theta"]
     text["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     experts = text.get("num_local_experts") or text.get("num_experts")
     if experts:
