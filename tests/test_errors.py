@@ -192,7 +192,7 @@ def test_inputs_are_not_modified(tmp_path):
 # ----------------------------------------------------------------------------- usage errors (issue 10.12)
 
 @pytest.mark.parametrize("args,fragment", [
-    (["hf2mcore", TINY / "config.json", "out"], "Invalid value for 'HF_DIR': Directory"),
+    (["hf2mcore", TINY / "config.json", "out"], "Invalid value for 'HF_DIR|HUB_NAME': Directory"),
     (["mcore2hf", "ckpt", "out", "--max-shard-size", "3XB"], "'--max-shard-size': '3XB' is not a size"),
     (["mcore2hf", "ckpt", "out", "--max-shard-size", "0"], "'--max-shard-size': '0' is not a positive size"),
     (["hf2mcore", TINY, "out", "--tpp", "2"], "No such option '--tpp'"),
