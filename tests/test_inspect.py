@@ -102,9 +102,12 @@ def test_a_checkpoint_mconv_did_not_write(checkpoints, tmp_path):
     assert result.exit_code == 1 and result.stderr.startswith("mconv: error: ")
 
 
-def test_trainer_flags_parse_back_with_megatron_lm(checkpoints):
-    """Megatron-LM's own parser reads the printed flags into the saved args' values."""
+def test_trainer_flags_parse_back_with_megatron_lm(checkpoints, tmp_path):
+    """Megatron-LM's own parser reads the printed flags (the JSON argv, and the text line as a
+    shell splits it) into the saved args' values: the MoE TP2 EP2 checkpoint, and a dense one with
+    uneven pipeline stages, which must print them and no MoE-only flags."""
     import argparse
+    import shlex
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -114,22 +117,57 @@ def test_trainer_flags_parse_back_with_megatron_lm(checkpoints):
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     tmp, _ = checkpoints
-    args = vars(mio.load_rank_file(tmp / "torch" / "release" / "mp_rank_00_000" / "model_optim_rng.pt")["args"])
-    info = json.loads(mconv("inspect", tmp / "torch", "--json").output)
-    parsed, unknown = parser.parse_known_args(info["trainer_flags"])
-    assert not unknown
-    checked = 0
-    for dests, flag in MODEL_FLAGS + LAYOUT_FLAGS:
-        saved = saved_value(args, dests)
-        if saved is None:
-            continue
-        parsed_value = getattr(parsed, parser._option_string_actions[flag].dest)
-        if flag == "--expert-tensor-parallel-size" and parsed_value is None:
-            parsed_value = parsed.tensor_model_parallel_size  # Megatron-LM's validate_args default
-        assert parsed_value == saved, (flag, parsed_value, saved)
-        checked += 1
-    assert checked > 25
-    assert re.search(r"--moe-layer-freq \[1,0,1,1\]", " ".join(info["trainer_flags"]))
+    uneven = tmp_path / "uneven"
+    result = mconv("hf2mcore", FIXTURES / "qwen3-tiny", uneven, "--format", "torch", "--pp", 3,
+                   "--first-stage-layers", 1, "--last-stage-layers", 1, "--spec", "te", "-q")
+    assert result.exit_code == 0, result.output
+    for path, min_checked in ((tmp / "torch", 25), (uneven, 15)):
+        args = vars(mio.load_rank_file(sorted((path / "release").glob("mp_rank_*"))[0] / "model_optim_rng.pt")["args"])
+        dense = not args.get("num_experts")
+        info = json.loads(mconv("inspect", path, "--json").output)
+        text = mconv("inspect", path).output
+        line = next(line.split(None, 1)[1] for line in text.splitlines() if line.split()[:1] == ["trainer"])
+        assert shlex.split(line) == info["trainer_flags"], line  # pastes into a shell as the same argv
+        parsed, unknown = parser.parse_known_args(info["trainer_flags"])
+        assert not unknown
+        checked = 0
+        for dests, flag in MODEL_FLAGS + LAYOUT_FLAGS:
+            saved = saved_value(args, dests)
+            if saved is None:
+                continue
+            if dense and (flag.startswith("--moe-") or flag.startswith("--expert-")):
+                assert flag not in info["trainer_flags"], (path, flag)  # MoE-only: not for a dense model
+                continue
+            parsed_value = getattr(parsed, parser._option_string_actions[flag].dest)
+            if flag == "--expert-tensor-parallel-size" and parsed_value is None:
+                parsed_value = parsed.tensor_model_parallel_size  # Megatron-LM's validate_args default
+            assert parsed_value == saved, (path, flag, parsed_value, saved)
+            checked += 1
+        assert checked > min_checked, (path, checked)
+        if dense:
+            assert not [f for f in info["trainer_flags"] if f.startswith(("--moe", "--expert", "--num-experts"))]
+            assert (parsed.pipeline_model_parallel_size, parsed.decoder_first_pipeline_num_layers,
+                    parsed.decoder_last_pipeline_num_layers) == (3, 1, 1)
+            assert "--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1" in line
+        else:
+            assert re.search(r"--moe-layer-freq \[1,0,1,1\]", " ".join(info["trainer_flags"]))
+            assert "--moe-layer-freq '[1,0,1,1]'" in line
+
+
+def test_vpp_flags():
+    """Virtual pipeline stages as Megatron-LM names them: the saved per-rank stage count (or the
+    derived virtual_pipeline_model_parallel_size older args hold), or the saved layers per stage,
+    never both (Megatron-LM refuses both)."""
+    from mconv.converter.describe import trainer_flags
+
+    base = {"num_layers": 8, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
+    assert trainer_flags({**base, "num_virtual_stages_per_pipeline_rank": 2})[-2:] == [
+        "--num-virtual-stages-per-pipeline-rank", "2"]
+    assert trainer_flags({**base, "virtual_pipeline_model_parallel_size": 2})[-2:] == [
+        "--num-virtual-stages-per-pipeline-rank", "2"]
+    flags = trainer_flags({**base, "num_layers_per_virtual_pipeline_stage": 2, "virtual_pipeline_model_parallel_size": 2})
+    assert flags[-2:] == ["--num-layers-per-virtual-pipeline-stage", "2"]
+    assert "--num-virtual-stages-per-pipeline-rank" not in flags
 
 
 def test_settings_beyond_the_flags_are_shown():

@@ -8,6 +8,7 @@ beyond what the checkpoint readers need.
 """
 from __future__ import annotations
 
+import shlex
 from argparse import Namespace
 from pathlib import Path
 
@@ -48,6 +49,7 @@ MODEL_FLAGS = (
 LAYOUT_FLAGS = (
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
     (("num_virtual_stages_per_pipeline_rank", "virtual_pipeline_model_parallel_size"),
      "--num-virtual-stages-per-pipeline-rank"),
     ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
@@ -56,6 +58,11 @@ LAYOUT_FLAGS = (
     ("expert_tensor_parallel_size", "--expert-tensor-parallel-size"),
 )
 INVERTED = {"add_bias_linear"}  # Megatron-LM sets these False with the flag
+# Layout fields left out at Megatron-LM's default (ETP's is TP); the others are printed whenever set.
+LAYOUT_DEFAULT_ONE = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+                      "num_virtual_stages_per_pipeline_rank", "expert_model_parallel_size"}
+# Flags Megatron-LM only uses for MoE models: left out of a dense model's flags.
+MOE_ONLY = {"--moe-grouped-gemm", "--expert-model-parallel-size", "--expert-tensor-parallel-size"}
 
 
 def saved_value(args: dict, dests):
@@ -67,17 +74,25 @@ def saved_value(args: dict, dests):
 
 
 def trainer_flags(args: dict, layout: bool = True) -> list[str]:
-    """Megatron-LM flags reproducing the saved args' model (and, with `layout`, parallel layout):
-    booleans as bare flags, lists in Megatron-LM's `[1,0,1]` syntax, unset fields left out."""
+    """Megatron-LM flags reproducing the saved args' model (and, with `layout`, parallel layout,
+    uneven pipeline stages and VPP included): one argv item each (`shell_line` quotes them),
+    booleans as bare flags, lists in Megatron-LM's `[1,0,1]` syntax, unset fields left out, and
+    no MoE-only flags for a dense model."""
     flags = []
+    dense = not args.get("num_experts")
     for dests, flag in MODEL_FLAGS + (LAYOUT_FLAGS if layout else ()):
         value = saved_value(args, dests)
         if dests in INVERTED:
             value = value is False
-        # Megatron-LM's defaults: parallel sizes 1, except ETP, which defaults to TP.
-        default = (args.get("tensor_model_parallel_size") if dests == "expert_tensor_parallel_size" else 1)
-        if value is None or value is False or ((dests, flag) in LAYOUT_FLAGS and value == default):
+        if value is None or value is False or (dense and (flag in MOE_ONLY or flag.startswith("--moe-"))):
             continue
+        first = dests if isinstance(dests, str) else dests[0]
+        if first in LAYOUT_DEFAULT_ONE and value == 1:
+            continue
+        if first == "expert_tensor_parallel_size" and value == args.get("tensor_model_parallel_size"):
+            continue  # Megatron-LM's default ETP is TP
+        if first == "num_virtual_stages_per_pipeline_rank" and args.get("num_layers_per_virtual_pipeline_stage"):
+            continue  # Megatron-LM takes one of the two VPP flags; the saved one is printed
         if value is True:
             flags.append(flag)
         elif isinstance(value, (list, tuple)):
@@ -270,13 +285,18 @@ def render(info: dict) -> list[str]:
     s = info["size"]
     stored = f" (stored as {s['stored_tensors']} torch_dist tensors)" if "stored_tensors" in s else ""
     lines.append(("size", f"{s['tensors']} tensors{stored}, {s['bytes']:,} bytes, {s['files']} file(s)"))
-    lines.append(("trainer", " ".join(info["trainer_flags"])))
+    lines.append(("trainer", shell_line(info["trainer_flags"])))
     if info.get("other_settings"):
         lines.append(("also", "model settings beyond these flags: " + ", ".join(
             f"{k} {_text(v)}" for k, v in info["other_settings"].items())))
     if "note" in info:
         lines.append(("note", info["note"]))
     return [line if isinstance(line, str) else f"  {line[0]:<8} {line[1]}" for line in lines]
+
+
+def shell_line(flags: list[str]) -> str:
+    """The flags as one line a shell reads back into the same argv (`'[1,0,1,1]'` quoted)."""
+    return shlex.join(flags)
 
 
 def _text(value) -> str:
@@ -287,4 +307,4 @@ def _text(value) -> str:
     return str(value)
 
 
-__all__ = ["inspect_path", "render", "trainer_flags"]
+__all__ = ["inspect_path", "render", "shell_line", "trainer_flags"]

@@ -493,7 +493,11 @@ class DistEntry:
         return 0 if self.global_shape is None else self.dtype.itemsize * torch.Size(self.sizes).numel()
 
 
-def _serialize(entry: DistEntry) -> bytes | memoryview:
+def _serialize(entry: DistEntry) -> bytes:
+    """The entry as torch.save writes it. Bytes, not `BytesIO.getbuffer()`: a buffer view kept
+    alive by a failed write's traceback (ENOSPC) made the BytesIO die with exported buffers at
+    exit (SystemError, then a segfault). `getvalue()` hands over the BytesIO's own bytes (no copy
+    while nothing else shares them)."""
     value = entry.produce()
     buffer = io.BytesIO()
     if entry.global_shape is None:
@@ -507,7 +511,7 @@ def _serialize(entry: DistEntry) -> bytes | memoryview:
         if value.untyped_storage().nbytes() != value.nbytes or value.storage_offset():
             value = value.clone()  # torch.save stores a view's whole storage
         torch.save(value, buffer)
-    return buffer.getbuffer()
+    return buffer.getvalue()
 
 
 def data_file(member: int) -> str:
