@@ -140,7 +140,7 @@ def main():
     mconv mcore2hf OUT HF_OUT                    Megatron checkpoint -> HF safetensors
     mconv inspect PATH                           what a checkpoint is
     mconv export-lora CKPT ADAPTER_OUT           Megatron LoRA -> HF PEFT adapter (or --merge)
-    mconv verify HF_DIR HF_OUT                   are two HF models bit-identical?
+    mconv verify FIRST SECOND                    are two HF models bit-identical?
 
     Outputs are written to a temporary sibling directory and renamed into place only when
     complete; inputs are never modified.
