@@ -140,7 +140,7 @@ def main():
     mconv mcore2hf OUT HF_OUT                    Megatron checkpoint -> HF safetensors
     mconv inspect PATH                           what a checkpoint is
     mconv export-lora CKPT ADAPTER_OUT           Megatron LoRA -> HF PEFT adapter (or --merge)
-    mconv verify HF_DIR HF_OUT                   are two HF models bit-identical?
+    mconv verify FIRST SECOND                    are two HF models bit-identical?
 
     Outputs are written to a temporary sibling directory and renamed into place only when
     complete; inputs are never modified.
@@ -174,11 +174,11 @@ def main():
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="torch_dist", show_default=True,
               help="Megatron checkpoint format: 'torch_dist' (Megatron-LM's default; layout-independent, "
                    "the trainer reshards on load) or 'torch' (legacy, one file per rank).")
-@click.option("--iteration", type=int, default=None,
+@click.option("--iteration", type=click.IntRange(0, 10**9), default=None,
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
-@click.option("--workers", type=int, default=None, help=WORKERS_HELP)
+@click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
@@ -197,8 +197,8 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
         if given:
             fail(f"--layout replaces {', '.join(given)}; give one or the other")
         sizes = run(lambda: parse_layout_string(layout_string))
-    layout = Layout(vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
-                    vocab_divisor=vocab_divisor, **sizes)
+    layout = run(lambda: Layout(vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                                vocab_divisor=vocab_divisor, **sizes))
     from mconv.converter.pipelines import hf2mcore  # imports torch: not needed for --help
 
     started = time.perf_counter()
@@ -237,7 +237,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
               help="Stacked HF experts (Qwen3-VL-MoE): 4.x writes gate_up_proj [E, hidden, 2I] / down_proj "
                    "[E, I, hidden], which transformers 4.57 and 5.x both load; 5.x writes [E, 2I, hidden] / "
                    "[E, hidden, I], as transformers 5.x saves.")
-@click.option("--workers", type=int, default=None, help=WORKERS_HELP)
+@click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_size, overwrite, expert_orientation,

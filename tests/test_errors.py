@@ -110,6 +110,7 @@ def test_unsupported_architecture(tmp_path):
     (["--pp", "3"], "4 layers cannot be split evenly over 3 pipeline stages"),
     (["--pp", "2", "--vpp", "4"], "not divisible by --vpp 4"),
     (["--pp", "2", "--first-stage-layers", "4"], "leave 0 of 4 layers"),
+    (["--tp", str(10**20)], "tp is 100000000000000000000, not a size"),
 ])
 def test_layout_does_not_fit(tmp_path, options, fragment):
     assert_refused(mconv("hf2mcore", TINY, tmp_path / "out", *options), tmp_path / "out", fragment)
@@ -126,10 +127,19 @@ def test_output_exists(tmp_path):
 
 def test_overwrite_replaces_output(tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
+    assert mconv("hf2mcore", TINY, out, "-q").exit_code == 0
     (out / "stale").write_text("x")
     assert mconv("hf2mcore", TINY, out, "--overwrite", "-q").exit_code == 0
     assert not (out / "stale").exists() and (out / "release").is_dir()
+
+
+def test_overwrite_replaces_only_what_mconv_could_have_written(tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("x")
+    assert_refused(mconv("hf2mcore", TINY, precious, "--overwrite", "-q"), precious / "release",
+                   "holds neither a model")
+    assert (precious / "thesis.txt").read_text() == "x"
 
 
 def test_checkpoint_args_disagree_with_hf_config(tmp_path):
@@ -159,6 +169,17 @@ def test_megatron_tensor_missing(tmp_path):
     torch.save(state, path)
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out",
                    "decoder.layers.1.mlp.linear_fc2.weight")
+
+
+def test_shards_with_different_dtypes_are_refused(tmp_path):
+    assert legacy(TINY, tmp_path / "m", "--tp", "2").exit_code == 0
+    path = tmp_path / "m" / "release" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    state["model"][name] = state["model"][name].to(torch.float16)
+    torch.save(state, path)
+    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "-q"), tmp_path / "out", name,
+                   "different dtypes (bfloat16, float16")
 
 
 class Exploit:
@@ -199,6 +220,8 @@ def test_inputs_are_not_modified(tmp_path):
     (["hf2mcore", TINY, "out", "--tp", "two"], "'--tp': 'two' is not a valid integer"),
     (["hf2mcore", TINY], "Missing argument 'OUT_DIR'"),
     (["convert", TINY], "No such command 'convert'"),
+    (["hf2mcore", TINY, "out", "--iteration", "-5"], "'--iteration': -5 is not in the range"),
+    (["mcore2hf", "ckpt", "out", "--workers", "0"], "'--workers': 0 is not in the range x>=1"),
 ])
 def test_usage_errors_are_one_line_with_status_2(tmp_path, args, fragment):
     result = mconv(*args)

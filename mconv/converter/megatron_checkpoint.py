@@ -61,8 +61,13 @@ def check_args(args, arch: Architecture, dims, path: Path) -> None:
     for name, value in expected.items():
         found = saved.get(name)
         if found != value and (name == "num_experts" or None not in (found, value)):
-            raise MconvError(f"{path}: the checkpoint's args say {name}={found}, but the HF config implies "
-                             f"{value}; pass the --hf-config of the model this checkpoint was made from")
+            raise MconvError(f"{path}: the checkpoint's args say {name}={_arg_text(name, found)}, but the HF config "
+                             f"implies {_arg_text(name, value)}; pass the --hf-config of the model this checkpoint "
+                             "was made from")
+
+
+def _arg_text(name: str, value) -> str:
+    return "none (a dense model)" if name == "num_experts" and value is None else str(value)
 
 
 def _detect_spec(chunks: list[dict]) -> str:

@@ -38,6 +38,17 @@ def check_output_path(out: str | Path, overwrite: bool, inputs: tuple[str | Path
         raise MconvError(f"{out} already exists; pass --overwrite to replace it")
     if os.path.lexists(out) and not out.is_dir():
         raise MconvError(f"{out} exists and is not a directory")
+    if os.path.lexists(out) and not _replaceable(out):
+        raise MconvError(f"{out} holds neither a model, an adapter nor a Megatron checkpoint; --overwrite "
+                         "replaces only those (or an empty directory), so remove it yourself if it must go")
+
+
+# What --overwrite may replace: a directory that an mconv command could have written.
+_OUTPUT_MARKERS = ("config.json", "adapter_config.json", "latest_checkpointed_iteration.txt", "mconv.json")
+
+
+def _replaceable(out: Path) -> bool:
+    return not any(out.iterdir()) or any((out / marker).is_file() for marker in _OUTPUT_MARKERS)
 
 
 def umask() -> int:

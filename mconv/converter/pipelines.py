@@ -286,6 +286,10 @@ def _write_exports(load, exports: list[ExportTask], index: int, size: int, write
         shards, written = iter(load([source for task in batch for source in task.sources])), 0
         for task in batch:
             task_shards = [next(shards) for _ in task.sources]
+            if len({shard.dtype for shard in task_shards}) > 1:
+                dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in task_shards)
+                raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
+                                 f"({dtypes}, by group rank); mconv does not cast silently")
             for name, tensor in zip(task.hf, merge([s.shard for s in task.sources], task_shards, task.hf_shapes)):
                 tensor = tensor if dtype is None else tensor.to(dtype)
                 writer.write(name, tensor)
@@ -408,7 +412,8 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
         for name in common:
             x, y = left.read(name), right.read(name)
             if x.dtype != y.dtype or x.shape != y.shape:
-                differences.append(f"{name}: {x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}")
+                a, b = (f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in (x, y))
+                differences.append(f"{name}: {a} vs {b}")
             elif not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
                 differences.append(f"{name}: values differ")
             total += x.nbytes
