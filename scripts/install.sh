@@ -28,8 +28,9 @@ assert m.version("mbridge") == "0.15.1+git.10cb17f" and m.version("megatron-brid
     # Megatron-Bridge without its dependency set (Transformer Engine, modelopt, ...): the tests build
     # local-spec models with its conversion modules only (tests/test_bridges.py says how); omegaconf
     # is the one dependency those modules import.
-    .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps megatron-bridge
+    # omegaconf first: installed after megatron-bridge, pip would print its unmet (unused) requirements.
     .venv/bin/python -m pip install --quiet -c constraints.txt omegaconf
+    .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps megatron-bridge
 fi
 
 # An older megatron-core beside ours, for the test that it loads mconv's torch_dist checkpoints

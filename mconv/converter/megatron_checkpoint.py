@@ -28,7 +28,9 @@ DtypeOf = Callable[[ShardSource], torch.dtype]
 def _config_dir(location: mio.CheckpointLocation, hf_config: str | Path | None) -> Path:
     config_dir = Path(hf_config) if hf_config else location.save_dir / mio.HF_CONFIG_DIR
     if not (config_dir / "config.json").is_file():
-        raise MconvError(f"{location.save_dir} stores no HF config (it was not written by mconv); "
+        why = (f"its {mio.HF_CONFIG_DIR}/config.json is missing" if (location.save_dir / mio.METADATA).is_file()
+               else "it was not written by mconv")
+        raise MconvError(f"{location.save_dir} stores no HF config ({why}); "
                          "pass --hf-config DIR with the model's config.json")
     return config_dir
 

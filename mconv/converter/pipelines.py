@@ -403,6 +403,10 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
 def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[int, int, list[str]]:
     """Compare two HF models (directories or hub names) tensor by tensor (names, dtypes, shapes,
     bytes), one tensor in memory at a time. Returns (tensors, bytes, differences)."""
+    for path in (a, b):
+        if (Path(path) / mio.TRACKER).is_file() or (Path(path) / "metadata.json").is_file():
+            raise MconvError(f"{path} is a Megatron checkpoint; verify compares HF models (convert it with "
+                             "`mconv mcore2hf` first)")
     left, right = (HFCheckpoint(resolve_model(x, progress=progress)) for x in (a, b))
     differences = [f"{name}: only in {left.dir}" for name in sorted(left.tensors.keys() - right.tensors.keys())]
     differences += [f"{name}: only in {right.dir}" for name in sorted(right.tensors.keys() - left.tensors.keys())]

@@ -141,7 +141,7 @@ def _refusal(path: Path, error: Exception, what: str) -> MconvError:
         return MconvError(f"{path}: refused to unpickle {refused.group(1)} (not on mconv's allow-list; "
                           "nothing in a checkpoint is executed)")
     first = text.splitlines()[0] if text else type(error).__name__
-    return MconvError(f"{path} is not a readable {what} ({first})")
+    return MconvError(f"{path} is not a readable {what}: it is truncated or corrupt ({first})")
 
 
 def load_pickle(path: Path, data: bytes | None = None) -> object:
