@@ -18,7 +18,7 @@ from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter import megatron_io as mio
 from mconv.converter.megatron_checkpoint import check_args
 from mconv.mappings import architecture_for
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 from tests.megatron_oracle import megatron_lm_args, read_config
 
 pytestmark = pytest.mark.slow  # Megatron-LM's argument module takes a while to import
@@ -80,8 +80,7 @@ def with_megatron_lm_args(ckpt, layout: Layout, args: argparse.Namespace) -> Non
     location = mio.locate(ckpt)
     for rank in layout.ranks():
         path = mio.rank_file(location.iter_dir, layout, rank)
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            state = torch.load(path, weights_only=True)
+        state = load_rank_file(path)
         state["args"] = args
         torch.save(state, path)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mconv import Layout, hf2mcore
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
 
 TOKENS = list(range(3, 60, 4))
@@ -44,8 +44,7 @@ YARN_CASES = [
 
 
 def stored_args(ckpt) -> argparse.Namespace:
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(next(ckpt.glob("release/mp_rank_*/model_optim_rng.pt")), weights_only=True)["args"]
+    return load_rank_file(next(ckpt.glob("release/mp_rank_*/model_optim_rng.pt")))["args"]
 
 
 def forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
