@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 from mconv.converter.transforms import COLUMN, DUPLICATED, GLU, REPLICATED, ROW, SECTIONED
 from mconv.errors import MconvError
-from mconv.mappings.common import config_value, rope_theta
+from mconv.mappings.common import config_value, rope_parameters, rope_theta
 from mconv.mappings.qwen3 import DENSE_MLP, H, L, embedding_and_output
 from mconv.mappings.qwen3_moe import MOE_MLP, moe
 from mconv.mappings.schema import Architecture, Rule, extra_state, linear
@@ -37,10 +37,10 @@ def _layer_kinds(layers: int, group: int) -> frozenset[int]:
 
 
 def _rope_scaling(config: dict) -> dict:
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    scaling, where = rope_parameters(config)
+    kind = scaling["rope_type"]
     if kind not in ("default", "yarn"):
-        raise MconvError(f"config.json rope_scaling type {kind!r}: megatron-core's MLA knows only plain "
+        raise MconvError(f"config.json {where} rope_type {kind!r}: megatron-core's MLA knows only plain "
                          "RoPE and YaRN")
     return scaling if kind == "yarn" else {}
 
