@@ -16,7 +16,6 @@ vision config's tanh GELU).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import warnings
 from copy import deepcopy
@@ -33,23 +32,12 @@ PATCHES = (1, 4, 4)  # image_grid_thw: one frame of 4 x 4 patches -> 4 merged im
 
 
 @dataclass
-class VLRun:
-    checkpoint: Path | None  # save directory of legacy rank files (None with `live_hf`)
-    hf_config: dict
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int = 1
-    padded_vocab: int = 0
+class VLRun(MegatronRun):
+    """A MegatronRun of mbridge's Qwen3VLModel (`checkpoint` None with `live_hf`)."""
+
     inputs: dict = field(default_factory=dict)  # name -> (input_ids, pixel_values or None)
     bridge_hf: Path | None = None  # also load this HF directory with Megatron-Bridge's mapping and compare
     dist_checkpoint: Path | None = None  # also load this torch_dist checkpoint with megatron-core and compare
-    live_hf: Path | None = None  # instead of rank files: mconv.live.load_hf_weights from this HF directory,
-    live_out: Path | None = None  # then iter_hf_weights and save_hf_weights into this directory
-
-    @property
-    def world(self) -> int:
-        return self.pp * math.lcm(self.tp, self.etp * self.ep)
 
 
 def example_inputs(config: dict, length: int = 12, seed: int = 0) -> dict:
