@@ -36,7 +36,10 @@ class Layout:
         for name, value in vars(self).items():
             if value is None and name.endswith("_stage_layers"):
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or abs(value) > 2**16:
+            # The vocabulary divisor may be a whole padded vocabulary (a torch_dist checkpoint's
+            # embedding rows, as DistCheckpoint reads it): bounded like config.json's vocab_size.
+            limit = 2**31 if name == "vocab_divisor" else 2**16
+            if not isinstance(value, int) or isinstance(value, bool) or abs(value) > limit:
                 raise MconvError(f"the layout's {name} is {value!r}, not a size")
 
     def to_dict(self) -> dict:

@@ -23,6 +23,9 @@ from mconv.mappings.schema import FIRST, Architecture
 
 Loader = Callable[[list[ShardSource]], list[torch.Tensor]]
 DtypeOf = Callable[[ShardSource], torch.dtype]
+# Reads rows [start, start + len(dest)) of each source's shard into `dest` (contiguous, the stored
+# dtype), e.g. straight into the output's memory; None where a format has nothing better than Loader.
+RowLoader = Callable[[list[tuple[ShardSource, int, torch.Tensor]]], None] | None
 
 
 def _config_dir(location: mio.CheckpointLocation, hf_config: str | Path | None) -> Path:
@@ -121,8 +124,9 @@ class LegacyCheckpoint:
         return len(tensors), sum(t.nbytes for t in tensors)
 
     @contextlib.contextmanager
-    def session(self) -> Iterator[tuple[Loader, DtypeOf]]:
-        yield (lambda sources: [self._tensor(s) for s in sources]), (lambda source: self._tensor(source).dtype)
+    def session(self) -> Iterator[tuple[Loader, DtypeOf, RowLoader]]:
+        """(load, dtype_of, None): the rank files are memory-mapped, so `load` costs no copy."""
+        yield (lambda sources: [self._tensor(s) for s in sources]), (lambda source: self._tensor(source).dtype), None
 
 
 class DistCheckpoint:
@@ -162,15 +166,16 @@ class DistCheckpoint:
         return len(self.reader.tensors), self.reader.nbytes()
 
     @contextlib.contextmanager
-    def session(self) -> Iterator[tuple[Loader, DtypeOf]]:
+    def session(self) -> Iterator[tuple[Loader, DtypeOf, RowLoader]]:
         from mconv.converter.torch_dist import parameter_session
 
-        load, dtype_of = parameter_session(self.reader, self.load_args, torch.bfloat16)
+        load, dtype_of, load_rows = parameter_session(self.reader, self.load_args, torch.bfloat16)
 
         def load_sources(sources: list[ShardSource]) -> list[torch.Tensor]:
             loaded = load(sorted({s.megatron for s in sources}))
             return [loaded[s.megatron] for s in sources]
-        yield load_sources, (lambda source: dtype_of(source.megatron))
+        yield (load_sources, (lambda source: dtype_of(source.megatron)),
+               lambda parts: load_rows([(s.megatron, start, dest) for s, start, dest in parts]))
 
 
 def open_checkpoint(path: str | Path, hf_config: str | Path | None = None) -> LegacyCheckpoint | DistCheckpoint:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import threading
 from argparse import Namespace
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +18,8 @@ from tqdm import tqdm
 from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist_io
-from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, copy_side_files,
-                                   write_config_dtype, write_hf_config)
+from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, StagingBuffer,
+                                   copy_side_files, write_config_dtype, write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -274,27 +275,62 @@ def _batches(exports: list[ExportTask], budget: int) -> Iterator[list[ExportTask
         yield batch
 
 
-def _write_exports(load, exports: list[ExportTask], index: int, size: int, writer: ShardedSafetensorsWriter,
+def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], stored: torch.dtype) -> list | None:
+    """For an HF tensor group made from one shard (TP1) whose pieces are ranges of its rows, the
+    (source, first row, destination) reads that build the HF tensors in place; None otherwise (TP
+    shards to merge, pieces along another dimension, a cast)."""
+    if len(task.sources) != 1 or any(views[n].dtype != stored or not views[n].dim() for n in task.hf):
+        return None
+    source = task.sources[0]
+    layout = source.shard
+    if layout.dim != 0 and (len(layout.pieces) != 1 or layout.pad or layout.pieces[0].start
+                            or layout.pieces[0].stop != task.hf_shapes[layout.pieces[0].source][layout.dim]):
+        return None
+    parts, offset = [], 0
+    for p in layout.pieces:
+        dest = views[task.hf[p.source]]
+        parts.append((source, offset, dest.narrow(0, p.start, p.length) if layout.dim == 0 else dest))
+        offset += p.length
+    return parts
+
+
+def _write_exports(session, exports: list[ExportTask], index: int, size: int, writer: ShardedSafetensorsWriter,
                    progress: Callable[[int], None], dtype: torch.dtype | None = None, threads: int = 1) -> None:
     """Write member `index`'s share of the HF tensors into the prepared shard files (cast to
     `dtype` if given), a batch of LOAD_BATCH_BYTES per job, `threads` jobs at a time (tensors go to
-    disjoint, precomputed ranges of the files)."""
+    disjoint, precomputed ranges of the files). `session` is the checkpoint's (load, dtype_of,
+    load_rows). Each batch is built in memory laid out as its range of the output files (reused
+    from batch to batch) and written with one pwrite per run: where the format can (`load_rows`,
+    TP1 groups) the stored bytes are read straight into it, else the shards are loaded and merged into it."""
+    load, dtype_of, load_rows = session
     costs = [sum(_nbytes(s, torch.float32) for s in task.hf_shapes) for task in exports]
     mine = [exports[i] for i in share(costs, index, size)]
+    local = threading.local()  # each thread's StagingBuffer
 
     def write_batch(batch: list[ExportTask]) -> int:
-        shards, written = iter(load([source for task in batch for source in task.sources])), 0
+        if not hasattr(local, "buffer"):
+            local.buffer = StagingBuffer()
+        outputs = [(name, dtype or dtype_of(task.sources[0]), shape)
+                   for task in batch for name, shape in zip(task.hf, task.hf_shapes)]
+        views, flush = writer.stage(outputs, local.buffer)
+        parts, merged = [], []
         for task in batch:
+            rows = None if load_rows is None else _row_parts(task, views, dtype_of(task.sources[0]))
+            parts.extend(rows or [])
+            if rows is None:
+                merged.append(task)
+        if parts:
+            load_rows(parts)
+        shards = iter(load([source for task in merged for source in task.sources]) if merged else [])
+        for task in merged:
             task_shards = [next(shards) for _ in task.sources]
             if len({shard.dtype for shard in task_shards}) > 1:
                 dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in task_shards)
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
-            for name, tensor in zip(task.hf, merge([s.shard for s in task.sources], task_shards, task.hf_shapes)):
-                tensor = tensor if dtype is None else tensor.to(dtype)
-                writer.write(name, tensor)
-                written += tensor.nbytes
-        return written
+            merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [views[n] for n in task.hf])
+        flush()
+        return sum(views[name].nbytes for name, _, _ in outputs)
 
     for written in run_ordered((functools.partial(write_batch, b) for b in _batches(mine, LOAD_BATCH_BYTES)), threads):
         progress(written)
@@ -323,7 +359,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
     out = output_path(out_dir)
     check_output_path(out, overwrite, inputs)
-    with ckpt.session() as (load, dtype_of):
+    with ckpt.session() as session:
+        dtype_of = session[1]
         entries = [(name, dtype or dtype_of(task.sources[0]), shape)
                    for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
@@ -344,7 +381,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
             writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.open_existing()
-            _write_exports(load, exports, index, size, writer, report, dtype, workers)
+            _write_exports(session, exports, index, size, writer, report, dtype, workers)
             writer.close()
 
         team = TorchrunTeam.from_environment(f"mcore2hf:{out}")

@@ -190,16 +190,29 @@ def entries(args: Namespace, dtype: torch.dtype, common: dict, parameter: Callab
 
 
 def parameter_session(reader: torch_dist_io.TorchDistReader, args: Namespace, dtype: torch.dtype):
-    """(load, dtype_of) for a torch_dist checkpoint read by megatron-core's (TP1) parameter names:
-    load(names) -> {name: tensor}; dtype_of(name) is the stored dtype of that parameter.
+    """(load, dtype_of, load_rows) for a torch_dist checkpoint read by megatron-core's (TP1)
+    parameter names: load(names) -> {name: tensor}; dtype_of(name) is the stored dtype of that
+    parameter; load_rows([(name, start, dest)]) reads rows [start, start + len(dest)) of each
+    parameter into `dest` (a contiguous tensor of the stored dtype: the output's own memory).
     megatron-core's sharded state dict says which box of which global tensor each parameter (or each
-    half of a GLU fc1) is; the reader reads those boxes, whatever chunking was written."""
+    half of a GLU fc1: a range of its rows) is; the reader reads those boxes, whatever chunking was written."""
     with megatron_process_group():
         model = meta_model(args, dtype)
         shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()
                   if isinstance(t, torch.Tensor)}
         boxes = sharded_parameters(model)
     where = reader.iter_dir
+    rows: dict[str, list[tuple]] = {}  # name -> (key, global shape, offsets, row axis, first row, rows, sizes)
+    for name, entries in boxes.items():
+        for entry in entries:
+            view, row = entry.data, shapes[name][1:].numel()
+            if (not view.dim() or not view.is_contiguous() or view.shape[1:] != shapes[name][1:]
+                    or view.storage_offset() % row):
+                raise MconvError(f"internal: megatron-core's box {entry.key} of {name} is not a range of its rows")
+            rows.setdefault(name, []).append((entry.key, tuple(entry.global_shape), tuple(entry.global_offset),
+                                              entry.prepend_axis_num,
+                                              view.storage_offset() // row, view.shape[0],
+                                              (1,) * entry.prepend_axis_num + tuple(entry.local_shape)))
 
     def stored_dtype(name: str) -> torch.dtype:
         key = boxes[name][0].key
@@ -207,21 +220,28 @@ def parameter_session(reader: torch_dist_io.TorchDistReader, args: Namespace, dt
             raise MconvError(f"{where}: tensor {key} (for {name}) is missing from the checkpoint")
         return reader.tensors[key].dtype
 
-    def load(wanted: list[str]) -> dict[str, torch.Tensor]:
-        out, requests = {}, []
-        for name in wanted:
+    def load_rows(parts: list[tuple[str, int, torch.Tensor]]) -> None:
+        requests = []
+        for name, start, dest in parts:
             if name not in boxes:
                 raise MconvError(f"internal: megatron-core's model has no parameter {name}")
-            out[name] = buffer = torch.empty(shapes[name], dtype=stored_dtype(name))
-            for entry in boxes[name]:
-                if reader.tensors[entry.key].shape != tuple(entry.global_shape):
-                    raise MconvError(f"{where}: tensor {entry.key} has shape {list(reader.tensors[entry.key].shape)}, "
-                                     f"the HF config implies {list(entry.global_shape)}")
-                view = entry.data
-                dest = buffer.as_strided(view.size(), view.stride(), view.storage_offset())
-                requests.append((entry.key, tuple(entry.global_offset),
-                                 dest.view((1,) * entry.prepend_axis_num + tuple(entry.local_shape))))
+            stop = start + dest.shape[0]
+            for key, global_shape, offsets, axis, first, length, sizes in rows[name]:
+                lo, hi = max(start, first), min(stop, first + length)
+                if lo >= hi:
+                    continue
+                if key in reader.tensors and reader.tensors[key].shape != global_shape:
+                    raise MconvError(f"{where}: tensor {key} has shape {list(reader.tensors[key].shape)}, "
+                                     f"the HF config implies {list(global_shape)}")
+                box = list(offsets)
+                box[axis] += lo - first
+                part = dest.narrow(0, lo - start, hi - lo)
+                requests.append((key, tuple(box), part.view(sizes[:axis] + (hi - lo,) + sizes[axis + 1:])))
         reader.read(requests)
+
+    def load(wanted: list[str]) -> dict[str, torch.Tensor]:
+        out = {name: torch.empty(shapes[name], dtype=stored_dtype(name)) for name in wanted}
+        load_rows([(name, 0, buffer) for name, buffer in out.items()])
         return out
 
-    return load, stored_dtype
+    return load, stored_dtype, load_rows

@@ -24,12 +24,14 @@ import json
 import os
 import pickle
 import struct
+import threading
 import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy
 import torch
 
 from mconv.converter import safe_load
@@ -91,12 +93,11 @@ class _ChunkData:
 
 
 class _Window(io.RawIOBase):
-    """A read-only file object over bytes [offset, offset+length) of an open file (zipfile reads the
-    chunk archive through it); `cached` holds bytes already read, by absolute offset."""
+    """A read-only file object over bytes [offset, offset+length) of an open file (zipfile reads a
+    chunk archive of unusual layout through it)."""
 
-    def __init__(self, fd: int, offset: int, length: int, cached: tuple[int, bytes]):
+    def __init__(self, fd: int, offset: int, length: int):
         self.fd, self.base, self.length, self.pos = fd, offset, length, 0
-        self.cached = cached
 
     def readable(self) -> bool:
         return True
@@ -113,14 +114,66 @@ class _Window(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         n = max(0, min(len(buffer), self.length - self.pos))
-        start = self.base + self.pos
-        at, data = self.cached
-        if at <= start and start + n <= at + len(data):
-            buffer[:n] = data[start - at:start - at + n]
-        else:
-            n = os.preadv(self.fd, [memoryview(buffer)[:n]], start)
+        n = os.preadv(self.fd, [memoryview(buffer)[:n]], self.base + self.pos)
         self.pos += n
         return n
+
+
+_EOCD = struct.Struct("<4s4H2LH")  # zip end of central directory record
+_EOCD64_LOCATOR = struct.Struct("<4sLQL")
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
+_LOCAL = struct.Struct("<4s5H3L2H")  # local file header
+
+
+def _members(tail: bytes, length: int, read: Callable[[int, int], bytes]) -> dict[str, tuple[int, int, int]] | None:
+    """name -> (local header offset, size, compression) of a zip archive of `length` bytes whose
+    last bytes are `tail`, from its end records and central directory (zip64 where torch.save
+    writes them); None if the archive does not end in a comment-less end record. `read(at, n)`
+    gives archive-relative bytes. Raises ValueError / struct.error on inconsistent records."""
+    if len(tail) < _EOCD.size or tail[-_EOCD.size:-_EOCD.size + 4] != b"PK\x05\x06":
+        return None
+    _, _, _, _, count, size, offset, comment = _EOCD.unpack_from(tail, len(tail) - _EOCD.size)
+    if comment:
+        return None
+    if 0xFFFF == count or 0xFFFFFFFF in (size, offset):
+        locator = read(length - _EOCD.size - _EOCD64_LOCATOR.size, _EOCD64_LOCATOR.size)
+        signature, _, at, _ = _EOCD64_LOCATOR.unpack(locator)
+        record = read(at, _EOCD64.size)
+        if signature != b"PK\x06\x07" or record[:4] != b"PK\x06\x06":
+            raise ValueError("a broken zip64 end record")
+        *_, count, size, offset = _EOCD64.unpack(record)
+    directory, members, at = read(offset, size), {}, 0
+    for _ in range(count):
+        (signature, _, _, _, method, _, _, _, csize, usize, name_len, extra_len, comment_len, _, _, _,
+         local) = _CENTRAL.unpack_from(directory, at)
+        if signature != b"PK\x01\x02":
+            raise ValueError("a broken central directory")
+        name = directory[at + _CENTRAL.size:at + _CENTRAL.size + name_len].decode("utf-8", "replace")
+        extra = directory[at + _CENTRAL.size + name_len:at + _CENTRAL.size + name_len + extra_len]
+        wide = [v for v in (usize, csize, local) if v == 0xFFFFFFFF]
+        while wide and len(extra) >= 4:  # the zip64 field holds, in order, the fields set to 0xFFFFFFFF
+            tag, n = struct.unpack_from("<2H", extra)
+            if tag == 1:
+                values = list(struct.unpack_from(f"<{len(wide)}Q", extra, 4))
+                usize = values.pop(0) if usize == 0xFFFFFFFF else usize
+                csize = values.pop(0) if csize == 0xFFFFFFFF else csize
+                local = values.pop(0) if local == 0xFFFFFFFF else local
+                break
+            extra = extra[4 + n:]
+        if method == zipfile.ZIP_STORED and csize != usize:
+            raise ValueError(f"{name} has two sizes")
+        members[name] = (local, usize, method)
+        at += _CENTRAL.size + name_len + extra_len + comment_len
+    return members
+
+
+def _record_start(local: int, read: Callable[[int, int], bytes]) -> int:
+    """Where the data of the member whose local header is at `local` starts (archive-relative)."""
+    signature, *_, name_len, extra_len = _LOCAL.unpack(read(local, _LOCAL.size))
+    if signature != b"PK\x03\x04":
+        raise ValueError(f"no local header at byte {local}")
+    return local + _LOCAL.size + name_len + extra_len
 
 
 class _ChunkIndex:
@@ -184,6 +237,7 @@ class TorchDistReader:
     def __init__(self, iter_dir: str | Path):
         global metadata_reads
         self._fds: dict[str, int] = {}  # first: __del__ closes them
+        self._open_lock = threading.Lock()
         self.iter_dir = Path(iter_dir)
         path = self.iter_dir / METADATA_FILE
         if not path.is_file():
@@ -196,6 +250,7 @@ class TorchDistReader:
             raise MconvError(f"{path}: not a torch.distributed.checkpoint metadata file mconv can read "
                              f"({type(e).__name__}: {e})") from None
         self._decoded: dict[StoredChunk, _ChunkData] = {}
+        self._headers: dict[bytes, tuple] = {}  # data.pkl bytes -> (dtype, size, stride, storage offset, record)
         self._indexes: dict[str, _ChunkIndex] = {}  # built on a key's first read
         self.common = self._common_state()
         self.args = self.common.get("args") if isinstance(self.common, dict) else None
@@ -293,10 +348,14 @@ class TorchDistReader:
     def _plan_read(self, info: StoredTensor, chunk: StoredChunk, starts: list[int], lengths: tuple[int, ...],
                    target: torch.Tensor, reads: list, copies: list) -> None:
         data = self._decode(info, chunk)
-        row = info.dtype.itemsize * torch.Size(chunk.sizes[1:]).numel()
-        rows_only = all(s == 0 and n == c for s, n, c in zip(starts[1:], lengths[1:], chunk.sizes[1:]))
-        if data.dense and rows_only and lengths:  # a range of whole rows: contiguous bytes on disk
-            at, nbytes = data.start + starts[0] * row, lengths[0] * row
+        # The box is contiguous bytes of a dense chunk if, past its last partial axis, every axis is
+        # whole and, before it, every axis has length 1 (a range of rows of one layer and expert).
+        partial = max((i for i, (n, c) in enumerate(zip(lengths, chunk.sizes)) if n != c), default=0)
+        if data.dense and lengths and all(n == 1 for n in lengths[:partial]):
+            at, step = data.start, info.dtype.itemsize
+            for axis in reversed(range(len(lengths))):
+                at += starts[axis] * step
+                step *= chunk.sizes[axis]
             if target.is_contiguous():
                 reads.append((chunk.file, at, _bytes_view(target)))
                 return
@@ -310,56 +369,94 @@ class TorchDistReader:
             data.size, data.stride, data.storage_offset), starts, lengths)))
 
     def _decode(self, info: StoredTensor, chunk: StoredChunk) -> _ChunkData:
-        """Parse a chunk's torch.save archive: the header pickle (restricted) and the storage record."""
+        """Parse a chunk's torch.save archive: the header pickle (restricted) and the storage record.
+        The zip's end records and central directory are parsed with `struct` (`_members`); an
+        archive laid out otherwise (a comment, ...) goes through `zipfile`, which also names what is
+        wrong with a broken one. Header pickles are decoded once per distinct pickle (chunks of one
+        shape and dtype share it)."""
         found = self._decoded.get(chunk)
         if found is not None:
             return found
         path = self.iter_dir / chunk.file
-        fd = self._fd(chunk.file)
-        head = min(chunk.length, 64 * 2**10)
-        cached = bytearray(head)
-        self._pread(chunk.file, memoryview(cached), chunk.offset)
-        window = _Window(fd, chunk.offset, chunk.length, (chunk.offset, bytes(cached)))
+        head = bytearray(min(chunk.length, 4096))
+        self._pread(chunk.file, memoryview(head), chunk.offset)
+        tail = bytearray(min(chunk.length, 4096))
+        self._pread(chunk.file, memoryview(tail), chunk.offset + chunk.length - len(tail))
+
+        def read(at: int, n: int) -> bytes:  # archive-relative bytes, from head/tail when they hold them
+            if at < 0 or n < 0 or at + n > chunk.length:
+                raise ValueError(f"a record points past the archive (byte {at})")
+            if at + n <= len(head):
+                return bytes(head[at:at + n])
+            if at >= chunk.length - len(tail):
+                return bytes(tail[at - (chunk.length - len(tail)):][:n])
+            out = bytearray(n)
+            self._pread(chunk.file, memoryview(out), chunk.offset + at)
+            return bytes(out)
+
         try:
-            with zipfile.ZipFile(io.BufferedReader(window, 4096)) as archive:
-                names = archive.namelist()
-                pickle_name = next((n for n in names if n.endswith("/data.pkl")), None)
+            try:
+                members = _members(bytes(tail), chunk.length, read)
+                if members is None:
+                    raise zipfile.BadZipFile("not laid out as torch.save writes")
+                pickle_name = next((n for n in members if n.endswith("/data.pkl")), None)
                 if pickle_name is None:
                     raise ValueError("no data.pkl")
-                tensor, record = safe_load.load_tensor_header(path, archive.read(pickle_name))
-                entry = archive.getinfo(f"{pickle_name[:-len('data.pkl')]}data/{record}")
-                local = window.base + entry.header_offset
-            header = bytearray(30)
-            self._pread(chunk.file, memoryview(header), local)
-            signature, *_, name_len, extra_len = struct.unpack("<4s5H3L2H", header)
-            if signature != b"PK\x03\x04" or entry.compress_type != zipfile.ZIP_STORED:
+                at, size, method = members[pickle_name]
+                pickled = read(_record_start(at, read), size)
+                if method != zipfile.ZIP_STORED:
+                    raise zipfile.BadZipFile("data.pkl is compressed")
+            except (ValueError, KeyError, struct.error, zipfile.BadZipFile):
+                members, pickle_name, pickled = self._zip_members(chunk)
+            if pickled not in self._headers:
+                tensor, record = safe_load.load_tensor_header(path, pickled)
+                self._headers[pickled] = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                                          tensor.storage_offset(), record)
+            dtype, size, stride, offset, record = self._headers[pickled]
+            at, file_size, method = members[f"{pickle_name[:-len('data.pkl')]}data/{record}"]
+            if method != zipfile.ZIP_STORED:
                 raise ValueError("the storage record is not stored uncompressed")
+            start = chunk.offset + _record_start(at, read)
         except MconvError:
             raise
-        except (ValueError, KeyError, zipfile.BadZipFile, OSError, StopIteration) as e:
+        except (ValueError, KeyError, zipfile.BadZipFile, OSError, StopIteration, struct.error) as e:
             raise MconvError(f"{path}: the stored chunk of {info.key} at byte {chunk.offset} is not a readable "
                              f"tensor archive ({e})") from None
-        start = local + 30 + name_len + extra_len
-        data = _ChunkData(start, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), entry.file_size)
+        data = _ChunkData(start, size, stride, offset, file_size)
         extent = data.storage_offset + sum((s - 1) * st for s, st in zip(data.size, data.stride)) + 1
-        if (tensor.dtype != info.dtype or data.size != chunk.sizes or entry.file_size < extent * info.dtype.itemsize
-                or start + entry.file_size > chunk.offset + chunk.length):
-            raise MconvError(f"{path}: the stored chunk of {info.key} at byte {chunk.offset} holds a {tensor.dtype} "
-                             f"{list(tensor.shape)} tensor, the metadata says {info.dtype} {list(chunk.sizes)}")
+        if (dtype != info.dtype or data.size != chunk.sizes or file_size < extent * info.dtype.itemsize
+                or start + file_size > chunk.offset + chunk.length):
+            raise MconvError(f"{path}: the stored chunk of {info.key} at byte {chunk.offset} holds a {dtype} "
+                             f"{list(size)} tensor, the metadata says {info.dtype} {list(chunk.sizes)}")
         self._decoded[chunk] = data
         return data
 
+    def _zip_members(self, chunk: StoredChunk) -> tuple[dict[str, tuple[int, int, int]], str, bytes]:
+        """`_members` and data.pkl's bytes through `zipfile` (any zip layout; its errors name the fault)."""
+        window = _Window(self._fd(chunk.file), chunk.offset, chunk.length)
+        with zipfile.ZipFile(io.BufferedReader(window, 4096)) as archive:
+            names = archive.namelist()
+            pickle_name = next((n for n in names if n.endswith("/data.pkl")), None)
+            if pickle_name is None:
+                raise ValueError("no data.pkl")
+            members = {i.filename: (i.header_offset, i.file_size, i.compress_type) for i in archive.infolist()}
+            return members, pickle_name, archive.read(pickle_name)
+
     def _fd(self, name: str) -> int:
-        if name not in self._fds:
-            path = self.iter_dir / name
-            if not path.is_file():  # a directory would fail later without a name; a FIFO would block
-                raise MconvError(f"{path}: {'is not a regular file' if os.path.lexists(path) else 'is missing'}, "
-                                 "but .metadata stores tensors in it")
-            try:
-                self._fds[name] = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise MconvError(f"{path}: cannot be read ({e.strerror})") from None
-        return self._fds[name]
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd
+        with self._open_lock:  # reader threads: one descriptor per file, none left unclosed
+            if name not in self._fds:
+                path = self.iter_dir / name
+                if not path.is_file():  # a directory would fail later without a name; a FIFO would block
+                    raise MconvError(f"{path}: {'is not a regular file' if os.path.lexists(path) else 'is missing'}, "
+                                     "but .metadata stores tensors in it")
+                try:
+                    self._fds[name] = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    raise MconvError(f"{path}: cannot be read ({e.strerror})") from None
+            return self._fds[name]
 
     def _pread(self, name: str, buffer: memoryview, offset: int) -> None:
         fd = self._fd(name)
@@ -493,25 +590,52 @@ class DistEntry:
         return 0 if self.global_shape is None else self.dtype.itemsize * torch.Size(self.sizes).numel()
 
 
-def _serialize(entry: DistEntry) -> bytes:
-    """The entry as torch.save writes it. Bytes, not `BytesIO.getbuffer()`: a buffer view kept
-    alive by a failed write's traceback (ENOSPC) made the BytesIO die with exported buffers at
-    exit (SystemError, then a segfault). `getvalue()` hands over the BytesIO's own bytes (no copy
-    while nothing else shares them)."""
+class _Archive:
+    """The file object torch.save writes one chunk archive into. Its small records are copied; the
+    tensor's storage, which torch.save writes in one call straight from the tensor's memory (seen
+    by its address), is kept as a view of the tensor: its bytes go from the tensor to the file
+    with no copy in between (a BytesIO copied them and grew by reallocation)."""
+
+    def __init__(self, tensor: torch.Tensor | None):
+        self.tensor = tensor if tensor is not None and tensor.nbytes else None
+        self.parts: list = []
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        n = view.nbytes
+        if (self.tensor is not None and n == self.tensor.nbytes
+                and numpy.frombuffer(view, numpy.uint8).ctypes.data == self.tensor.data_ptr()):
+            self.parts.append(_bytes_view(self.tensor))
+        elif self.parts and isinstance(self.parts[-1], bytearray):
+            self.parts[-1] += view
+        else:
+            self.parts.append(bytearray(view))
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _serialize(entry: DistEntry) -> _Archive:
+    """The entry as torch.save writes it (the archive DCP's reader expects), in `_Archive` parts."""
     value = entry.produce()
-    buffer = io.BytesIO()
     if entry.global_shape is None:
-        torch.save([value], buffer)
-    else:
-        if not isinstance(value, torch.Tensor) or value.dtype != entry.dtype or tuple(value.shape) != entry.sizes:
-            got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise MconvError(f"internal: {entry.key} at {list(entry.offsets)} was produced as {got}, "
-                             f"expected {entry.dtype} {list(entry.sizes)}")
-        value = value.detach().cpu().contiguous()
-        if value.untyped_storage().nbytes() != value.nbytes or value.storage_offset():
-            value = value.clone()  # torch.save stores a view's whole storage
-        torch.save(value, buffer)
-    return buffer.getvalue()
+        archive = _Archive(None)
+        torch.save([value], archive)
+        return archive
+    if not isinstance(value, torch.Tensor) or value.dtype != entry.dtype or tuple(value.shape) != entry.sizes:
+        got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise MconvError(f"internal: {entry.key} at {list(entry.offsets)} was produced as {got}, "
+                         f"expected {entry.dtype} {list(entry.sizes)}")
+    value = value.detach().cpu().contiguous()
+    if value.untyped_storage().nbytes() != value.nbytes or value.storage_offset():
+        # torch.save stores a view's whole storage: give it a tensor whose storage is the view's bytes (no copy).
+        value = torch.frombuffer(_bytes_view(value), dtype=value.dtype).view(value.shape)
+    archive = _Archive(value)
+    torch.save(value, archive)
+    return archive
 
 
 def data_file(member: int) -> str:
@@ -542,7 +666,7 @@ def write_share(iter_dir: Path, entries: Sequence[DistEntry], member: int, membe
     try:
         def flush():
             nonlocal pending, pending_bytes
-            views = [memoryview(p) for p in pending]
+            views = [memoryview(p).cast("B") for p in pending]
             while views:
                 n = os.writev(fd, views[:1000])
                 while n and views:
@@ -554,12 +678,12 @@ def write_share(iter_dir: Path, entries: Sequence[DistEntry], member: int, membe
 
         for i in member_share(entries, member, members):
             entry = entries[i]
-            data = _serialize(entry)
+            archive = _serialize(entry)
             records.append([entry.key, list(entry.offsets) if entry.global_shape is not None else None,
-                            position, len(data)])
-            pending.append(data)
-            position += len(data)
-            pending_bytes += len(data)
+                            position, archive.size])
+            pending.extend(archive.parts)
+            position += archive.size
+            pending_bytes += archive.size
             progress(entry.nbytes)
             if pending_bytes >= WRITE_BUFFER_BYTES:
                 flush()

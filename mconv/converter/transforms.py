@@ -166,10 +166,12 @@ def split_tensors(layout: ShardLayout, tensors: Sequence[torch.Tensor]) -> torch
 
 
 def merge(layouts: Sequence[ShardLayout], shards: Sequence[torch.Tensor],
-          hf_shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Rebuild the HF tensors from the shards of every rank (padding is dropped). Pieces of one
-    source that repeat at a regular stride in a shard (fused QKV groups) are moved in one copy."""
-    out = [torch.empty(shape, dtype=shards[0].dtype, device=shards[0].device) for shape in hf_shapes]
+          hf_shapes: Sequence[tuple[int, ...]], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Rebuild the HF tensors from the shards of every rank (padding is dropped), into `out` if
+    given (tensors of `hf_shapes`, any dtype: copies cast). Pieces of one source that repeat at a
+    regular stride in a shard (fused QKV groups) are moved in one copy."""
+    if out is None:
+        out = [torch.empty(shape, dtype=shards[0].dtype, device=shards[0].device) for shape in hf_shapes]
     for layout, shard in zip(layouts, shards):
         by_source: dict[int, list[tuple[Piece, int]]] = {}
         offset = 0
