@@ -491,17 +491,22 @@ class ShardedSafetensorsWriter:
         slice_bytes = nbytes // self.experts[stacked]
         return file, offset + expert * slice_bytes + part * (slice_bytes // parts)
 
-    def stage(self, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-              buffer: "StagingBuffer") -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    def stage(self, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], buffer: "StagingBuffer",
+              first_row: int = 0) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
         """Memory laid out as the output files' bytes for `tensors` (name, dtype, shape): returns
         each tensor's view into it (in `buffer`, reused from batch to batch, so its pages are not
         faulted in again) and `flush()`, which writes them with one pwrite per run of adjacent
         tensors. A tensor that is not one aligned byte range of the output (transposed stacked
-        experts) gets its own tensor, which `flush` hands to `write`."""
+        experts) gets its own tensor, which `flush` hands to `write`. With `first_row`, `tensors`
+        is one tensor's rows from that row on (`shape` those rows'), a window of a large tensor."""
         placed, loose = [], {}
         for name, dtype, shape in tensors:
             where = self.place(name)
+            if where is not None and first_row:
+                where = (where[0], where[1] + first_row * _numel(shape[1:]) * dtype.itemsize)
             if where is None or where[1] % dtype.itemsize:
+                if first_row:
+                    raise MconvError(f"internal: {name} is staged by rows but is not one byte range of the output")
                 loose[name] = torch.empty(shape, dtype=dtype)
             else:
                 placed.append((*where, _numel(shape) * dtype.itemsize, name, dtype, shape))

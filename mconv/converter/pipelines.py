@@ -263,11 +263,16 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
 
 
 def _batches(exports: list[ExportTask], budget: int) -> Iterator[list[ExportTask]]:
-    """Consecutive export tasks whose HF tensors add up to about `budget` bytes (at least one)."""
+    """Consecutive export tasks whose HF tensors add up to about `budget` bytes (at least one); a
+    task larger than `budget` is a batch of its own (written by windows of rows where it can be)."""
     batch, size = [], 0
     for task in exports:
+        nbytes = sum(_nbytes(shape, torch.float32) for shape in task.hf_shapes) // 2
+        if batch and nbytes > budget:
+            yield batch
+            batch, size = [], 0
         batch.append(task)
-        size += sum(_nbytes(shape, torch.float32) for shape in task.hf_shapes) // 2
+        size += nbytes
         if size >= budget:
             yield batch
             batch, size = [], 0
@@ -275,11 +280,12 @@ def _batches(exports: list[ExportTask], budget: int) -> Iterator[list[ExportTask
         yield batch
 
 
-def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], stored: torch.dtype) -> list | None:
+def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], stored: torch.dtype, first: int = 0) -> list | None:
     """For an HF tensor group made from one shard (TP1) whose pieces are ranges of its rows, the
-    (source, first row, destination) reads that build the HF tensors in place; None otherwise (TP
-    shards to merge, pieces along another dimension, a cast)."""
-    if len(task.sources) != 1 or any(views[n].dtype != stored or not views[n].dim() for n in task.hf):
+    (source, first row, destination) reads that build the HF tensors in place (`views`: the HF
+    tensors, or rows from `first` on of one of them); None otherwise (TP shards to merge, pieces
+    along another dimension, a cast)."""
+    if len(task.sources) != 1 or any(views[n].dtype != stored or not views[n].dim() for n in views):
         return None
     source = task.sources[0]
     layout = source.shard
@@ -288,8 +294,12 @@ def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], stored: torch.d
         return None
     parts, offset = [], 0
     for p in layout.pieces:
-        dest = views[task.hf[p.source]]
-        parts.append((source, offset, dest.narrow(0, p.start, p.length) if layout.dim == 0 else dest))
+        dest = views.get(task.hf[p.source])
+        start, stop = (p.start, p.stop) if layout.dim == 0 else (0, task.hf_shapes[p.source][0])
+        if dest is not None:
+            lo, hi = max(start, first), min(stop, first + dest.shape[0])
+            if lo < hi:
+                parts.append((source, offset + lo - start, dest.narrow(0, lo - first, hi - lo)))
         offset += p.length
     return parts
 
@@ -307,15 +317,38 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
     mine = [exports[i] for i in share(costs, index, size)]
     local = threading.local()  # each thread's StagingBuffer
 
+    def write_rows(task: ExportTask, out_dtype: torch.dtype) -> int | None:
+        """A group larger than the staging buffer, read straight into the output a window of
+        LOAD_BATCH_BYTES of rows at a time (None if it cannot be: see `_row_parts`)."""
+        names = list(zip(task.hf, task.hf_shapes))
+        if (load_rows is None or any(writer.place(name) is None or not shape for name, shape in names)
+                or _row_parts(task, {name: torch.empty((1,) * len(shape), dtype=out_dtype) for name, shape in names},
+                              dtype_of(task.sources[0])) is None):
+            return None
+        for name, shape in names:
+            row = _nbytes(shape[1:], out_dtype)
+            step = max(1, LOAD_BATCH_BYTES // max(row, 1))
+            for first in range(0, shape[0], step):
+                views, flush = writer.stage([(name, out_dtype, (min(step, shape[0] - first), *shape[1:]))],
+                                            local.buffer, first)
+                load_rows(_row_parts(task, views, out_dtype, first))
+                flush()
+        return sum(_nbytes(shape, out_dtype) for _, shape in names)
+
     def write_batch(batch: list[ExportTask]) -> int:
         if not hasattr(local, "buffer"):
             local.buffer = StagingBuffer()
         outputs = [(name, dtype or dtype_of(task.sources[0]), shape)
                    for task in batch for name, shape in zip(task.hf, task.hf_shapes)]
+        if len(batch) == 1 and sum(_nbytes(s, d) for _, d, s in outputs) > local.buffer.keep:
+            written = write_rows(batch[0], outputs[0][1])
+            if written is not None:
+                return written
         views, flush = writer.stage(outputs, local.buffer)
         parts, merged = [], []
         for task in batch:
-            rows = None if load_rows is None else _row_parts(task, views, dtype_of(task.sources[0]))
+            rows = None if load_rows is None else _row_parts(
+                task, {name: views[name] for name in task.hf}, dtype_of(task.sources[0]))
             parts.extend(rows or [])
             if rows is None:
                 merged.append(task)
