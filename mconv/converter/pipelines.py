@@ -116,7 +116,19 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
 
 
 def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
-    return split(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b))
+    """One Megatron shard from the HF slices. Pieces that are ranges of rows (fused QKV, GLU fc1,
+    padded vocabulary) are read straight into their rows of the shard: no concatenated copy, and
+    no second block of fresh memory to fault in."""
+    layout, infos = task.shard, [ckpt.tensors[name] for name in task.hf]
+    if layout.dim != 0 or (len(layout.pieces) == 1 and not layout.pad) or len({i.dtype for i in infos}) > 1:
+        return split(layout, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b))
+    out = torch.empty(layout.shape([info.shape for info in infos]), dtype=infos[layout.pieces[0].source].dtype)
+    offset = 0
+    for p in layout.pieces:
+        ckpt.read_into(task.hf[p.source], 0, p.start, p.stop, out.narrow(0, offset, p.length))
+        offset += p.length
+    out.narrow(0, offset, layout.pad).zero_()
+    return out
 
 
 def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, progress: Callable[[int], None],
