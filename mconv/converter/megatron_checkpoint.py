@@ -24,8 +24,8 @@ from mconv.mappings.schema import FIRST, Architecture
 Loader = Callable[[list[ShardSource]], list[torch.Tensor]]
 DtypeOf = Callable[[ShardSource], torch.dtype]
 # Reads rows [start, start + len(dest)) of each source's shard into `dest` (contiguous, the stored
-# dtype), e.g. straight into the output's memory; None where a format has nothing better than Loader.
-RowLoader = Callable[[list[tuple[ShardSource, int, torch.Tensor]]], None] | None
+# dtype): straight into the output's memory.
+RowLoader = Callable[[list[tuple[ShardSource, int, torch.Tensor]]], None]
 
 
 def _config_dir(location: mio.CheckpointLocation, hf_config: str | Path | None) -> Path:
@@ -125,8 +125,12 @@ class LegacyCheckpoint:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[tuple[Loader, DtypeOf, RowLoader]]:
-        """(load, dtype_of, None): the rank files are memory-mapped, so `load` costs no copy."""
-        yield (lambda sources: [self._tensor(s) for s in sources]), (lambda source: self._tensor(source).dtype), None
+        """(load, dtype_of, load_rows): the rank files are memory-mapped, so `load` costs no copy and
+        `load_rows` one, from the mapped file into `dest`."""
+        def load_rows(parts: list[tuple[ShardSource, int, torch.Tensor]]) -> None:
+            for source, start, dest in parts:
+                dest.copy_(self._tensor(source).narrow(0, start, dest.shape[0]))
+        yield (lambda sources: [self._tensor(s) for s in sources]), (lambda source: self._tensor(source).dtype), load_rows
 
 
 class DistCheckpoint:

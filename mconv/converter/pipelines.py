@@ -322,8 +322,8 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
     `dtype` if given), a batch of LOAD_BATCH_BYTES per job, `threads` jobs at a time (tensors go to
     disjoint, precomputed ranges of the files). `session` is the checkpoint's (load, dtype_of,
     load_rows). Each batch is built in memory laid out as its range of the output files (reused
-    from batch to batch) and written with one pwrite per run: where the format can (`load_rows`,
-    TP1 groups) the stored bytes are read straight into it, else the shards are loaded and merged into it."""
+    from batch to batch) and written with one pwrite per run: TP1 groups are read straight into it
+    (`load_rows`), the shards of other groups are loaded and merged into it."""
     load, dtype_of, load_rows = session
     costs = [sum(_nbytes(s, torch.float32) for s in task.hf_shapes) for task in exports]
     mine = [exports[i] for i in share(costs, index, size)]
@@ -333,7 +333,7 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
         """A group larger than the staging buffer, read straight into the output a window of
         LOAD_BATCH_BYTES of rows at a time (None if it cannot be: see `_row_parts`)."""
         names = list(zip(task.hf, task.hf_shapes))
-        if (load_rows is None or any(writer.place(name) is None or not shape for name, shape in names)
+        if (any(writer.place(name) is None or not shape for name, shape in names)
                 or _row_parts(task, {name: torch.empty((1,) * len(shape), dtype=out_dtype) for name, shape in names},
                               dtype_of(task.sources[0])) is None):
             return None
@@ -359,8 +359,7 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
         views, flush = writer.stage(outputs, local.buffer)
         parts, merged = [], []
         for task in batch:
-            rows = None if load_rows is None else _row_parts(
-                task, {name: views[name] for name in task.hf}, dtype_of(task.sources[0]))
+            rows = _row_parts(task, {name: views[name] for name in task.hf}, dtype_of(task.sources[0]))
             parts.extend(rows or [])
             if rows is None:
                 merged.append(task)
