@@ -20,7 +20,7 @@ from mconv.converter.transforms import COLUMN, QKV, REPLICATED, ROW
 from mconv.errors import MconvError
 from mconv.mappings import qwen3, qwen3_moe
 from mconv.mappings.common import config_value, rope_parameters
-from mconv.mappings.schema import FIRST, Architecture, Rule, extra_state, prefixed
+from mconv.mappings.schema import FIRST, GPT_LOCAL_KEYS, Architecture, Rule, extra_state, prefixed
 
 V = "vision_model."
 B, HB = V + "decoder.layers.{block}.", "model.visual.blocks.{block}."
@@ -241,7 +241,8 @@ def hf_config(config: dict) -> dict:
 
 LANGUAGE = prefixed(qwen3.EMBEDDING_AND_OUTPUT + qwen3.ATTENTION + qwen3.DENSE_MLP, "language_model.", _hf_language)
 QWEN3_VL = Architecture("Qwen3VLForConditionalGeneration", dims, VISION + LANGUAGE, megatron_args,
-                        check_layout=check_layout, hf_config=hf_config)
+                        check_layout=check_layout, hf_config=hf_config, torch_dist=GPT_LOCAL_KEYS)
 QWEN3_VL_MOE = Architecture("Qwen3VLMoeForConditionalGeneration", moe_dims,
                             VISION + LANGUAGE + prefixed(qwen3_moe.MOE_MLP, "language_model.", _hf_language),
-                            moe_megatron_args, check_layout=check_layout, stacked_experts=True, hf_config=hf_config)
+                            moe_megatron_args, check_layout=check_layout, stacked_experts=True, hf_config=hf_config,
+                            torch_dist=GPT_LOCAL_KEYS)
