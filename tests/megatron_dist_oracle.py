@@ -10,6 +10,7 @@ import logging
 import tempfile
 import warnings
 from argparse import Namespace
+from types import SimpleNamespace
 from typing import Iterator
 
 import torch
@@ -86,9 +87,7 @@ def meta_model(args: Namespace, dtype: torch.dtype, dtypes: dict[str, torch.dtyp
                                       qk_l2_norm=False)
     with torch.device("meta"):
         if getattr(args, "vision_layers", None):  # Qwen3-VL: the Megatron Qwen3VLModel instead
-            from mconv.mappings.qwen3_vl import megatron_model
-
-            model = megatron_model(args, config)
+            model = qwen3_vl_model(args, config)
         else:
             model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                              max_sequence_length=args.max_position_embeddings,
@@ -146,3 +145,70 @@ def box_record(item, names: dict[int, str]) -> tuple:
     return ("tensor", item.key, tuple(item.global_shape), item.dtype, tuple(item.global_offset),
             (1,) * item.prepend_axis_num + tuple(item.local_shape), tuple(item.replica_id),
             names[_storage_id(view)], view.storage_offset() // row_bytes)
+
+
+def qwen3_vl_model(args, config):
+    """The Megatron `Qwen3VLModel` of mbridge (git main) for these Megatron-LM args, from megatron-core's
+    local specs, as a CPU trainer builds it (vision blocks `get_vit_layer_with_local_spec`; mergers
+    WrappedTorchNorm / ColumnParallelLinear / RowParallelLinear), built on the current device;
+    `config` is the language model's TransformerConfig. Its `sharded_state_dict()` gives the
+    torch_dist keys (the vision tower's local-spec norms keep their local names there)."""
+    import dataclasses
+
+    import torch
+
+    try:
+        from mbridge.models.qwen3_vl.model import Qwen3VLModel
+        from mbridge.models.qwen3_vl.transformer_config import Qwen3VLTransformerConfig
+    except ImportError as e:
+        raise MconvError(f"the Qwen3-VL torch_dist oracle builds mbridge's Qwen3VLModel, which is not installed "
+                         f"({e}); install the mbridge wheel in wheels/ (scripts/install.sh does)") from None
+
+    config = Qwen3VLTransformerConfig(**{
+        **{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init},
+        "mrope_section": list(args.mrope_section)}, patch_size=args.patch_size,
+        temporal_patch_size=args.temporal_patch_size, in_channels=args.in_channels,
+        spatial_merge_size=args.spatial_merge_size, num_position_embeddings=args.num_position_embeddings,
+        out_hidden_size=args.hidden_size, deepstack_visual_indexes=list(args.deepstack_visual_indexes))
+    vision = SimpleNamespace(depth=args.vision_layers, hidden_size=args.vision_hidden, num_heads=args.vision_heads,
+                             intermediate_size=args.vision_ffn, patch_size=args.patch_size,
+                             temporal_patch_size=args.temporal_patch_size, in_channels=args.in_channels,
+                             spatial_merge_size=args.spatial_merge_size,
+                             num_position_embeddings=args.num_position_embeddings, out_hidden_size=args.hidden_size,
+                             deepstack_visual_indexes=list(args.deepstack_visual_indexes))
+    # megatron-core's MultimodalRotaryEmbedding puts its frequencies on torch.cuda.current_device() when
+    # built; the model is built on the meta device to read its keys, so they go there, GPU or not.
+    # mbridge also logs a warning that its Qwen3VLModel is "under development".
+    current_device, torch.cuda.current_device = torch.cuda.current_device, lambda: "meta"
+    logger = logging.getLogger("mbridge")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return _qwen3_vl_model(Qwen3VLModel, config, vision, args)
+    finally:
+        torch.cuda.current_device = current_device
+        logger.setLevel(level)
+
+
+def _qwen3_vl_model(Qwen3VLModel, config, vision, args):
+    from copy import deepcopy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from mbridge.models.qwen3_vl.transformer_config import get_vision_model_config
+    from mbridge.models.qwen3_vl.utils import PatchMergerSubmodules
+
+    return Qwen3VLModel(
+        language_transformer_config=config,
+        language_transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                                   normalization=args.normalization, qk_l2_norm=False),
+        language_vocab_size=args.padded_vocab_size, language_max_sequence_length=args.max_position_embeddings,
+        vision_transformer_config=get_vision_model_config(deepcopy(config), vision),
+        vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
+        vision_patch_merger_spec=PatchMergerSubmodules(WrappedTorchNorm, ColumnParallelLinear, RowParallelLinear),
+        language_rotary_base=args.rotary_base,
+        language_share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        image_token_id=args.image_token_id, video_token_id=args.video_token_id,
+        vision_start_token_id=args.vision_start_token_id)

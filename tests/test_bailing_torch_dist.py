@@ -8,7 +8,9 @@ bias, shared experts), whose `sharded_state_dict()` megatron-core computes; mega
 the KDA module there is given AReaL's `KimiDeltaAttention.sharded_state_dict` (kda_attention.py,
 branch chucai.dzq/gh-bailing-v3-swe-sft): `A_log`/`dt_bias` split by TP on axis 0, `in_proj.weight`
 and `conv1d.weight` one global tensor per section (`.query`, `.key`, `.value`, `.g`, `.gate`), the
-output norm replicated, the linears as megatron-core shards them.
+output norm replicated, the linears as megatron-core shards them; and, as AReaL's KDA layers keep a
+separate `input_layernorm`, no `sharded_state_dict_keys_map` there (megatron-core's local MLA spec has
+none either), so every Bailing layer's norms keep their local-spec names.
 """
 from __future__ import annotations
 
@@ -133,12 +135,16 @@ def _load_worker(rank: int, dist_dir: Path, legacy_dir: Path, hf_config: dict, t
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     args = TorchDistReader(dist_dir / "release").args  # the args hf2mcore stored, as a trainer resumes
     model = bailing_model(_core_config(args, tp, ep), hf_config, args.padded_vocab_size)
-    for module in model.modules():
-        if type(module).__name__ == "AReaLKDA":
-            module.sharded_state_dict = types.MethodType(_areal_kda_sharded_state_dict, module)
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), str(dist_dir / "release"),
+    for layer in model.decoder.layers:
+        if type(layer.self_attention).__name__ == "AReaLKDA":
+            layer.self_attention.sharded_state_dict = types.MethodType(_areal_kda_sharded_state_dict,
+                                                                       layer.self_attention)
+            # AReaL's KDA layer keeps its own input_layernorm (TENorm), so no key map; the oracle builds
+            # the rest of the layer from megatron-core's local GPT spec, whose map is for a fused qkv norm.
+            layer.submodules_config.sharded_state_dict_keys_map = {}
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(dist_dir / "release"),
                                      strict=StrictHandling.RAISE_ALL)
-    model.load_state_dict(loaded, strict=True)
+    model.load_state_dict(loaded["model"], strict=True)
     legacy = torch.load(get_checkpoint_name(str(legacy_dir), 0, True, expert_parallel=ep > 1,
                                             expert_rank=ps.get_expert_model_parallel_rank()), weights_only=False)
     ours = model.state_dict()

@@ -195,9 +195,8 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     plan = make_plan(arch, ckpt.config, layout, spec)
     notes = check_hf_tensors(plan, ckpt)
     arch_args = arch.megatron_args(plan.dims)
-    if fmt == "torch_dist" and arch.torch_dist is None:
-        raise MconvError(f"--format torch_dist is not available for {arch.name}: its table says no torch_dist "
-                         "keys; use --format torch")
+    if fmt == "torch_dist":
+        torch_dist.check_model(plan)
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         summary = _rank_summary(_flat_plan(plan), ckpt, lambda r: "global tensors (any layout)")

@@ -67,6 +67,15 @@ class DistBox:
     replica_id: tuple[int, ...] = REPLICA
 
 
+def check_model(plan: Plan) -> None:
+    """Raises MconvError, naming the reason, if this model has no torch_dist checkpoint: its table
+    says no torch_dist keys, or the trainer's model class cannot build it (`DistKeys.check`)."""
+    if plan.arch.torch_dist is None:
+        raise MconvError(f"--format torch_dist is not available for {plan.arch.name}; use --format torch")
+    if plan.arch.torch_dist.check is not None:
+        plan.arch.torch_dist.check(plan.dims)
+
+
 def layers_stacked(plan: Plan, args: Namespace) -> bool:
     """Whether megatron-core stacks the decoder layers on one key (TransformerBlock.sharded_state_dict:
     not when `moe_layer_freq` is a list or above 1), here also not for heterogeneous architectures."""
@@ -116,9 +125,8 @@ def _key(task: TensorTask, plan: Plan, stacked: bool) -> tuple[str, tuple[int, .
 def plan_boxes(plan: Plan, args: Namespace) -> list[DistBox]:
     """Every box (and object) of the torch_dist checkpoint of `plan` (a TP1/PP1/EP1 local-spec plan,
     vocabulary padded as the target layout pads it) for the Megatron-LM `args` it is stored with,
-    in the plan's order. Raises MconvError if the architecture has no torch_dist keys."""
-    if plan.arch.torch_dist is None:
-        raise MconvError(f"--format torch_dist is not available for {plan.arch.name}; use --format torch")
+    in the plan's order. Raises MconvError as `check_model` does."""
+    check_model(plan)
     stacked = layers_stacked(plan, args)
     output_layers = {r.megatron.removesuffix(".weight") for r in plan.arch.rules if r.kind is VOCAB and r.stage == LAST}
     boxes = []

@@ -51,10 +51,12 @@ class DistKeys:
     megatron-core model (converter/torch_dist.py): `keys_map` is the layer spec's
     `sharded_state_dict_keys_map` (a local-spec name prefix inside a decoder layer -> its key prefix,
     the first match applies); `per_layer` says the decoder layers differ from each other, so their keys
-    are always per layer (`decoder.layers.{i}.`), never stacked."""
+    are always per layer (`decoder.layers.{i}.`), never stacked; `check(dims)` raises MconvError for
+    a model the trainer's Megatron model class cannot build (so no checkpoint of it can be loaded)."""
 
     keys_map: tuple[tuple[str, str], ...] = ()
     per_layer: bool = False
+    check: Callable[[SimpleNamespace], None] | None = None
 
 
 # megatron-core's local GPT layer spec (get_gpt_layer_local_submodules, megatron-core 0.19.2): the
