@@ -248,3 +248,26 @@ def test_workers_write_the_same_bytes(tmp_path):
     mcore2hf(tmp_path / "m", tmp_path / "two", progress=False, max_shard_bytes=150_000, workers=2)
     for path in sorted((tmp_path / "one").iterdir()):
         assert path.read_bytes() == (tmp_path / "two" / path.name).read_bytes(), path.name
+
+
+@pytest.mark.parametrize("fixture,options,message", [
+    ("qwen3-moe-tiny", dict(stacked_experts=True), "Qwen3MoeForCausalLM checkpoints keep their experts per expert"),
+    ("qwen3-vl-moe-tiny", dict(stacked_experts=True, expert_orientation="6.x"), "must be one of 4.x, 5.x, got '6.x'"),
+])
+def test_live_stacked_experts_refused(fixture, options, message):
+    """Checked before the model is looked at (no parallel state needed here)."""
+    from mconv.live import iter_hf_weights
+
+    with pytest.raises(MconvError, match=message):
+        next(iter_hf_weights([], FIXTURES / fixture, **options))
+
+
+def test_buckets_keep_a_stacked_tensors_experts_together():
+    """The live schedule's bucketing: items of one stacked tensor (same key) never split, others by size."""
+    from mconv.live import _buckets
+
+    items = [("a", None), ("e0", "s"), ("e1", "s"), ("e2", "s"), ("b", None), ("f0", "t"), ("f1", "t")]
+    buckets = list(_buckets(items, lambda item: 10, 25, lambda item: item[1]))
+    assert [[name for name, _ in b] for b in buckets] == [["a"], ["e0", "e1", "e2"], ["b"], ["f0", "f1"]]
+    assert [[n for n, _ in b] for b in _buckets(items, lambda item: 10, 25)] == [
+        ["a", "e0"], ["e1", "e2"], ["b", "f0"], ["f1"]]
