@@ -1,33 +1,14 @@
-"""BailingMoeV3 in torch_dist: per-layer keys derived from the table (mconv/converter/torch_dist.py),
-bit-exact round trips over model variants, and megatron-core's `dist_checkpointing.load` reading what
-hf2mcore wrote into the oracle's model at TP2/EP2.
-
-The oracle model is tests/test_bailing_oracle.py's: megatron-core's GPTModel with its own local-spec
-MLA (plus AReaL's head-wise `linear_gate`), dense MLP and MoE (SequentialMLP, sigmoid router with expert
-bias, shared experts), whose `sharded_state_dict()` megatron-core computes; megatron-core has no KDA, so
-the KDA module there is given AReaL's `KimiDeltaAttention.sharded_state_dict` (kda_attention.py,
-branch chucai.dzq/gh-bailing-v3-swe-sft): `A_log`/`dt_bias` split by TP on axis 0, `in_proj.weight`
-and `conv1d.weight` one global tensor per section (`.query`, `.key`, `.value`, `.g`, `.gate`), the
-output norm replicated, the linears as megatron-core shards them; and, as AReaL's KDA layers keep a
-separate `input_layernorm`, no `sharded_state_dict_keys_map` there (megatron-core's local MLA spec has
-none either), so every Bailing layer's norms keep their local-spec names.
-"""
+"""BailingMoeV3 in torch_dist: per-layer keys derived from the table (mconv/converter/torch_dist.py)
+and bit-exact round trips over model variants."""
 from __future__ import annotations
 
-import dataclasses
-import types
-import warnings
-from pathlib import Path
-
-import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fixtures.make_fixtures import make_bailing_v3
 from mconv import Layout, hf2mcore, mcore2hf
-from tests.megatron_oracle import _cpu_shims, _free_port, read_config
+from tests.megatron_oracle import read_config
 from tests.test_bailing import SMALL
 from tests.test_roundtrip import assert_bit_identical, read_all
 
@@ -75,109 +56,3 @@ def test_keys_are_per_layer_with_kda_sections(tmp_path):
     assert {"decoder.layers.1.input_layernorm.weight", "decoder.layers.1.self_attention.kv_layernorm.weight",
             "decoder.layers.0.input_layernorm.weight", "decoder.layers.2.pre_mlp_layernorm.weight"} <= stored.keys()
     assert not any(key.startswith("decoder.layers.self_attention") for key in stored)
-
-
-# ------------------------------------------------------------------------- megatron-core's loader
-
-def _areal_kda_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-    """AReaL's KimiDeltaAttention.sharded_state_dict for the oracle's KDA module (see the module docstring)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
-
-    own = {}
-    self._save_to_state_dict(own, "", keep_vars=True)
-    sharded = make_sharded_tensors_for_checkpoint(own, prefix, {"A_log": 0, "dt_bias": 0}, sharded_offsets)
-    for name, module in self.named_children():
-        if name in ("conv1d", "out_norm"):
-            sharded.update(make_sharded_tensors_for_checkpoint(module.state_dict(prefix="", keep_vars=True),
-                                                               f"{prefix}{name}.", {"weight": 0} if name == "conv1d"
-                                                               else {}, sharded_offsets))
-        else:
-            sharded.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
-
-    def split(whole, sizes, names):
-        template = whole.without_data()
-
-        def build(key, tensor, replica_id, flattened_range):
-            full = dataclasses.replace(template, key=key, data=tensor, dtype=tensor.dtype, replica_id=replica_id,
-                                       flattened_range=flattened_range)
-            pieces, start = [], 0
-            for size, section in zip(sizes, names):
-                (piece,) = full.narrow(0, start, size)
-                piece.key = f"{piece.key}.{section}"
-                pieces.append(piece)
-                start += size
-            return pieces
-        return ShardedTensorFactory(whole.key, whole.data, build, torch.cat, whole.replica_id)
-
-    sharded[f"{prefix}in_proj.weight"] = split(sharded[f"{prefix}in_proj.weight"], self.sections, SECTIONS)
-    sharded[f"{prefix}conv1d.weight"] = split(sharded[f"{prefix}conv1d.weight"], self.sections[:3], SECTIONS[:3])
-    return sharded
-
-
-def _load_worker(rank: int, dist_dir: Path, legacy_dir: Path, hf_config: dict, tp: int, ep: int, port: int,
-                 out: Path):
-    warnings.filterwarnings("ignore")
-    _cpu_shims()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=max(tp, ep))
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
-    from megatron.training.checkpointing import get_checkpoint_name
-
-    from mconv.converter.torch_dist_io import TorchDistReader
-    from tests.test_bailing_oracle import TOKENS, _core_config, bailing_model
-
-    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    args = TorchDistReader(dist_dir / "release").args  # the args hf2mcore stored, as a trainer resumes
-    model = bailing_model(_core_config(args, tp, ep), hf_config, args.padded_vocab_size)
-    for layer in model.decoder.layers:
-        if type(layer.self_attention).__name__ == "AReaLKDA":
-            layer.self_attention.sharded_state_dict = types.MethodType(_areal_kda_sharded_state_dict,
-                                                                       layer.self_attention)
-            # AReaL's KDA layer keeps its own input_layernorm (TENorm), so no key map; the oracle builds
-            # the rest of the layer from megatron-core's local GPT spec, whose map is for a fused qkv norm.
-            layer.submodules_config.sharded_state_dict_keys_map = {}
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(dist_dir / "release"),
-                                     strict=StrictHandling.RAISE_ALL)
-    model.load_state_dict(loaded["model"], strict=True)
-    legacy = torch.load(get_checkpoint_name(str(legacy_dir), 0, True, expert_parallel=ep > 1,
-                                            expert_rank=ps.get_expert_model_parallel_rank()), weights_only=False)
-    ours = model.state_dict()
-    differing = [name for name, tensor in legacy["model"].items()
-                 if not name.endswith("_extra_state") and not torch.equal(ours[name], tensor)]
-    tokens = torch.tensor([TOKENS])
-    mask = torch.ones(1, 1, len(TOKENS), len(TOKENS), dtype=torch.bool).triu(1)
-    with torch.no_grad():
-        logits = model(tokens, torch.arange(len(TOKENS))[None], mask)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, differing)
-    if rank == 0:
-        torch.save((logits[..., : hf_config["vocab_size"]], gathered), out)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", [{}, dict(no_kda_lora=False, q_lora_rank=None, tie_word_embeddings=True)])
-def test_megatron_core_loads_bailing_torch_dist_at_tp2_ep2(tmp_path, variant):
-    """megatron-core's dist_checkpointing.load (every key of the model's sharded state dict and of the
-    checkpoint accounted for) reads hf2mcore's TP1-written torch_dist into the TP2/EP2 model: each rank's
-    parameters equal the legacy TP2/EP2 rank file hf2mcore writes for that rank (which the forward oracle
-    of test_bailing_oracle.py proves), and the forward equals the transformers-modules reference."""
-    from tests.test_bailing_oracle import TOKENS, HFReference
-
-    hf = make_bailing_v3(tmp_path / "hf", seed=11, dtype=torch.float32, tokenizer=False, **variant)
-    hf2mcore(hf, tmp_path / "dist", Layout(tp=2), fmt="torch_dist", progress=False)  # vocabulary padded for TP2
-    hf2mcore(hf, tmp_path / "legacy", Layout(tp=2, ep=2), spec="local", fmt="torch", progress=False)
-    out = tmp_path / "loaded.pt"
-    mp.start_processes(_load_worker, args=(tmp_path / "dist", tmp_path / "legacy", read_config(hf), 2, 2,
-                                           _free_port(), out), nprocs=2, start_method="spawn")
-    logits, differing = torch.load(out)
-    assert differing == [[], []]
-    reference = HFReference(hf)(TOKENS)
-    assert ((logits - reference).abs().max() / reference.abs().max()).item() < 1e-5
