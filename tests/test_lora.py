@@ -378,29 +378,40 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
 # Skipped only outside CI: .ci/run installs the venv, so in CI a missing venv is a failure, not a skip.
-@pytest.mark.skipif(not VLLM_PYTHON.is_file() and not os.environ.get("CI"),
-                    reason=f"no vLLM CPU venv at {VLLM_PYTHON} (scripts/install-vllm.sh; or set MCONV_VLLM_PYTHON)")
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.is_file() and not os.environ.get("CI"),
+                                reason=f"no vLLM CPU venv at {VLLM_PYTHON} (scripts/install-vllm.sh; or set "
+                                       "MCONV_VLLM_PYTHON)")
+
+
+def run_vllm(tmp_path: Path, script: str, *args, marker: str = "TOKENS "):
+    """Run `script` in the vLLM venv (torchvision made importable by tests/vllm_site); the JSON it prints
+    after `marker`."""
+    import subprocess
+
+    (tmp_path / "vllm_check.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "vllm_site")}
+    done = subprocess.run([str(VLLM_PYTHON), str(tmp_path / "vllm_check.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=480, cwd=tmp_path, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[0][len(marker):])
+
+
+@pytest.mark.slow
+@needs_vllm
 def test_vllm_loads_the_adapter_and_generates_what_peft_does(tmp_path):
     """vLLM's own loader accepts the exported adapter, and its greedy tokens (float32) are transformers+peft's.
     Dense Qwen3 only: vLLM's CPU build has no MoE-LoRA kernel."""
-    import subprocess
-
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     hf_dir = FIXTURES / "qwen3-tiny"
     lora, _ = lora_checkpoint(tmp_path, hf_dir, Layout(tp=2), adapter_only=True)
     export(lora, tmp_path / "adapter", "--base-model", hf_dir)
-    (tmp_path / "vllm_check.py").write_text(VLLM_SCRIPT)
-    done = subprocess.run([str(VLLM_PYTHON), str(tmp_path / "vllm_check.py"), str(hf_dir), str(tmp_path / "adapter"),
-                           json.dumps(TOKENS)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    served = run_vllm(tmp_path, VLLM_SCRIPT, hf_dir, tmp_path / "adapter", json.dumps(TOKENS))
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
                                       tmp_path / "adapter").eval()
-    served = json.loads(lines[0][len("TOKENS "):])
     assert served == greedy(model, TOKENS, 8)
     with model.disable_adapter():
         assert greedy(model, TOKENS, 8) != served  # the adapter changes what is generated

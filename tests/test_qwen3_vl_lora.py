@@ -25,7 +25,7 @@ from mconv.converter.transforms import padded_vocab_size
 from tests.conftest import FIXTURES
 from tests.qwen3_vl_oracle import PATCHES, VLRun, example_inputs, hf_logits, megatron_logits
 from tests.test_errors import assert_refused, mconv
-from tests.test_lora import ALPHA, R, export, lora_checkpoint
+from tests.test_lora import ALPHA, R, export, lora_checkpoint, needs_vllm, run_vllm
 from tests.test_roundtrip import read_all
 
 DENSE = FIXTURES / "qwen3-vl-tiny"
@@ -149,3 +149,126 @@ def test_peft_equals_mbridge_forward_of_merged_rank_files(tmp_path):
     for name in inputs:
         assert (logits[name] - reference[name]).abs().max() < 1e-4, name
         assert (reference[name] - hf_logits(hf_dir, {name: inputs[name]})[name]).abs().max() > 1e-2, name
+
+
+# ----------------------------------------------------------------------------- a real client: vLLM on the CPU
+
+IMAGE_SIZE = 32  # pixels: 4 x 4 patches of 8 -> 4 merged image tokens
+
+
+def vllm_model(tmp: Path, moe: bool) -> Path:
+    """A tiny Qwen3-VL model vLLM's CPU build serves: text head_dim 32 (its CPU attention needs >= 32),
+    a byte-level BPE tokenizer with the vision special tokens, and a processor config (image patches
+    of 8, 2x2 merge, images of 32x32 to 64x64 pixels)."""
+    from fixtures.make_fixtures import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids(specials)))
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6], "mrope_interleaved": True}
+    hf = make_qwen3_vl(tmp / "hf", seed=5, moe=moe, dtype=torch.float32, text=dict(
+        head_dim=32, rope_parameters=rope, **({"mlp_only_layers": []} if moe else {})), **ids)
+    tokenizer.save_pretrained(hf)
+    config = json.loads((hf / "config.json").read_text())
+    if moe:  # vLLM 0.32's Qwen3-VL-MoE reads text_config.norm_topk_prob, which transformers 5 does not write
+        config["text_config"]["norm_topk_prob"] = True
+        (hf / "config.json").write_text(json.dumps(config, indent=2))
+    size = {"shortest_edge": IMAGE_SIZE ** 2, "longest_edge": (2 * IMAGE_SIZE) ** 2}
+    patches = dict(patch_size=8, temporal_patch_size=2, merge_size=2, size=size, do_resize=True, do_rescale=True,
+                   rescale_factor=1 / 255, do_normalize=True, do_convert_rgb=True, resample=3)
+    (hf / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor", "image_processor": {
+        "image_processor_type": "Qwen2VLImageProcessor", "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], **patches}, "video_processor": {
+        "video_processor_type": "Qwen3VLVideoProcessor", "image_mean": [0.5] * 3, "image_std": [0.5] * 3, **patches}}))
+    return hf
+
+
+VLLM_VL_SCRIPT = """
+import json, os, sys
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+if __name__ == "__main__":
+    import numpy as np
+    from PIL import Image
+    from safetensors.torch import save_file
+    from transformers import AutoProcessor
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    model, adapter, prompt, generate = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "generate"
+    llm = LLM(model=model, enable_lora=True, max_lora_rank=8, max_loras=1, dtype="float32", max_model_len=128,
+              enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20,
+              distributed_executor_backend="uni", limit_mm_per_prompt={"image": 1, "video": 0},
+              enable_tower_connector_lora=True)
+    request = LoRARequest("exported", 1, adapter)
+    llm.llm_engine.add_lora(request)  # vLLM's own adapter loader: raises ValueError for an adapter it rejects
+    llm.llm_engine.pin_lora(1)  # puts its tensors into the engine's LoRA slots (set_lora of every wrapped layer)
+    if not generate:
+        print("LOADED " + json.dumps(sorted(llm.llm_engine.list_loras())))
+        sys.exit(0)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (%d, %d, 3), dtype=np.uint8))
+    pixels = AutoProcessor.from_pretrained(model).image_processor(images=[image], return_tensors="pt")
+    save_file({k: pixels[k].contiguous() for k in ("pixel_values", "image_grid_thw")}, "image.safetensors")
+    prompts = [TokensPrompt(prompt_token_ids=prompt["text"]),
+               TokensPrompt(prompt_token_ids=prompt["image"], multi_modal_data={"image": image})]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate(prompts, params, lora_request=request)
+    print("TOKENS " + json.dumps({"prompts": [list(o.prompt_token_ids) for o in out],
+                                  "tokens": [list(o.outputs[0].token_ids) for o in out]}))
+""" % (IMAGE_SIZE, IMAGE_SIZE)
+
+
+def greedy(model, ids: torch.Tensor, steps: int, **image) -> list[int]:
+    """transformers' greedy tokens (full forward each step, images included)."""
+    ids = ids.clone()
+    with torch.no_grad():
+        for _ in range(steps):
+            extra = {**image, "mm_token_type_ids": (ids == model.config.image_token_id).int()} if image else {}
+            ids = torch.cat([ids, model(input_ids=ids, **extra).logits[:, -1:].argmax(-1)], dim=1)
+    return ids[0, -steps:].tolist()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_serves_the_dense_adapter_like_peft(tmp_path):
+    """vLLM's CPU engine (tower and connector LoRA on) accepts the adapter exported from TP2 adapters on
+    the language model and the vision tower, and its greedy tokens (float32) on a text-only and a
+    text+image prompt equal transformers+peft's on the same pixels; without the adapter they differ."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    hf = vllm_model(tmp_path, moe=False)
+    config = json.loads((hf / "config.json").read_text())
+    lora, _ = lora_checkpoint(tmp_path, hf, Layout(tp=2), vision=True, adapter_only=True)
+    export(lora, tmp_path / "adapter", "--base-model", hf)
+    text = list(range(3, 60, 4))
+    image_prompt = text[:4] + [config["vision_start_token_id"], config["image_token_id"],
+                               config["vision_end_token_id"]] + text[4:]
+    served = run_vllm(tmp_path, VLLM_VL_SCRIPT, hf, tmp_path / "adapter",
+                      json.dumps({"text": text, "image": image_prompt}), "generate")
+    image = load_file(tmp_path / "image.safetensors")
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(hf, dtype=torch.float32),
+                                      tmp_path / "adapter").eval()
+    (text_ids, image_ids), ours = [torch.tensor([p]) for p in served["prompts"]], []
+    assert text_ids[0].tolist() == text and (image_ids == config["image_token_id"]).sum() == 4
+    for adapter in (True, False):
+        with model.disable_adapter() if not adapter else torch.no_grad():
+            ours.append([greedy(model, text_ids, 8), greedy(model, image_ids, 8, **image)])
+    assert served["tokens"] == ours[0]
+    assert all(with_adapter != without for with_adapter, without in zip(ours[0], ours[1]))  # the adapter matters
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_loads_the_moe_expert_adapter(tmp_path):
+    """vLLM's CPU engine for Qwen3-VL-MoE (LoRA on) loads the exported adapter, 3-D expert form included,
+    into its LoRA slots (its `FusedMoE3DWithLoRA` reshapes A/B by expert and copies them in). It cannot
+    generate with it: vLLM's MoE-LoRA kernel is Triton-only, with no CPU backend."""
+    hf = vllm_model(tmp_path, moe=True)
+    lora, _ = lora_checkpoint(tmp_path, hf, Layout(tp=2, ep=2), vision=True, adapter_only=True)
+    export(lora, tmp_path / "adapter", "--base-model", hf)
+    assert load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)[
+        "base_model.model.model.language_model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (4 * R, 64)
+    assert run_vllm(tmp_path, VLLM_VL_SCRIPT, hf, tmp_path / "adapter", "{}", "load", marker="LOADED ") == [1]
