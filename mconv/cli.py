@@ -5,7 +5,9 @@ import json
 import os
 import re
 import resource
+import signal
 import sys
+import threading
 import time
 
 import click
@@ -93,9 +95,42 @@ def run(action):
         fail(str(e))
     except OSError as e:
         fail(f"{e.filename}: {e.strerror or e}" if e.filename else str(e))
-    except KeyboardInterrupt:
-        click.echo("mconv: interrupted; no output was written", err=True)
-        sys.exit(130)
+
+
+QUIET_HELP = "Quiet: no progress bars and no informational lines (errors are still printed)."
+
+
+def show_progress(quiet: bool, as_json: bool = False) -> bool:
+    """Progress bars only for a person watching: not with -q or --json, and not when stderr is a
+    file or a pipe (a log would fill with carriage-return fragments)."""
+    return not (quiet or as_json) and sys.stderr.isatty()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, torchrun's agent stopping its workers), raised as Ctrl-C is, so that an
+    output being written is cleaned up the same way."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+class Command(click.Command):
+    """An mconv command: an interrupt (Ctrl-C, SIGTERM) at any point, the imports included, is one
+    line and exit status 128 + the signal; the output being written has been removed by then
+    (`output.staged_directory`), so nothing was written."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            interrupted(e, ctx.params.get("out_dir"))
+
+
+def interrupted(error: KeyboardInterrupt, out: str | None = None):
+    what = "terminated" if isinstance(error, Terminated) else "interrupted"
+    click.echo(f"mconv: {what}" + (f"; nothing was written to {out}" if out else ""), err=True)
+    sys.exit(128 + (signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT))
 
 
 class UsageLine(click.ClickException):
@@ -113,7 +148,22 @@ class UsageLine(click.ClickException):
 
 class Group(click.Group):
     """The `mconv` group: usage errors (unknown option, a file where a directory is expected, a bad
-    value) are one line like every other error, instead of click's usage block."""
+    value) are one line like every other error, instead of click's usage block; interrupts are
+    one line too (see `Command`), never click's "Aborted!"."""
+
+    command_class = Command
+
+    def main(self, *args, **kwargs):
+        # SIGTERM stops a command as Ctrl-C does (where nobody else handles it; handlers are the main thread's).
+        handle = (threading.current_thread() is threading.main_thread()
+                  and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+        if handle:
+            signal.signal(signal.SIGTERM, _terminate)
+        try:
+            return super().main(*args, **kwargs)
+        finally:
+            if handle:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def make_context(self, *args, **kwargs):
         try:
@@ -128,6 +178,8 @@ class Group(click.Group):
             return super().invoke(ctx)
         except click.UsageError as e:
             raise UsageLine(e) from None
+        except KeyboardInterrupt as e:  # while the command line was parsed
+            interrupted(e)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -180,7 +232,7 @@ def main():
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
                      vocab_divisor, spec, fmt, iteration, dry_run, overwrite, workers, as_json, quiet):
     """Convert the HF model HF_DIR (a directory, or a hub name such as Qwen/Qwen3-8B) into a
@@ -203,10 +255,10 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
 
     started = time.perf_counter()
     summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration,
-                                   overwrite=overwrite, dry_run=dry_run, progress=not (quiet or as_json),
+                                   overwrite=overwrite, dry_run=dry_run, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), revision=revision))
     plan = summary.plan
-    for note in summary.notes:
+    for note in summary.notes if not quiet else ():
         click.echo(f"mconv: note: {note}", err=True)
     header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
               f"padded vocab {plan.padded_vocab}")
@@ -239,7 +291,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                    "[E, hidden, I], as transformers 5.x saves.")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_size, overwrite, expert_orientation,
                      workers, as_json, quiet):
     """Convert the Megatron checkpoint in CKPT_DIR into an HF model directory OUT_DIR.
@@ -251,7 +303,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
 
     started = time.perf_counter()
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=max_shard_size,
-                                   overwrite=overwrite, progress=not (quiet or as_json),
+                                   overwrite=overwrite, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), dtype=torch_dtype(dtype),
                                    revision=revision, expert_orientation=expert_orientation))
     if not quiet or as_json:
@@ -266,13 +318,15 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
                    "the tensors are then checked against the architecture.")
 @click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of text.")
-def inspect_command(path, hf_config, revision, as_json):
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP + " The description itself is printed.")
+def inspect_command(path, hf_config, revision, as_json, quiet):
     """Describe PATH: a Megatron checkpoint (legacy torch or torch_dist, written by any tool) or an
     HF model (directory or hub name): format, model, layout, dtypes, size, and the Megatron-LM
     flags the training job must pass."""
     from mconv.converter.describe import inspect_path, render
 
-    info = run(lambda: inspect_path(path, hf_config=hf_config, revision=revision))
+    info = run(lambda: inspect_path(path, hf_config=hf_config, revision=revision,
+                                    progress=show_progress(quiet, as_json)))
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -283,20 +337,21 @@ def inspect_command(path, hf_config, revision, as_json):
 @main.command("verify")
 @click.argument("first", type=click.Path(file_okay=False))
 @click.argument("second", type=click.Path(file_okay=False))
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def verify_command(first, second, quiet):
     """Check that two HF model directories hold the same tensors, bit for bit (names, dtypes,
     shapes and bytes; shard layout may differ). Exit status 1 if they differ."""
     from mconv.converter.pipelines import compare_hf
 
-    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=not quiet))
+    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=show_progress(quiet)))
     if differences:
         for line in differences[:20]:
             click.echo(f"  {line}", err=True)
         more = f" (first 20 of {len(differences)})" if len(differences) > 20 else ""
         click.echo(f"mconv: error: {first} and {second} differ{more}", err=True)
         sys.exit(1)
-    click.echo(f"identical: {tensors} tensors, {nbytes:,} bytes, bit for bit")
+    if not quiet:
+        click.echo(f"identical: {tensors} tensors, {nbytes:,} bytes, bit for bit")
 
 
 @main.command("export-lora")
@@ -322,7 +377,7 @@ def verify_command(first, second, quiet):
                    "added in float32 either way.")
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True, help="With --merge: largest safetensors shard.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
-@click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, revision, merge, dtype,
                         max_shard_size, overwrite, quiet):
     """Export the Megatron-Bridge LoRA adapter in CKPT_DIR as a HF PEFT adapter in OUT_DIR.
@@ -348,7 +403,7 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
                                      base_model=base_model, merge_into=merge, dtype=torch_dtype(dtype),
                                      overwrite=overwrite, max_shard_bytes=max_shard_size,
-                                     revision=revision, progress=not quiet))
+                                     revision=revision, progress=show_progress(quiet)))
     if not quiet:
         adapter = result.adapter
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else

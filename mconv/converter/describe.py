@@ -178,21 +178,22 @@ def _describe_hf(path: Path, shown: str) -> dict:
             **({"other_settings": other_settings(arch, dims)} if other_settings(arch, dims) else {})}
 
 
-def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision: str | None = None) -> dict:
+def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision: str | None = None,
+                 progress: bool = True) -> dict:
     """Describe an HF model (a directory or a hub name at `revision`) or a Megatron checkpoint
     (legacy `torch` or `torch_dist`, from mconv or any other tool). Returns a JSON-ready dict of
     groups: `checkpoint` (format, iteration, writer, files), `model` (architecture, from the HF
     config and the saved args), `layout`, `dtypes` ({dtype: {tensors, bytes}}), `size`
     (`tensors` counted as hf2mcore counts them, `stored tensors` for torch_dist's stacked keys)
     and `trainer flags` (the Megatron-LM flags the training job must pass). `hf_config` (a
-    directory or hub name) names the HF model of a checkpoint that stores none. Raises
-    MconvError for what is neither."""
+    directory or hub name) names the HF model of a checkpoint that stores none; `progress` shows
+    huggingface_hub's download bars for a hub name. Raises MconvError for what is neither."""
     local = Path(path)
     if not local.is_dir() or ((local / "config.json").is_file() and not (local / mio.TRACKER).is_file()):
-        return _describe_hf(resolve_model(path, revision), str(path))
+        return _describe_hf(resolve_model(path, revision, progress=progress), str(path))
     location = mio.locate(local)
     if hf_config:
-        hf_config = resolve_model(hf_config, revision, weights=False)
+        hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     dist = location.format == "torch_dist"
     metadata = mio.read_metadata(location.save_dir) or {}
     stored_config = (location.save_dir / mio.HF_CONFIG_DIR / "config.json").is_file()

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 from argparse import Namespace
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -22,7 +22,8 @@ from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensor
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.output import check_output_path, output_path, staged_directory, write_errors
+from mconv.converter.output import (check_output_path, commit, output_path, remove_staging, staged_directory,
+                                    uninterrupted, write_errors)
 from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
@@ -46,8 +47,10 @@ class Summary:
 
 
 def _bar(total: int, description: str, progress: bool) -> tqdm:
+    """A bytes progress bar on stderr, shown only when `progress` and stderr is a terminal (tqdm's
+    disable=None: a bar written to a log file leaves carriage-return fragments in it)."""
     return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not progress, leave=False)
+                disable=None if progress else True, leave=False)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -128,7 +131,8 @@ def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, pro
     mine = share(costs, index, size)
     reads = run_ordered(((lambda task=task: None if task.shard is None else _read_shard(task, ckpt))
                          for i in mine for chunk in plan.ranks[i].chunks for task in chunk), threads)
-    with ThreadPoolExecutor(1, thread_name_prefix="mconv-save") as saver:
+    # closing: on an error or an interrupt, the readers stop before the output is cleaned up
+    with closing(reads), ThreadPoolExecutor(1, thread_name_prefix="mconv-save") as saver:
         saving = None
         for i in mine:
             chunks = []
@@ -296,8 +300,11 @@ def _write_exports(load, exports: list[ExportTask], index: int, size: int, write
                 written += tensor.nbytes
         return written
 
-    for written in run_ordered((functools.partial(write_batch, b) for b in _batches(mine, LOAD_BATCH_BYTES)), threads):
-        progress(written)
+    # closing: on an error or an interrupt, the writers stop before the output is cleaned up
+    with closing(run_ordered((functools.partial(write_batch, b) for b in _batches(mine, LOAD_BATCH_BYTES)),
+                             threads)) as writes:
+        for written in writes:
+            progress(written)
 
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
@@ -377,11 +384,10 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
     def last():
         if team.rank == 0:
             finish(prepared["writer"], staging)
-            if out.exists():
-                if not overwrite:
-                    raise MconvError(f"{out} already exists; pass --overwrite to replace it")
-                shutil.rmtree(out)
-            os.replace(staging, out)
+            if out.exists() and not overwrite:
+                raise MconvError(f"{out} already exists; pass --overwrite to replace it")
+            with uninterrupted(deliver=False):
+                commit(staging, out)
 
     def step(name: str, action) -> None:
         def guarded():  # a failed write (full disk...) stops every rank with one sentence
@@ -396,7 +402,7 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
         step("finished", last)
     except BaseException:
         if team.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_staging(staging, [])
         raise
 
 
