@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import resource
@@ -199,7 +200,7 @@ def main():
     """
 
 
-@main.command("hf2mcore")
+@main.command("hf2mcore", short_help="HF safetensors -> Megatron checkpoint.")
 @click.argument("hf_dir", type=click.Path(file_okay=False), metavar="HF_DIR|HUB_NAME")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--revision", default=None, help=REVISION_HELP)
@@ -272,7 +273,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                f"wrote {out_dir} ({fmt}): {summary.tensors} tensors, {summary.bytes:,} bytes ({header})")
 
 
-@main.command("mcore2hf")
+@main.command("mcore2hf", short_help="Megatron checkpoint -> HF safetensors.")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
@@ -311,7 +312,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
                                           f"{summary.tensors} tensors, {summary.bytes:,} bytes ({summary.plan.arch.name})")
 
 
-@main.command("inspect")
+@main.command("inspect", short_help="What a checkpoint or HF model is, and the flags its trainer needs.")
 @click.argument("path")
 @click.option("--hf-config", default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the HF config.json of the model, for checkpoints that store none: "
@@ -334,7 +335,7 @@ def inspect_command(path, hf_config, revision, as_json, quiet):
         click.echo(line)
 
 
-@main.command("verify")
+@main.command("verify", short_help="Are two HF models bit-identical?")
 @click.argument("first", type=click.Path(file_okay=False))
 @click.argument("second", type=click.Path(file_okay=False))
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
@@ -354,7 +355,7 @@ def verify_command(first, second, quiet):
         click.echo(f"identical: {tensors} tensors, {nbytes:,} bytes, bit for bit")
 
 
-@main.command("export-lora")
+@main.command("export-lora", short_help="Megatron LoRA -> HF PEFT adapter (or a merged model).")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
@@ -398,6 +399,12 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     Loads with peft.PeftModel.from_pretrained and vLLM (one r and alpha for all modules;
     adapters with different ranks are refused).
     """
+    ctx = click.get_current_context()
+    for name, why in (("dtype", "an adapter keeps the dtype it was trained in"), ("max_shard_size", "an adapter is one file")):
+        if not merge and ctx.get_parameter_source(name).name != "DEFAULT":
+            fail(f"--{name.replace('_', '-')} applies only with --merge ({why})")
+    if alpha is not None and not math.isfinite(alpha):
+        fail(f"--alpha must be a finite number, got {alpha}")
     from mconv.converter.lora import export_lora
 
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,

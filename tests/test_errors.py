@@ -784,3 +784,34 @@ def _live_save_worker(rank, run, where: Path):
                 results["existing"] = [type(e).__name__, str(e)]
         (where / "results.json").write_text(json.dumps(results))
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- a new user's mistakes
+
+@pytest.mark.parametrize("case", ["checkpoint as HF input", "iteration dir as HF input", "output under a file",
+                                  "dry run, output under a file", "hf-config without config.json", "neither",
+                                  "lora dtype without merge", "lora shard size without merge", "lora alpha nan"])
+def test_a_new_users_mistakes_are_one_line(tmp_path, case):
+    """Each mistake: exit status 1, one line saying what is wrong (not a raw OSError naming a staging
+    directory, not a missing config.json of the wrong thing), nothing written."""
+    assert legacy(TINY, tmp_path / "m").exit_code == 0
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+    args, fragment = {
+        "checkpoint as HF input": (["hf2mcore", tmp_path / "m", out], "m is a Megatron checkpoint; hf2mcore reads HF"),
+        "iteration dir as HF input": (["hf2mcore", tmp_path / "m" / "release", out], "is a Megatron checkpoint"),
+        "output under a file": (["mcore2hf", tmp_path / "m", TINY / "config.json" / "out"],
+                                f"cannot write {TINY / 'config.json' / 'out'}: {TINY / 'config.json'} is not a directory"),
+        "dry run, output under a file": (["hf2mcore", TINY, TINY / "config.json" / "out", "--dry-run"],
+                                         f"{TINY / 'config.json'} is not a directory"),
+        "hf-config without config.json": (["mcore2hf", tmp_path / "m", out, "--hf-config", tmp_path / "empty"],
+                                          f"--hf-config {tmp_path / 'empty'} has no config.json"),
+        "neither": (["inspect", tmp_path / "empty"], "is neither an HF model (no config.json) nor a Megatron checkpoint"),
+        "lora dtype without merge": (["export-lora", tmp_path / "m", out, "--dtype", "float32"],
+                                     "--dtype applies only with --merge"),
+        "lora shard size without merge": (["export-lora", tmp_path / "m", out, "--max-shard-size", "1GB"],
+                                          "--max-shard-size applies only with --merge"),
+        "lora alpha nan": (["export-lora", tmp_path / "m", out, "--alpha", "nan"], "--alpha must be a finite number"),
+    }[case]
+    assert_refused(mconv(*args, "-q"), out, fragment)
+    assert leftovers(TINY) == []

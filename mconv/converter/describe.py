@@ -191,6 +191,9 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     local = Path(path)
     if not local.is_dir() or ((local / "config.json").is_file() and not (local / mio.TRACKER).is_file()):
         return _describe_hf(resolve_model(path, revision, progress=progress), str(path))
+    if not (local / mio.TRACKER).is_file() and local.name != "release" and not local.name.startswith("iter_"):
+        raise MconvError(f"{path} is neither an HF model (no config.json) nor a Megatron checkpoint (no "
+                         f"{mio.TRACKER}, not an iter_*/release directory)")
     location = mio.locate(local)
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)

@@ -27,10 +27,14 @@ def output_path(out: str | Path) -> Path:
 
 def check_output_path(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> None:
     """Refuse an output that overlaps an input (paths compared with every symlink resolved, so an
-    input reached through a link is still the input), or that exists without `overwrite`.
+    input reached through a link is still the input), that exists without `overwrite`, or whose
+    nearest existing parent is not a directory.
 
     Raises MconvError naming both paths."""
     out = output_path(out)
+    above = next(p for p in out.parents if os.path.lexists(p))
+    if not above.is_dir():
+        raise MconvError(f"cannot write {out}: {above} is not a directory")
     real = out.resolve()
     for source in inputs:
         source = Path(source).resolve()

@@ -117,6 +117,15 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
     return [f"left out {prefix}* ({dropped[prefix]})" for prefix in held] + notes
 
 
+def refuse_megatron(path: str | Path, why: str) -> None:
+    """Refuse a Megatron checkpoint (save or iteration directory) given where an HF model is expected,
+    a common mix-up of the two directions: MconvError `PATH is a Megatron checkpoint; <why>`."""
+    path = Path(path)
+    if ((path / mio.TRACKER).is_file() or (path / "metadata.json").is_file()
+            or any(path.glob(f"mp_rank_*/{mio.RANK_FILE}"))):
+        raise MconvError(f"{path} is a Megatron checkpoint; {why}")
+
+
 def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
     return split(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b))
 
@@ -199,6 +208,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
                          "_extra_state objects a Transformer Engine model also asks for cannot be derived "
                          "without Transformer Engine. Use --spec local (same tensor keys) or --format torch")
     hf_dir = resolve_model(hf_dir, revision, progress=progress)
+    refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
     ckpt = HFCheckpoint(hf_dir)
     arch = architecture_for(ckpt.config)
     plan = make_plan(arch, ckpt.config, layout, spec)
@@ -410,9 +420,7 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
     """Compare two HF models (directories or hub names) tensor by tensor (names, dtypes, shapes,
     bytes), one tensor in memory at a time. Returns (tensors, bytes, differences)."""
     for path in (a, b):
-        if (Path(path) / mio.TRACKER).is_file() or (Path(path) / "metadata.json").is_file():
-            raise MconvError(f"{path} is a Megatron checkpoint; verify compares HF models (convert it with "
-                             "`mconv mcore2hf` first)")
+        refuse_megatron(path, "verify compares HF models (convert it with `mconv mcore2hf` first)")
     left, right = (HFCheckpoint(resolve_model(x, progress=progress)) for x in (a, b))
     differences = [f"{name}: only in {left.dir}" for name in sorted(left.tensors.keys() - right.tensors.keys())]
     differences += [f"{name}: only in {right.dir}" for name in sorted(right.tensors.keys() - left.tensors.keys())]
