@@ -16,7 +16,6 @@ from mconv.converter import megatron_io as mio
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hub import resolve_model
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.planner import make_plan
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 

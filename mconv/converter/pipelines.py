@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import shutil
-from argparse import Namespace
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
