@@ -1,11 +1,12 @@
 """mconv.live on mbridge's Megatron Qwen3VLModel (MoE; TP2/EP2/ETP1: the vision tower split over TP,
 experts over EP; and PP2 x VPP2, two chunks per rank, the vision tower on the first, every rank
 yielding the whole model with gather_pp): after `load_hf_weights` its logits equal transformers'
-(text-only and text+image); `iter_hf_weights` yields every HF tensor once, bit-exactly, with per-expert names (as AReaL sends them
-to inference engines); with `stacked_experts` it yields the stacked `gate_up_proj` / `down_proj` instead,
-each once: in the 5.x orientation they and every other tensor equal transformers' own model state
-(`state_dict()`), in the default 4.x orientation the fixture's (4.x) tensors; `save_hf_weights` writes the
-checkpoint back in either orientation (exactly, in the fp32 of the model) and transformers loads it."""
+(text-only and text+image); `iter_hf_weights` yields every HF tensor once, bit-exactly, with
+per-expert names (as AReaL sends them to inference engines); with `stacked_experts` it yields the
+stacked `gate_up_proj` / `down_proj` instead, each once: in the 5.x orientation they and every other
+tensor equal transformers' own model state (`state_dict()`), in the default 4.x orientation the
+fixture's (4.x) tensors; `save_hf_weights` writes the checkpoint back in either orientation (exactly,
+in the fp32 of the model) and transformers loads it."""
 import json
 
 import pytest
