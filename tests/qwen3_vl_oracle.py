@@ -182,7 +182,7 @@ def _compare(models: list, others: list, report: Path) -> None:
 def assert_same(workdir: Path, label: str, world: int) -> None:
     for rank in range(world):
         report = torch.load(Path(workdir) / f"{label}{rank}.pt")
-        assert report["keys_equal"] and report["compared"] > 50 and report["differ"] == [], report
+        assert report["keys_equal"] and report["compared"] > 20 and report["differ"] == [], report
 
 
 def _worker(rank: int, run: VLRun, port: int, out: Path):
@@ -252,7 +252,8 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
                         results[name] = output.float()
                     else:
                         dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-    if results and ps.get_tensor_model_parallel_rank() == 0 and ps.get_expert_model_parallel_rank() == 0:
+    if (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_expert_model_parallel_rank() == 0):
         torch.save(results, out)
     if run.live_out is not None:
         from mconv.live import iter_hf_weights, save_hf_weights
