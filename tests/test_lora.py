@@ -257,7 +257,7 @@ def test_torch_dist_adapter_checkpoint(tmp_path, monkeypatch):
     by `adapter.linear_in.weight` / `adapter.linear_out.weight`, saved by dist_checkpointing.save."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from mconv.converter.torch_dist import megatron_process_group
+    from tests.megatron_dist_oracle import megatron_process_group
 
     lora, _ = lora_checkpoint(tmp_path, FIXTURES / "qwen3-tiny", Layout(tp=2))
     layers = read_config(FIXTURES / "qwen3-tiny")["num_hidden_layers"]
