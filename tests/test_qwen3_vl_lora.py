@@ -26,7 +26,8 @@ from mconv.converter.transforms import padded_vocab_size
 from tests.conftest import FIXTURES
 from tests.qwen3_vl_oracle import PATCHES, VLRun, example_inputs, hf_logits, megatron_logits
 from tests.test_errors import assert_refused, mconv
-from tests.test_lora import ALPHA, R, export, lora_checkpoint, needs_vllm, run_vllm
+from tests.test_lora import (ALPHA, R, assert_same_files, export, lora_checkpoint, needs_vllm, run_vllm,
+                             save_dist_adapters)
 from tests.test_roundtrip import read_all
 
 DENSE = FIXTURES / "qwen3-vl-tiny"
@@ -129,6 +130,19 @@ def test_moe_with_dense_layers(tmp_path):
     # mlp.gate_proj, not gate_proj: the table also has (per-expert) experts.{e}.gate_proj modules without such adapters
     assert {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"} <= set(config["target_modules"])
     assert_peft_equals_merge(tmp_path, hf_dir)
+
+
+def test_torch_dist_adapter_checkpoint(tmp_path, monkeypatch):
+    """Vision and language adapters in a torch_dist checkpoint (keys of mbridge's Qwen3VLModel, stacked
+    like their base layers) export as the same rank files do."""
+    lora, _ = lora_checkpoint(tmp_path, DENSE, Layout(), vision=True, adapter_only=True)
+    adapters = {k: v for k, v in torch.load(lora / "release" / "mp_rank_00" / "model_optim_rng.pt",
+                                            weights_only=False)["model"].items() if ".adapter." in k}
+    assert any(k.startswith("vision_model.decoder.deepstack_merger_list.1.") for k in adapters)
+    dist = save_dist_adapters(tmp_path, DENSE, adapters, monkeypatch)
+    export(lora, tmp_path / "from-legacy")
+    export(dist, tmp_path / "from-dist", "--hf-config", DENSE)
+    assert_same_files(tmp_path / "from-dist", tmp_path / "from-legacy")
 
 
 def test_canonical_expert_adapters_of_stacked_experts_are_refused(tmp_path):
