@@ -28,8 +28,11 @@ SMALL = dict(hidden_size=32, head_dim=8, q_lora_rank=16, kv_lora_rank=16, qk_nop
 @st.composite
 def model_and_layout(draw):
     layers = draw(st.integers(1, 5))
+    mtp = draw(st.sampled_from([0, 1, 2]))
+    # With MTP kept, the last decoder layer is MoE like the MTP layers (megatron-core builds them from its spec).
     model = dict(SMALL, num_hidden_layers=layers, layer_group_size=draw(st.integers(1, 4)),
-                 first_k_dense_replace=draw(st.integers(0, layers)), no_kda_lora=draw(st.booleans()),
+                 num_nextn_predict_layers=mtp, first_k_dense_replace=draw(st.integers(0, layers - bool(mtp))),
+                 no_kda_lora=draw(st.booleans()),
                  q_lora_rank=draw(st.sampled_from([None, 16])), tie_word_embeddings=draw(st.booleans()),
                  num_experts=draw(st.sampled_from([4, 8])), vocab_size=draw(st.integers(17, 120)))
     tp = draw(st.sampled_from([1, 2, 4]))
@@ -48,10 +51,13 @@ def model_and_layout(draw):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=model_and_layout(), seed=st.integers(0, 2**16))
 def test_round_trip_is_bit_identical(tmp_path_factory, case, seed):
+    """HF -> Megatron -> HF is bit-identical; a model with MTP layers is converted with --mtp (without it
+    they are left out, test_mtp_layers_are_left_out_with_a_note)."""
     model, layout, spec, dtype = case
     tmp = tmp_path_factory.mktemp("bailing")
     hf = make_bailing_v3(tmp / "hf", seed=seed, dtype=dtype, tokenizer=False, **model)
-    hf2mcore(hf, tmp / "megatron", layout, spec=spec, fmt="torch", progress=False)
+    mtp = bool(model["num_nextn_predict_layers"])
+    hf2mcore(hf, tmp / "megatron", layout, spec=spec, fmt="torch", progress=False, mtp=mtp)
     mcore2hf(tmp / "megatron", tmp / "back", progress=False)
     assert_bit_identical(read_all(hf), read_all(tmp / "back"))
 
@@ -85,7 +91,7 @@ def test_mtp_layers_are_left_out_with_a_note(tmp_path):
     hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=1)
     summary = hf2mcore(hf, tmp_path / "m", Layout(tp=2), fmt="torch", progress=False)
     assert summary.notes == ["left out model.layers.4.* (multi-token-prediction layer: AReaL's layout has no MTP, "
-                             "so it is not converted)"]
+                             "so it is not converted; --mtp keeps it in megatron-core's MTP block)"]
     mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
     original = {k: v for k, v in read_all(hf).items() if not k.startswith("model.layers.4.")}
     assert len(original) < len(read_all(hf))

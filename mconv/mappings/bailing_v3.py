@@ -264,5 +264,5 @@ BAILING_V3 = Architecture("BailingMoeV3ForCausalLM", dims,
                           embedding_and_output("model.word_embeddings.weight") + INPUT_NORM + KDA + MLA
                           + DENSE_MLP + MOE_MLP + MOE_EXTRAS + MTP, megatron_args, dropped=lambda d: {
                               f"model.layers.{d.layers + j}.": "multi-token-prediction layer: AReaL's layout has "
-                              "no MTP, so it is not converted (--mtp keeps it in megatron-core's MTP block)"
+                              "no MTP, so it is not converted; --mtp keeps it in megatron-core's MTP block"
                               for j in range(0 if d.mtp_layers else d.hf_mtp_layers)})
