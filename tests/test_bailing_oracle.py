@@ -312,7 +312,7 @@ def _megatron_classes():
     return CPUCoreAttention, GatedMLA, AReaLKDA
 
 
-def _core_config(args, tp, ep):
+def _core_config(args, tp, ep, pp=1, vpp=1):
     """megatron-core's MLATransformerConfig from the Megatron-LM args hf2mcore stored (the names
     Megatron-LM's core_transformer_config_from_args maps)."""
     from megatron.core.transformer import MLATransformerConfig
@@ -333,34 +333,25 @@ def _core_config(args, tp, ep):
         moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", attention_dropout=0.0, hidden_dropout=0.0,
         params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False,
         apply_rope_fusion=False, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        pipeline_dtype=torch.float32,
         expert_tensor_parallel_size=1)
 
 
-def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port: int, out: Path,
-            live_hf: Path | None):
-    warnings.filterwarnings("ignore")
-    _cpu_shims()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=max(tp, ep))
+def bailing_model(config, c: dict, padded_vocab: int, vp_stage: int | None = None):
+    """megatron-core's GPTModel for this pipeline stage (and virtual chunk `vp_stage`): one local layer spec
+    per layer (AReaLKDA or GatedMLA with the CPU core attention; dense MLP or MoE by moe_layer_freq), and
+    with `config.mtp_num_layers` the MTP block megatron-core builds from the last decoder layer's spec."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-    from megatron.training.checkpointing import get_checkpoint_name
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    path = get_checkpoint_name(str(checkpoint), 0, True, expert_parallel=ep > 1,
-                               expert_rank=ps.get_expert_model_parallel_rank())
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    config = _core_config(state["args"], tp, ep)
     CPUCoreAttention, GatedMLA, AReaLKDA = _megatron_classes()
-    c = hf_config
     kda = ModuleSpec(module=AReaLKDA, params=dict(head_dim=c["head_dim"], conv_kernel=c["short_conv_kernel_size"],
                                                   lora=not c["no_kda_lora"], lower_bound=c["kda_lower_bound"]))
     specs = []
@@ -376,13 +367,38 @@ def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port
         else:
             spec.submodules.self_attention = kda
         specs.append(spec)
-    block = TransformerBlockSubmodules(specs, layer_norm=WrappedTorchNorm)
     # MTP (hf2mcore --mtp): megatron-core's MTP block, its inner layer from the last decoder layer's spec.
-    mtp_spec = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False) if config.mtp_num_layers else None
-    model = GPTModel(config=config, transformer_layer_spec=block, mtp_block_spec=mtp_spec,
-                     vocab_size=state["args"].padded_vocab_size, max_sequence_length=c["max_position_embeddings"],
-                     share_embeddings_and_output_weights=c["tie_word_embeddings"], position_embedding_type="rope",
-                     rotary_base=config.rotary_base, parallel_output=False).eval()
+    mtp_spec = (get_gpt_mtp_block_spec(config, TransformerBlockSubmodules(specs), use_transformer_engine=False,
+                                       vp_stage=vp_stage) if config.mtp_num_layers else None)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    stage = specs[offset: offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
+    return GPTModel(config=config, transformer_layer_spec=TransformerBlockSubmodules(stage, layer_norm=WrappedTorchNorm),
+                    mtp_block_spec=mtp_spec, vocab_size=padded_vocab, max_sequence_length=c["max_position_embeddings"],
+                    share_embeddings_and_output_weights=c["tie_word_embeddings"], position_embedding_type="rope",
+                    rotary_base=config.rotary_base, parallel_output=False, vp_stage=vp_stage,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)).eval()
+
+
+def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port: int, out: Path,
+            live_hf: Path | None):
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=max(tp, ep))
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    path = get_checkpoint_name(str(checkpoint), 0, True, expert_parallel=ep > 1,
+                               expert_rank=ps.get_expert_model_parallel_rank())
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    config = _core_config(state["args"], tp, ep)
+    c = hf_config
+    model = bailing_model(config, c, state["args"].padded_vocab_size)
     mtp_hidden = []
     if config.mtp_num_layers:  # the block's output: [decoder output; depth 1; ...] on the sequence dim
         model.mtp.register_forward_hook(lambda module, args, output: mtp_hidden.append(output))
