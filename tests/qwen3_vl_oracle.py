@@ -230,10 +230,14 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
     if run.live_out is not None:
         from mconv.live import iter_hf_weights, save_hf_weights
 
-        yielded = [(name, tensor.clone()) for bucket in iter_hf_weights([model], run.live_hf, bucket_bytes=40_000)
-                   for name, tensor in bucket]
-        torch.save(yielded, run.live_out / f"yielded{rank}.pt")
+        for label, options in (("yielded", {}), ("stacked4", {"stacked_experts": True}),
+                               ("stacked5", {"stacked_experts": True, "expert_orientation": "5.x"})):
+            yielded = [(name, tensor.clone()) for bucket in iter_hf_weights([model], run.live_hf, bucket_bytes=40_000,
+                                                                            **options) for name, tensor in bucket]
+            torch.save(yielded, run.live_out / f"{label}{rank}.pt")
         save_hf_weights([model], run.live_out / "saved", run.live_hf, max_shard_bytes=200_000)
+        save_hf_weights([model], run.live_out / "saved5", run.live_hf, max_shard_bytes=200_000,
+                        expert_orientation="5.x")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist_io
-from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, copy_side_files,
+from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, check_orientation, copy_side_files,
                                    write_config_dtype, write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
@@ -313,8 +313,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     float16); by default each tensor keeps the dtype it has in the checkpoint. config.json's
     `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
     `expert_orientation` ("4.x" or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see hf_io.ORIENTATIONS."""
-    if expert_orientation not in ORIENTATIONS:
-        raise MconvError(f"--expert-orientation must be one of {', '.join(ORIENTATIONS)}, got {expert_orientation!r}")
+    check_orientation(expert_orientation, "--expert-orientation")
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     ckpt = open_checkpoint(ckpt_dir, hf_config)

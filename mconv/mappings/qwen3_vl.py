@@ -227,8 +227,12 @@ def moe_megatron_args(d: SimpleNamespace) -> dict:
 
 def hf_config(config: dict) -> dict:
     """config.json that transformers 4.57 and 5.x both read: 4.x reads rope_theta + rope_scaling and
-    num_experts, 5.x rope_parameters and num_local_experts (reference qwen3-vl.md, section 2)."""
+    num_experts, 5.x rope_parameters and num_local_experts (reference qwen3-vl.md, section 2). 4.57 ties
+    lm_head to the embeddings by text_config's tie_word_embeddings, 5.x by the top-level one (5.x MoE
+    text configs carry a default true): text_config gets the top-level value (seen with 4.57.6: lm_head
+    silently dropped, logits off by 1.0)."""
     text = dict(config["text_config"])
+    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
     rope = rope_parameters(text)[0]
     text["rope_parameters"] = rope
     text["rope_theta"] = rope["rope_theta"]
