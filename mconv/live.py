@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 import weakref
 from collections import defaultdict
@@ -26,6 +25,7 @@ from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, check
                                    write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
+from mconv.converter.output import commit, output_path, remove_staging, write_failure
 from mconv.converter.planner import RankPlan, TensorTask, make_plan, model_dims, plan_rank, validate_layout
 from mconv.converter.transforms import merge, merge_single, split_into
 from mconv.errors import MconvError
@@ -491,9 +491,13 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     Rank 0 lays out the shard files (headers are known in advance); one rank per pipeline stage
     (TP, EP and DP rank 0) writes its stage's tensors into them in place; rank 0 then writes the
     index, copies config and tokenizer from `hf_config` (the HF model directory or hub name) and
-    renames the finished directory into place; config.json's dtype names the dtype written. The
-    output path must be on a filesystem all ranks share. Stacked HF experts (Qwen3-VL-MoE) are written
-    in `expert_orientation` ("4.x" or "5.x", as mcore2hf's).
+    renames the finished directory into place (replacing an existing `out_dir`); config.json's dtype
+    names the dtype written. The output path must be on a filesystem all ranks share. Stacked HF
+    experts (Qwen3-VL-MoE) are written in `expert_orientation` ("4.x" or "5.x", as mcore2hf's).
+
+    Raises MconvError on every rank when a write fails on any rank (full disk, read-only file
+    system, no permission: `cannot write OUT: <cause>; nothing was written`); the hidden staging
+    directory `.NAME.mconv-partial-live` is removed and an existing `out_dir` is left as it was.
     """
     from megatron.core import parallel_state as ps
 
@@ -512,36 +516,68 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         dtypes.update(part)
     entries = [(name, dtypes[name], shape) for task in full.exports() for name, shape in zip(task.hf, task.hf_shapes)]
 
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     staging = out.with_name(f".{out.name}.mconv-partial-live")
     writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes,
                                       expert_orientation if live.arch.stacked_experts else None)
-    if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        writer.create()
-        writer.close()
-    dist.barrier()
-    writes = (live.rank.tp == 0 and live.rank.ep == 0 and live.rank.etp == 0
-              and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
-    if writes:
-        writer.open_existing()
-    for bucket in _stage_buckets(live, schedule, None):
+    first = dist.get_rank() == 0
+    try:
+        def prepare():
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            writer.create()
+            writer.close()
+
+        _agree(out, staging, _attempt(prepare) if first else None)
+        writes = (live.rank.tp == 0 and live.rank.ep == 0 and live.rank.etp == 0
+                  and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+        failure = _attempt(writer.open_existing) if writes else None
+        for bucket in _stage_buckets(live, schedule, None):  # every rank takes part in every bucket's collectives
+            if writes and failure is None:
+                failure = _attempt(lambda: [writer.write(name, tensor.cpu()) for name, tensor in bucket])
         if writes:
-            for name, tensor in bucket:
-                writer.write(name, tensor.cpu())
-    if writes:
-        writer.close()
-    dist.barrier()
-    if dist.get_rank() == 0:
-        writer.write_index()
-        copy_side_files(source, staging)
-        write_hf_config(staging, live.arch.hf_config(config), config)
-        write_config_dtype(staging, entries)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    dist.barrier()
+            closed = _attempt(writer.close)
+            failure = failure or closed
+        _agree(out, staging, failure)
+
+        def finish():
+            writer.write_index()
+            copy_side_files(source, staging)
+            write_hf_config(staging, live.arch.hf_config(config), config)
+            write_config_dtype(staging, entries)
+            commit(staging, out)
+
+        _agree(out, staging, _attempt(finish) if first else None)
+    except BaseException:
+        if first:
+            remove_staging(staging, [])
+        raise
+
+
+def _attempt(action) -> Exception | None:
+    """Run `action`; return what it raised (None if nothing), for `_agree` to share with the other ranks."""
+    try:
+        action()
+    except Exception as e:
+        return e
+    return None
+
+
+def _agree(out: Path, staging: Path, failure: Exception | None) -> None:
+    """A collective: every rank learns whether any rank's step failed, and if one did, every rank
+    raises. A failed write (full disk, read-only file system, no permission: output.write_failure)
+    or an MconvError becomes one MconvError sentence naming `out` on every rank; any other exception
+    (a bug) is re-raised as it is on its rank and named on the others. The caller removes the
+    staging directory."""
+    known = failure if isinstance(failure, MconvError) or failure is None else write_failure(failure, out, staging)
+    mine = None if failure is None else str(known or f"rank {dist.get_rank()}: {type(failure).__name__}: {failure}")
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, mine)
+    first = next((m for m in messages if m is not None), None)
+    if failure is not None and known is None:
+        raise failure
+    if first is not None:
+        raise MconvError(first)
 
 
 __all__ = ["load_hf_weights", "iter_hf_weights", "save_hf_weights", "LiveModel"]

@@ -27,6 +27,9 @@ DtypeOf = Callable[[ShardSource], torch.dtype]
 
 def _config_dir(location: mio.CheckpointLocation, hf_config: str | Path | None) -> Path:
     config_dir = Path(hf_config) if hf_config else location.save_dir / mio.HF_CONFIG_DIR
+    if hf_config and not (config_dir / "config.json").is_file():
+        raise MconvError(f"--hf-config {hf_config} has no config.json; it must be the HF model's directory "
+                         "(or hub name)")
     if not (config_dir / "config.json").is_file():
         why = (f"its {mio.HF_CONFIG_DIR}/config.json is missing" if (location.save_dir / mio.METADATA).is_file()
                else "it was not written by mconv")

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import functools
-import os
 import shutil
-from argparse import Namespace
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -22,7 +21,8 @@ from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, check
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.output import check_output_path, output_path, staged_directory, write_errors
+from mconv.converter.output import (check_output_path, commit, output_path, remove_staging, staged_directory,
+                                    uninterrupted, write_errors)
 from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
@@ -46,8 +46,10 @@ class Summary:
 
 
 def _bar(total: int, description: str, progress: bool) -> tqdm:
+    """A bytes progress bar on stderr, shown only when `progress` and stderr is a terminal (tqdm's
+    disable=None: a bar written to a log file leaves carriage-return fragments in it)."""
     return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not progress, leave=False)
+                disable=None if progress else True, leave=False)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -114,6 +116,15 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
     return [f"left out {prefix}* ({dropped[prefix]})" for prefix in held] + notes
 
 
+def refuse_megatron(path: str | Path, why: str) -> None:
+    """Refuse a Megatron checkpoint (save or iteration directory) given where an HF model is expected,
+    a common mix-up of the two directions: MconvError `PATH is a Megatron checkpoint; <why>`."""
+    path = Path(path)
+    if ((path / mio.TRACKER).is_file() or (path / "metadata.json").is_file()
+            or any(path.glob(f"mp_rank_*/{mio.RANK_FILE}"))):
+        raise MconvError(f"{path} is a Megatron checkpoint; {why}")
+
+
 def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
     return split(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b))
 
@@ -128,7 +139,8 @@ def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, pro
     mine = share(costs, index, size)
     reads = run_ordered(((lambda task=task: None if task.shard is None else _read_shard(task, ckpt))
                          for i in mine for chunk in plan.ranks[i].chunks for task in chunk), threads)
-    with ThreadPoolExecutor(1, thread_name_prefix="mconv-save") as saver:
+    # closing: on an error or an interrupt, the readers stop before the output is cleaned up
+    with closing(reads), ThreadPoolExecutor(1, thread_name_prefix="mconv-save") as saver:
         saving = None
         for i in mine:
             chunks = []
@@ -196,6 +208,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
                          "_extra_state objects a Transformer Engine model also asks for cannot be derived "
                          "without Transformer Engine. Use --spec local (same tensor keys) or --format torch")
     hf_dir = resolve_model(hf_dir, revision, progress=progress)
+    refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
     ckpt = HFCheckpoint(hf_dir)
     arch = architecture_for(ckpt.config)
     plan = make_plan(arch, ckpt.config, layout, spec, mtp)
@@ -297,8 +310,11 @@ def _write_exports(load, exports: list[ExportTask], index: int, size: int, write
                 written += tensor.nbytes
         return written
 
-    for written in run_ordered((functools.partial(write_batch, b) for b in _batches(mine, LOAD_BATCH_BYTES)), threads):
-        progress(written)
+    # closing: on an error or an interrupt, the writers stop before the output is cleaned up
+    with closing(run_ordered((functools.partial(write_batch, b) for b in _batches(mine, LOAD_BATCH_BYTES)),
+                             threads)) as writes:
+        for written in writes:
+            progress(written)
 
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
@@ -377,11 +393,10 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
     def last():
         if team.rank == 0:
             finish(prepared["writer"], staging)
-            if out.exists():
-                if not overwrite:
-                    raise MconvError(f"{out} already exists; pass --overwrite to replace it")
-                shutil.rmtree(out)
-            os.replace(staging, out)
+            if out.exists() and not overwrite:
+                raise MconvError(f"{out} already exists; pass --overwrite to replace it")
+            with uninterrupted(deliver=False):
+                commit(staging, out)
 
     def step(name: str, action) -> None:
         def guarded():  # a failed write (full disk...) stops every rank with one sentence
@@ -396,7 +411,7 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
         step("finished", last)
     except BaseException:
         if team.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_staging(staging, [])
         raise
 
 
@@ -404,9 +419,7 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
     """Compare two HF models (directories or hub names) tensor by tensor (names, dtypes, shapes,
     bytes), one tensor in memory at a time. Returns (tensors, bytes, differences)."""
     for path in (a, b):
-        if (Path(path) / mio.TRACKER).is_file() or (Path(path) / "metadata.json").is_file():
-            raise MconvError(f"{path} is a Megatron checkpoint; verify compares HF models (convert it with "
-                             "`mconv mcore2hf` first)")
+        refuse_megatron(path, "verify compares HF models (convert it with `mconv mcore2hf` first)")
     left, right = (HFCheckpoint(resolve_model(x, progress=progress)) for x in (a, b))
     differences = [f"{name}: only in {left.dir}" for name in sorted(left.tensors.keys() - right.tensors.keys())]
     differences += [f"{name}: only in {right.dir}" for name in sorted(right.tensors.keys() - left.tensors.keys())]
