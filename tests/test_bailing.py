@@ -98,7 +98,7 @@ def test_mtp_layers_are_left_out_with_a_note(tmp_path):
     assert len(original) < len(read_all(hf))
     assert_bit_identical(original, read_all(tmp_path / "back"))
     cli = subprocess.run([sys.executable, "-m", "mconv.cli", "hf2mcore", str(hf), str(tmp_path / "c"), "--format",
-                          "torch", "-q"], capture_output=True, text=True, cwd=ROOT)
+                          "torch"], capture_output=True, text=True, cwd=ROOT)  # -q hides notes too
     assert cli.returncode == 0 and cli.stderr.strip() == "mconv: note: " + summary.notes[0]
 
 

@@ -137,7 +137,7 @@ def test_mtp_sits_on_the_last_pipeline_stage(tmp_path, pp, vpp):
 def test_cli_mtp_round_trip_and_stored_args(tmp_path):
     hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=1)
     cli = subprocess.run([sys.executable, "-m", "mconv.cli", "hf2mcore", str(hf), str(tmp_path / "m"), "--format",
-                          "torch", "--tp", "2", "--pp", "2", "--mtp", "-q"], capture_output=True, text=True, cwd=ROOT)
+                          "torch", "--tp", "2", "--pp", "2", "--mtp"], capture_output=True, text=True, cwd=ROOT)
     assert cli.returncode == 0 and "note" not in cli.stderr, cli.stderr
     last = torch.load(tmp_path / "m/release/mp_rank_01_001/model_optim_rng.pt", weights_only=False)
     assert last["args"].mtp_num_layers == 1 and last["args"].mtp_loss_scaling_factor == 0.1
