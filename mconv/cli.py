@@ -394,7 +394,9 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     q_proj/k_proj/v_proj and linear_fc1 -> gate_proj/up_proj (same A, B split by query groups or
     by the GLU rule), linear_proj -> o_proj, linear_fc2 -> down_proj; expert adapters become
     per-expert modules (mlp.experts.{e}.gate_proj, ...), an adapter shared by a rank's experts
-    copied to each of them.
+    copied to each of them; stacked HF experts (Qwen3-VL-MoE) take peft's target_parameters form
+    (mlp.experts.base_layer.lora_A/B: gate_up_proj, mlp.experts.lora_A/B: down_proj), which vLLM
+    reads. A Qwen3-VL vision tower's adapters become model.visual.* modules (attn.qkv, ...).
 
     \b
     OUT_DIR/adapter_config.json          peft_type LORA, r, lora_alpha, target_modules, bias none

@@ -394,9 +394,10 @@ def _stack_bucket(entries: Bucket, transposed: bool, experts: int) -> Bucket:
         groups[stacked].setdefault(expert, {})[part] = tensor
     for stacked, modules in groups.items():
         if sorted(modules) != list(range(experts)):
-            raise MconvError(f"internal: {stacked} has experts {sorted(modules)[:4]}... in its bucket, not all {experts}")
-    return [(name, tensor if tensor is not None else
-             stack_experts([[parts[p] for p in sorted(parts)] for _, parts in sorted(groups[name].items())], transposed))
+            raise MconvError(f"internal: {stacked} has experts {sorted(modules)[:4]}... in its bucket, "
+                             f"not all {experts}")
+    return [(name, tensor if tensor is not None else stack_experts(
+                [[parts[p] for p in sorted(parts)] for _, parts in sorted(groups[name].items())], transposed))
             for name, tensor in out]
 
 

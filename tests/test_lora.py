@@ -251,17 +251,17 @@ def gather_tp2(lora: Path) -> dict:
     return gathered
 
 
-def test_torch_dist_adapter_checkpoint(tmp_path, monkeypatch):
-    """An adapter-only torch_dist checkpoint as megatron-core saves Megatron-Bridge's adapters: each
-    adapter's key is its base layer's key (layers stacked on a prepended axis) with `weight` replaced
-    by `adapter.linear_in.weight` / `adapter.linear_out.weight`, saved by dist_checkpointing.save."""
+def save_dist_adapters(tmp_path: Path, hf_dir: Path, adapters: dict, monkeypatch) -> Path:
+    """An adapter-only torch_dist checkpoint as megatron-core saves Megatron-Bridge's adapters (TP1 names
+    and tensors): each adapter's key is its base layer's key with `weight` replaced by
+    `adapter.linear_in.weight` / `adapter.linear_out.weight`, stacked like it on a prepended axis where
+    megatron-core stacks the base layer (decoder and vision layers, deepstack mergers: the base key
+    without the index has a leading axis of that many entries), saved by dist_checkpointing.save."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from mconv.converter.torch_dist import megatron_process_group
+    from tests.megatron_dist_oracle import megatron_process_group
 
-    lora, _ = lora_checkpoint(tmp_path, FIXTURES / "qwen3-tiny", Layout(tp=2))
-    layers = read_config(FIXTURES / "qwen3-tiny")["num_hidden_layers"]
-    hf2mcore(FIXTURES / "qwen3-tiny", tmp_path / "base-dist", Layout(), progress=False)
+    hf2mcore(hf_dir, tmp_path / "base-dist", Layout(), progress=False)
     base_keys = FileSystemReader(str(tmp_path / "base-dist" / "release")).read_metadata().state_dict_metadata
     iter_dir = tmp_path / "dist" / "iter_0000010"
     iter_dir.mkdir(parents=True)
@@ -273,18 +273,34 @@ def test_torch_dist_adapter_checkpoint(tmp_path, monkeypatch):
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
         sharded = {}
-        for name, tensor in gather_tp2(lora).items():
-            layer, rest = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name).groups()
-            key = f"decoder.layers.{rest}"
-            assert key.split(".adapter.")[0] + ".weight" in base_keys  # megatron-core's key of the base layer
-            sharded[key + f"/{layer}"] = ShardedTensor.from_rank_offsets(key, tensor, (0, int(layer), layers),
-                                                                           prepend_axis_num=1)
+        for name, tensor in adapters.items():
+            stacked = re.fullmatch(r"(.+?)\.(\d+)\.(.+)", name)
+            key, base = name, name.split(".adapter.")[0] + ".weight"
+            if stacked and f"{stacked[1]}.{stacked[3]}".split(".adapter.")[0] + ".weight" in base_keys:
+                key = f"{stacked[1]}.{stacked[3]}"
+                base = key.split(".adapter.")[0] + ".weight"
+                count = base_keys[base].size[0]
+                sharded[f"{key}/{stacked[2]}"] = ShardedTensor.from_rank_offsets(
+                    key, tensor, (0, int(stacked[2]), count), prepend_axis_num=1)
+            else:
+                sharded[key] = ShardedTensor.from_rank_offsets(key, tensor)
+            assert base in base_keys, name  # megatron-core's key of the base layer
         dist_checkpointing.save({"model": sharded}, str(iter_dir))
+    return tmp_path / "dist"
+
+
+def test_torch_dist_adapter_checkpoint(tmp_path, monkeypatch):
+    """export-lora of the torch_dist form of the TP2 adapters (gathered by hand) equals that of the rank files."""
+    lora, _ = lora_checkpoint(tmp_path, FIXTURES / "qwen3-tiny", Layout(tp=2))
+    dist = save_dist_adapters(tmp_path, FIXTURES / "qwen3-tiny", gather_tp2(lora), monkeypatch)
     export(lora, tmp_path / "from-legacy")
-    assert_refused(mconv("export-lora", tmp_path / "dist", tmp_path / "x", "--alpha", 1), tmp_path / "x", "--hf-config")
-    export(tmp_path / "dist", tmp_path / "from-dist", "--hf-config", FIXTURES / "qwen3-tiny")
-    ours = load_file(tmp_path / "from-dist" / ADAPTER_WEIGHTS)
-    theirs = load_file(tmp_path / "from-legacy" / ADAPTER_WEIGHTS)
+    assert_refused(mconv("export-lora", dist, tmp_path / "x", "--alpha", 1), tmp_path / "x", "--hf-config")
+    export(dist, tmp_path / "from-dist", "--hf-config", FIXTURES / "qwen3-tiny")
+    assert_same_files(tmp_path / "from-dist", tmp_path / "from-legacy")
+
+
+def assert_same_files(ours: Path, theirs: Path) -> None:
+    ours, theirs = load_file(ours / ADAPTER_WEIGHTS), load_file(theirs / ADAPTER_WEIGHTS)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 

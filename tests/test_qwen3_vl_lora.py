@@ -12,11 +12,12 @@ itself checked against mbridge's Qwen3VLModel in test_qwen3_vl_oracle.py); and (
 equal mbridge's Megatron Qwen3VLModel running the merged rank files at MoE TP2/EP2.
 """
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from fixtures.make_fixtures import make_qwen3_vl
 from mconv import Layout, mcore2hf
@@ -25,7 +26,8 @@ from mconv.converter.transforms import padded_vocab_size
 from tests.conftest import FIXTURES
 from tests.qwen3_vl_oracle import PATCHES, VLRun, example_inputs, hf_logits, megatron_logits
 from tests.test_errors import assert_refused, mconv
-from tests.test_lora import ALPHA, R, export, lora_checkpoint, needs_vllm, run_vllm
+from tests.test_lora import (ALPHA, R, assert_same_files, export, lora_checkpoint, needs_vllm, run_vllm,
+                             save_dist_adapters)
 from tests.test_roundtrip import read_all
 
 DENSE = FIXTURES / "qwen3-vl-tiny"
@@ -114,8 +116,9 @@ def test_moe_expert_adapters_in_the_3d_form(tmp_path, sizes, spec):
     assert_peft_equals_merge(tmp_path, hf_dir)
 
 
-def test_moe_with_dense_layers_merge(tmp_path):
-    """The MoE fixture's dense layer (mlp_only_layers) keeps its per-module adapters beside the 3-D ones."""
+def test_moe_with_dense_layers(tmp_path):
+    """The MoE fixture's dense layer (mlp_only_layers) keeps its per-module adapters beside the 3-D ones,
+    and peft applies both."""
     hf_dir = FIXTURES / "qwen3-vl-moe-tiny"
     lora, merged = lora_checkpoint(tmp_path, hf_dir, Layout(tp=2, ep=2), vision=True)
     export(lora, tmp_path / "adapter")
@@ -124,7 +127,22 @@ def test_moe_with_dense_layers_merge(tmp_path):
     assert "base_model.model.model.language_model.layers.1.mlp.gate_proj.lora_A.weight" in tensors
     assert "base_model.model.model.language_model.layers.1.mlp.experts.lora_A.weight" not in tensors
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    # mlp.gate_proj, not gate_proj: the table also has (per-expert) experts.{e}.gate_proj modules without such adapters
     assert {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"} <= set(config["target_modules"])
+    assert_peft_equals_merge(tmp_path, hf_dir)
+
+
+def test_torch_dist_adapter_checkpoint(tmp_path, monkeypatch):
+    """Vision and language adapters in a torch_dist checkpoint (keys of mbridge's Qwen3VLModel, stacked
+    like their base layers) export as the same rank files do."""
+    lora, _ = lora_checkpoint(tmp_path, DENSE, Layout(), vision=True, adapter_only=True)
+    adapters = {k: v for k, v in torch.load(lora / "release" / "mp_rank_00" / "model_optim_rng.pt",
+                                            weights_only=False)["model"].items() if ".adapter." in k}
+    assert any(k.startswith("vision_model.decoder.deepstack_merger_list.1.") for k in adapters)
+    dist = save_dist_adapters(tmp_path, DENSE, adapters, monkeypatch)
+    export(lora, tmp_path / "from-legacy")
+    export(dist, tmp_path / "from-dist", "--hf-config", DENSE)
+    assert_same_files(tmp_path / "from-dist", tmp_path / "from-legacy")
 
 
 def test_canonical_expert_adapters_of_stacked_experts_are_refused(tmp_path):
@@ -205,8 +223,14 @@ if __name__ == "__main__":
     request = LoRARequest("exported", 1, adapter)
     llm.llm_engine.add_lora(request)  # vLLM's own adapter loader: raises ValueError for an adapter it rejects
     llm.llm_engine.pin_lora(1)  # puts its tensors into the engine's LoRA slots (set_lora of every wrapped layer)
-    if not generate:
-        print("LOADED " + json.dumps(sorted(llm.llm_engine.list_loras())))
+    if not generate:  # then an adapter it must refuse (argv[5]): the engine stays usable after a ValueError
+        try:
+            llm.llm_engine.add_lora(LoRARequest("broken", 2, sys.argv[5]))
+            llm.llm_engine.pin_lora(2)
+            refused = None
+        except Exception as e:
+            refused = type(e).__name__ + ": " + str(e).splitlines()[0]
+        print("LOADED " + json.dumps({"loaded": sorted(llm.llm_engine.list_loras()), "refused": refused}))
         sys.exit(0)
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (%d, %d, 3), dtype=np.uint8))
     pixels = AutoProcessor.from_pretrained(model).image_processor(images=[image], return_tensors="pt")
@@ -271,4 +295,12 @@ def test_vllm_loads_the_moe_expert_adapter(tmp_path):
     export(lora, tmp_path / "adapter", "--base-model", hf)
     assert load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)[
         "base_model.model.model.language_model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (4 * R, 64)
-    assert run_vllm(tmp_path, VLLM_VL_SCRIPT, hf, tmp_path / "adapter", "{}", "load", marker="LOADED ") == [1]
+    # The same adapter with layer 0's gate_up_proj B one row too long: vLLM's copy into its slots refuses it.
+    shutil.copytree(tmp_path / "adapter", tmp_path / "broken")
+    tensors = load_file(tmp_path / "broken" / ADAPTER_WEIGHTS)
+    key = "base_model.model.model.language_model.layers.0.mlp.experts.base_layer.lora_B.weight"
+    tensors[key] = torch.cat([tensors[key], tensors[key][:1]])
+    save_file(tensors, tmp_path / "broken" / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    result = run_vllm(tmp_path, VLLM_VL_SCRIPT, hf, tmp_path / "adapter", "{}", "load", tmp_path / "broken",
+                      marker="LOADED ")
+    assert result["loaded"] == [1] and result["refused"], result

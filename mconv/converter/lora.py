@@ -303,10 +303,11 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     """A torch_dist checkpoint's adapters as one TP1/PP1/EP1 model chunk.
 
     Adapter keys are the base layer's key with `weight` replaced by the adapter's suffix, stacked
-    over layers (and experts) like it; megatron-core's own model says where each base weight lives,
-    so each adapter tensor is read as that layer's (and expert's) box of its global tensor.
+    over layers (and experts) like it; the base model's torch_dist boxes (torch_dist.plan_boxes) say
+    where each base weight lives, so each adapter tensor is read as that layer's (and expert's) box of
+    its global tensor.
     """
-    from mconv.converter.torch_dist import megatron_process_group, meta_model, sharded_parameters
+    from mconv.converter.torch_dist import plan_boxes
     from mconv.converter.torch_dist_io import TorchDistReader
 
     reader = TorchDistReader.open(location.iter_dir)
@@ -324,24 +325,22 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
              for t in make_plan(lora_architecture(arch, rank, canonical), config, layout, "local").ranks[0].chunks[0]}
     suffixes = {name.split(ADAPTER)[1] for name in names}
     chunk, requests, found = {}, [], set()
-    with megatron_process_group():
-        for parameter, entries in sharded_parameters(meta_model(args, torch.bfloat16)).items():
-            for entry in entries:
-                if not entry.key.endswith(".weight"):
-                    continue
-                module = parameter.removesuffix("weight")
-                prefix = entry.key.removesuffix("weight")
-                offsets = tuple(entry.global_offset[:entry.prepend_axis_num])
-                for suffix in suffixes:
-                    name, key = f"{module}adapter.{suffix}", f"{prefix}adapter.{suffix}"
-                    if name not in names or key not in stored or name in chunk:
-                        continue
-                    shape = stored[key].shape[len(offsets):]
-                    chunk[name] = torch.empty(shape, dtype=stored[key].dtype)
-                    requests.append((key, offsets + (0,) * len(shape), chunk[name].view((1,) * len(offsets) + shape)))
-                    found.add(key)
-        for key in sorted(stored.keys() - found):
-            raise _not_exportable(f"{where}: {key}", arch)
+    for box in plan_boxes(make_plan(arch, config, layout, "local"), args):
+        if box.global_shape is None or not box.key.endswith(".weight"):
+            continue
+        module = box.task.megatron.removesuffix("weight")
+        prefix = box.key.removesuffix("weight")
+        offsets = box.offsets[:box.axes]
+        for suffix in suffixes:
+            name, key = f"{module}adapter.{suffix}", f"{prefix}adapter.{suffix}"
+            if name not in names or key not in stored or name in chunk:
+                continue
+            shape = stored[key].shape[len(offsets):]
+            chunk[name] = torch.empty(shape, dtype=stored[key].dtype)
+            requests.append((key, offsets + (0,) * len(shape), chunk[name].view((1,) * len(offsets) + shape)))
+            found.add(key)
+    for key in sorted(stored.keys() - found):
+        raise _not_exportable(f"{where}: {key}", arch)
     reader.read(requests)
     return {Rank(0, 0): [chunk]}, layout
 

@@ -171,7 +171,7 @@ class DistCheckpoint:
     def session(self) -> Iterator[tuple[Loader, DtypeOf]]:
         from mconv.converter.torch_dist import parameter_session
 
-        load, dtype_of = parameter_session(self.reader, self.load_args, torch.bfloat16)
+        load, dtype_of = parameter_session(self.reader, self.plan, self.load_args)
 
         def load_sources(sources: list[ShardSource]) -> list[torch.Tensor]:
             loaded = load(sorted({s.megatron for s in sources}))

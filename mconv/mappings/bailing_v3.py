@@ -28,7 +28,7 @@ from mconv.errors import MconvError
 from mconv.mappings.common import config_value, rope_parameters, rope_theta
 from mconv.mappings.qwen3 import DENSE_MLP, H, L, embedding_and_output
 from mconv.mappings.qwen3_moe import MOE_MLP, moe
-from mconv.mappings.schema import (LAST, MTP_LAYER, MTP_REPEAT, Architecture, Rule, extra_state, linear,
+from mconv.mappings.schema import (LAST, MTP_LAYER, MTP_REPEAT, Architecture, DistKeys, Rule, extra_state, linear,
                                    mtp_layer_rules)
 
 A, HA = L + "self_attention.", H + "attention."
@@ -191,15 +191,19 @@ INPUT_NORM = (
     extra_state(L + "input_layernorm", specs=("te",)),  # TENorm
 )
 
+# torch_dist keys of the sections, `in_proj.weight.query` ... (KimiDeltaAttention.sharded_state_dict).
+IN_PROJ_SECTIONS = ("query", "key", "value", "g", "gate")
 KDA = (
     *linear(A + "in_proj", {**QKV_IN, HA + "f_proj.weight": "kda hidden", HA + "g_proj.weight": "kda hidden"},
-            SECTIONED, when=_when(kda, full_rank)),
+            SECTIONED, when=_when(kda, full_rank), dist_sections=IN_PROJ_SECTIONS),
     *linear(A + "in_proj", {**QKV_IN, HA + "f_a_proj.weight": "head_dim hidden",
-                            HA + "g_a_proj.weight": "head_dim hidden"}, SECTIONED, when=_when(kda, low_rank)),
+                            HA + "g_a_proj.weight": "head_dim hidden"}, SECTIONED, when=_when(kda, low_rank),
+            dist_sections=IN_PROJ_SECTIONS),
     *linear(A + "f_b_proj", {HA + "f_b_proj.weight": "kda head_dim"}, COLUMN, when=_when(kda, low_rank)),
     *linear(A + "g_b_proj", {HA + "g_b_proj.weight": "kda head_dim"}, COLUMN, when=_when(kda, low_rank)),
     Rule(A + "conv1d.weight", {HA + "q_conv1d.weight": "kda 1 conv_kernel", HA + "k_conv1d.weight": "kda 1 conv_kernel",
-                               HA + "v_conv1d.weight": "kda 1 conv_kernel"}, SECTIONED, when=kda),
+                               HA + "v_conv1d.weight": "kda 1 conv_kernel"}, SECTIONED, when=kda,
+         dist_sections=IN_PROJ_SECTIONS[:3]),
     *linear(A + "beta_proj", {HA + "b_proj.weight": "heads hidden"}, COLUMN, when=kda),
     Rule(A + "A_log", {HA + "A_log": "heads"}, COLUMN, when=kda),
     Rule(A + "dt_bias", {HA + "dt_bias": "kda"}, COLUMN, when=kda),
@@ -265,4 +269,8 @@ BAILING_V3 = Architecture("BailingMoeV3ForCausalLM", dims,
                           + DENSE_MLP + MOE_MLP + MOE_EXTRAS + MTP, megatron_args, dropped=lambda d: {
                               f"model.layers.{d.layers + j}.": "multi-token-prediction layer: AReaL's layout has "
                               "no MTP, so it is not converted; --mtp keeps it in megatron-core's MTP block"
-                              for j in range(0 if d.mtp_layers else d.hf_mtp_layers)})
+                              for j in range(0 if d.mtp_layers else d.hf_mtp_layers)},
+                          # torch_dist: KDA and MLA layers differ, so keys are per layer; local names
+                          # (megatron-core's local MLA spec has no keys map, AReaL's KDA layer has its own
+                          # input_layernorm).
+                          torch_dist=DistKeys(per_layer=True))

@@ -35,6 +35,9 @@ class Rule:
     repeat: tuple[str, ...] | None = None
     # The dims attributes a fused QKV rule takes its (heads, query groups, head_dim) from.
     qkv_dims: tuple[str, str, str] = ("heads", "groups", "head_dim")
+    # torch_dist: a fused tensor stored as one global tensor per HF section, its key suffixed with
+    # these names (e.g. AReaL's KimiDeltaAttention `in_proj.weight.query`); see converter/torch_dist.py.
+    dist_sections: tuple[str, ...] = ()
 
     def megatron_name(self, spec: str) -> str:
         return self.te if spec == "te" and self.te else self.megatron
@@ -42,6 +45,26 @@ class Rule:
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
+
+
+@dataclass(frozen=True)
+class DistKeys:
+    """How a torch_dist checkpoint names an architecture's tensors, beyond the conventions of every
+    megatron-core model (converter/torch_dist.py): `keys_map` is the layer spec's
+    `sharded_state_dict_keys_map` (a local-spec name prefix inside a decoder layer -> its key prefix,
+    the first match applies); `per_layer` says the decoder layers differ from each other, so their keys
+    are always per layer (`decoder.layers.{i}.`), never stacked; `check(dims)` raises MconvError for
+    a model the trainer's Megatron model class cannot build (so no checkpoint of it can be loaded)."""
+
+    keys_map: tuple[tuple[str, str], ...] = ()
+    per_layer: bool = False
+    check: Callable[[SimpleNamespace], None] | None = None
+
+
+# megatron-core's local GPT layer spec (get_gpt_layer_local_submodules, megatron-core 0.19.2): the
+# norms take the names they have fused into the next linear under Transformer Engine.
+GPT_LOCAL_KEYS = DistKeys(keys_map=(("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                                    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")))
 
 
 @dataclass(frozen=True)
@@ -61,6 +84,8 @@ class Architecture:
     # HF tensors the Megatron layout has no place for: {HF name prefix: why}; hf2mcore leaves them out
     # and says so (mcore2hf cannot bring them back).
     dropped: Callable[[SimpleNamespace], dict[str, str]] = field(default=lambda d: {})
+    # How torch_dist keys are named (None: no torch_dist checkpoint for this architecture).
+    torch_dist: DistKeys | None = None
 
 
 def prefixed(rules: tuple[Rule, ...], megatron: str, hf: Callable[[str], str]) -> tuple[Rule, ...]:
