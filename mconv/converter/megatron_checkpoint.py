@@ -157,6 +157,10 @@ class DistCheckpoint:
         self.plan = make_plan(arch, self.config, self.layout, "local")
         if self.args is not None:
             check_args(self.args, arch, dims, location.iter_dir)
+            if getattr(self.args, "mtp_num_layers", None):
+                raise MconvError(f"{location.iter_dir}: the checkpoint holds multi-token-prediction layers "
+                                 f"(mtp_num_layers={self.args.mtp_num_layers}); mconv reads them from legacy "
+                                 "torch checkpoints only")
         self.load_args = mio.megatron_lm_args(self.layout, dims, arch.megatron_args(dims), "local",
                                               self.padded_vocab, torch.bfloat16, "torch_dist")
         if getattr(self.load_args, "moe_layer_freq", None) == 1 and any(

@@ -211,6 +211,9 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     arch_args = arch.megatron_args(plan.dims)
     if fmt == "torch_dist":
         torch_dist.check_model(plan)
+        if plan.dims.mtp_layers:
+            raise MconvError("--mtp needs --format torch: mconv does not write megatron-core's MTP block "
+                             "(mtp.layers.*) in torch_dist yet")
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         summary = _rank_summary(_flat_plan(plan), ckpt, lambda r: "global tensors (any layout)")
