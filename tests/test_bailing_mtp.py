@@ -176,11 +176,3 @@ def test_mcore2hf_refuses_a_config_with_other_mtp_layers(tmp_path, other, implie
     config = make_bailing_v3(tmp_path / "other", tokenizer=False, num_nextn_predict_layers=other)
     with pytest.raises(MconvError, match=f"args say mtp_num_layers=1, but the HF config implies {implied}"):
         mcore2hf(tmp_path / "m", tmp_path / "back", hf_config=config, progress=False)
-
-
-def test_mtp_with_torch_dist_is_refused(tmp_path):
-    hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=1)
-    error = _cli_error("hf2mcore", hf, tmp_path / "m", "--format", "torch_dist", "--mtp")
-    assert error == "mconv: error: --mtp needs --format torch: mconv does not write megatron-core's MTP block " \
-                    "(mtp.layers.*) in torch_dist yet\n"
-    assert not (tmp_path / "m").exists()
