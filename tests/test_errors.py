@@ -790,7 +790,8 @@ def _live_save_worker(rank, run, where: Path):
 
 @pytest.mark.parametrize("case", ["checkpoint as HF input", "iteration dir as HF input", "output under a file",
                                   "dry run, output under a file", "hf-config without config.json", "neither",
-                                  "lora dtype without merge", "lora shard size without merge", "lora alpha nan"])
+                                  "lora dtype without merge", "lora shard size without merge", "lora alpha nan",
+                                  "output is the root", "inspect an HF model with --hf-config"])
 def test_a_new_users_mistakes_are_one_line(tmp_path, case):
     """Each mistake: exit status 1, one line saying what is wrong (not a raw OSError naming a staging
     directory, not a missing config.json of the wrong thing), nothing written."""
@@ -812,6 +813,9 @@ def test_a_new_users_mistakes_are_one_line(tmp_path, case):
         "lora shard size without merge": (["export-lora", tmp_path / "m", out, "--max-shard-size", "1GB"],
                                           "--max-shard-size applies only with --merge"),
         "lora alpha nan": (["export-lora", tmp_path / "m", out, "--alpha", "nan"], "--alpha must be a finite number"),
+        "output is the root": (["hf2mcore", TINY, "/", "--overwrite"], "output / overlaps the input"),
+        "inspect an HF model with --hf-config": (["inspect", TINY, "--hf-config", FIXTURES / "qwen3-moe-tiny"],
+                                                 "is an HF model, which has its own config.json; --hf-config is for"),
     }[case]
     assert_refused(mconv(*args, "-q"), out, fragment)
     assert leftovers(TINY) == []
