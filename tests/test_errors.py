@@ -686,6 +686,8 @@ def test_quiet_means_the_same_for_every_command(tmp_path):
         assert result.exit_code == 0 and result.stdout == "" and result.stderr == "", (args, result.output)
     assert mconv("inspect", tmp_path / "m", "-q").stdout.startswith(f"{tmp_path / 'm'}: Megatron checkpoint")
     assert "total: " in mconv("hf2mcore", TINY, tmp_path / "plan", "--dry-run", "-q").stdout
+    plan = json.loads(mconv("hf2mcore", TINY, tmp_path / "plan", "--dry-run", "--json", "--tp", 2, "--format", "torch").stdout)
+    assert plan["files"] == 2 and plan["plan"][0].startswith("mp_rank_00: 1 chunk(s)")
     assert json.loads(mconv("mcore2hf", tmp_path / "m", tmp_path / "back2", "--json", "-q").stdout)["tensors"] > 0
     for args in quiet_runs[:2] + quiet_runs[3:]:  # errors are still printed: every output exists now
         result = mconv(*args, "-q")
