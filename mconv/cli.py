@@ -229,6 +229,10 @@ def main():
                    "the trainer reshards on load) or 'torch' (legacy, one file per rank).")
 @click.option("--iteration", type=click.IntRange(0, 10**9), default=None,
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
+@click.option("--mtp", is_flag=True,
+              help="Keep the multi-token-prediction layers (config.json num_nextn_predict_layers) in "
+                   "megatron-core's MTP block (mtp.layers.N., last pipeline stage; stored args mtp_num_layers); "
+                   "by default they are left out with a note. mcore2hf brings them back.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
@@ -237,7 +241,7 @@ def main():
                    "plan).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
-                     vocab_divisor, spec, fmt, iteration, dry_run, overwrite, workers, as_json, quiet):
+                     vocab_divisor, spec, fmt, iteration, mtp, dry_run, overwrite, workers, as_json, quiet):
     """Convert the HF model HF_DIR (a directory, or a hub name such as Qwen/Qwen3-8B) into a
     Megatron checkpoint in OUT_DIR.
 
@@ -257,7 +261,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
     from mconv.converter.pipelines import hf2mcore  # imports torch: not needed for --help
 
     started = time.perf_counter()
-    summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration,
+    summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration, mtp=mtp,
                                    overwrite=overwrite, dry_run=dry_run, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), revision=revision))
     plan = summary.plan
@@ -395,7 +399,9 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     q_proj/k_proj/v_proj and linear_fc1 -> gate_proj/up_proj (same A, B split by query groups or
     by the GLU rule), linear_proj -> o_proj, linear_fc2 -> down_proj; expert adapters become
     per-expert modules (mlp.experts.{e}.gate_proj, ...), an adapter shared by a rank's experts
-    copied to each of them.
+    copied to each of them; stacked HF experts (Qwen3-VL-MoE) take peft's target_parameters form
+    (mlp.experts.base_layer.lora_A/B: gate_up_proj, mlp.experts.lora_A/B: down_proj), which vLLM
+    reads. A Qwen3-VL vision tower's adapters become model.visual.* modules (attn.qkv, ...).
 
     \b
     OUT_DIR/adapter_config.json          peft_type LORA, r, lora_alpha, target_modules, bias none

@@ -63,6 +63,8 @@ def check_args(args, arch: Architecture, dims, path: Path) -> None:
         expected["position_embedding_type"] = ours.get("position_embedding_type")
         if saved["position_embedding_type"] == expected["position_embedding_type"]:
             expected.update({name: ours.get(name) for name in _ROTARY[saved["position_embedding_type"]]})
+    if saved.get("mtp_num_layers"):  # MTP layers kept (hf2mcore --mtp): all of the HF model's
+        expected["mtp_num_layers"] = getattr(dims, "hf_mtp_layers", 0) or "none"
     for name, value in expected.items():
         found = saved.get(name)
         if found != value and (name == "num_experts" or None not in (found, value)):
@@ -92,7 +94,8 @@ class LegacyCheckpoint:
         spec = self.metadata.get("spec") or _detect_spec(self.chunks[Rank(0, 0)])
         arch = architecture_for(self.config)
         check_args(self.args, arch, arch.dims(self.config), first)
-        self.plan = make_plan(arch, self.config, self.layout, spec)
+        mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
+        self.plan = make_plan(arch, self.config, self.layout, spec, mtp)
         for rank_plan in self.plan.ranks:
             path = mio.rank_file(loc.iter_dir, self.layout, rank_plan.rank)
             self._check_rank(path, rank_plan, self.chunks[rank_plan.rank])
@@ -154,6 +157,10 @@ class DistCheckpoint:
         self.plan = make_plan(arch, self.config, self.layout, "local")
         if self.args is not None:
             check_args(self.args, arch, dims, location.iter_dir)
+            if getattr(self.args, "mtp_num_layers", None):
+                raise MconvError(f"{location.iter_dir}: the checkpoint holds multi-token-prediction layers "
+                                 f"(mtp_num_layers={self.args.mtp_num_layers}); mconv reads them from legacy "
+                                 "torch checkpoints only")
         self.load_args = mio.megatron_lm_args(self.layout, dims, arch.megatron_args(dims), "local",
                                               self.padded_vocab, torch.bfloat16, "torch_dist")
         if getattr(self.load_args, "moe_layer_freq", None) == 1 and any(
@@ -168,7 +175,7 @@ class DistCheckpoint:
     def session(self) -> Iterator[tuple[Loader, DtypeOf]]:
         from mconv.converter.torch_dist import parameter_session
 
-        load, dtype_of = parameter_session(self.reader, self.load_args, torch.bfloat16)
+        load, dtype_of = parameter_session(self.reader, self.plan, self.load_args)
 
         def load_sources(sources: list[ShardSource]) -> list[torch.Tensor]:
             loaded = load(sorted({s.megatron for s in sources}))

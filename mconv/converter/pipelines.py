@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
-from mconv.converter import torch_dist_io
+from mconv.converter import torch_dist, torch_dist_io
 from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, check_orientation, copy_side_files,
                                    write_config_dtype, write_hf_config)
 from mconv.converter.hub import resolve_model
@@ -161,23 +161,18 @@ def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, pro
             saving.result()
 
 
-def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, dtype: torch.dtype, common: dict) -> list:
-    """What the torch_dist checkpoint holds (from megatron-core's model), each box built from the HF
-    slices when written. Global (layout-independent) tensors are the TP1/PP1/EP1 ones, with the
+def _flat_plan(plan: Plan) -> Plan:
+    """The TP1/PP1/EP1 local-spec plan whose tensors are a torch_dist checkpoint's global ones, with the
     vocabulary padded as the target TP pads it."""
-    from mconv.converter import torch_dist
+    return make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local")
 
-    flat = make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local")
-    tasks = {task.megatron: task for task in flat.ranks[0].chunks[0] if task.shard is not None}
 
-    def parameter(name: str) -> torch.Tensor:
-        if name not in tasks:
-            raise MconvError(f"megatron-core's {plan.arch.name} model has a parameter {name} that the mconv table "
-                             "does not describe (a megatron-core version mconv does not know?)")
-        return _read_shard(tasks[name], ckpt)
-
-    dtypes = {name: ckpt.tensors[task.hf[0]].dtype for name, task in tasks.items()}
-    return torch_dist.entries(args, dtype, common, parameter, dtypes)
+def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict) -> list:
+    """What the torch_dist checkpoint holds (torch_dist.plan_boxes), each box built from the HF slices
+    when written."""
+    flat = _flat_plan(plan)
+    dtypes = {task.megatron: ckpt.tensors[task.hf[0]].dtype for task in flat.ranks[0].chunks[0] if task.shard}
+    return torch_dist.entries(flat, args, common, lambda task: _read_shard(task, ckpt), dtypes)
 
 
 def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
@@ -195,32 +190,33 @@ def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
 
 def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
-             progress: bool = True, workers: int = 1, revision: str | None = None) -> Summary:
+             progress: bool = True, workers: int = 1, revision: str | None = None, mtp: bool = False) -> Summary:
     """HF -> Megatron. `hf_dir` is a local directory or a hub name (`Qwen/Qwen3-8B`, at `revision`;
     see `hub.resolve_model`). `workers` threads read the tensors of the rank files (legacy format)
     or write their own `.distcp` files (torch_dist); under torchrun every rank writes its share (its
-    rank files, or its own `.distcp` file; rank 0 writes `.metadata`)."""
+    rank files, or its own `.distcp` file; rank 0 writes `.metadata`). `mtp`: keep the
+    multi-token-prediction layers in megatron-core's MTP block (planner.model_dims)."""
     if fmt not in FORMATS:
         raise MconvError(f"--format {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
-        raise MconvError("--format torch_dist is written from megatron-core's local-spec model; the extra "
+        raise MconvError("--format torch_dist is written in megatron-core's local-spec layout; the extra "
                          "_extra_state objects a Transformer Engine model also asks for cannot be derived "
                          "without Transformer Engine. Use --spec local (same tensor keys) or --format torch")
     hf_dir = resolve_model(hf_dir, revision, progress=progress)
     refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
     ckpt = HFCheckpoint(hf_dir)
     arch = architecture_for(ckpt.config)
-    plan = make_plan(arch, ckpt.config, layout, spec)
+    plan = make_plan(arch, ckpt.config, layout, spec, mtp)
     notes = check_hf_tensors(plan, ckpt)
     arch_args = arch.megatron_args(plan.dims)
-    if fmt == "torch_dist" and arch_args.get("multi_latent_attention"):
-        # mconv writes torch_dist through megatron-core's own GPTModel, which cannot build KDA or gated MLA.
-        raise MconvError(f"--format torch_dist is not available for {arch.name} yet: megatron-core cannot build "
-                         "its layers to derive the checkpoint keys; use --format torch")
+    if fmt == "torch_dist":
+        torch_dist.check_model(plan)
+        if plan.dims.mtp_layers:
+            raise MconvError("--mtp needs --format torch: mconv does not write megatron-core's MTP block "
+                             "(mtp.layers.*) in torch_dist yet")
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
-        flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
-        summary = _rank_summary(flat, ckpt, lambda r: "global tensors (any layout)")
+        summary = _rank_summary(_flat_plan(plan), ckpt, lambda r: "global tensors (any layout)")
         summary.plan = plan
     else:
         summary = _rank_summary(plan, ckpt, lambda r: layout.rank_dir(r.rank))
@@ -233,7 +229,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
                                 dtype, fmt)
 
     common = {"args": args, "checkpoint_version": mio.CHECKPOINT_VERSION, "iteration": iteration or 0}
-    dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, dtype, common))
+    dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, common))
 
     def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
         iter_dir = staging / mio.iteration_dir_name(iteration)

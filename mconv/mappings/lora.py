@@ -25,7 +25,8 @@ A_KIND: dict[Kind, Kind] = {QKV: COLUMN, GLU: COLUMN, SECTIONED: COLUMN, COLUMN:
 B_KIND: dict[Kind, Kind] = {QKV: QKV, GLU: GLU, SECTIONED: SECTIONED, COLUMN: COLUMN, ROW: COLUMN}
 CANONICAL: dict[Kind, tuple[str, ...]] = {QKV: ("adapter_q", "adapter_k", "adapter_v"),
                                           GLU: ("adapter_gate", "adapter_up")}
-GROUPED_WEIGHT = ".weight{expert}"  # TE grouped-GEMM expert weights: one adapter shared by the rank's experts
+GROUPED_WEIGHT = ".weight{expert}"
+DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge LoRA's target_modules  # TE grouped-GEMM expert weights: one adapter shared by the rank's experts
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def _target(base: Rule, adapter: str, hf: dict[str, str], a_kind: Kind, b_kind: 
     module = base.megatron.removesuffix(".weight")
     modules = tuple(name.removesuffix(".weight") for name in hf)
     fan_in = next(iter(hf.values())).split()[1]
-    common = dict(when=base.when, group=base.group)
+    common = dict(when=base.when, group=base.group, stage=base.stage, repeat=base.repeat, qkv_dims=base.qkv_dims)
     a = Rule(f"{module}.{adapter}.linear_in.weight", {f"{modules[0]}.lora_A.weight": f"{RANK} {fan_in}"}, a_kind,
              **common)
     b = Rule(f"{module}.{adapter}.linear_out.weight",
@@ -61,15 +62,21 @@ def _target(base: Rule, adapter: str, hf: dict[str, str], a_kind: Kind, b_kind: 
 
 
 def targets(arch: Architecture) -> tuple[Target, ...]:
-    """Every adapter Megatron-Bridge's LoRA and CanonicalLoRA can put on the architecture's linear layers."""
+    """Every adapter Megatron-Bridge's LoRA and CanonicalLoRA can put on the architecture's linear layers:
+    those of the decoder layers, and outside them those named like its default targets (a vision
+    tower's blocks and patch mergers: Megatron-Bridge matches target modules by name, so they are
+    wrapped too)."""
     found = []
     for rule in arch.rules:
         linear = len(next(iter(rule.hf.values()), "").split()) == 2  # not a convolution (KDA conv1d)
-        if rule.kind not in A_KIND or not rule.per_layer or not rule.megatron.endswith(".weight") or not linear:
+        wrapped = rule.per_layer or rule.megatron.rsplit(".", 2)[-2] in DEFAULT_TARGETS
+        if rule.kind not in A_KIND or not wrapped or not rule.megatron.endswith(".weight") or not linear:
             continue
         found.append(_target(rule, "adapter", rule.hf, A_KIND[rule.kind], B_KIND[rule.kind]))
-        for name, (hf, shape) in zip(CANONICAL.get(rule.kind, ()), rule.hf.items()):
-            found.append(_target(rule, f"adapter.{name}", {hf: shape}, COLUMN, COLUMN))
+        canonical = CANONICAL.get(rule.kind, ())
+        if len(canonical) == len(rule.hf):  # a fused layer with one HF tensor (vision attn.qkv) has no per-part HF module
+            for name, (hf, shape) in zip(canonical, rule.hf.items()):
+                found.append(_target(rule, f"adapter.{name}", {hf: shape}, COLUMN, COLUMN))
     return tuple(found)
 
 
