@@ -154,13 +154,10 @@ class DistCheckpoint:
                              f"(found {embedding}); is this checkpoint of the model in the HF config?")
         self.padded_vocab = embedding[0]
         self.layout = Layout(vocab_divisor=self.padded_vocab)
-        self.plan = make_plan(arch, self.config, self.layout, "local")
+        mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
+        self.plan = make_plan(arch, self.config, self.layout, "local", mtp)
         if self.args is not None:
             check_args(self.args, arch, dims, location.iter_dir)
-            if getattr(self.args, "mtp_num_layers", None):
-                raise MconvError(f"{location.iter_dir}: the checkpoint holds multi-token-prediction layers "
-                                 f"(mtp_num_layers={self.args.mtp_num_layers}); mconv reads them from legacy "
-                                 "torch checkpoints only")
         self.load_args = mio.megatron_lm_args(self.layout, dims, arch.megatron_args(dims), "local",
                                               self.padded_vocab, torch.bfloat16, "torch_dist")
         if getattr(self.load_args, "moe_layer_freq", None) == 1 and any(

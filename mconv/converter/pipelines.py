@@ -164,7 +164,8 @@ def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, pro
 def _flat_plan(plan: Plan) -> Plan:
     """The TP1/PP1/EP1 local-spec plan whose tensors are a torch_dist checkpoint's global ones, with the
     vocabulary padded as the target TP pads it."""
-    return make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local")
+    return make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local",
+                     bool(plan.dims.mtp_layers))
 
 
 def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict) -> list:
@@ -211,9 +212,6 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     arch_args = arch.megatron_args(plan.dims)
     if fmt == "torch_dist":
         torch_dist.check_model(plan)
-        if plan.dims.mtp_layers:
-            raise MconvError("--mtp needs --format torch: mconv does not write megatron-core's MTP block "
-                             "(mtp.layers.*) in torch_dist yet")
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
         summary = _rank_summary(_flat_plan(plan), ckpt, lambda r: "global tensors (any layout)")
