@@ -229,13 +229,19 @@ def main():
                    "the trainer reshards on load) or 'torch' (legacy, one file per rank).")
 @click.option("--iteration", type=click.IntRange(0, 10**9), default=None,
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
+@click.option("--mtp", is_flag=True,
+              help="Keep the multi-token-prediction layers (config.json num_nextn_predict_layers) in "
+                   "megatron-core's MTP block (mtp.layers.N., last pipeline stage; stored args mtp_num_layers); "
+                   "by default they are left out with a note. mcore2hf brings them back.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a JSON summary (tensors, bytes, seconds, peak RSS; with --dry-run: tensors, bytes, files, "
+                   "plan).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
-                     vocab_divisor, spec, fmt, iteration, dry_run, overwrite, workers, as_json, quiet):
+                     vocab_divisor, spec, fmt, iteration, mtp, dry_run, overwrite, workers, as_json, quiet):
     """Convert the HF model HF_DIR (a directory, or a hub name such as Qwen/Qwen3-8B) into a
     Megatron checkpoint in OUT_DIR.
 
@@ -255,7 +261,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
     from mconv.converter.pipelines import hf2mcore  # imports torch: not needed for --help
 
     started = time.perf_counter()
-    summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration,
+    summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration, mtp=mtp,
                                    overwrite=overwrite, dry_run=dry_run, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), revision=revision))
     plan = summary.plan
@@ -263,7 +269,10 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
         click.echo(f"mconv: note: {note}", err=True)
     header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
               f"padded vocab {plan.padded_vocab}")
-    if dry_run:
+    if dry_run and as_json:
+        click.echo(json.dumps({"tensors": summary.tensors, "bytes": summary.bytes, "files": summary.files,
+                               "plan": summary.lines}))
+    elif dry_run:
         click.echo(f"plan for {out_dir} ({header})")
         for line in summary.lines:
             click.echo(f"  {line}")

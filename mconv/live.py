@@ -26,7 +26,7 @@ from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, check
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.output import commit, output_path, remove_staging, write_failure
-from mconv.converter.planner import RankPlan, TensorTask, make_plan, plan_rank, validate_layout
+from mconv.converter.planner import RankPlan, TensorTask, make_plan, model_dims, plan_rank, validate_layout
 from mconv.converter.transforms import merge, merge_single, split_into
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
@@ -80,7 +80,7 @@ class LiveModel:
         # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
         fused = any(k.endswith(".layer_norm_weight") for s in states for k in s)
         arch = architecture_for(hf_config)
-        dims = arch.dims(hf_config)
+        dims = model_dims(arch, hf_config, mtp=bool(getattr(core.config, "mtp_num_layers", None)))
         # A dense model has no expert groups to follow, though megatron-core sizes them anyway
         # (Megatron-LM's and the bridges' default ETP is TP).
         experts = bool(getattr(dims, "experts", 0))
@@ -394,9 +394,10 @@ def _stack_bucket(entries: Bucket, transposed: bool, experts: int) -> Bucket:
         groups[stacked].setdefault(expert, {})[part] = tensor
     for stacked, modules in groups.items():
         if sorted(modules) != list(range(experts)):
-            raise MconvError(f"internal: {stacked} has experts {sorted(modules)[:4]}... in its bucket, not all {experts}")
-    return [(name, tensor if tensor is not None else
-             stack_experts([[parts[p] for p in sorted(parts)] for _, parts in sorted(groups[name].items())], transposed))
+            raise MconvError(f"internal: {stacked} has experts {sorted(modules)[:4]}... in its bucket, "
+                             f"not all {experts}")
+    return [(name, tensor if tensor is not None else stack_experts(
+                [[parts[p] for p in sorted(parts)] for _, parts in sorted(groups[name].items())], transposed))
             for name, tensor in out]
 
 
@@ -505,7 +506,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     source = _model_dir(str(hf_config), revision, False)
     config = read_config(source)
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes)
-    full = make_plan(live.arch, config, live.layout, live.spec)
+    full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
     dtypes: dict[str, torch.dtype] = {}
     local = {name: tensor.dtype for tasks, tensors in zip(live.plan.chunks, live.tensors)
              for task in tasks if task.shard is not None for name in task.hf

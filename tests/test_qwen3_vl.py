@@ -98,8 +98,9 @@ def test_transformers_loads_output_without_missing_or_unexpected_keys(tmp_path, 
 
 def test_config_written_for_transformers_4_and_5(tmp_path):
     """transformers 4.57 reads rope_theta + rope_scaling, num_experts and text_config's
-    tie_word_embeddings, 5.x rope_parameters, num_local_experts and the top-level tie_word_embeddings
-    (reference qwen3-vl.md, section 2: 4.57 crashes on a 5.x-only config); the 4.x expert orientation is [E, h, 2I] / [E, I, h], the shapes of 4.57's in-memory parameters."""
+    tie_word_embeddings; 5.x rope_parameters, num_local_experts and the top-level tie_word_embeddings
+    (reference qwen3-vl.md, section 2: 4.57 crashes on a 5.x-only config). The 4.x expert orientation
+    is [E, h, 2I] / [E, I, h], the shapes of 4.57's in-memory parameters."""
     hf2mcore(MOE, tmp_path / "m", Layout(ep=2), fmt="torch", progress=False)
     mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
     text = json.loads((tmp_path / "back/config.json").read_text())["text_config"]
@@ -187,6 +188,18 @@ def test_missing_vision_tensor(tmp_path):
     assert_refused(legacy(hf, tmp_path / "out"), tmp_path / "out", "model.visual.blocks.1.attn.qkv.bias", "missing")
 
 
+def test_missing_vision_tensor_in_megatron_checkpoint(tmp_path):
+    """mcore2hf: a rank file without one of its vision tensors (TP rank 1 of 2) names file and tensor."""
+    assert legacy(DENSE, tmp_path / "m", "--tp", "2").exit_code == 0
+    path = tmp_path / "m/release/mp_rank_01/model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    del state["model"]["vision_model.decoder.layers.1.self_attention.linear_qkv.bias"]
+    torch.save(state, path)
+    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out",
+                   "mp_rank_01/model_optim_rng.pt: tensor vision_model.decoder.layers.1.self_attention.linear_qkv.bias",
+                   "missing")
+
+
 def test_stacked_experts_of_no_known_orientation(tmp_path):
     name = "model.language_model.layers.2.mlp.experts.down_proj"
     hf = _edit(tmp_path, MOE, lambda t: t.update({name: t[name].transpose(1, 2).contiguous()}))
@@ -200,8 +213,11 @@ def test_vision_heads_not_divisible_by_tp(tmp_path):
                    "vision_config.num_heads=2 is not divisible by --tp 4")
 
 
-def test_deepstack_off_the_first_stage(tmp_path):
-    assert_refused(legacy(DENSE, tmp_path / "out", "--pp", "2", "--first-stage-layers", "1"), tmp_path / "out",
+@pytest.mark.parametrize("options", [("--pp", "2", "--first-stage-layers", "1"), ("--pp", "3", "--vpp", "2")])
+def test_deepstack_off_the_first_stage(tmp_path, options):
+    """Uneven PP, and VPP (6 layers: one per chunk): the first chunk, which holds the vision tower, must
+    hold the language layers the deepstack mergers feed."""
+    assert_refused(legacy(DENSE, tmp_path / "out", *options), tmp_path / "out",
                    "2 deepstack_visual_indexes", "first pipeline stage (chunk) holds only 1 layer")
 
 

@@ -63,6 +63,8 @@ def check_args(args, arch: Architecture, dims, path: Path) -> None:
         expected["position_embedding_type"] = ours.get("position_embedding_type")
         if saved["position_embedding_type"] == expected["position_embedding_type"]:
             expected.update({name: ours.get(name) for name in _ROTARY[saved["position_embedding_type"]]})
+    if saved.get("mtp_num_layers"):  # MTP layers kept (hf2mcore --mtp): all of the HF model's
+        expected["mtp_num_layers"] = getattr(dims, "hf_mtp_layers", 0) or "none"
     for name, value in expected.items():
         found = saved.get(name)
         if found != value and (name == "num_experts" or None not in (found, value)):
@@ -92,7 +94,8 @@ class LegacyCheckpoint:
         spec = self.metadata.get("spec") or _detect_spec(self.chunks[Rank(0, 0)])
         arch = architecture_for(self.config)
         check_args(self.args, arch, arch.dims(self.config), first)
-        self.plan = make_plan(arch, self.config, self.layout, spec)
+        mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
+        self.plan = make_plan(arch, self.config, self.layout, spec, mtp)
         for rank_plan in self.plan.ranks:
             path = mio.rank_file(loc.iter_dir, self.layout, rank_plan.rank)
             self._check_rank(path, rank_plan, self.chunks[rank_plan.rank])
@@ -151,7 +154,8 @@ class DistCheckpoint:
                              f"(found {embedding}); is this checkpoint of the model in the HF config?")
         self.padded_vocab = embedding[0]
         self.layout = Layout(vocab_divisor=self.padded_vocab)
-        self.plan = make_plan(arch, self.config, self.layout, "local")
+        mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
+        self.plan = make_plan(arch, self.config, self.layout, "local", mtp)
         if self.args is not None:
             check_args(self.args, arch, dims, location.iter_dir)
         self.load_args = mio.megatron_lm_args(self.layout, dims, arch.megatron_args(dims), "local",

@@ -164,7 +164,8 @@ def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, pro
 def _flat_plan(plan: Plan) -> Plan:
     """The TP1/PP1/EP1 local-spec plan whose tensors are a torch_dist checkpoint's global ones, with the
     vocabulary padded as the target TP pads it."""
-    return make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local")
+    return make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local",
+                     bool(plan.dims.mtp_layers))
 
 
 def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict) -> list:
@@ -190,11 +191,12 @@ def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
 
 def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
-             progress: bool = True, workers: int = 1, revision: str | None = None) -> Summary:
+             progress: bool = True, workers: int = 1, revision: str | None = None, mtp: bool = False) -> Summary:
     """HF -> Megatron. `hf_dir` is a local directory or a hub name (`Qwen/Qwen3-8B`, at `revision`;
     see `hub.resolve_model`). `workers` threads read the tensors of the rank files (legacy format)
     or write their own `.distcp` files (torch_dist); under torchrun every rank writes its share (its
-    rank files, or its own `.distcp` file; rank 0 writes `.metadata`)."""
+    rank files, or its own `.distcp` file; rank 0 writes `.metadata`). `mtp`: keep the
+    multi-token-prediction layers in megatron-core's MTP block (planner.model_dims)."""
     if fmt not in FORMATS:
         raise MconvError(f"--format {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
@@ -205,7 +207,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
     ckpt = HFCheckpoint(hf_dir)
     arch = architecture_for(ckpt.config)
-    plan = make_plan(arch, ckpt.config, layout, spec)
+    plan = make_plan(arch, ckpt.config, layout, spec, mtp)
     notes = check_hf_tensors(plan, ckpt)
     arch_args = arch.megatron_args(plan.dims)
     if fmt == "torch_dist":

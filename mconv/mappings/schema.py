@@ -29,8 +29,10 @@ class Rule:
     exported: bool = True  # False for copies (the tied output layer): mcore2hf takes the original
     specs: tuple[str, ...] = ("local", "te")
     # Non-layer rules repeated over an index: (template field, dims attribute with the count),
-    # e.g. ("block", "vision_layers") for `vision_model.decoder.layers.{block}.`.
-    repeat: tuple[str, str] | None = None
+    # e.g. ("block", "vision_layers") for `vision_model.decoder.layers.{block}.`. A third item, a dims
+    # attribute, makes the copies layers kept outside the decoder (MTP): copy j is HF layer
+    # `{layer}` = that attribute + j, and `when` takes (dims, layer) as a layer rule's does.
+    repeat: tuple[str, ...] | None = None
     # The dims attributes a fused QKV rule takes its (heads, query groups, head_dim) from.
     qkv_dims: tuple[str, str, str] = ("heads", "groups", "head_dim")
     # torch_dist: a fused tensor stored as one global tensor per HF section, its key suffixed with
@@ -93,6 +95,21 @@ def prefixed(rules: tuple[Rule, ...], megatron: str, hf: Callable[[str], str]) -
                          hf={hf(name): shape for name, shape in r.hf.items()}) for r in rules)
 
 
+DECODER_LAYER = "decoder.layers.{layer}."
+MTP_LAYER = "mtp.layers.{mtp}."  # megatron-core's MultiTokenPredictionBlock, on the last pipeline stage
+MTP_REPEAT = ("mtp", "mtp_layers", "layers")  # MTP layer j is HF layer num_hidden_layers + j
+
+
+def mtp_layer_rules(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """Decoder-layer rules as the inner layer of megatron-core's MTP layers
+    (`mtp.layers.{j}.mtp_model_layer.`, multi_token_prediction.py), placed with the final norm on the
+    last pipeline stage, for HF layer num_hidden_layers + j; their `when` picks the layer kind there."""
+    def move(name: str) -> str:
+        return name.replace(DECODER_LAYER, MTP_LAYER + "mtp_model_layer.")
+    return tuple(replace(r, megatron=move(r.megatron), te=r.te and move(r.te), stage=LAST, repeat=MTP_REPEAT)
+                 for r in rules if r.per_layer)
+
+
 def extra_state(module: str, stage: str | None = None, specs=("local", "te"), when=None, repeat=None) -> Rule:
     """The `_extra_state` entry (None in converted checkpoints) that Megatron linear modules carry."""
     return Rule(f"{module}._extra_state", {}, EXTRA_STATE, stage=stage, specs=specs, when=when, repeat=repeat)
@@ -100,5 +117,5 @@ def extra_state(module: str, stage: str | None = None, specs=("local", "te"), wh
 
 def linear(module: str, hf: dict[str, str], kind: Kind, **options) -> tuple[Rule, Rule]:
     """A Megatron linear layer: its weight and its `_extra_state`."""
-    stage, when = options.get("stage"), options.get("when")
-    return Rule(f"{module}.weight", hf, kind, **options), extra_state(module, stage=stage, when=when)
+    stage, when, repeat = options.get("stage"), options.get("when"), options.get("repeat")
+    return Rule(f"{module}.weight", hf, kind, **options), extra_state(module, stage=stage, when=when, repeat=repeat)
