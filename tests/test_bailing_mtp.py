@@ -7,7 +7,8 @@ AReaL's head-wise gate of test_bailing_oracle.py), loading the rank files hf2mco
 `strict=True` in gloo processes, against transformers' DeepSeek-V3 modules loaded with the HF tensors
 and chained as megatron-core's MTP block chains its depths (HFReference). Each depth's logits through
 the output layer must agree (fp32); a wrong mapping (enorm and hnorm swapped, eh_proj's two input
-halves swapped, eh_proj split on the wrong dimension) must fail the same comparison.
+halves swapped, eh_proj split on the wrong dimension) must fail the same comparison. In torch_dist,
+megatron-core's `dist_checkpointing.load` fills its TP2 model from the TP1 checkpoint.
 """
 import dataclasses
 import subprocess
@@ -176,3 +177,71 @@ def test_mcore2hf_refuses_a_config_with_other_mtp_layers(tmp_path, other, implie
     config = make_bailing_v3(tmp_path / "other", tokenizer=False, num_nextn_predict_layers=other)
     with pytest.raises(MconvError, match=f"args say mtp_num_layers=1, but the HF config implies {implied}"):
         mcore2hf(tmp_path / "m", tmp_path / "back", hf_config=config, progress=False)
+
+
+def _dist_worker(rank: int, iter_dir, args, c: dict, tp: int, port: int, out):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    ps.initialize_model_parallel(tp)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    config = _core_config(args, tp, 1)
+    model = bailing_model(config, c, args.padded_vocab_size)
+    mtp_hidden = []
+    model.mtp.register_forward_hook(lambda module, inputs, output: mtp_hidden.append(output))
+    sharded = model.sharded_state_dict()
+    # (key, global shape); a GLU fc1 is a factory of two boxes (its shape is checked by the load)
+    keys = {(v.key, tuple(v.global_shape) if isinstance(v, ShardedTensor) else None) for v in nested_values(sharded)
+            if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
+    loaded = dist_checkpointing.load({"model": sharded}, str(iter_dir))  # as Megatron-LM nests it
+    model.load_state_dict(loaded["model"], strict=True)
+    tokens = torch.tensor([TOKENS])
+    mask = torch.ones(1, 1, len(TOKENS), len(TOKENS), dtype=torch.bool).triu(1)
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(len(TOKENS))[None], mask)
+        for hidden in mtp_hidden[0].chunk(1 + config.mtp_num_layers)[1:]:
+            logits = torch.cat([logits, model.output_layer(hidden)[0].transpose(0, 1)])
+    if rank == 0:
+        torch.save((logits[..., : c["vocab_size"]], keys), out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_megatron_core_loads_the_torch_dist_mtp_checkpoint_at_tp2(tmp_path):
+    """torch_dist with --mtp, written for TP1: megatron-core's own sharded_state_dict of the TP2 model
+    (MLA + dense and MLA + MoE layers, megatron-core's MTP block) asks for exactly the keys and global
+    shapes stored (the MTP inner layer as `mtp.layers.0.transformer_layer.`), `dist_checkpointing.load`
+    fills it (strict load_state_dict), and its logits, the MTP depth's included, equal the HF reference."""
+    from mconv.converter.torch_dist_io import TorchDistReader
+
+    hf = make_bailing_v3(tmp_path / "hf", seed=5, dtype=torch.float32, tokenizer=False, num_hidden_layers=2,
+                         layer_group_size=1, first_k_dense_replace=1, num_nextn_predict_layers=1)
+    hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch_dist", progress=False, mtp=True)
+    reader = TorchDistReader.open(tmp_path / "m" / "release")
+    assert "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight" in reader.tensors
+    mp.start_processes(_dist_worker, args=(tmp_path / "m" / "release", reader.args, read_config(hf), 2, _free_port(),
+                                           tmp_path / "out.pt"), nprocs=2, start_method="spawn")
+    logits, keys = torch.load(tmp_path / "out.pt")
+    assert keys == {(key, None if (key, None) in keys else tuple(md.shape)) for key, md in reader.tensors.items()}
+    reference = HFReference(hf)(TOKENS)
+    assert logits.shape[0] == 2 and ((logits - reference).abs().max() / reference.abs().max()).item() < 1e-5
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    assert_bit_identical(read_all(hf), read_all(tmp_path / "back"))
+
+
+def test_torch_dist_mtp_round_trip(tmp_path):
+    hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=2)  # KDA and MLA layers
+    hf2mcore(hf, tmp_path / "m", Layout(tp=2), fmt="torch_dist", progress=False, mtp=True)
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    assert_bit_identical(read_all(hf), read_all(tmp_path / "back"))

@@ -15,8 +15,9 @@ local-spec name and shape) and megatron-core's conventions (megatron-core 0.19.2
   architecture whose layers differ (`torch_dist.per_layer`), where keys are `decoder.layers.{i}.X`;
 - tensors in numbered copies outside the layers (`Rule.repeat`: vision blocks, deepstack mergers) are
   stacked on their index when the layers are (mbridge's vision config is a copy of the language
-  one, `moe_layer_freq` included); multi-token-prediction layers (`mtp.layers.{j}.`) never are, and
-  their inner layer's keys are `mtp.layers.{j}.transformer_layer.` (MultiTokenPredictionLayer);
+  one, `moe_layer_freq` included);
+- megatron-core's MTP layers (`mtp.layers.{j}.`, hf2mcore --mtp) keep per-depth keys, the inner
+  layer under its old name `transformer_layer.` (MultiTokenPredictionLayer.sharded_state_dict);
 - routed experts (SequentialMLP): `local_experts.{e}.` becomes `experts.` with an expert axis after
   the layer axis;
 - a GLU `linear_fc1` is one tensor `[gate; up]` stored as two boxes (MLP's swiglu factory); a rule
@@ -43,12 +44,10 @@ from mconv.converter.planner import Plan, TensorTask
 from mconv.converter.torch_dist_io import COMMON_KEY, DistEntry
 from mconv.converter.transforms import EXTRA_STATE, GLU, VOCAB
 from mconv.errors import MconvError
-from mconv.mappings.schema import LAST
+from mconv.mappings.schema import LAST, MTP_LAYER
 
-# Where a transformer layer's names start (its spec's keys map applies after it), and the key prefix:
-# a decoder layer, or the inner layer of an MTP layer, which megatron-core's MultiTokenPredictionLayer
-# saves under its former name `transformer_layer.` (multi_token_prediction.py, backward compatibility).
-LAYER_PREFIXES = (("{layer}.", "{layer}."), ("mtp_model_layer.", "transformer_layer."))
+MTP_INNER = MTP_LAYER + "mtp_model_layer."  # megatron-core's MTP layer's inner transformer layer
+
 REPLICA = (0, 0, 0)  # megatron-core's replica id of the main copy (TP, PP-or-DP, DP ranks all 0)
 
 
@@ -97,34 +96,39 @@ def _indexes(template: str, name: str) -> dict[str, int]:
     return {field: int(value) for field, value in match.groupdict().items()}
 
 
+def _mapped(name: str, plan: Plan) -> str:
+    """A name inside a decoder layer with the layer spec's keys map applied (the first matching
+    prefix, as megatron-core does)."""
+    for old, new in plan.arch.torch_dist.keys_map:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def _key(task: TensorTask, plan: Plan, stacked: bool) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """(key, offsets, sizes) of the prepended axes of a TP1 parameter (or `_extra_state`)."""
     rule, dims = task.rule, plan.dims
     template, offsets, counts = rule.megatron, [], []
     index = _indexes(template, task.megatron)  # one TP1 chunk: layer and expert indexes are global
     layer, expert = index.get("layer"), index.get("expert")
-    for marker, renamed in LAYER_PREFIXES:
-        if marker not in template:
-            continue
-        head, rest = template.split(marker, 1)
-        for old, new in plan.arch.torch_dist.keys_map:  # the first matching prefix, as megatron-core does
-            if rest.startswith(old):
-                rest = new + rest[len(old):]
-                break
-        decoder_stacked = stacked and marker == "{layer}."
-        template = head + ("" if decoder_stacked else renamed) + rest
-        if decoder_stacked:
+    if rule.per_layer:
+        head, rest = template.split("{layer}.", 1)
+        template = head + ("" if stacked else "{layer}.") + _mapped(rest, plan)
+        if stacked:
             offsets.append(layer)
             counts.append(dims.layers)
-        break
+    if template.startswith(MTP_INNER):
+        # MultiTokenPredictionLayer.sharded_state_dict keeps the old name of a GPT MTP layer's inner
+        # layer (`transformer_layer.`); MTP layers are never stacked (no sharded offsets).
+        template = MTP_LAYER + "transformer_layer." + _mapped(template[len(MTP_INNER):], plan)
     if "{expert}" in template:
         if ".local_experts.{expert}." not in template:
             raise MconvError(f"internal: expert tensor {rule.megatron} is not named as megatron-core's SequentialMLP")
         template = template.replace(".local_experts.{expert}.", ".experts.")
         offsets.append(expert)
         counts.append(dims.experts)
-    if rule.repeat and stacked and len(rule.repeat) == 2:  # with a base: MTP layers, never stacked
-        field, count = rule.repeat
+    if rule.repeat and stacked and not template.startswith(MTP_LAYER):
+        field, count = rule.repeat[:2]
         template = template.replace("{%s}." % field, "")
         offsets.append(index[field])
         counts.append(getattr(dims, count))
