@@ -62,7 +62,7 @@ def build(hf: dict):
 
     from mconv.converter import megatron_io as mio
     from mconv.converter.layout import Layout
-    from mconv.converter.torch_dist import core_config
+    from tests.megatron_dist_oracle import core_config
     from mconv.converter.transforms import padded_vocab_size
     from mconv.mappings import architecture_for
 

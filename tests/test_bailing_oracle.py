@@ -106,80 +106,103 @@ def _deepseek_config(c):
 
 
 class HFReference(torch.nn.Module):
-    """BailingMoeV3's forward from transformers' DeepSeek-V3 and Kimi Linear modules (fp32)."""
+    """BailingMoeV3's forward from transformers' DeepSeek-V3 and Kimi Linear modules (fp32). MTP layers
+    (HF layers L + j) are computed as megatron-core's MTP block chains them (multi_token_prediction.py):
+    depth j takes the ids shifted j + 1 left (zero-filled) and the previous depth's output (the decoder's
+    final-normed output for j = 0): `final_layernorm(layer(eh_proj(cat(enorm(embed(ids)), hnorm(h)))))`."""
 
     def __init__(self, hf_dir: Path):
         super().__init__()
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
+        self.ds = ds
         c = self.c = read_config(hf_dir)
         ckpt = HFCheckpoint(hf_dir)
-        t = {name: ckpt.read(name).float() for name in ckpt.tensors}
-        ds_config = _deepseek_config(c)
+        t = self.t = {name: ckpt.read(name).float() for name in ckpt.tensors}
+        self.ds_config = _deepseek_config(c)
         self.embed = t["model.word_embeddings.weight"]
         self.head = t["model.word_embeddings.weight" if c["tie_word_embeddings"] else "lm_head.weight"]
-        self.rope = ds.DeepseekV3RotaryEmbedding(ds_config)
-        self.layers = []
-        mla_layers = bailing_v3._layer_kinds(c["num_hidden_layers"], c["layer_group_size"])
+        self.rope = ds.DeepseekV3RotaryEmbedding(self.ds_config)
+        layers, mtp = c["num_hidden_layers"], c["num_nextn_predict_layers"]
+        mla_layers = bailing_v3._layer_kinds(layers, c["layer_group_size"])
+        self.layers = [self._layer(i, i in mla_layers) for i in range(layers)]
+        self.norm = self._norm("model.norm.weight")
+        # An MTP layer is MLA (the HF tail-group rule) and MoE past first_k_dense_replace.
+        self.mtp = [dict(enorm=self._norm(f"model.layers.{i}.enorm.weight"), hnorm=self._norm(f"model.layers.{i}.hnorm.weight"),
+                         eh_proj=t[f"model.layers.{i}.eh_proj.weight"], layer=self._layer(i, True),
+                         final=self._norm(f"model.layers.{i}.final_layernorm.weight"))
+                    for i in range(layers, layers + mtp)]
 
-        def norm(name):
-            module = ds.DeepseekV3RMSNorm(t[name].shape[0], eps=c["rms_norm_eps"])
-            module.weight.data.copy_(t[name])
-            return module
+    def _norm(self, name):
+        module = self.ds.DeepseekV3RMSNorm(self.t[name].shape[0], eps=self.c["rms_norm_eps"])
+        module.weight.data.copy_(self.t[name])
+        return module
 
-        for i in range(c["num_hidden_layers"]):
-            p, a = f"model.layers.{i}.", f"model.layers.{i}.attention."
-            if i in mla_layers:
-                attn = ds.DeepseekV3Attention(ds_config, 0)
-                renames = {"o_proj": "dense"}
-                for name, param in attn.named_parameters():
-                    module, _, leaf = name.rpartition(".")
-                    param.data.copy_(t[a + renames.get(module, module) + "." + leaf])
-                gate = t[a + "g_proj.weight"]
-                heads = c["num_attention_heads"]
+    def _layer(self, i: int, is_mla: bool):
+        ds, c, t, ds_config = self.ds, self.c, self.t, self.ds_config
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.attention."
+        if is_mla:
+            attn = ds.DeepseekV3Attention(ds_config, 0)
+            renames = {"o_proj": "dense"}
+            for name, param in attn.named_parameters():
+                module, _, leaf = name.rpartition(".")
+                param.data.copy_(t[a + renames.get(module, module) + "." + leaf])
+            gate = t[a + "g_proj.weight"]
+            heads = c["num_attention_heads"]
 
-                def gated(module, args, gate=gate, heads=heads, holder={}):  # Bailing's head-wise gate
-                    out = args[0].unflatten(-1, (heads, -1)) * torch.sigmoid(holder["x"] @ gate.T)[..., None]
-                    return (out.flatten(-2),)
-                attn.o_proj.register_forward_pre_hook(gated)
-                attn.gate_input = gated.__defaults__[2]
-            else:
-                attn = _hf_kda(c, t, a)
-            if i < c["first_k_dense_replace"]:
-                mlp = ds.DeepseekV3MLP(ds_config)
-                for x in ("gate_proj", "up_proj", "down_proj"):
-                    getattr(mlp, x).weight.data.copy_(t[p + f"mlp.{x}.weight"])
-            else:
-                mlp = ds.DeepseekV3MoE(ds_config)
-                mlp.gate.weight.data.copy_(t[p + "mlp.gate.weight"])
-                mlp.gate.e_score_correction_bias.copy_(t[p + "mlp.gate.expert_bias"])
-                for e in range(c["num_experts"]):
-                    ex = p + f"mlp.experts.{e}."
-                    mlp.experts.gate_up_proj.data[e].copy_(torch.cat([t[ex + "gate_proj.weight"], t[ex + "up_proj.weight"]]))
-                    mlp.experts.down_proj.data[e].copy_(t[ex + "down_proj.weight"])
-                for x in ("gate_proj", "up_proj", "down_proj"):
-                    getattr(mlp.shared_experts, x).weight.data.copy_(t[p + f"mlp.shared_experts.{x}.weight"])
-            self.layers.append((norm(p + "input_layernorm.weight"), attn, i in mla_layers,
-                                norm(p + "post_attention_layernorm.weight"), mlp))
-        self.norm = norm("model.norm.weight")
+            def gated(module, args, gate=gate, heads=heads, holder={}):  # Bailing's head-wise gate
+                out = args[0].unflatten(-1, (heads, -1)) * torch.sigmoid(holder["x"] @ gate.T)[..., None]
+                return (out.flatten(-2),)
+            attn.o_proj.register_forward_pre_hook(gated)
+            attn.gate_input = gated.__defaults__[2]
+        else:
+            attn = _hf_kda(c, t, a)
+        if i < c["first_k_dense_replace"]:
+            mlp = ds.DeepseekV3MLP(ds_config)
+            for x in ("gate_proj", "up_proj", "down_proj"):
+                getattr(mlp, x).weight.data.copy_(t[p + f"mlp.{x}.weight"])
+        else:
+            mlp = ds.DeepseekV3MoE(ds_config)
+            mlp.gate.weight.data.copy_(t[p + "mlp.gate.weight"])
+            mlp.gate.e_score_correction_bias.copy_(t[p + "mlp.gate.expert_bias"])
+            for e in range(c["num_experts"]):
+                ex = p + f"mlp.experts.{e}."
+                mlp.experts.gate_up_proj.data[e].copy_(torch.cat([t[ex + "gate_proj.weight"], t[ex + "up_proj.weight"]]))
+                mlp.experts.down_proj.data[e].copy_(t[ex + "down_proj.weight"])
+            for x in ("gate_proj", "up_proj", "down_proj"):
+                getattr(mlp.shared_experts, x).weight.data.copy_(t[p + f"mlp.shared_experts.{x}.weight"])
+        return self._norm(p + "input_layernorm.weight"), attn, is_mla, self._norm(p + "post_attention_layernorm.weight"), mlp
+
+    @staticmethod
+    def _apply(layer, x, cos_sin, mask):
+        in_norm, attn, is_mla, post_norm, mlp = layer
+        h = in_norm(x)
+        if is_mla:
+            attn.gate_input["x"] = h
+            out = attn(h, cos_sin, mask)[0]
+        else:
+            out = attn(h)
+        x = x + out
+        return x + mlp(post_norm(x))
 
     @torch.no_grad()
     def forward(self, tokens: list[int]) -> torch.Tensor:
+        """Logits [1, s, vocab], then those of each MTP depth."""
         ids = torch.tensor([tokens])
         x = self.embed[ids]
         seq = ids.shape[1]
         cos_sin = self.rope(x, torch.arange(seq)[None])
         mask = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
-        for in_norm, attn, is_mla, post_norm, mlp in self.layers:
-            h = in_norm(x)
-            if is_mla:
-                attn.gate_input["x"] = h
-                out = attn(h, cos_sin, mask)[0]
-            else:
-                out = attn(h)
-            x = x + out
-            x = x + mlp(post_norm(x))
-        return self.norm(x) @ self.head.T
+        for layer in self.layers:
+            x = self._apply(layer, x, cos_sin, mask)
+        h = self.norm(x)
+        logits = [h @ self.head.T]
+        for depth in self.mtp:
+            ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+            x = torch.cat([depth["enorm"](self.embed[ids]), depth["hnorm"](h)], -1) @ depth["eh_proj"].T
+            h = depth["final"](self._apply(depth["layer"], x, cos_sin, mask))
+            logits.append(h @ self.head.T)
+        return torch.cat(logits)
 
 
 # ---------------------------------------------------------------------------------- Megatron side
@@ -289,7 +312,7 @@ def _megatron_classes():
     return CPUCoreAttention, GatedMLA, AReaLKDA
 
 
-def _core_config(args, tp, ep):
+def _core_config(args, tp, ep, pp=1, vpp=1):
     """megatron-core's MLATransformerConfig from the Megatron-LM args hf2mcore stored (the names
     Megatron-LM's core_transformer_config_from_args maps)."""
     from megatron.core.transformer import MLATransformerConfig
@@ -301,43 +324,34 @@ def _core_config(args, tp, ep):
             "rotary_percent", "rope_type", "rotary_scaling_factor", "moe_ffn_hidden_size", "moe_router_topk",
             "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
             "moe_router_dtype", "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
-            "moe_shared_expert_intermediate_size", "moe_layer_freq")
+            "moe_shared_expert_intermediate_size", "moe_layer_freq", "mtp_num_layers")
     yarn = {k: a[k] for k in ("mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
                               "beta_slow") if k in a}
     return MLATransformerConfig(
-        **{k: a[k] for k in same}, **yarn, num_moe_experts=a["num_experts"], layernorm_epsilon=a["norm_epsilon"],
+        **{k: a.get(k) for k in same}, **yarn, num_moe_experts=a["num_experts"], layernorm_epsilon=a["norm_epsilon"],
         gated_linear_unit=a["swiglu"], activation_func=F.silu, moe_token_dispatcher_type="allgather",
         moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", attention_dropout=0.0, hidden_dropout=0.0,
         params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False,
         apply_rope_fusion=False, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        pipeline_dtype=torch.float32,
         expert_tensor_parallel_size=1)
 
 
-def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port: int, out: Path,
-            live_hf: Path | None):
-    warnings.filterwarnings("ignore")
-    _cpu_shims()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=max(tp, ep))
+def bailing_model(config, c: dict, padded_vocab: int, vp_stage: int | None = None):
+    """megatron-core's GPTModel for this pipeline stage (and virtual chunk `vp_stage`): one local layer spec
+    per layer (AReaLKDA or GatedMLA with the CPU core attention; dense MLP or MoE by moe_layer_freq), and
+    with `config.mtp_num_layers` the MTP block megatron-core builds from the last decoder layer's spec."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-    from megatron.training.checkpointing import get_checkpoint_name
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    path = get_checkpoint_name(str(checkpoint), 0, True, expert_parallel=ep > 1,
-                               expert_rank=ps.get_expert_model_parallel_rank())
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    config = _core_config(state["args"], tp, ep)
     CPUCoreAttention, GatedMLA, AReaLKDA = _megatron_classes()
-    c = hf_config
     kda = ModuleSpec(module=AReaLKDA, params=dict(head_dim=c["head_dim"], conv_kernel=c["short_conv_kernel_size"],
                                                   lora=not c["no_kda_lora"], lower_bound=c["kda_lower_bound"]))
     specs = []
@@ -353,10 +367,41 @@ def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port
         else:
             spec.submodules.self_attention = kda
         specs.append(spec)
-    model = GPTModel(config=config, transformer_layer_spec=TransformerBlockSubmodules(specs, layer_norm=WrappedTorchNorm),
-                     vocab_size=state["args"].padded_vocab_size, max_sequence_length=c["max_position_embeddings"],
-                     share_embeddings_and_output_weights=c["tie_word_embeddings"], position_embedding_type="rope",
-                     rotary_base=config.rotary_base, parallel_output=False).eval()
+    # MTP (hf2mcore --mtp): megatron-core's MTP block, its inner layer from the last decoder layer's spec.
+    mtp_spec = (get_gpt_mtp_block_spec(config, TransformerBlockSubmodules(specs), use_transformer_engine=False,
+                                       vp_stage=vp_stage) if config.mtp_num_layers else None)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    stage = specs[offset: offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
+    return GPTModel(config=config, transformer_layer_spec=TransformerBlockSubmodules(stage, layer_norm=WrappedTorchNorm),
+                    mtp_block_spec=mtp_spec, vocab_size=padded_vocab, max_sequence_length=c["max_position_embeddings"],
+                    share_embeddings_and_output_weights=c["tie_word_embeddings"], position_embedding_type="rope",
+                    rotary_base=config.rotary_base, parallel_output=False, vp_stage=vp_stage,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)).eval()
+
+
+def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port: int, out: Path,
+            live_hf: Path | None):
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=max(tp, ep))
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    path = get_checkpoint_name(str(checkpoint), 0, True, expert_parallel=ep > 1,
+                               expert_rank=ps.get_expert_model_parallel_rank())
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    config = _core_config(state["args"], tp, ep)
+    c = hf_config
+    model = bailing_model(config, c, state["args"].padded_vocab_size)
+    mtp_hidden = []
+    if config.mtp_num_layers:  # the block's output: [decoder output; depth 1; ...] on the sequence dim
+        model.mtp.register_forward_hook(lambda module, args, output: mtp_hidden.append(output))
     if live_hf is None:
         model.load_state_dict(state["model"], strict=True)
     else:
@@ -367,6 +412,9 @@ def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port
     mask = torch.ones(1, 1, len(TOKENS), len(TOKENS), dtype=torch.bool).triu(1)
     with torch.no_grad():
         logits = model(tokens, torch.arange(len(TOKENS))[None], mask)
+        for hidden in mtp_hidden[0].chunk(1 + config.mtp_num_layers)[1:] if mtp_hidden else ():
+            weight = model.shared_embedding_or_output_weight() if c["tie_word_embeddings"] else None
+            logits = torch.cat([logits, model.output_layer(hidden, weight=weight)[0].transpose(0, 1)])
     exported = None if live_hf is None else {
         name: tensor.clone() for bucket in iter_hf_weights([model], live_hf, bucket_bytes=100_000) for name, tensor in bucket}
     if rank == 0:
@@ -376,7 +424,8 @@ def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port
 
 
 def megatron_run(checkpoint: Path, hf_dir: Path, tp: int, ep: int, workdir: Path, live: bool = False):
-    """(logits, None) of megatron-core's forward on the rank files; with `live`, the model is loaded by
+    """(logits, None) of megatron-core's forward on the rank files ([1 + MTP depths, s, vocab]: the
+    model's, then each MTP depth's through the output layer); with `live`, the model is loaded by
     mconv.live.load_hf_weights from `hf_dir` instead, and the second item is what iter_hf_weights yields."""
     out = workdir / "logits.pt"
     mp.start_processes(_worker, args=(checkpoint, read_config(hf_dir), tp, ep, _free_port(), out,
@@ -387,7 +436,8 @@ def megatron_run(checkpoint: Path, hf_dir: Path, tp: int, ep: int, workdir: Path
 def _max_difference(tmp_path: Path, hf_dir: Path, tp: int, ep: int, edit=None) -> float:
     """Max |logit difference| relative to the largest logit (about 4 here); `edit(state)` changes every
     rank file before megatron-core loads it."""
-    hf2mcore(hf_dir, tmp_path / "m", Layout(tp=tp, ep=ep), spec="local", fmt="torch", progress=False)
+    mtp = bool(read_config(hf_dir)["num_nextn_predict_layers"])
+    hf2mcore(hf_dir, tmp_path / "m", Layout(tp=tp, ep=ep), spec="local", fmt="torch", progress=False, mtp=mtp)
     for path in (tmp_path / "m").glob("release/*/model_optim_rng.pt") if edit else ():
         state = torch.load(path, weights_only=False)
         edit(state["model"])

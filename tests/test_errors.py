@@ -518,3 +518,387 @@ def test_full_and_read_only_file_systems(tmp_path):
         assert status == 1 and stderr.count("\n") == 1 and "SystemError" not in stderr, (name, stderr)
         assert stderr.startswith(f"mconv: error: cannot write {out}: ") and cause in stderr, (name, stderr)
         assert left == [], (name, left)  # nothing left behind on either file system
+
+
+# ----------------------------------------------------------------------------- interrupts (Ctrl-C, SIGTERM)
+
+def start_mconv(*args, cwd: Path, stderr=None):
+    """A real `mconv` process (signals go to it, not to pytest)."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "mconv.cli", *[str(a) for a in args]], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=stderr or subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+
+
+def wait_for(condition, process) -> bool:
+    """Poll until `condition()` holds (True) or the process has ended (False)."""
+    import time
+
+    while process.poll() is None:
+        if condition():
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if "mconv-" in p.name)
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line_and_status_130(tmp_path):
+    """A real SIGINT while the command imports torch (before any conversion code runs): one line,
+    exit status 130, nothing written (click alone prints "Aborted!" and exits 1)."""
+    import signal
+
+    process = start_mconv("hf2mcore", TINY, tmp_path / "out", cwd=tmp_path)
+    torch_loading = lambda: "libtorch" in Path(f"/proc/{process.pid}/maps").read_text()  # noqa: E731
+    assert wait_for(torch_loading, process), process.communicate()
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate()
+    assert process.returncode == 130, stderr
+    assert stderr == f"mconv: interrupted; nothing was written to {tmp_path / 'out'}\n" and stdout == ""
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("command", ["hf2mcore torch_dist", "hf2mcore torch", "mcore2hf"])
+def test_interrupt_while_writing_leaves_nothing(tmp_path, command, signame):
+    """A real SIGINT / SIGTERM while the output is being written by 2 worker threads: the process
+    is stopped (SIGSTOP) while its staging directory exists and the output does not, signalled and
+    resumed; it exits 128 + the signal with one line, and nothing is left (no output, no staging
+    directory, also with --overwrite: the old output intact)."""
+    import os
+    import signal
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # an old output that --overwrite may replace
+    if command == "mcore2hf":
+        assert legacy(TINY, tmp_path / "m", "--tp", 2).exit_code == 0
+        args = ["mcore2hf", tmp_path / "m", out, "--max-shard-size", "50KB"]
+    else:
+        args = ["hf2mcore", TINY, out, "--format", command.split()[1], "--tp", 2]
+    signum = getattr(signal, signame)
+    for _ in range(5):  # until the signal lands while the output is being written (not after it)
+        process = start_mconv(*args, "--workers", 2, "--overwrite", cwd=tmp_path)
+        staging = lambda: any(".mconv-partial-" in p.name for p in tmp_path.iterdir())  # noqa: E731
+        if not wait_for(staging, process):
+            pytest.fail(process.communicate()[1])
+        process.send_signal(signal.SIGSTOP)
+        if staging() and (out / "config.json").is_file():
+            break
+        process.send_signal(signal.SIGCONT)
+        process.communicate()
+    os.kill(process.pid, signum)
+    process.send_signal(signal.SIGCONT)
+    stdout, stderr = process.communicate()
+    what = "interrupted" if signame == "SIGINT" else "terminated"
+    assert process.returncode == 128 + signum, stderr
+    assert stderr == f"mconv: {what}; nothing was written to {out}\n", stderr
+    assert (out / "config.json").read_text() == "{}" and [p.name for p in out.iterdir()] == ["config.json"]
+    assert leftovers(tmp_path) == []
+
+
+def test_an_interrupt_during_the_final_rename_is_held_back(tmp_path, monkeypatch):
+    """Ctrl-C arriving while the finished output is renamed into place (or a failed run's staging
+    directory removed) cannot stop either halfway: the output is complete, or nothing is left."""
+    import os
+    import signal
+
+    from mconv.converter import output
+
+    real_rename = Path.rename
+
+    def rename(self, target):  # the signal arrives inside the rename
+        if Path(target) == tmp_path / "out":
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    try:
+        with output.staged_directory(tmp_path / "out", overwrite=False) as staging:
+            (staging / "config.json").write_text("{}")
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt stopped the rename")
+    assert (tmp_path / "out" / "config.json").read_text() == "{}" and leftovers(tmp_path) == []
+    monkeypatch.setattr(Path, "rename", real_rename)
+    real_rmtree = output.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(output.shutil, "rmtree", rmtree)
+    try:
+        with output.staged_directory(tmp_path / "other", overwrite=False) as staging:
+            raise MemoryError
+    except KeyboardInterrupt:  # delivered once the clean-up is done
+        pass
+    except MemoryError:
+        pytest.fail("the interrupt was lost")
+    assert not (tmp_path / "other").exists() and leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- damaged torch_dist checkpoints
+
+def test_truncated_distcp_is_reported_by_inspect_and_refused_by_mcore2hf(tmp_path):
+    assert mconv("hf2mcore", TINY, tmp_path / "d", "-q").exit_code == 0
+    data = tmp_path / "d" / "release" / "__0_0.distcp"
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.truncate(size - 5000)  # into the last tensor, output_layer.weight, before the common state
+    for args in (["inspect", tmp_path / "d"], ["inspect", tmp_path / "d", "--json"],
+                 ["mcore2hf", tmp_path / "d", tmp_path / "out"], ["export-lora", tmp_path / "d", tmp_path / "out"]):
+        assert_refused(mconv(*args), tmp_path / "out", f"{data} is truncated: it ends at byte {size - 5000:,}",
+                       "stores output_layer.weight at bytes", "the checkpoint is damaged")
+    data.unlink()
+    assert_refused(mconv("inspect", tmp_path / "d"), tmp_path / "out", f"{data}: is missing, but .metadata stores")
+
+
+# ----------------------------------------------------------------------------- -q, progress bars in logs
+
+def tied_model_with_a_redundant_head(tmp_path) -> Path:
+    """A model hf2mcore converts with a note (the tied head's copy is not converted)."""
+    hf = copy_model(tmp_path, FIXTURES / "qwen3-tiny-tied")
+    edit_weights(hf, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    return hf
+
+
+def test_quiet_means_the_same_for_every_command(tmp_path):
+    """-q: no progress bars, no informational lines (notes, "wrote ...", "identical ..."); the
+    output a command is asked for (inspect's description, --dry-run's plan, --json) and errors are
+    still printed. Every command says so in its --help."""
+    from mconv.cli import QUIET_HELP
+    from tests.test_lora import lora_checkpoint
+
+    for command in ("hf2mcore", "mcore2hf", "inspect", "verify", "export-lora"):
+        assert " ".join(QUIET_HELP.split()) in " ".join(mconv(command, "--help").output.split()), command
+    hf = tied_model_with_a_redundant_head(tmp_path)
+    assert "mconv: note: lm_head.weight equals" in mconv("hf2mcore", hf, tmp_path / "noted").stderr
+    lora, _ = lora_checkpoint(tmp_path, TINY, Layout(tp=2))
+    quiet_runs = [["hf2mcore", hf, tmp_path / "m", "--format", "torch"], ["mcore2hf", tmp_path / "m", tmp_path / "back"],
+                  ["verify", TINY, TINY], ["export-lora", lora, tmp_path / "adapter", "--alpha", 8]]
+    for args in quiet_runs:
+        result = mconv(*args, "-q")
+        assert result.exit_code == 0 and result.stdout == "" and result.stderr == "", (args, result.output)
+    assert mconv("inspect", tmp_path / "m", "-q").stdout.startswith(f"{tmp_path / 'm'}: Megatron checkpoint")
+    assert "total: " in mconv("hf2mcore", TINY, tmp_path / "plan", "--dry-run", "-q").stdout
+    plan = json.loads(mconv("hf2mcore", TINY, tmp_path / "plan", "--dry-run", "--json", "--tp", 2, "--format", "torch").stdout)
+    assert plan["files"] == 2 and plan["plan"][0].startswith("mp_rank_00: 1 chunk(s)")
+    assert json.loads(mconv("mcore2hf", tmp_path / "m", tmp_path / "back2", "--json", "-q").stdout)["tensors"] > 0
+    for args in quiet_runs[:2] + quiet_runs[3:]:  # errors are still printed: every output exists now
+        result = mconv(*args, "-q")
+        assert result.exit_code == 1 and result.stderr.startswith("mconv: error: "), (args, result.output)
+    result = mconv("verify", TINY, FIXTURES / "qwen3-tiny-tied", "-q")
+    assert result.exit_code == 1 and "mconv: error: " in result.stderr
+
+
+def test_no_progress_bar_fragments_in_a_log_file(tmp_path):
+    """stderr redirected to a file (not a terminal): no tqdm bar, so no carriage returns in the log."""
+    with open(tmp_path / "log", "w") as log:
+        process = start_mconv("hf2mcore", TINY, tmp_path / "out", cwd=tmp_path, stderr=log)
+        stdout, _ = process.communicate()
+    assert process.returncode == 0 and stdout.startswith(f"wrote {tmp_path / 'out'}")
+    assert (tmp_path / "log").read_text() == ""
+
+
+# ----------------------------------------------------------------------------- mconv.live.save_hf_weights
+
+@pytest.mark.slow
+def test_live_save_failures_are_one_sentence_and_leave_nothing(tmp_path):
+    """save_hf_weights on a megatron-core GPTModel (one gloo process) with the failure injected as the
+    system raises it: ENOSPC at os.pwrite, EROFS at os.mkdir, EACCES at os.open. Each raises
+    MconvError `cannot write OUT: <cause>; nothing was written`, leaves no `.OUT.mconv-partial-live`,
+    and an existing output stays as it was."""
+    import torch.multiprocessing as mp
+
+    from tests.megatron_oracle import MegatronRun, read_config
+
+    run = MegatronRun(tmp_path, read_config(TINY), padded_vocab=384)
+    mp.start_processes(_live_save_worker, args=(run, tmp_path), nprocs=1, start_method="spawn")
+    results = json.loads((tmp_path / "results.json").read_text())
+    for case, cause in (("pwrite", "No space left on device"), ("mkdir", "Read-only file system"),
+                        ("open", "Permission denied")):
+        out = tmp_path / case
+        assert results[case] == ["MconvError", f"cannot write {out}: {cause}; nothing was written"], case
+        assert leftovers(tmp_path) == [] and not out.exists()
+    assert results["existing"][0] == "MconvError" and results["existing"][1].startswith(f"cannot write {tmp_path / 'saved'}")
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == results["saved files"]
+    assert mconv("verify", tmp_path / "saved", TINY, "-q").exit_code == 0  # the earlier save, intact
+
+
+def _live_save_worker(rank, run, where: Path):
+    import errno
+    import os
+    import tempfile
+    import warnings
+    from unittest import mock
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    import mconv.live
+    from tests.megatron_oracle import _cpu_shims, _transformer_config
+
+    _cpu_shims()
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store}/s", rank=0, world_size=1)
+        ps.initialize_model_parallel(1, 1)
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        config, theta = _transformer_config(run)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                          qk_l2_norm=False)
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=384, max_sequence_length=256,
+                         position_embedding_type="rope", rotary_base=theta).to(torch.bfloat16)
+        mconv.live.load_hf_weights([model], TINY)
+
+        def failing(name, code, real):
+            def call(path, *args, **kwargs):
+                writing = name != "open" or args[0] & (os.O_WRONLY | os.O_RDWR)  # not rmtree's reads
+                if name != "pwrite" and (".mconv-partial-live" not in str(path) or not writing):
+                    return real(path, *args, **kwargs)
+                raise OSError(code, os.strerror(code), *([] if name == "pwrite" else [str(path)]))
+            return call
+
+        results = {}
+        cases = {"pwrite": errno.ENOSPC, "mkdir": errno.EROFS, "open": errno.EACCES}
+        for case, code in cases.items():
+            with mock.patch.object(os, case, failing(case, code, getattr(os, case))):
+                try:
+                    mconv.live.save_hf_weights([model], where / case, TINY)
+                    results[case] = ["saved"]
+                except Exception as e:
+                    results[case] = [type(e).__name__, str(e)]
+        mconv.live.save_hf_weights([model], where / "saved", TINY)
+        results["saved files"] = sorted(p.name for p in (where / "saved").iterdir())
+        with mock.patch.object(os, "pwrite", failing("pwrite", errno.ENOSPC, os.pwrite)):
+            try:
+                mconv.live.save_hf_weights([model], where / "saved", TINY)
+                results["existing"] = ["saved"]
+            except Exception as e:
+                results["existing"] = [type(e).__name__, str(e)]
+        (where / "results.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- a new user's mistakes
+
+@pytest.mark.parametrize("case", ["checkpoint as HF input", "iteration dir as HF input", "output under a file",
+                                  "dry run, output under a file", "hf-config without config.json", "neither",
+                                  "lora dtype without merge", "lora shard size without merge", "lora alpha nan",
+                                  "output is the root", "inspect an HF model with --hf-config"])
+def test_a_new_users_mistakes_are_one_line(tmp_path, case):
+    """Each mistake: exit status 1, one line saying what is wrong (not a raw OSError naming a staging
+    directory, not a missing config.json of the wrong thing), nothing written."""
+    assert legacy(TINY, tmp_path / "m").exit_code == 0
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+    args, fragment = {
+        "checkpoint as HF input": (["hf2mcore", tmp_path / "m", out], "m is a Megatron checkpoint; hf2mcore reads HF"),
+        "iteration dir as HF input": (["hf2mcore", tmp_path / "m" / "release", out], "is a Megatron checkpoint"),
+        "output under a file": (["mcore2hf", tmp_path / "m", TINY / "config.json" / "out"],
+                                f"cannot write {TINY / 'config.json' / 'out'}: {TINY / 'config.json'} is not a directory"),
+        "dry run, output under a file": (["hf2mcore", TINY, TINY / "config.json" / "out", "--dry-run"],
+                                         f"{TINY / 'config.json'} is not a directory"),
+        "hf-config without config.json": (["mcore2hf", tmp_path / "m", out, "--hf-config", tmp_path / "empty"],
+                                          f"--hf-config {tmp_path / 'empty'} has no config.json"),
+        "neither": (["inspect", tmp_path / "empty"], "is neither an HF model (no config.json) nor a Megatron checkpoint"),
+        "lora dtype without merge": (["export-lora", tmp_path / "m", out, "--dtype", "float32"],
+                                     "--dtype applies only with --merge"),
+        "lora shard size without merge": (["export-lora", tmp_path / "m", out, "--max-shard-size", "1GB"],
+                                          "--max-shard-size applies only with --merge"),
+        "lora alpha nan": (["export-lora", tmp_path / "m", out, "--alpha", "nan"], "--alpha must be a finite number"),
+        "output is the root": (["hf2mcore", TINY, "/", "--overwrite"], "output / overlaps the input"),
+        "inspect an HF model with --hf-config": (["inspect", TINY, "--hf-config", FIXTURES / "qwen3-moe-tiny"],
+                                                 "is an HF model, which has its own config.json; --hf-config is for"),
+    }[case]
+    assert_refused(mconv(*args, "-q"), out, fragment)
+    assert leftovers(TINY) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_torchrun_rank_and_leaves_nothing(tmp_path):
+    """Ctrl-C in a terminal signals torchrun and its 2 ranks (one process group) while the ranks
+    write (stopped with SIGSTOP while the staging directory exists): every process ends, a rank
+    waiting for the other at a barrier included (a blocking TCPStore wait ran no signal handler),
+    and nothing is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    assert legacy(TINY, tmp_path / "m", "--tp", 2).exit_code == 0
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(29000 + os.getpid() % 1000 + 500), "-m", "mconv.cli", "mcore2hf", tmp_path / "m", out,
+               "--max-shard-size", "50KB"]
+    for _ in range(5):
+        process = subprocess.Popen([str(a) for a in command], cwd=Path(__file__).resolve().parents[1],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        staging = lambda: (tmp_path / ".out.mconv-partial-torchrun").exists()  # noqa: E731
+        if not wait_for(staging, process):
+            pytest.fail(process.communicate()[1][-3000:])
+        os.killpg(process.pid, signal.SIGSTOP)
+        if staging() and not out.exists():
+            break
+        os.killpg(process.pid, signal.SIGCONT)
+        process.communicate()
+        shutil.rmtree(out, ignore_errors=True)
+    os.killpg(process.pid, signal.SIGINT)
+    os.killpg(process.pid, signal.SIGCONT)
+    try:
+        _, stderr = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("a rank did not stop")
+    assert process.returncode != 0 and "mconv: interrupted" in stderr, stderr[-3000:]
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+TEAM_SCRIPT = """
+import datetime, signal, sys
+import torch.distributed as dist
+from mconv.converter.parallel import TorchrunTeam
+from mconv.errors import MconvError
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(hours=1))
+first, second = TorchrunTeam(0, 2, store, "job"), TorchrunTeam(1, 2, store, "job")
+
+def interrupted():
+    raise KeyboardInterrupt
+
+try:  # rank 0 is interrupted in its step: it leaves a note and counts as arrived
+    first.step("written", interrupted)
+except KeyboardInterrupt:
+    pass
+try:  # so rank 1 does not wait for it
+    second.step("written", lambda: None)
+except MconvError as e:
+    print(e)
+signal.signal(signal.SIGALRM, lambda *a: interrupted())
+signal.setitimer(signal.ITIMER_REAL, 0.5)
+try:  # a rank waiting for a rank that never comes still takes Ctrl-C
+    second.barrier("finished")
+except KeyboardInterrupt:
+    print("interrupted while waiting")
+"""
+
+
+def test_a_torchrun_rank_is_interruptible_and_never_waits_for_a_stopped_one():
+    """TorchrunTeam on a real TCPStore: a rank stopped by an interrupt leaves a note the others stop
+    with, and a rank waiting at a barrier takes Ctrl-C (a blocking TCPStore wait ran no Python
+    signal handler: Ctrl-C or torchrun's SIGTERM left the rank waiting for hours)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", TEAM_SCRIPT], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.stdout.splitlines() == ["rank 0 stopped (KeyboardInterrupt)", "interrupted while waiting"], \
+        result.stdout + result.stderr[-2000:]

@@ -47,3 +47,16 @@ def test_inspect_verify_dry_run_and_legacy_format_import_no_megatron(tmp_path):
                     ["inspect", ckpt],
                     ["mcore2hf", ckpt, back, "-q", "--workers", "2"],
                     ["verify", hf, back, "-q"]) == {"torch"}
+
+
+def test_torch_dist_round_trip_imports_no_megatron(tmp_path):
+    """torch_dist keys come from mconv's tables (converter/torch_dist.py), not from megatron-core's
+    model: hf2mcore --format torch_dist (2 workers) and mcore2hf of it, for Qwen3-MoE and BailingMoeV3,
+    import neither megatron-core nor transformers."""
+    commands = []
+    for fixture in ("qwen3-moe-tiny", "bailing-v3-tiny"):
+        ckpt = tmp_path / fixture
+        commands += [["hf2mcore", FIXTURES / fixture, ckpt, "--format", "torch_dist", "--tp", "2", "-q",
+                      "--workers", "2"],
+                     ["mcore2hf", ckpt, tmp_path / f"{fixture}-back", "-q"]]
+    assert imported(*commands) == {"torch"}

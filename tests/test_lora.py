@@ -35,6 +35,7 @@ TOKENS = list(range(3, 60, 4))
 MODULE = re.compile(r"(?:language_model\.)?decoder\.layers\.(\d+)\.(.+?)\.?(linear_qkv|linear_proj|linear_fc1|linear_fc2)"
                     r"\.weight(\d*)")  # a vision-language model's language layers too
 LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)")
+VISION_MODULE = re.compile(r"vision_model\..+\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight")
 
 
 def randn(ident: str, *shape: int) -> torch.Tensor:
@@ -49,11 +50,12 @@ def chunks_of(state: dict) -> list[dict]:
 
 
 class Adapters:
-    """Random Megatron-Bridge adapters for every linear layer of one rank file's chunks."""
+    """Random Megatron-Bridge adapters for every linear layer of one rank file's chunks (with `vision`,
+    also on a Qwen3-VL vision tower's blocks and patch mergers, which Megatron-Bridge's LoRA wraps by name)."""
 
-    def __init__(self, config: dict, layout: Layout, canonical: bool):
+    def __init__(self, config: dict, layout: Layout, canonical: bool, vision: bool = False):
         config = config.get("text_config", config)  # Qwen3-VL: adapters on the language model
-        self.config, self.layout, self.canonical = config, layout, canonical
+        self.config, self.layout, self.canonical, self.vision = config, layout, canonical, vision
         experts = config.get("num_local_experts") or config.get("num_experts") or 0
         self.per_ep = experts // layout.ep if experts else 0
 
@@ -71,23 +73,29 @@ class Adapters:
         """Adapter tensors for the chunk's linear layers; merges each layer's delta into `chunk`."""
         layers = self.layout.chunk_layers(self.config["num_hidden_layers"])[rank.pp][v]
         adapters = {}
-        for name in [n for n in chunk if MODULE.fullmatch(n)]:
-            layer, path, module, grouped = MODULE.fullmatch(name).groups()
-            expert = "experts" in path
-            size, group_rank = (self.layout.etp, rank.etp) if expert else (self.layout.tp, rank.tp)
-            local = LOCAL_EXPERT.search(path)
-            if grouped:  # TE grouped GEMM: one adapter for all of the EP rank's experts
-                ident, prefix = f"{layers.start + int(layer)}.{module}.ep{rank.ep}", name.rsplit(".", 1)[0]
+        for name in [n for n in chunk if MODULE.fullmatch(n) or self.vision and VISION_MODULE.fullmatch(n)]:
+            if VISION_MODULE.fullmatch(name):  # a vision block or merger: no experts, split at the language TP
+                module = VISION_MODULE.fullmatch(name).group(1)
+                path = grouped = ""
+                size, group_rank, ident, prefix = self.layout.tp, rank.tp, name, name.removesuffix(".weight")
             else:
-                global_expert = rank.ep * self.per_ep + int(local.group(1)) if local else ""
-                ident = f"{layers.start + int(layer)}.{LOCAL_EXPERT.sub('e', path)}{global_expert}.{module}"
-                prefix = name.removesuffix(".weight")
+                layer, path, module, grouped = MODULE.fullmatch(name).groups()
+                expert = "experts" in path
+                size, group_rank = (self.layout.etp, rank.etp) if expert else (self.layout.tp, rank.tp)
+                local = LOCAL_EXPERT.search(path)
+                if grouped:  # TE grouped GEMM: one adapter for all of the EP rank's experts
+                    ident, prefix = f"{layers.start + int(layer)}.{module}.ep{rank.ep}", name.rsplit(".", 1)[0]
+                else:
+                    global_expert = rank.ep * self.per_ep + int(local.group(1)) if local else ""
+                    ident = f"{layers.start + int(layer)}.{LOCAL_EXPERT.sub('e', path)}{global_expert}.{module}"
+                    prefix = name.removesuffix(".weight")
             weight = chunk[name]
             column = module in ("linear_qkv", "linear_fc1")
             out, fan_in = weight.shape[0] * (size if column else 1), weight.shape[1] * (1 if column else size)
-            if self.canonical and not grouped and module == "linear_qkv":
+            canonical = self.canonical and not grouped and not name.startswith("vision_model.")  # language only
+            if canonical and module == "linear_qkv":
                 delta = self._canonical_qkv(ident, prefix, fan_in, size, group_rank, adapters)
-            elif self.canonical and not grouped and module == "linear_fc1":
+            elif canonical and module == "linear_fc1":
                 parts = [self._one(f"{ident}/{p}", f"{prefix}.adapter.adapter_{p}", True, out // 2, fan_in, size,
                                    group_rank, adapters) for p in ("gate", "up")]
                 delta = torch.cat(parts)
@@ -112,12 +120,13 @@ class Adapters:
                           v.view(local_groups, -1, fan_in)], dim=1).reshape(-1, fan_in)
 
 
-def lora_checkpoint(tmp: Path, hf_dir: Path, layout: Layout, spec="local", canonical=False, adapter_only=False):
+def lora_checkpoint(tmp: Path, hf_dir: Path, layout: Layout, spec="local", canonical=False, adapter_only=False,
+                    vision=False):
     """hf2mcore's legacy rank files plus adapters (`lora/`) and the same with the adapters merged (`merged/`)."""
     config = read_config(hf_dir)
     hf2mcore(hf_dir, tmp / "lora", layout, spec=spec, fmt="torch", progress=False)
     shutil.copytree(tmp / "lora", tmp / "merged")
-    adapters = Adapters(config, layout, canonical)
+    adapters = Adapters(config, layout, canonical, vision)
     for rank in layout.ranks():
         lora_path = mio.rank_file(tmp / "lora" / "release", layout, rank)
         merged_path = mio.rank_file(tmp / "merged" / "release", layout, rank)
@@ -242,17 +251,17 @@ def gather_tp2(lora: Path) -> dict:
     return gathered
 
 
-def test_torch_dist_adapter_checkpoint(tmp_path, monkeypatch):
-    """An adapter-only torch_dist checkpoint as megatron-core saves Megatron-Bridge's adapters: each
-    adapter's key is its base layer's key (layers stacked on a prepended axis) with `weight` replaced
-    by `adapter.linear_in.weight` / `adapter.linear_out.weight`, saved by dist_checkpointing.save."""
+def save_dist_adapters(tmp_path: Path, hf_dir: Path, adapters: dict, monkeypatch) -> Path:
+    """An adapter-only torch_dist checkpoint as megatron-core saves Megatron-Bridge's adapters (TP1 names
+    and tensors): each adapter's key is its base layer's key with `weight` replaced by
+    `adapter.linear_in.weight` / `adapter.linear_out.weight`, stacked like it on a prepended axis where
+    megatron-core stacks the base layer (decoder and vision layers, deepstack mergers: the base key
+    without the index has a leading axis of that many entries), saved by dist_checkpointing.save."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from mconv.converter.torch_dist import megatron_process_group
+    from tests.megatron_dist_oracle import megatron_process_group
 
-    lora, _ = lora_checkpoint(tmp_path, FIXTURES / "qwen3-tiny", Layout(tp=2))
-    layers = read_config(FIXTURES / "qwen3-tiny")["num_hidden_layers"]
-    hf2mcore(FIXTURES / "qwen3-tiny", tmp_path / "base-dist", Layout(), progress=False)
+    hf2mcore(hf_dir, tmp_path / "base-dist", Layout(), progress=False)
     base_keys = FileSystemReader(str(tmp_path / "base-dist" / "release")).read_metadata().state_dict_metadata
     iter_dir = tmp_path / "dist" / "iter_0000010"
     iter_dir.mkdir(parents=True)
@@ -264,18 +273,34 @@ def test_torch_dist_adapter_checkpoint(tmp_path, monkeypatch):
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
         sharded = {}
-        for name, tensor in gather_tp2(lora).items():
-            layer, rest = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name).groups()
-            key = f"decoder.layers.{rest}"
-            assert key.split(".adapter.")[0] + ".weight" in base_keys  # megatron-core's key of the base layer
-            sharded[key + f"/{layer}"] = ShardedTensor.from_rank_offsets(key, tensor, (0, int(layer), layers),
-                                                                           prepend_axis_num=1)
+        for name, tensor in adapters.items():
+            stacked = re.fullmatch(r"(.+?)\.(\d+)\.(.+)", name)
+            key, base = name, name.split(".adapter.")[0] + ".weight"
+            if stacked and f"{stacked[1]}.{stacked[3]}".split(".adapter.")[0] + ".weight" in base_keys:
+                key = f"{stacked[1]}.{stacked[3]}"
+                base = key.split(".adapter.")[0] + ".weight"
+                count = base_keys[base].size[0]
+                sharded[f"{key}/{stacked[2]}"] = ShardedTensor.from_rank_offsets(
+                    key, tensor, (0, int(stacked[2]), count), prepend_axis_num=1)
+            else:
+                sharded[key] = ShardedTensor.from_rank_offsets(key, tensor)
+            assert base in base_keys, name  # megatron-core's key of the base layer
         dist_checkpointing.save({"model": sharded}, str(iter_dir))
+    return tmp_path / "dist"
+
+
+def test_torch_dist_adapter_checkpoint(tmp_path, monkeypatch):
+    """export-lora of the torch_dist form of the TP2 adapters (gathered by hand) equals that of the rank files."""
+    lora, _ = lora_checkpoint(tmp_path, FIXTURES / "qwen3-tiny", Layout(tp=2))
+    dist = save_dist_adapters(tmp_path, FIXTURES / "qwen3-tiny", gather_tp2(lora), monkeypatch)
     export(lora, tmp_path / "from-legacy")
-    assert_refused(mconv("export-lora", tmp_path / "dist", tmp_path / "x", "--alpha", 1), tmp_path / "x", "--hf-config")
-    export(tmp_path / "dist", tmp_path / "from-dist", "--hf-config", FIXTURES / "qwen3-tiny")
-    ours = load_file(tmp_path / "from-dist" / ADAPTER_WEIGHTS)
-    theirs = load_file(tmp_path / "from-legacy" / ADAPTER_WEIGHTS)
+    assert_refused(mconv("export-lora", dist, tmp_path / "x", "--alpha", 1), tmp_path / "x", "--hf-config")
+    export(dist, tmp_path / "from-dist", "--hf-config", FIXTURES / "qwen3-tiny")
+    assert_same_files(tmp_path / "from-dist", tmp_path / "from-legacy")
+
+
+def assert_same_files(ours: Path, theirs: Path) -> None:
+    ours, theirs = load_file(ours / ADAPTER_WEIGHTS), load_file(theirs / ADAPTER_WEIGHTS)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
@@ -369,29 +394,40 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
 # Skipped only outside CI: .ci/run installs the venv, so in CI a missing venv is a failure, not a skip.
-@pytest.mark.skipif(not VLLM_PYTHON.is_file() and not os.environ.get("CI"),
-                    reason=f"no vLLM CPU venv at {VLLM_PYTHON} (scripts/install-vllm.sh; or set MCONV_VLLM_PYTHON)")
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.is_file() and not os.environ.get("CI"),
+                                reason=f"no vLLM CPU venv at {VLLM_PYTHON} (scripts/install-vllm.sh; or set "
+                                       "MCONV_VLLM_PYTHON)")
+
+
+def run_vllm(tmp_path: Path, script: str, *args, marker: str = "TOKENS "):
+    """Run `script` in the vLLM venv (torchvision made importable by tests/vllm_site); the JSON it prints
+    after `marker`."""
+    import subprocess
+
+    (tmp_path / "vllm_check.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "vllm_site")}
+    done = subprocess.run([str(VLLM_PYTHON), str(tmp_path / "vllm_check.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=480, cwd=tmp_path, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[0][len(marker):])
+
+
+@pytest.mark.slow
+@needs_vllm
 def test_vllm_loads_the_adapter_and_generates_what_peft_does(tmp_path):
     """vLLM's own loader accepts the exported adapter, and its greedy tokens (float32) are transformers+peft's.
     Dense Qwen3 only: vLLM's CPU build has no MoE-LoRA kernel."""
-    import subprocess
-
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     hf_dir = FIXTURES / "qwen3-tiny"
     lora, _ = lora_checkpoint(tmp_path, hf_dir, Layout(tp=2), adapter_only=True)
     export(lora, tmp_path / "adapter", "--base-model", hf_dir)
-    (tmp_path / "vllm_check.py").write_text(VLLM_SCRIPT)
-    done = subprocess.run([str(VLLM_PYTHON), str(tmp_path / "vllm_check.py"), str(hf_dir), str(tmp_path / "adapter"),
-                           json.dumps(TOKENS)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    served = run_vllm(tmp_path, VLLM_SCRIPT, hf_dir, tmp_path / "adapter", json.dumps(TOKENS))
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
                                       tmp_path / "adapter").eval()
-    served = json.loads(lines[0][len("TOKENS "):])
     assert served == greedy(model, TOKENS, 8)
     with model.disable_adapter():
         assert greedy(model, TOKENS, 8) != served  # the adapter changes what is generated

@@ -2,7 +2,11 @@
 transformers loading what mcore2hf writes, the orientation of square expert tensors decided
 against transformers' own in-memory experts, and bad inputs."""
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from fixtures.make_fixtures import make_qwen3_vl
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from tests.conftest import FIXTURES
+from tests.qwen3_vl_oracle import PATCHES, example_inputs, hf_logits
 from tests.test_errors import assert_refused, legacy, mconv
 from tests.test_roundtrip import assert_bit_identical, read_all
 
@@ -92,18 +97,54 @@ def test_transformers_loads_output_without_missing_or_unexpected_keys(tmp_path, 
 
 
 def test_config_written_for_transformers_4_and_5(tmp_path):
-    """transformers 4.57 reads rope_theta + rope_scaling and num_experts, 5.x rope_parameters and
-    num_local_experts (reference qwen3-vl.md, section 2: 4.57 crashes on a 5.x-only config); the 4.x
-    expert orientation is [E, h, 2I] / [E, I, h], the shapes of 4.57's in-memory parameters."""
+    """transformers 4.57 reads rope_theta + rope_scaling, num_experts and text_config's
+    tie_word_embeddings; 5.x rope_parameters, num_local_experts and the top-level tie_word_embeddings
+    (reference qwen3-vl.md, section 2: 4.57 crashes on a 5.x-only config). The 4.x expert orientation
+    is [E, h, 2I] / [E, I, h], the shapes of 4.57's in-memory parameters."""
     hf2mcore(MOE, tmp_path / "m", Layout(ep=2), fmt="torch", progress=False)
     mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
     text = json.loads((tmp_path / "back/config.json").read_text())["text_config"]
     assert text["rope_theta"] == text["rope_parameters"]["rope_theta"] == 1_000_000.0
     assert text["rope_scaling"]["mrope_section"] == text["rope_parameters"]["mrope_section"] == [2, 3, 3]
     assert text["num_experts"] == text["num_local_experts"] == 4
+    assert text["norm_topk_prob"] is True  # vLLM 0.32 reads it; the model always renormalises its top-k
+    # 4.57 ties lm_head by text_config's flag (5.x MoE text configs default it to true), 5.x by the top level.
     tensors = read_all(tmp_path / "back")
+    assert text["tie_word_embeddings"] is False and "lm_head.weight" in tensors
     assert tuple(tensors["model.language_model.layers.2.mlp.experts.gate_up_proj"].shape) == (4, 64, 80)
     assert tuple(tensors["model.language_model.layers.2.mlp.experts.down_proj"].shape) == (4, 40, 64)
+
+
+TRANSFORMERS_4 = Path(sys.prefix) / "tf-4.57"  # scripts/install.sh: transformers 4.57 and its hub/tokenizers
+
+
+@pytest.mark.slow
+# Skipped only outside CI: scripts/install.sh installs it, so in CI its absence is a failure, not a skip.
+@pytest.mark.skipif(not TRANSFORMERS_4.is_dir() and not os.environ.get("CI"),
+                    reason=f"no transformers 4.57 at {TRANSFORMERS_4} (scripts/install.sh installs it there)")
+@pytest.mark.parametrize("fixture", [DENSE, MOE])
+def test_transformers_4_57_loads_default_output(tmp_path, fixture):
+    """transformers 4.57 (in a subprocess, from its own target dir) loads what mcore2hf writes by
+    default (4.x expert orientation, config.json with both versions' keys) with no missing, unexpected
+    or mismatched keys, and its logits (text-only and text+image) equal transformers 5.x's on the
+    same files."""
+    hf2mcore(fixture, tmp_path / "m", Layout(tp=2, ep=2 if fixture == MOE else 1), fmt="torch", progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    inputs = example_inputs(json.loads((fixture / "config.json").read_text()))
+    torch.save({**inputs, "__grid__": torch.tensor([PATCHES])}, tmp_path / "inputs.pt")
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("transformers4_load.py")),
+                             str(tmp_path / "back"), str(tmp_path / "inputs.pt"), str(tmp_path / "logits.pt")],
+                            env={**os.environ, "PYTHONPATH": str(TRANSFORMERS_4)}, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["version"].startswith("4.57.") and report["file"].startswith(str(TRANSFORMERS_4)), report
+    assert report["info"]["missing_keys"] == report["info"]["unexpected_keys"] == [], report
+    assert report["info"]["mismatched_keys"] == [], report
+    four, five = torch.load(tmp_path / "logits.pt"), hf_logits(tmp_path / "back", inputs)
+    for name in inputs:
+        assert (four[name] - five[name]).abs().max() < 1e-5, name
+        assert five[name].abs().max() > 0.1
 
 
 @pytest.mark.parametrize("moe_ffn", [32, 64])  # hidden == 2 * I (gate_up square), hidden == I (down square)
@@ -148,6 +189,18 @@ def test_missing_vision_tensor(tmp_path):
     assert_refused(legacy(hf, tmp_path / "out"), tmp_path / "out", "model.visual.blocks.1.attn.qkv.bias", "missing")
 
 
+def test_missing_vision_tensor_in_megatron_checkpoint(tmp_path):
+    """mcore2hf: a rank file without one of its vision tensors (TP rank 1 of 2) names file and tensor."""
+    assert legacy(DENSE, tmp_path / "m", "--tp", "2").exit_code == 0
+    path = tmp_path / "m/release/mp_rank_01/model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    del state["model"]["vision_model.decoder.layers.1.self_attention.linear_qkv.bias"]
+    torch.save(state, path)
+    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out",
+                   "mp_rank_01/model_optim_rng.pt: tensor vision_model.decoder.layers.1.self_attention.linear_qkv.bias",
+                   "missing")
+
+
 def test_stacked_experts_of_no_known_orientation(tmp_path):
     name = "model.language_model.layers.2.mlp.experts.down_proj"
     hf = _edit(tmp_path, MOE, lambda t: t.update({name: t[name].transpose(1, 2).contiguous()}))
@@ -161,8 +214,11 @@ def test_vision_heads_not_divisible_by_tp(tmp_path):
                    "vision_config.num_heads=2 is not divisible by --tp 4")
 
 
-def test_deepstack_off_the_first_stage(tmp_path):
-    assert_refused(legacy(DENSE, tmp_path / "out", "--pp", "2", "--first-stage-layers", "1"), tmp_path / "out",
+@pytest.mark.parametrize("options", [("--pp", "2", "--first-stage-layers", "1"), ("--pp", "3", "--vpp", "2")])
+def test_deepstack_off_the_first_stage(tmp_path, options):
+    """Uneven PP, and VPP (6 layers: one per chunk): the first chunk, which holds the vision tower, must
+    hold the language layers the deepstack mergers feed."""
+    assert_refused(legacy(DENSE, tmp_path / "out", *options), tmp_path / "out",
                    "2 deepstack_visual_indexes", "first pipeline stage (chunk) holds only 1 layer")
 
 
@@ -209,3 +265,26 @@ def test_workers_write_the_same_bytes(tmp_path):
     mcore2hf(tmp_path / "m", tmp_path / "two", progress=False, max_shard_bytes=150_000, workers=2)
     for path in sorted((tmp_path / "one").iterdir()):
         assert path.read_bytes() == (tmp_path / "two" / path.name).read_bytes(), path.name
+
+
+@pytest.mark.parametrize("fixture,options,message", [
+    ("qwen3-moe-tiny", dict(stacked_experts=True), "Qwen3MoeForCausalLM checkpoints keep their experts per expert"),
+    ("qwen3-vl-moe-tiny", dict(stacked_experts=True, expert_orientation="6.x"), "must be one of 4.x, 5.x, got '6.x'"),
+])
+def test_live_stacked_experts_refused(fixture, options, message):
+    """Checked before the model is looked at (no parallel state needed here)."""
+    from mconv.live import iter_hf_weights
+
+    with pytest.raises(MconvError, match=message):
+        next(iter_hf_weights([], FIXTURES / fixture, **options))
+
+
+def test_buckets_keep_a_stacked_tensors_experts_together():
+    """The live schedule's bucketing: items of one stacked tensor (same key) never split, others by size."""
+    from mconv.live import _buckets
+
+    items = [("a", None), ("e0", "s"), ("e1", "s"), ("e2", "s"), ("b", None), ("f0", "t"), ("f1", "t")]
+    buckets = list(_buckets(items, lambda item: 10, 25, lambda item: item[1]))
+    assert [[name for name, _ in b] for b in buckets] == [["a"], ["e0", "e1", "e2"], ["b"], ["f0", "f1"]]
+    assert [[n for n, _ in b] for b in _buckets(items, lambda item: 10, 25)] == [
+        ["a", "e0"], ["e1", "e2"], ["b", "f0"], ["f1"]]

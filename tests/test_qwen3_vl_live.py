@@ -1,35 +1,45 @@
-"""mconv.live on mbridge's Megatron Qwen3VLModel (MoE, TP2/EP2/ETP1: the vision tower split over TP,
-experts over EP): after `load_hf_weights` its logits equal transformers' (text-only and text+image);
-`iter_hf_weights` yields every HF tensor once, bit-exactly, with per-expert names (as AReaL sends them
-to inference engines); `save_hf_weights` writes the checkpoint back (exactly, in the fp32 of the
-model; stacked experts in the 4.x orientation) and transformers loads it."""
+"""mconv.live on mbridge's Megatron Qwen3VLModel (MoE; TP2/EP2/ETP1: the vision tower split over TP,
+experts over EP; and PP2 x VPP2, two chunks per rank, the vision tower on the first, every rank
+yielding the whole model with gather_pp): after `load_hf_weights` its logits equal transformers'
+(text-only and text+image); `iter_hf_weights` yields every HF tensor once, bit-exactly, with
+per-expert names (as AReaL sends them to inference engines); with `stacked_experts` it yields the
+stacked `gate_up_proj` / `down_proj` instead, each once: in the 5.x orientation they and every other
+tensor equal transformers' own model state (`state_dict()`), in the default 4.x orientation the
+fixture's (4.x) tensors; `save_hf_weights` writes the checkpoint back in either orientation (exactly,
+in the fp32 of the model) and transformers loads it."""
 import json
 
 import pytest
 import torch
 
+from fixtures.make_fixtures import make_qwen3_vl
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.transforms import padded_vocab_size
 from tests.conftest import FIXTURES
 from tests.qwen3_vl_oracle import VLRun, example_inputs, hf_logits, megatron_logits
+from tests.test_qwen3_vl import transposed_experts
 from tests.test_roundtrip import assert_bit_identical, read_all
 
 pytestmark = pytest.mark.slow
 MOE = FIXTURES / "qwen3-vl-moe-tiny"
 
 
-def test_live_load_export_and_save(tmp_path):
+@pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(pp=2, vpp=2)])
+def test_live_load_export_and_save(tmp_path, sizes):
     from transformers import AutoModelForImageTextToText
 
-    config = json.loads((MOE / "config.json").read_text())
+    hf = MOE if sizes.get("tp") else make_qwen3_vl(  # 2 layers per chunk, one of them dense
+        tmp_path / "hf", seed=5, moe=True, text={"num_hidden_layers": 8, "mlp_only_layers": [5]},
+        vision={"deepstack_visual_indexes": [1]})
+    config = json.loads((hf / "config.json").read_text())
     inputs = example_inputs(config)
-    run = VLRun(None, config, tp=2, ep=2, padded_vocab=padded_vocab_size(config["text_config"]["vocab_size"], 128, 2),
-                inputs=inputs, live_hf=MOE, live_out=tmp_path)
-    ours, theirs = megatron_logits(run, tmp_path), hf_logits(MOE, inputs)
+    run = VLRun(None, config, **sizes, inputs=inputs, live_hf=hf, live_out=tmp_path,
+                padded_vocab=padded_vocab_size(config["text_config"]["vocab_size"], 128, sizes.get("tp", 1)))
+    ours, theirs = megatron_logits(run, tmp_path), hf_logits(hf, inputs)
     for name in inputs:
         assert (ours[name] - theirs[name]).abs().max() < 1e-4, name
 
-    ckpt = HFCheckpoint(MOE)  # per-expert views of the stacked experts
+    ckpt = HFCheckpoint(hf)  # per-expert views of the stacked experts
     for rank in range(run.world):
         yielded = torch.load(tmp_path / f"yielded{rank}.pt")
         names = [name for name, _ in yielded]
@@ -37,6 +47,19 @@ def test_live_load_export_and_save(tmp_path):
         for name, tensor in yielded:
             assert torch.equal(tensor, ckpt.read(name).float()), name  # the model is fp32, the fixture bf16
     assert "model.language_model.layers.0.mlp.experts.3.gate_proj.weight" in ckpt.tensors
-    assert_bit_identical({k: v.float() for k, v in read_all(MOE).items()}, read_all(tmp_path / "saved"))
-    _, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "saved", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+    state = AutoModelForImageTextToText.from_pretrained(hf, dtype=torch.float32).state_dict()
+    assert tuple(state["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 80, 64)  # [E, 2I, h]
+    fixture = {k: v.float() for k, v in read_all(hf).items()}  # its experts are in the 4.x orientation
+    for label, expected in (("stacked5", state), ("stacked4", fixture)):
+        for rank in range(run.world):
+            yielded = torch.load(tmp_path / f"{label}{rank}.pt")
+            assert sorted(name for name, _ in yielded) == sorted(expected), label
+            for name, tensor in yielded:
+                assert tensor.is_contiguous() and torch.equal(tensor, expected[name]), (label, name)
+
+    assert_bit_identical(fixture, read_all(tmp_path / "saved"))
+    assert_bit_identical(transposed_experts(fixture), read_all(tmp_path / "saved5"))
+    for saved in ("saved", "saved5"):
+        _, info = AutoModelForImageTextToText.from_pretrained(tmp_path / saved, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]

@@ -215,7 +215,7 @@ def test_training_checkpoints_with_optimizer_and_rng_state_convert_bit_exactly(c
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from mconv.converter.torch_dist import core_config, megatron_process_group, sharded_parameters
+    from tests.megatron_dist_oracle import core_config, megatron_process_group, sharded_parameters
     from mconv.converter.torch_dist_io import TorchDistReader
     from tests.test_roundtrip import assert_bit_identical, read_all
 

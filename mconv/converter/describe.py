@@ -16,7 +16,6 @@ from mconv.converter import megatron_io as mio
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hub import resolve_model
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.planner import make_plan
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
@@ -178,21 +177,28 @@ def _describe_hf(path: Path, shown: str) -> dict:
             **({"other_settings": other_settings(arch, dims)} if other_settings(arch, dims) else {})}
 
 
-def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision: str | None = None) -> dict:
+def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision: str | None = None,
+                 progress: bool = True) -> dict:
     """Describe an HF model (a directory or a hub name at `revision`) or a Megatron checkpoint
     (legacy `torch` or `torch_dist`, from mconv or any other tool). Returns a JSON-ready dict of
     groups: `checkpoint` (format, iteration, writer, files), `model` (architecture, from the HF
     config and the saved args), `layout`, `dtypes` ({dtype: {tensors, bytes}}), `size`
     (`tensors` counted as hf2mcore counts them, `stored tensors` for torch_dist's stacked keys)
     and `trainer flags` (the Megatron-LM flags the training job must pass). `hf_config` (a
-    directory or hub name) names the HF model of a checkpoint that stores none. Raises
-    MconvError for what is neither."""
+    directory or hub name) names the HF model of a checkpoint that stores none; `progress` shows
+    huggingface_hub's download bars for a hub name. Raises MconvError for what is neither."""
     local = Path(path)
     if not local.is_dir() or ((local / "config.json").is_file() and not (local / mio.TRACKER).is_file()):
-        return _describe_hf(resolve_model(path, revision), str(path))
+        if hf_config:
+            raise MconvError(f"{path} is an HF model, which has its own config.json; --hf-config is for Megatron "
+                             "checkpoints that store none")
+        return _describe_hf(resolve_model(path, revision, progress=progress), str(path))
+    if not (local / mio.TRACKER).is_file() and local.name != "release" and not local.name.startswith("iter_"):
+        raise MconvError(f"{path} is neither an HF model (no config.json) nor a Megatron checkpoint (no "
+                         f"{mio.TRACKER}, not an iter_*/release directory)")
     location = mio.locate(local)
     if hf_config:
-        hf_config = resolve_model(hf_config, revision, weights=False)
+        hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     dist = location.format == "torch_dist"
     metadata = mio.read_metadata(location.save_dir) or {}
     stored_config = (location.save_dir / mio.HF_CONFIG_DIR / "config.json").is_file()

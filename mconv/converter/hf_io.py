@@ -34,6 +34,12 @@ STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down
 ORIENTATIONS = ("4.x", "5.x")  # "4.x": [E, in, out], which transformers 4.57 and 5.x both load
 
 
+def check_orientation(value: str, option: str) -> str:
+    if value not in ORIENTATIONS:
+        raise MconvError(f"{option} must be one of {', '.join(ORIENTATIONS)}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     file: str
@@ -191,6 +197,29 @@ def _stacked_orientation(where: str, prefix: str, gate_up: tuple[int, ...], down
                          f"{list(gate_up)} and down_proj {list(down)}: they fit neither transformers 5.x "
                          "([E, 2I, h] / [E, h, I]) nor 4.x ([E, h, 2I] / [E, I, h])")
     return transposed
+
+
+def stacked_expert(name: str) -> tuple[str, int, int, int] | None:
+    """For a per-expert name of stacked experts, `<p>.mlp.experts.{e}.gate_proj.weight` (or up_proj,
+    down_proj): (the stacked tensor `<p>.mlp.experts.gate_up_proj` / `down_proj`, e, the module's
+    place in it along the output dimension, the number of modules in it); None for any other name."""
+    prefix, _, rest = name.rpartition(".mlp.experts.")
+    expert, _, module = rest.partition(".")
+    module = module.removesuffix(".weight")
+    for proj, parts in STACKED_EXPERTS.items():
+        if prefix and expert.isdigit() and module in parts:
+            return f"{prefix}.mlp.experts.{proj}", int(expert), parts.index(module), len(parts)
+    return None
+
+
+def stack_experts(modules: list[list[torch.Tensor]], transposed: bool) -> torch.Tensor:
+    """One stacked expert tensor from its experts' modules (`modules[e]` = [gate, up] or [down], each
+    `[out, in]`, nn.Linear's orientation, one dtype and device): `[E, sum(out), in]`, or
+    `[E, in, sum(out)]` when `transposed` (4.x, see ORIENTATIONS); contiguous, on the modules' device,
+    built by one concatenation (and one transposing copy for 4.x), not one copy per module."""
+    flat = torch.cat([module for parts in modules for module in parts])
+    stacked = flat.view(len(modules), -1, flat.shape[1])
+    return stacked.transpose(1, 2).contiguous() if transposed else stacked
 
 
 def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[str, TensorInfo]:
@@ -417,13 +446,10 @@ class ShardedSafetensorsWriter:
         first expert's first module was)."""
         grouped: dict[str, list] = {}
         for name, dtype, shape in entries:
-            prefix, _, rest = name.rpartition(".mlp.experts.")
-            expert, _, module = rest.partition(".")
-            for proj, parts in STACKED_EXPERTS.items():
-                if prefix and expert.isdigit() and module.removesuffix(".weight") in parts:
-                    stacked = f"{prefix}.mlp.experts.{proj}"
-                    self.views[name] = (stacked, int(expert), parts.index(module.removesuffix(".weight")), len(parts))
-                    grouped.setdefault(stacked, []).append((dtype, shape))
+            view = stacked_expert(name)
+            if view is not None:
+                self.views[name] = view
+                grouped.setdefault(view[0], []).append((dtype, shape))
         stacked_entries, done = [], set()
         for name, dtype, shape in entries:
             if name not in self.views:

@@ -11,6 +11,7 @@ files memory-mapped, or torch_dist boxes) and writes a PEFT directory vLLM and p
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -41,29 +42,64 @@ DEFAULT_SHARD_BYTES = 3_000_000_000
 RankStates = Mapping[Rank, Sequence[Mapping[str, torch.Tensor]]]
 
 
+# Stacked HF experts (transformers' Qwen3-VL-MoE `mlp.experts.gate_up_proj` / `down_proj`, no `.weight`)
+# take LoRA as peft's `target_parameters` do (peft 0.21 ParamWrapper, which vLLM's 3-D MoE LoRA loader
+# reads, vllm/lora/model_manager.py `_stack_moe_lora_weights`): one adapter per layer and parameter,
+# the parameter named first wrapped innermost. Its keys: `<p>.mlp.experts.base_layer.lora_A/B.weight`
+# for gate_up_proj, `<p>.mlp.experts.lora_A/B.weight` for down_proj; A `[E*r, in]` (expert e's A in rows
+# e*r..e*r+r-1), B `[out, r*E]` (expert e's column j at j*E + e: peft reshapes B to [out, r, E]).
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERT_MODULES = {"base_layer.": ("gate_proj", "up_proj"), "": ("down_proj",)}  # 3-D key infix -> per-expert modules
+
+
 @dataclass
 class PeftAdapter:
-    """A HF PEFT LoRA adapter: tensors under their saved keys, one rank for every module."""
+    """A HF PEFT LoRA adapter: tensors under their saved keys, one rank for every module.
+
+    `tensors` hold `base_model.model.<HF module>.lora_A.weight` `[r, in]` / `lora_B.weight` `[out, r]`,
+    and for stacked experts the 3-D form above. `modules`: peft's target_modules (name suffixes)."""
 
     arch: str
     rank: int
-    tensors: dict[str, torch.Tensor]  # base_model.model.<HF module>.lora_A.weight / lora_B.weight
+    tensors: dict[str, torch.Tensor]
+    modules: list[str] | None = None
 
     @property
     def target_modules(self) -> list[str]:
-        return sorted({key.split(".")[-3] for key in self.tensors})
+        if self.modules is not None:
+            return self.modules
+        return sorted({key.split(".")[-3] for key in self.tensors if not _expert_key(key)})
+
+    @property
+    def target_parameters(self) -> list[str]:
+        return list(EXPERT_PARAMETERS) if any(_expert_key(key) for key in self.tensors) else []
 
     def deltas(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """HF base weight name -> (A, B) of its LoRA module."""
-        modules = {key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for key in self.tensors}
-        return {f"{m}.weight": (self.tensors[f"{PEFT_PREFIX}{m}.lora_A.weight"],
-                                self.tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"]) for m in sorted(modules)}
+        """HF base weight name -> (A, B) of its LoRA module; stacked experts per expert and module
+        (`<p>.mlp.experts.{e}.gate_proj.weight`, as HFCheckpoint presents them)."""
+        modules = {key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for key in self.tensors if not _expert_key(key)}
+        deltas = {f"{m}.weight": (self.tensors[f"{PEFT_PREFIX}{m}.lora_A.weight"],
+                                  self.tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"]) for m in sorted(modules)}
+        for key in sorted(k for k in self.tensors if _expert_key(k) and k.endswith(".lora_A.weight")):
+            infix = "base_layer." if key.endswith(".base_layer.lora_A.weight") else ""
+            prefix = key.removeprefix(PEFT_PREFIX).removesuffix(f".{infix}lora_A.weight")
+            a, b = self.tensors[key], self.tensors[key.replace(".lora_A.", ".lora_B.")]
+            experts = a.shape[0] // self.rank
+            a_of = a.reshape(experts, self.rank, a.shape[1])
+            b_of = b.reshape(b.shape[0], self.rank, experts).permute(2, 0, 1)  # [E, out, r]
+            parts = EXPERT_MODULES[infix]
+            for e in range(experts):
+                for module, rows in zip(parts, b_of[e].chunk(len(parts))):  # gate_up: [gate; up] rows
+                    deltas[f"{prefix}.{e}.{module}.weight"] = (a_of[e], rows)
+        return deltas
 
     def config(self, alpha: float, base_model: str | None) -> dict:
         """adapter_config.json as vLLM accepts it: one r and alpha, no modules_to_save, no DoRA, no bias."""
         alpha = int(alpha) if float(alpha).is_integer() else alpha
+        parameters = {"target_parameters": self.target_parameters} if self.target_parameters else {}
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-                "r": self.rank, "lora_alpha": alpha, "target_modules": self.target_modules, "bias": "none",
+                "r": self.rank, "lora_alpha": alpha, "target_modules": self.target_modules, **parameters,
+                "bias": "none",
                 "lora_dropout": 0.0, "fan_in_fan_out": False, "use_dora": False, "use_rslora": False,
                 "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}
 
@@ -127,10 +163,6 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
             merged = _gather(states, export, rule, target, plan, layout, where, expected)
             if merged is None:
                 continue
-            if arch.stacked_experts and ".mlp.experts." in export.hf[0]:
-                raise MconvError(f"{where}: LoRA adapters on the routed experts of {arch.name} are not exported yet "
-                                 f"({export.hf[0].removesuffix('.weight')}): its HF experts are stacked, and peft and "
-                                 "vLLM take expert adapters in a fused 3-D form mconv does not write")
             _, layer, expert, _ = export.order
             names = list(export.hf)
             if rule.megatron == target.a.megatron:  # a fused adapter's A is every split module's A
@@ -141,7 +173,76 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
                     raise MconvError(f"{where}: {name.rsplit('.', 2)[0]} has both a LoRA and a CanonicalLoRA adapter")
                 tensors[PEFT_PREFIX + name] = tensor
     _refuse_unknown(states, arch, expected, layout, where)
-    return PeftAdapter(arch.name, rank, tensors)
+    modules = {key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for key in tensors}
+    modules = _target_modules(arch, {m for m in modules if not (arch.stacked_experts and ".mlp.experts." in m)})
+    if arch.stacked_experts:
+        tensors = _stack_experts(tensors, arch.dims(config).experts, rank, where)
+    return PeftAdapter(arch.name, rank, tensors, modules)
+
+
+def _expert_key(key: str) -> bool:
+    """A key of the 3-D (stacked experts) adapter form."""
+    return key.endswith((".mlp.experts.lora_A.weight", ".mlp.experts.lora_B.weight",
+                         ".mlp.experts.base_layer.lora_A.weight", ".mlp.experts.base_layer.lora_B.weight"))
+
+
+def _target_modules(arch: Architecture, adapted: set[str]) -> list[str]:
+    """peft's target_modules for these HF modules: each one's last name component, or more of its name
+    where the last one also ends a module of the model without an adapter (a vision tower's attn.proj
+    beside its patch_embed.proj, a Conv3d) and a longer suffix (without an index) tells them apart."""
+    templates = {name.rsplit(".", 1)[0] for rule in arch.rules for name in rule.hf}
+    patterns = {t: re.compile(re.sub(r"\\\{\w+\\\}", r"\\d+", re.escape(t))) for t in templates}
+    others = {t for t in templates if not any(patterns[t].fullmatch(m) for m in adapted)}
+    found = set()
+    for module in adapted:
+        parts, n = module.split("."), 1
+        while (any(o == ".".join(parts[-n:]) or o.endswith("." + ".".join(parts[-n:])) for o in others)
+               and n < len(parts) and not parts[-n - 1].isdigit()):
+            n += 1
+        found.add(".".join(parts[-n:]))
+    return sorted(found)
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor], experts: int, rank: int, where: str) -> dict[str, torch.Tensor]:
+    """Per-expert adapters (`<p>.mlp.experts.{e}.gate_proj` ...) in the 3-D form of stacked HF experts
+    (see EXPERT_PARAMETERS). A layer with adapters on only one of fc1 / fc2 gets a zero adapter
+    (no change to the weights) on the other: vLLM's loader needs both."""
+    stacked, layers = {}, {}
+    for key, tensor in tensors.items():
+        prefix, sep, rest = key.partition(".mlp.experts.")
+        if not sep:
+            stacked[key] = tensor
+            continue
+        expert, module, which, _ = rest.split(".")
+        layers.setdefault(prefix + ".mlp.experts", {})[(int(expert), module, which)] = tensor
+    for prefix, found in layers.items():
+        present = {e for e, _, _ in found}
+        if present != set(range(experts)):
+            raise MconvError(f"{where}: {prefix} has LoRA adapters on experts {sorted(present)} only; the stacked "
+                             f"HF experts take one adapter form for all {experts} experts")
+        pairs = {}  # infix -> (A [E*r, in], B [out, r*E])
+        for infix, parts in EXPERT_MODULES.items():
+            if (0, parts[0], "lora_A") not in found:
+                continue
+            a_list, b_list = [], []
+            for e in range(experts):
+                a = [found[(e, m, "lora_A")] for m in parts]
+                if any(not torch.equal(a[0], other) for other in a[1:]):
+                    raise MconvError(f"{where}: {prefix}.{e} has separate gate and up adapters (CanonicalLoRA), which "
+                                     "the stacked HF experts' single gate_up_proj adapter cannot express")
+                a_list.append(a[0])
+                b_list.append(torch.cat([found[(e, m, "lora_B")] for m in parts]))
+            b = torch.stack(b_list, dim=-1)  # [out, r, E]
+            pairs[infix] = torch.cat(a_list), b.reshape(b.shape[0], rank * experts)
+        if len(pairs) == 1:  # vLLM's loader needs both: a zero adapter (no change) on the other projection
+            (infix, (a, b)), = pairs.items()
+            hidden, fc1_out = (a.shape[1], b.shape[0]) if infix else (b.shape[0], 2 * a.shape[1])
+            other = "" if infix else "base_layer."
+            pairs[other] = ((a.new_zeros(a.shape[0], fc1_out // 2), b.new_zeros(hidden, b.shape[1])) if infix else
+                            (a.new_zeros(a.shape[0], hidden), b.new_zeros(fc1_out, b.shape[1])))
+        for infix, (a, b) in pairs.items():
+            stacked[f"{prefix}.{infix}lora_A.weight"], stacked[f"{prefix}.{infix}lora_B.weight"] = a, b
+    return stacked
 
 
 def _gather(states: RankStates, export: ExportTask, rule, target: Target, plan, layout: Layout, where: str,
@@ -202,10 +303,11 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     """A torch_dist checkpoint's adapters as one TP1/PP1/EP1 model chunk.
 
     Adapter keys are the base layer's key with `weight` replaced by the adapter's suffix, stacked
-    over layers (and experts) like it; megatron-core's own model says where each base weight lives,
-    so each adapter tensor is read as that layer's (and expert's) box of its global tensor.
+    over layers (and experts) like it; the base model's torch_dist boxes (torch_dist.plan_boxes) say
+    where each base weight lives, so each adapter tensor is read as that layer's (and expert's) box of
+    its global tensor.
     """
-    from mconv.converter.torch_dist import megatron_process_group, meta_model, sharded_parameters
+    from mconv.converter.torch_dist import plan_boxes
     from mconv.converter.torch_dist_io import TorchDistReader
 
     reader = TorchDistReader.open(location.iter_dir)
@@ -223,24 +325,22 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
              for t in make_plan(lora_architecture(arch, rank, canonical), config, layout, "local").ranks[0].chunks[0]}
     suffixes = {name.split(ADAPTER)[1] for name in names}
     chunk, requests, found = {}, [], set()
-    with megatron_process_group():
-        for parameter, entries in sharded_parameters(meta_model(args, torch.bfloat16)).items():
-            for entry in entries:
-                if not entry.key.endswith(".weight"):
-                    continue
-                module = parameter.removesuffix("weight")
-                prefix = entry.key.removesuffix("weight")
-                offsets = tuple(entry.global_offset[:entry.prepend_axis_num])
-                for suffix in suffixes:
-                    name, key = f"{module}adapter.{suffix}", f"{prefix}adapter.{suffix}"
-                    if name not in names or key not in stored or name in chunk:
-                        continue
-                    shape = stored[key].shape[len(offsets):]
-                    chunk[name] = torch.empty(shape, dtype=stored[key].dtype)
-                    requests.append((key, offsets + (0,) * len(shape), chunk[name].view((1,) * len(offsets) + shape)))
-                    found.add(key)
-        for key in sorted(stored.keys() - found):
-            raise _not_exportable(f"{where}: {key}", arch)
+    for box in plan_boxes(make_plan(arch, config, layout, "local"), args):
+        if box.global_shape is None or not box.key.endswith(".weight"):
+            continue
+        module = box.task.megatron.removesuffix("weight")
+        prefix = box.key.removesuffix("weight")
+        offsets = box.offsets[:box.axes]
+        for suffix in suffixes:
+            name, key = f"{module}adapter.{suffix}", f"{prefix}adapter.{suffix}"
+            if name not in names or key not in stored or name in chunk:
+                continue
+            shape = stored[key].shape[len(offsets):]
+            chunk[name] = torch.empty(shape, dtype=stored[key].dtype)
+            requests.append((key, offsets + (0,) * len(shape), chunk[name].view((1,) * len(offsets) + shape)))
+            found.add(key)
+    for key in sorted(stored.keys() - found):
+        raise _not_exportable(f"{where}: {key}", arch)
     reader.read(requests)
     return {Rank(0, 0): [chunk]}, layout
 
@@ -321,8 +421,9 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own) as
     HF safetensors into `out`, one tensor in memory at a time. Returns how many tensors changed."""
     base = HFCheckpoint(base_dir)
-    if architecture_for(base.config).name != adapter.arch:
-        raise MconvError(f"{base.dir} is a {architecture_for(base.config).name}, the adapter is for {adapter.arch}")
+    arch = architecture_for(base.config)
+    if arch.name != adapter.arch:
+        raise MconvError(f"{base.dir} is a {arch.name}, the adapter is for {adapter.arch}")
     deltas = adapter.deltas()
     for name, (a, b) in deltas.items():
         if name not in base.tensors or base.tensors[name].shape != (b.shape[0], a.shape[1]):
@@ -330,7 +431,10 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
             raise MconvError(f"{base.dir}: the adapter changes {name} [{b.shape[0]}, {a.shape[1]}], the base model "
                              f"has {found}; is it the model the adapter was trained on?")
     entries = [(name, dtype or info.dtype, info.shape) for name, info in base.tensors.items()]
-    writer = ShardedSafetensorsWriter(out, entries, max_shard_bytes)
+    stack = None  # stacked experts are written back stacked, in the base model's orientation
+    if arch.stacked_experts:
+        stack = "4.x" if any(info.transposed_stride for info in base.tensors.values()) else "5.x"
+    writer = ShardedSafetensorsWriter(out, entries, max_shard_bytes, stack_experts=stack)
     writer.create()
     scale = alpha / adapter.rank
     for name, out_dtype, _ in entries:

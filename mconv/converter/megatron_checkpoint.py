@@ -30,6 +30,9 @@ RowLoader = Callable[[list[tuple[ShardSource, int, torch.Tensor]]], None]
 
 def _config_dir(location: mio.CheckpointLocation, hf_config: str | Path | None) -> Path:
     config_dir = Path(hf_config) if hf_config else location.save_dir / mio.HF_CONFIG_DIR
+    if hf_config and not (config_dir / "config.json").is_file():
+        raise MconvError(f"--hf-config {hf_config} has no config.json; it must be the HF model's directory "
+                         "(or hub name)")
     if not (config_dir / "config.json").is_file():
         why = (f"its {mio.HF_CONFIG_DIR}/config.json is missing" if (location.save_dir / mio.METADATA).is_file()
                else "it was not written by mconv")
@@ -63,6 +66,8 @@ def check_args(args, arch: Architecture, dims, path: Path) -> None:
         expected["position_embedding_type"] = ours.get("position_embedding_type")
         if saved["position_embedding_type"] == expected["position_embedding_type"]:
             expected.update({name: ours.get(name) for name in _ROTARY[saved["position_embedding_type"]]})
+    if saved.get("mtp_num_layers"):  # MTP layers kept (hf2mcore --mtp): all of the HF model's
+        expected["mtp_num_layers"] = getattr(dims, "hf_mtp_layers", 0) or "none"
     for name, value in expected.items():
         found = saved.get(name)
         if found != value and (name == "num_experts" or None not in (found, value)):
@@ -92,7 +97,8 @@ class LegacyCheckpoint:
         spec = self.metadata.get("spec") or _detect_spec(self.chunks[Rank(0, 0)])
         arch = architecture_for(self.config)
         check_args(self.args, arch, arch.dims(self.config), first)
-        self.plan = make_plan(arch, self.config, self.layout, spec)
+        mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
+        self.plan = make_plan(arch, self.config, self.layout, spec, mtp)
         for rank_plan in self.plan.ranks:
             path = mio.rank_file(loc.iter_dir, self.layout, rank_plan.rank)
             self._check_rank(path, rank_plan, self.chunks[rank_plan.rank])
@@ -156,7 +162,8 @@ class DistCheckpoint:
                              f"(found {embedding}); is this checkpoint of the model in the HF config?")
         self.padded_vocab = embedding[0]
         self.layout = Layout(vocab_divisor=self.padded_vocab)
-        self.plan = make_plan(arch, self.config, self.layout, "local")
+        mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
+        self.plan = make_plan(arch, self.config, self.layout, "local", mtp)
         if self.args is not None:
             check_args(self.args, arch, dims, location.iter_dir)
         self.load_args = mio.megatron_lm_args(self.layout, dims, arch.megatron_args(dims), "local",
@@ -173,7 +180,7 @@ class DistCheckpoint:
     def session(self) -> Iterator[tuple[Loader, DtypeOf, RowLoader]]:
         from mconv.converter.torch_dist import parameter_session
 
-        load, dtype_of, load_rows = parameter_session(self.reader, self.load_args, torch.bfloat16)
+        load, dtype_of, load_rows = parameter_session(self.reader, self.plan, self.load_args)
 
         def load_sources(sources: list[ShardSource]) -> list[torch.Tensor]:
             loaded = load(sorted({s.megatron for s in sources}))

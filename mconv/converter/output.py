@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -25,10 +27,14 @@ def output_path(out: str | Path) -> Path:
 
 def check_output_path(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> None:
     """Refuse an output that overlaps an input (paths compared with every symlink resolved, so an
-    input reached through a link is still the input), or that exists without `overwrite`.
+    input reached through a link is still the input), that exists without `overwrite`, or whose
+    nearest existing parent is not a directory.
 
     Raises MconvError naming both paths."""
     out = output_path(out)
+    above = next((p for p in out.parents if os.path.lexists(p)), None)  # None for the root
+    if above is not None and not above.is_dir():
+        raise MconvError(f"cannot write {out}: {above} is not a directory")
     real = out.resolve()
     for source in inputs:
         source = Path(source).resolve()
@@ -117,41 +123,40 @@ def _make_parents(directory: Path) -> list[Path]:
     return created
 
 
-@contextmanager
-def staged_directory(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> Iterator[Path]:
-    """Yield a temporary sibling of `out`; on success it replaces `out` in one rename.
+# Signals whose Python handlers `uninterrupted` holds back (Ctrl-C, and the SIGTERM the CLI and
+# torchrun's agent send): a rename or a clean-up stopped halfway would leave a partial output.
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    An interrupted or failed run leaves `out` untouched (an existing one is replaced only after
-    the new one is complete) and removes the staging directory and the parents it created. The
-    output gets the permissions a plain mkdir would give under the caller's umask (mkdtemp's
-    0700 is not kept). A failed write raises MconvError naming `out` and the cause.
-    """
-    out = output_path(out)
-    check_output_path(out, overwrite, inputs)
-    created: list[Path] = []
-    staging = None
+
+@contextmanager
+def uninterrupted(deliver: bool = True) -> Iterator[None]:
+    """Hold back SIGINT and SIGTERM (where Python handles them) while a step that must not stop
+    halfway runs: moving the finished output into place, removing a staging directory. A signal
+    that arrives meanwhile is delivered when the step ends (`deliver`), or dropped: once the output
+    is in place, the command has done its work. Only the main thread can be interrupted (Python
+    runs signal handlers there), so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {}
+    for signum in HELD_SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            previous[signum] = handler
+            signal.signal(signum, lambda number, frame: caught.append(number))
     try:
-        with write_errors(out):
-            created = _make_parents(out.parent)
-            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.mconv-partial-", dir=out.parent))
-            os.chmod(staging, 0o777 & ~umask())
-        with write_errors(out, staging):
-            yield staging
-            if os.path.lexists(out):
-                retired = out.with_name(f".{out.name}.mconv-old-{os.getpid()}")
-                out.rename(retired)
-                try:
-                    staging.rename(out)
-                except BaseException:
-                    retired.rename(out)
-                    raise
-                if retired.is_symlink():  # the output was a link to a directory: the link is replaced
-                    retired.unlink()
-                else:
-                    shutil.rmtree(retired, ignore_errors=True)
-            else:
-                staging.rename(out)
-    except BaseException:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if caught and deliver:
+            previous[caught[0]](caught[0], None)
+
+
+def remove_staging(staging: Path | None, created: list[Path]) -> None:
+    """Remove a failed run's staging directory and the parent directories it created."""
+    with uninterrupted():
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
         for parent in created:
@@ -159,4 +164,49 @@ def staged_directory(out: str | Path, overwrite: bool, inputs: tuple[str | Path,
                 parent.rmdir()
             except OSError:
                 break
+
+
+@contextmanager
+def staged_directory(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> Iterator[Path]:
+    """Yield a temporary sibling of `out`; on success it replaces `out` in one rename.
+
+    An interrupted or failed run leaves `out` untouched (an existing one is replaced only after
+    the new one is complete) and removes the staging directory and the parents it created; an
+    interrupt (SIGINT, SIGTERM) during that clean-up or during the final rename is held back until
+    it is done (see `uninterrupted`). The output gets the permissions a plain mkdir would give
+    under the caller's umask (mkdtemp's 0700 is not kept). A failed write raises MconvError naming `out` and the cause.
+    """
+    out = output_path(out)
+    check_output_path(out, overwrite, inputs)
+    created: list[Path] = []
+    staging = None
+    try:
+        with write_errors(out), uninterrupted():  # what is made here is known to the clean-up below
+            created = _make_parents(out.parent)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.mconv-partial-", dir=out.parent))
+            os.chmod(staging, 0o777 & ~umask())
+        with write_errors(out, staging):
+            yield staging
+            with uninterrupted(deliver=False):
+                commit(staging, out)
+    except BaseException:
+        remove_staging(staging, created)
         raise
+
+
+def commit(staging: Path, out: Path) -> None:
+    """Rename the finished `staging` to `out`, replacing an existing `out` (and removing it)."""
+    if os.path.lexists(out):
+        retired = out.with_name(f".{out.name}.mconv-old-{os.getpid()}")
+        out.rename(retired)
+        try:
+            staging.rename(out)
+        except BaseException:
+            retired.rename(out)
+            raise
+        if retired.is_symlink():  # the output was a link to a directory: the link is replaced
+            retired.unlink()
+        else:
+            shutil.rmtree(retired, ignore_errors=True)
+    else:
+        staging.rename(out)

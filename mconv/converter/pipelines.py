@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 import threading
-from argparse import Namespace
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -17,13 +16,14 @@ from tqdm import tqdm
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
-from mconv.converter import torch_dist_io
-from mconv.converter.hf_io import (ORIENTATIONS, HFCheckpoint, ShardedSafetensorsWriter, StagingBuffer,
+from mconv.converter import torch_dist, torch_dist_io
+from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, StagingBuffer, check_orientation,
                                    copy_side_files, write_config_dtype, write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.output import check_output_path, output_path, staged_directory, write_errors
+from mconv.converter.output import (check_output_path, commit, output_path, remove_staging, staged_directory,
+                                    uninterrupted, write_errors)
 from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
@@ -47,8 +47,10 @@ class Summary:
 
 
 def _bar(total: int, description: str, progress: bool) -> tqdm:
+    """A bytes progress bar on stderr, shown only when `progress` and stderr is a terminal (tqdm's
+    disable=None: a bar written to a log file leaves carriage-return fragments in it)."""
     return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not progress, leave=False)
+                disable=None if progress else True, leave=False)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -115,6 +117,15 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
     return [f"left out {prefix}* ({dropped[prefix]})" for prefix in held] + notes
 
 
+def refuse_megatron(path: str | Path, why: str) -> None:
+    """Refuse a Megatron checkpoint (save or iteration directory) given where an HF model is expected,
+    a common mix-up of the two directions: MconvError `PATH is a Megatron checkpoint; <why>`."""
+    path = Path(path)
+    if ((path / mio.TRACKER).is_file() or (path / "metadata.json").is_file()
+            or any(path.glob(f"mp_rank_*/{mio.RANK_FILE}"))):
+        raise MconvError(f"{path} is a Megatron checkpoint; {why}")
+
+
 def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
     """One Megatron shard from the HF slices. Pieces that are ranges of rows (fused QKV, GLU fc1,
     padded vocabulary) are read straight into their rows of the shard: no concatenated copy, and
@@ -141,7 +152,8 @@ def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, pro
     mine = share(costs, index, size)
     reads = run_ordered(((lambda task=task: None if task.shard is None else _read_shard(task, ckpt))
                          for i in mine for chunk in plan.ranks[i].chunks for task in chunk), threads)
-    with ThreadPoolExecutor(1, thread_name_prefix="mconv-save") as saver:
+    # closing: on an error or an interrupt, the readers stop before the output is cleaned up
+    with closing(reads), ThreadPoolExecutor(1, thread_name_prefix="mconv-save") as saver:
         saving = None
         for i in mine:
             chunks = []
@@ -162,23 +174,19 @@ def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, pro
             saving.result()
 
 
-def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, dtype: torch.dtype, common: dict) -> list:
-    """What the torch_dist checkpoint holds (from megatron-core's model), each box built from the HF
-    slices when written. Global (layout-independent) tensors are the TP1/PP1/EP1 ones, with the
+def _flat_plan(plan: Plan) -> Plan:
+    """The TP1/PP1/EP1 local-spec plan whose tensors are a torch_dist checkpoint's global ones, with the
     vocabulary padded as the target TP pads it."""
-    from mconv.converter import torch_dist
+    return make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local",
+                     bool(plan.dims.mtp_layers))
 
-    flat = make_plan(plan.arch, plan.config, Layout(vocab_divisor=plan.layout.vocab_divisor * plan.layout.tp), "local")
-    tasks = {task.megatron: task for task in flat.ranks[0].chunks[0] if task.shard is not None}
 
-    def parameter(name: str) -> torch.Tensor:
-        if name not in tasks:
-            raise MconvError(f"megatron-core's {plan.arch.name} model has a parameter {name} that the mconv table "
-                             "does not describe (a megatron-core version mconv does not know?)")
-        return _read_shard(tasks[name], ckpt)
-
-    dtypes = {name: ckpt.tensors[task.hf[0]].dtype for name, task in tasks.items()}
-    return torch_dist.entries(args, dtype, common, parameter, dtypes)
+def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict) -> list:
+    """What the torch_dist checkpoint holds (torch_dist.plan_boxes), each box built from the HF slices
+    when written."""
+    flat = _flat_plan(plan)
+    dtypes = {task.megatron: ckpt.tensors[task.hf[0]].dtype for task in flat.ranks[0].chunks[0] if task.shard}
+    return torch_dist.entries(flat, args, common, lambda task: _read_shard(task, ckpt), dtypes)
 
 
 def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
@@ -196,31 +204,30 @@ def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
 
 def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
-             progress: bool = True, workers: int = 1, revision: str | None = None) -> Summary:
+             progress: bool = True, workers: int = 1, revision: str | None = None, mtp: bool = False) -> Summary:
     """HF -> Megatron. `hf_dir` is a local directory or a hub name (`Qwen/Qwen3-8B`, at `revision`;
     see `hub.resolve_model`). `workers` threads read the tensors of the rank files (legacy format)
     or write their own `.distcp` files (torch_dist); under torchrun every rank writes its share (its
-    rank files, or its own `.distcp` file; rank 0 writes `.metadata`)."""
+    rank files, or its own `.distcp` file; rank 0 writes `.metadata`). `mtp`: keep the
+    multi-token-prediction layers in megatron-core's MTP block (planner.model_dims)."""
     if fmt not in FORMATS:
         raise MconvError(f"--format {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
-        raise MconvError("--format torch_dist is written from megatron-core's local-spec model; the extra "
+        raise MconvError("--format torch_dist is written in megatron-core's local-spec layout; the extra "
                          "_extra_state objects a Transformer Engine model also asks for cannot be derived "
                          "without Transformer Engine. Use --spec local (same tensor keys) or --format torch")
     hf_dir = resolve_model(hf_dir, revision, progress=progress)
+    refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
     ckpt = HFCheckpoint(hf_dir)
     arch = architecture_for(ckpt.config)
-    plan = make_plan(arch, ckpt.config, layout, spec)
+    plan = make_plan(arch, ckpt.config, layout, spec, mtp)
     notes = check_hf_tensors(plan, ckpt)
     arch_args = arch.megatron_args(plan.dims)
-    if fmt == "torch_dist" and arch_args.get("multi_latent_attention"):
-        # mconv writes torch_dist through megatron-core's own GPTModel, which cannot build KDA or gated MLA.
-        raise MconvError(f"--format torch_dist is not available for {arch.name} yet: megatron-core cannot build "
-                         "its layers to derive the checkpoint keys; use --format torch")
+    if fmt == "torch_dist":
+        torch_dist.check_model(plan)
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
     if fmt == "torch_dist":
-        flat = make_plan(arch, ckpt.config, Layout(vocab_divisor=layout.vocab_divisor * layout.tp), "local")
-        summary = _rank_summary(flat, ckpt, lambda r: "global tensors (any layout)")
+        summary = _rank_summary(_flat_plan(plan), ckpt, lambda r: "global tensors (any layout)")
         summary.plan = plan
     else:
         summary = _rank_summary(plan, ckpt, lambda r: layout.rank_dir(r.rank))
@@ -233,7 +240,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
                                 dtype, fmt)
 
     common = {"args": args, "checkpoint_version": mio.CHECKPOINT_VERSION, "iteration": iteration or 0}
-    dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, dtype, common))
+    dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, common))
 
     def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
         iter_dir = staging / mio.iteration_dir_name(iteration)
@@ -376,8 +383,11 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
         flush()
         return sum(views[name].nbytes for name, _, _ in outputs)
 
-    for written in run_ordered((functools.partial(write_batch, b) for b in _batches(mine, LOAD_BATCH_BYTES)), threads):
-        progress(written)
+    # closing: on an error or an interrupt, the writers stop before the output is cleaned up
+    with closing(run_ordered((functools.partial(write_batch, b) for b in _batches(mine, LOAD_BATCH_BYTES)),
+                             threads)) as writes:
+        for written in writes:
+            progress(written)
 
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
@@ -392,8 +402,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     float16); by default each tensor keeps the dtype it has in the checkpoint. config.json's
     `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
     `expert_orientation` ("4.x" or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see hf_io.ORIENTATIONS."""
-    if expert_orientation not in ORIENTATIONS:
-        raise MconvError(f"--expert-orientation must be one of {', '.join(ORIENTATIONS)}, got {expert_orientation!r}")
+    check_orientation(expert_orientation, "--expert-orientation")
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     ckpt = open_checkpoint(ckpt_dir, hf_config)
@@ -458,11 +467,10 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
     def last():
         if team.rank == 0:
             finish(prepared["writer"], staging)
-            if out.exists():
-                if not overwrite:
-                    raise MconvError(f"{out} already exists; pass --overwrite to replace it")
-                shutil.rmtree(out)
-            os.replace(staging, out)
+            if out.exists() and not overwrite:
+                raise MconvError(f"{out} already exists; pass --overwrite to replace it")
+            with uninterrupted(deliver=False):
+                commit(staging, out)
 
     def step(name: str, action) -> None:
         def guarded():  # a failed write (full disk...) stops every rank with one sentence
@@ -477,7 +485,7 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
         step("finished", last)
     except BaseException:
         if team.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_staging(staging, [])
         raise
 
 
@@ -485,9 +493,7 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
     """Compare two HF models (directories or hub names) tensor by tensor (names, dtypes, shapes,
     bytes), one tensor in memory at a time. Returns (tensors, bytes, differences)."""
     for path in (a, b):
-        if (Path(path) / mio.TRACKER).is_file() or (Path(path) / "metadata.json").is_file():
-            raise MconvError(f"{path} is a Megatron checkpoint; verify compares HF models (convert it with "
-                             "`mconv mcore2hf` first)")
+        refuse_megatron(path, "verify compares HF models (convert it with `mconv mcore2hf` first)")
     left, right = (HFCheckpoint(resolve_model(x, progress=progress)) for x in (a, b))
     differences = [f"{name}: only in {left.dir}" for name in sorted(left.tensors.keys() - right.tensors.keys())]
     differences += [f"{name}: only in {right.dir}" for name in sorted(right.tensors.keys() - left.tensors.keys())]

@@ -137,11 +137,25 @@ def validate_layout(dims: SimpleNamespace, layout: Layout, arch_check=None) -> N
                          f"by --etp {layout.etp}")
 
 
-def make_plan(arch: Architecture, config: dict, layout: Layout, spec: str) -> Plan:
-    """Every rank file of the layout (see Layout.ranks)."""
+def model_dims(arch: Architecture, config: dict, mtp: bool = False) -> SimpleNamespace:
+    """`arch.dims(config)` with `mtp_layers`, how many multi-token-prediction layers are converted:
+    all `hf_mtp_layers` of the model with `mtp` (megatron-core's MTP block), else none (the table's
+    `dropped` names them). Raises MconvError for `mtp` on a model without MTP layers."""
+    dims = arch.dims(config)
+    available = getattr(dims, "hf_mtp_layers", 0)
+    if mtp and not available:
+        raise MconvError(f"--mtp: {arch.name} as config.json describes it has no multi-token-prediction layers "
+                         "(num_nextn_predict_layers is 0 or absent, or mconv's table has no MTP rules for it)")
+    dims.mtp_layers = available if mtp else 0
+    return dims
+
+
+def make_plan(arch: Architecture, config: dict, layout: Layout, spec: str, mtp: bool = False) -> Plan:
+    """Every rank file of the layout (see Layout.ranks); with `mtp`, the model's multi-token-prediction
+    layers too (see model_dims)."""
     if spec not in SPECS:
         raise MconvError(f"--spec must be one of {', '.join(SPECS)}, got {spec!r}")
-    dims = arch.dims(config)
+    dims = model_dims(arch, config, mtp)
     validate_layout(dims, layout, arch.check_layout)
     ranks = [plan_rank(arch, dims, layout, spec, rank) for rank in layout.ranks()]
     return Plan(arch, config, dims, layout, spec, ranks)
@@ -165,23 +179,40 @@ def plan_rank(arch: Architecture, dims: SimpleNamespace, layout: Layout, spec: s
                         if rule.when is None or rule.when(ctx, layer):
                             chunk += _layer_tasks(rule, ctx, layout, rank, spec, position, layer,
                                                   layer - layers.start)
-                elif placed[stage] == (rank.pp, v) and (rule.when is None or rule.when(ctx)):
-                    field_name, count = rule.repeat or ("", None)
-                    for index in range(getattr(ctx, count)) if count else (None,):
-                        chunk.append(_task(rule, ctx, layout, rank, spec, position,
-                                           index={field_name: index} if count else {}))
+                elif placed[stage] == (rank.pp, v):
+                    chunk += _stage_tasks(rule, ctx, layout, rank, spec, position)
         chunks.append(chunk)
     return RankPlan(rank, chunks)
 
 
+def _stage_tasks(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: str,
+                 position: int) -> list[TensorTask]:
+    """A rule outside the decoder layers: one tensor, or one per index of its `repeat`. A rule repeated
+    over layers kept outside the decoder (`repeat` names a base: megatron-core's MTP layers) is a layer
+    rule of HF layer base + index: `when` takes that layer, experts are expanded."""
+    if rule.repeat is None:
+        return [_task(rule, ctx, layout, rank, spec, position)] if rule.when is None or rule.when(ctx) else []
+    field_name, count, *base = rule.repeat
+    tasks = []
+    for index in range(getattr(ctx, count)):
+        if not base:
+            if rule.when is None or rule.when(ctx):
+                tasks.append(_task(rule, ctx, layout, rank, spec, position, index={field_name: index}))
+            continue
+        layer = getattr(ctx, base[0]) + index
+        if rule.when is None or rule.when(ctx, layer):
+            tasks += _layer_tasks(rule, ctx, layout, rank, spec, position, layer, None, {field_name: index})
+    return tasks
+
+
 def _layer_tasks(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: str, position: int,
-                 layer: int, local_layer: int) -> list[TensorTask]:
+                 layer: int, local_layer: int | None, index: dict | None = None) -> list[TensorTask]:
     """A layer rule's tensors; for expert rules one per local expert of the rank's EP rank."""
     if "{expert}" not in rule.megatron_name(spec):
-        return [_task(rule, ctx, layout, rank, spec, position, layer, local_layer)]
+        return [_task(rule, ctx, layout, rank, spec, position, layer, local_layer, index=index)]
     per_rank = ctx.experts // layout.ep
-    return [_task(rule, ctx, layout, rank, spec, position, layer, local_layer, rank.ep * per_rank + local, local)
-            for local in range(per_rank)]
+    return [_task(rule, ctx, layout, rank, spec, position, layer, local_layer, rank.ep * per_rank + local, local,
+                  index) for local in range(per_rank)]
 
 
 def _task(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: str, position: int,

@@ -1,220 +1,218 @@
-"""Megatron-LM's `torch_dist` format for mconv's models: what a checkpoint holds comes from megatron-core.
+"""Megatron-LM's `torch_dist` format for mconv's models: what a checkpoint holds, derived from the
+architecture table, without megatron-core.
 
-The keys, global shapes, layer stacking and expert axes are not re-derived here: megatron-core
-builds the model (local spec, TP1/PP1/EP1, on the meta device, so it costs no memory) and its
-`sharded_state_dict()` says what the checkpoint holds; torch_dist keys are independent of the
-parallel layout, so the trainer reshards on load. Only the bytes come from mconv, through the
-format-level reader and writer (`torch_dist_io`, which import neither megatron-core nor DCP): each
-box megatron-core planned is traced back to its parameter, built from the HF slices when the writer
-gets to it. One parameter per writer thread is in memory at a time, whatever the size of the model.
+A torch_dist checkpoint holds global (layout-independent) tensors by key; the trainer reshards them
+on load. The keys, global shapes and boxes are those megatron-core's `sharded_state_dict()` of the
+TP1/PP1/EP1 local-spec model gives (tests/test_torch_dist_keys.py compares them, box by box, with
+megatron-core's own for a sweep of models). They follow from the TP1 plan (every parameter's
+local-spec name and shape) and megatron-core's conventions (megatron-core 0.19.2, read and run):
+
+- a key is the parameter's name with the layer spec's `sharded_state_dict_keys_map` applied inside a
+  decoder layer (`Architecture.torch_dist.keys_map`; the local GPT spec maps `input_layernorm.` to
+  `self_attention.linear_qkv.layer_norm_`, ...);
+- decoder layers are stacked on a leading axis (`decoder.layers.X` of shape `[L, ...]`,
+  TransformerBlock.sharded_state_dict) unless they are heterogeneous: `moe_layer_freq` a list, or an
+  architecture whose layers differ (`torch_dist.per_layer`), where keys are `decoder.layers.{i}.X`;
+- tensors in numbered copies outside the layers (`Rule.repeat`: vision blocks, deepstack mergers) are
+  stacked on their index when the layers are (mbridge's vision config is a copy of the language
+  one, `moe_layer_freq` included);
+- megatron-core's MTP layers (`mtp.layers.{j}.`, hf2mcore --mtp) keep per-depth keys, the inner
+  layer under its old name `transformer_layer.` (MultiTokenPredictionLayer.sharded_state_dict);
+- routed experts (SequentialMLP): `local_experts.{e}.` becomes `experts.` with an expert axis after
+  the layer axis;
+- a GLU `linear_fc1` is one tensor `[gate; up]` stored as two boxes (MLP's swiglu factory); a rule
+  with `dist_sections` is one global tensor per section, its key suffixed with the section name (AReaL's
+  KimiDeltaAttention splits `in_proj` and `conv1d` so);
+- every linear's `_extra_state` is a ShardedObject over the prepended axes, unique key
+  `{key}._extra_state/shard_{offsets}_{shape}`, holding None; GPTModel drops the output layer's;
+- a TP1/DP1 writer holds the main replica of everything: replica id (0, 0, 0).
+Only the bytes come from mconv's format-level reader and writer (`torch_dist_io`): each box is built
+from the HF slices when the writer gets to it, one parameter per writer thread in memory at a time.
 """
 from __future__ import annotations
 
-import contextlib
-import logging
-import tempfile
+import re
 import threading
-import warnings
 from argparse import Namespace
-from pathlib import Path
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from mconv.converter import torch_dist_io
+from mconv.converter.planner import Plan, TensorTask
 from mconv.converter.torch_dist_io import COMMON_KEY, DistEntry
+from mconv.converter.transforms import EXTRA_STATE, GLU, VOCAB
 from mconv.errors import MconvError
+from mconv.mappings.schema import LAST, MTP_LAYER
+
+MTP_INNER = MTP_LAYER + "mtp_model_layer."  # megatron-core's MTP layer's inner transformer layer
+
+REPLICA = (0, 0, 0)  # megatron-core's replica id of the main copy (TP, PP-or-DP, DP ranks all 0)
 
 
-@contextlib.contextmanager
-def quiet_megatron() -> Iterator[None]:
-    """megatron-core warns about Transformer Engine, Apex and GPTModel's deprecation on import."""
-    loggers = [logging.getLogger(name) for name in ("megatron", "megatron.core", "torch.utils.cpp_extension")]
-    levels = [logger.level for logger in loggers]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for logger, level in zip(loggers, levels):
-                logger.setLevel(level)
+@dataclass(frozen=True)
+class DistBox:
+    """One box of a global tensor a torch_dist checkpoint holds (or one object), and the rows
+    [start, start + length) of the TP1 Megatron parameter `task` it holds.
+
+    `global_shape`, `offsets`, `sizes` as megatron-core's ShardedTensor has them: `axes` prepended
+    axes (layers, experts, repeat index) of size 1 in `sizes`, then the box. Objects (`_extra_state`)
+    have `global_shape` None and `key` their unique key."""
+
+    key: str
+    task: TensorTask
+    global_shape: tuple[int, ...] | None
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int = 0
+    length: int = 0
+    axes: int = 0
+    replica_id: tuple[int, ...] = REPLICA
 
 
-@contextlib.contextmanager
-def megatron_process_group() -> Iterator[None]:
-    """A one-process gloo group with megatron-core's parallel state at TP1/PP1/EP1."""
-    import torch.distributed as dist
-
-    with quiet_megatron():
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel.random import initialize_rng_tracker
-    with quiet_megatron():
-        if dist.is_initialized():
-            raise MconvError("torch_dist conversion runs in its own process group; "
-                             "call it outside an initialised torch.distributed job")
-        with tempfile.TemporaryDirectory() as store:
-            dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
-            try:
-                ps.initialize_model_parallel(1, 1)
-                initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-                yield
-            finally:
-                ps.destroy_model_parallel()
-                dist.destroy_process_group()
+def check_model(plan: Plan) -> None:
+    """Raises MconvError, naming the reason, if this model has no torch_dist checkpoint: its table
+    says no torch_dist keys, or the trainer's model class cannot build it (`DistKeys.check`)."""
+    if plan.arch.torch_dist is None:
+        raise MconvError(f"--format torch_dist is not available for {plan.arch.name}; use --format torch")
+    if plan.arch.torch_dist.check is not None:
+        plan.arch.torch_dist.check(plan.dims)
 
 
-def core_config(args: Namespace, dtype: torch.dtype):
-    """megatron-core's TransformerConfig for the Megatron-LM args mconv writes (the subset of
-    Megatron-LM's core_transformer_config_from_args that these architectures use)."""
-    from megatron.core.transformer import TransformerConfig
-
-    moe = {}
-    if getattr(args, "num_experts", None):
-        moe = dict(num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                   moe_router_topk=args.moe_router_topk, moe_router_pre_softmax=args.moe_router_pre_softmax,
-                   moe_layer_freq=args.moe_layer_freq, moe_grouped_gemm=False)
-    return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm,
-        gated_linear_unit=args.swiglu, activation_func=torch.nn.functional.silu, add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias, params_dtype=dtype, use_cpu_initialization=True,
-        perform_initialization=False, **moe)
+def layers_stacked(plan: Plan, args: Namespace) -> bool:
+    """Whether megatron-core stacks the decoder layers on one key (TransformerBlock.sharded_state_dict:
+    not when `moe_layer_freq` is a list or above 1), here also not for heterogeneous architectures."""
+    freq = getattr(args, "moe_layer_freq", None)
+    return not plan.arch.torch_dist.per_layer and not isinstance(freq, list) and freq in (None, 1)
 
 
-def meta_model(args: Namespace, dtype: torch.dtype, dtypes: dict[str, torch.dtype] | None = None):
-    """megatron-core's GPTModel (Qwen3-VL: mbridge's Qwen3VLModel) for these args, local spec, every
-    parameter on the meta device;
-    `dtypes` overrides parameter dtypes (as a bf16 trainer's Float16Module would, per tensor)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    config = core_config(args, dtype)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
-                                      qk_l2_norm=False)
-    with torch.device("meta"):
-        if getattr(args, "vision_layers", None):  # Qwen3-VL: the Megatron Qwen3VLModel instead
-            from mconv.mappings.qwen3_vl import megatron_model
-
-            model = megatron_model(args, config)
-        else:
-            model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                             max_sequence_length=args.max_position_embeddings,
-                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                             position_embedding_type="rope", rotary_base=args.rotary_base)
-        for name, param in model.named_parameters():
-            if dtypes and name in dtypes and param.dtype != dtypes[name]:
-                param.data = torch.empty(param.shape, dtype=dtypes[name])
-    return model
+def _indexes(template: str, name: str) -> dict[str, int]:
+    """The values of a name template's fields (`{layer}`, `{expert}`, a repeat index) in `name`."""
+    pattern = re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>\\d+)", re.escape(template))
+    match = re.fullmatch(pattern, name)
+    if match is None:
+        raise MconvError(f"internal: {name} is not an instance of {template}")
+    return {field: int(value) for field, value in match.groupdict().items()}
 
 
-def _storage_id(tensor: torch.Tensor) -> int:
-    # Meta tensors have no data, but views and `.data` aliases share the parameter's storage object.
-    return tensor.untyped_storage()._cdata
+def _mapped(name: str, plan: Plan) -> str:
+    """A name inside a decoder layer with the layer spec's keys map applied (the first matching
+    prefix, as megatron-core does)."""
+    for old, new in plan.arch.torch_dist.keys_map:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
-def _parameter_names(model) -> dict[int, str]:
-    return {_storage_id(t): name for name, t in model.state_dict(keep_vars=True).items()
-            if isinstance(t, torch.Tensor)}
+def _key(task: TensorTask, plan: Plan, stacked: bool) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(key, offsets, sizes) of the prepended axes of a TP1 parameter (or `_extra_state`)."""
+    rule, dims = task.rule, plan.dims
+    template, offsets, counts = rule.megatron, [], []
+    index = _indexes(template, task.megatron)  # one TP1 chunk: layer and expert indexes are global
+    layer, expert = index.get("layer"), index.get("expert")
+    if rule.per_layer:
+        head, rest = template.split("{layer}.", 1)
+        template = head + ("" if stacked else "{layer}.") + _mapped(rest, plan)
+        if stacked:
+            offsets.append(layer)
+            counts.append(dims.layers)
+    if template.startswith(MTP_INNER):
+        # MultiTokenPredictionLayer.sharded_state_dict keeps the old name of a GPT MTP layer's inner
+        # layer (`transformer_layer.`); MTP layers are never stacked (no sharded offsets).
+        template = MTP_LAYER + "transformer_layer." + _mapped(template[len(MTP_INNER):], plan)
+    if "{expert}" in template:
+        if ".local_experts.{expert}." not in template:
+            raise MconvError(f"internal: expert tensor {rule.megatron} is not named as megatron-core's SequentialMLP")
+        template = template.replace(".local_experts.{expert}.", ".experts.")
+        offsets.append(expert)
+        counts.append(dims.experts)
+    if rule.repeat and stacked and not template.startswith(MTP_LAYER):
+        field, count = rule.repeat[:2]
+        template = template.replace("{%s}." % field, "")
+        offsets.append(index[field])
+        counts.append(getattr(dims, count))
+    return template.format(**index), tuple(offsets), tuple(counts)
 
 
-def sharded_parameters(model) -> dict[str, list]:
-    """megatron-core's ShardedTensors (the boxes of global checkpoint tensors) of each parameter, by
-    parameter name; a GLU fc1 has two, its gate and up halves."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    names = _parameter_names(model)
-    sharded = model.sharded_state_dict()
-    apply_factories(sharded)
-    boxes: dict[str, list] = {}
-    for entry in nested_values(sharded):
-        if isinstance(entry, ShardedTensor):
-            boxes.setdefault(names[_storage_id(entry.data)], []).append(entry)
+def plan_boxes(plan: Plan, args: Namespace) -> list[DistBox]:
+    """Every box (and object) of the torch_dist checkpoint of `plan` (a TP1/PP1/EP1 local-spec plan,
+    vocabulary padded as the target layout pads it) for the Megatron-LM `args` it is stored with,
+    in the plan's order. Raises MconvError as `check_model` does."""
+    check_model(plan)
+    stacked = layers_stacked(plan, args)
+    output_layers = {r.megatron.removesuffix(".weight") for r in plan.arch.rules if r.kind is VOCAB and r.stage == LAST}
+    boxes = []
+    for task in plan.ranks[0].chunks[0]:
+        key, axes, counts = _key(task, plan, stacked)
+        ones = (1,) * len(axes)
+        if task.shard is None:
+            if key.removesuffix("._extra_state") in output_layers:  # GPTModel.sharded_state_dict pops it
+                continue
+            unique = f"{key}/shard_{'.'.join(map(str, axes or (0,)))}_{'.'.join(map(str, counts or (1,)))}"
+            boxes.append(DistBox(unique, task, None, axes, ones, axes=len(axes)))
+            continue
+        shape, sections = task.shape, task.rule.dist_sections
+        if task.rule.kind is not GLU and not sections:
+            boxes.append(DistBox(key, task, counts + shape, axes + (0,) * len(shape), ones + shape, 0, shape[0],
+                                 len(axes)))
+            continue
+        start = 0
+        for i, piece in enumerate(task.shard.pieces):
+            box = (piece.length,) + shape[1:]
+            if sections:
+                boxes.append(DistBox(f"{key}.{sections[i]}", task, counts + box, axes + (0,) * len(shape),
+                                     ones + box, start, piece.length, len(axes)))
+            else:
+                boxes.append(DistBox(key, task, counts + shape, axes + (start,) + (0,) * (len(shape) - 1),
+                                     ones + box, start, piece.length, len(axes)))
+            start += piece.length
     return boxes
 
 
-def write_entries(args: Namespace, dtype: torch.dtype, common: dict, parameter: Callable[[str], torch.Tensor], dtypes: dict[str, torch.dtype]) -> list[DistEntry]:
-    """What a torch_dist checkpoint of mconv's model holds, as the writer's entries: every main-replica
-    ShardedTensor and ShardedObject of megatron-core's `sharded_state_dict()` of the meta model (keys,
-    global shapes, offsets as megatron-core plans them), then the `common` state (as Megatron-LM's:
-    args, checkpoint_version, iteration). `parameter(name)`
-    builds the full (TP1) tensor of a parameter named as in the local-spec state dict, `dtypes`
-    each parameter's dtype. Needs `megatron_process_group()`."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
-
-    model = meta_model(args, dtype, dtypes)
-    names = _parameter_names(model)
+def entries(plan: Plan, args: Namespace, common: dict, parameter: Callable[[TensorTask], torch.Tensor],
+            dtypes: dict[str, torch.dtype]) -> list[DistEntry]:
+    """The writer's entries for the torch_dist checkpoint of `plan` (see `plan_boxes`), then the
+    `common` state (as Megatron-LM's: args, checkpoint_version, iteration). `parameter(task)` builds
+    the full TP1 tensor of a parameter, `dtypes` each parameter's dtype by its local-spec name."""
     local = threading.local()  # each writer thread builds its own parameters
 
-    def box(entry) -> Callable[[], torch.Tensor]:
-        name = names.get(_storage_id(entry.data))
-        if name is None:
-            raise MconvError(f"internal: megatron-core planned {entry.key}, which is not a model parameter")
-        view, sizes = entry.data, (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
-
-        def produce() -> torch.Tensor:
-            if getattr(local, "name", None) != name:  # GLU fc1 is two boxes of one parameter, written in turn
-                local.name, local.full = name, parameter(name)
+    def produce(box: DistBox) -> Callable[[], torch.Tensor]:
+        def build() -> torch.Tensor:
+            if getattr(local, "name", None) != box.task.megatron:  # a parameter's boxes are written in turn
+                local.name, local.full = box.task.megatron, parameter(box.task)
             full = local.full
-            if view.storage_offset() == 0 and view.numel() == full.numel() and view.is_contiguous():
-                return full.view(sizes)  # the whole parameter: no copy
-            return full.as_strided(view.size(), view.stride(), view.storage_offset()).reshape(sizes)
-        return produce, name
+            part = full if box.length == full.shape[0] else full.narrow(0, box.start, box.length)
+            return part.reshape(box.sizes)
+        return build
 
-    sharded = model.sharded_state_dict()
-    apply_factories(sharded)
-    entries = []
-    for item in nested_values(sharded):
-        if isinstance(item, ShardedTensor) and item.replica_id in (0, (0, 0, 0), (0, 0)):
-            produce, name = box(item)
-            entries.append(DistEntry(item.key, tuple(item.global_shape), item.dtype, produce,
-                                     tuple(item.global_offset), (1,) * item.prepend_axis_num + tuple(item.local_shape),
-                                     group=name))
-        elif isinstance(item, ShardedObject) and item.replica_id in (0, (0, 0, 0), (0, 0)):
-            entries.append(DistEntry(item.unique_key, None, None, lambda data=item.data: data))
-        elif not isinstance(item, (ShardedTensor, ShardedObject)):
-            raise MconvError(f"internal: megatron-core's sharded state dict holds a {type(item).__name__}")
-    entries.append(DistEntry(COMMON_KEY, None, None, lambda: common))
-    return entries
+    out = []
+    for box in plan_boxes(plan, args):
+        if box.global_shape is None:
+            out.append(DistEntry(box.key, None, None, lambda: None))
+        else:
+            out.append(DistEntry(box.key, box.global_shape, dtypes[box.task.megatron], produce(box), box.offsets,
+                                 box.sizes, group=box.task.megatron))
+    out.append(DistEntry(COMMON_KEY, None, None, lambda: common))
+    return out
 
 
-def entries(args: Namespace, dtype: torch.dtype, common: dict, parameter: Callable[[str], torch.Tensor],
-            dtypes: dict[str, torch.dtype]) -> list[DistEntry]:
-    """`write_entries` in its own megatron-core process group (computed once per writing process)."""
-    with megatron_process_group():
-        return write_entries(args, dtype, common, parameter, dtypes)
-
-
-def parameter_session(reader: torch_dist_io.TorchDistReader, args: Namespace, dtype: torch.dtype):
-    """(load, dtype_of, load_rows) for a torch_dist checkpoint read by megatron-core's (TP1)
-    parameter names: load(names) -> {name: tensor}; dtype_of(name) is the stored dtype of that
+def parameter_session(reader: torch_dist_io.TorchDistReader, plan: Plan, args: Namespace):
+    """(load, dtype_of, load_rows) for a torch_dist checkpoint read by the TP1 local-spec parameter
+    names of `plan`: load(names) -> {name: tensor}; dtype_of(name) is the stored dtype of that
     parameter; load_rows([(name, start, dest)]) reads rows [start, start + len(dest)) of each
     parameter into `dest` (a contiguous tensor of the stored dtype: the output's own memory).
-    megatron-core's sharded state dict says which box of which global tensor each parameter (or each
-    half of a GLU fc1: a range of its rows) is; the reader reads those boxes, whatever chunking was written."""
-    with megatron_process_group():
-        model = meta_model(args, dtype)
-        shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()
-                  if isinstance(t, torch.Tensor)}
-        boxes = sharded_parameters(model)
+    The reader reads each parameter's boxes (ranges of its rows), whatever chunking was written.
+    Errors (MconvError): a key missing from the checkpoint, a global shape other than the HF config implies."""
+    boxes: dict[str, list[DistBox]] = {}
+    for box in plan_boxes(plan, args):
+        if box.global_shape is not None:
+            boxes.setdefault(box.task.megatron, []).append(box)
     where = reader.iter_dir
-    rows: dict[str, list[tuple]] = {}  # name -> (key, global shape, offsets, row axis, first row, rows, sizes)
-    for name, entries in boxes.items():
-        for entry in entries:
-            view, row = entry.data, shapes[name][1:].numel()
-            if (not view.dim() or not view.is_contiguous() or view.shape[1:] != shapes[name][1:]
-                    or view.storage_offset() % row):
-                raise MconvError(f"internal: megatron-core's box {entry.key} of {name} is not a range of its rows")
-            rows.setdefault(name, []).append((entry.key, tuple(entry.global_shape), tuple(entry.global_offset),
-                                              entry.prepend_axis_num,
-                                              view.storage_offset() // row, view.shape[0],
-                                              (1,) * entry.prepend_axis_num + tuple(entry.local_shape)))
 
     def stored_dtype(name: str) -> torch.dtype:
+        if name not in boxes:
+            raise MconvError(f"internal: the torch_dist plan has no parameter {name}")
         key = boxes[name][0].key
         if key not in reader.tensors:
             raise MconvError(f"{where}: tensor {key} (for {name}) is missing from the checkpoint")
@@ -223,24 +221,24 @@ def parameter_session(reader: torch_dist_io.TorchDistReader, args: Namespace, dt
     def load_rows(parts: list[tuple[str, int, torch.Tensor]]) -> None:
         requests = []
         for name, start, dest in parts:
-            if name not in boxes:
-                raise MconvError(f"internal: megatron-core's model has no parameter {name}")
+            stored_dtype(name)
             stop = start + dest.shape[0]
-            for key, global_shape, offsets, axis, first, length, sizes in rows[name]:
-                lo, hi = max(start, first), min(stop, first + length)
+            for box in boxes[name]:
+                lo, hi = max(start, box.start), min(stop, box.start + box.length)
                 if lo >= hi:
                     continue
-                if key in reader.tensors and reader.tensors[key].shape != global_shape:
-                    raise MconvError(f"{where}: tensor {key} has shape {list(reader.tensors[key].shape)}, "
-                                     f"the HF config implies {list(global_shape)}")
-                box = list(offsets)
-                box[axis] += lo - first
-                part = dest.narrow(0, lo - start, hi - lo)
-                requests.append((key, tuple(box), part.view(sizes[:axis] + (hi - lo,) + sizes[axis + 1:])))
+                stored = reader.tensors[box.key].shape
+                if stored != box.global_shape:
+                    raise MconvError(f"{where}: tensor {box.key} has shape {list(stored)}, "
+                                     f"the HF config implies {list(box.global_shape)}")
+                offsets, sizes = list(box.offsets), list(box.sizes)
+                offsets[box.axes] += lo - box.start  # the parameter's rows are axis `axes` of the box
+                sizes[box.axes] = hi - lo
+                requests.append((box.key, tuple(offsets), dest.narrow(0, lo - start, hi - lo).view(sizes)))
         reader.read(requests)
 
     def load(wanted: list[str]) -> dict[str, torch.Tensor]:
-        out = {name: torch.empty(shapes[name], dtype=stored_dtype(name)) for name in wanted}
+        out = {name: torch.empty(boxes[name][0].task.shape, dtype=stored_dtype(name)) for name in wanted}
         load_rows([(name, 0, buffer) for name, buffer in out.items()])
         return out
 

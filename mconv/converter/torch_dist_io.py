@@ -249,11 +249,30 @@ class TorchDistReader:
         except (TypeError, AttributeError, ValueError, IndexError) as e:  # fields of the wrong type
             raise MconvError(f"{path}: not a torch.distributed.checkpoint metadata file mconv can read "
                              f"({type(e).__name__}: {e})") from None
+        self._check_extents()
         self._decoded: dict[StoredChunk, _ChunkData] = {}
         self._headers: dict[bytes, tuple] = {}  # data.pkl bytes -> (dtype, size, stride, storage offset, record)
         self._indexes: dict[str, _ChunkIndex] = {}  # built on a key's first read
         self.common = self._common_state()
         self.args = self.common.get("args") if isinstance(self.common, dict) else None
+
+    def _check_extents(self) -> None:
+        """Every stored chunk lies inside its file, so a truncated or missing `.distcp` is reported
+        when the checkpoint is opened (by `inspect` too, which reads no chunk), naming the file and
+        the first key stored past its end; one stat per file."""
+        sizes: dict[str, int] = {}
+        stored = [(key, chunk) for key, info in self.tensors.items() for chunk in info.chunks]
+        for key, chunk in sorted(stored + list(self.objects.items()), key=lambda kc: (kc[1].file, kc[1].offset)):
+            if chunk.file not in sizes:
+                path = self.iter_dir / chunk.file
+                if not path.is_file():  # a directory would fail later without a name; a FIFO would block
+                    raise MconvError(f"{path}: {'is not a regular file' if os.path.lexists(path) else 'is missing'}, "
+                                     f"but .metadata stores {key} in it")
+                sizes[chunk.file] = path.stat().st_size
+            if chunk.offset + chunk.length > sizes[chunk.file]:
+                raise MconvError(f"{self.iter_dir / chunk.file} is truncated: it ends at byte {sizes[chunk.file]:,}, but "
+                                 f".metadata stores {key} at bytes {chunk.offset:,}-{chunk.offset + chunk.length:,}; "
+                                 "the checkpoint is damaged")
 
     _opened: dict[tuple, "TorchDistReader"] = {}
 
@@ -657,9 +676,10 @@ def member_share(entries: Sequence[DistEntry], member: int, members: int) -> lis
 
 
 def write_share(iter_dir: Path, entries: Sequence[DistEntry], member: int, members: int,
-                progress: Callable[[int], None] = lambda n: None) -> None:
+                progress: Callable[[int], None] = lambda n: None, stop: threading.Event | None = None) -> None:
     """Write team member `member`'s share of `entries` into `__{member}_0.distcp` (large writev
-    calls, one fsync), and where each landed into a part file `finish` reads."""
+    calls, one fsync), and where each landed into a part file `finish` reads. Once `stop` is set
+    it returns at the next entry, leaving its file incomplete (the caller discards the output)."""
     path = iter_dir / data_file(member)
     records, pending, pending_bytes, position = [], [], 0, 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
@@ -677,6 +697,8 @@ def write_share(iter_dir: Path, entries: Sequence[DistEntry], member: int, membe
             pending, pending_bytes = [], 0
 
         for i in member_share(entries, member, members):
+            if stop is not None and stop.is_set():
+                return
             entry = entries[i]
             archive = _serialize(entry)
             records.append([entry.key, list(entry.offsets) if entry.global_shape is not None else None,
@@ -751,7 +773,13 @@ def write(iter_dir: Path, entries: Sequence[DistEntry], workers: int = 1, common
     else:
         from concurrent.futures import ThreadPoolExecutor
 
+        stop = threading.Event()  # set on an error or an interrupt: the other writers stop at their next entry
         with ThreadPoolExecutor(workers) as pool:
-            for future in [pool.submit(write_share, iter_dir, entries, m, workers, progress) for m in range(workers)]:
-                future.result()
+            try:
+                for future in [pool.submit(write_share, iter_dir, entries, m, workers, progress, stop)
+                               for m in range(workers)]:
+                    future.result()
+            except BaseException:
+                stop.set()
+                raise
     finish(iter_dir, entries, max(workers, 1), common_pt)

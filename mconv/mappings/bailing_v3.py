@@ -13,27 +13,35 @@ MoE when `i >= first_k_dense_replace`, else dense (HF `modeling_bailing_moe_v3.p
 - MLA: the down projections are `TELinear(parallel_mode="duplicated")` under Transformer Engine
   (whole on every TP rank) but `ColumnParallelLinear` in megatron-core's local spec (split on dim 0):
   two rules, one per spec. The head-wise gate `linear_gate [heads, hidden]` is column-parallel.
-- MTP layers (`model.layers.{L+j}`) have no place in this layout: they are left out (AReaL and
-  Megatron-Bridge drop them too) and hf2mcore says so.
+- MTP layers (`model.layers.{L+j}`, DeepSeek-V3 style: `enorm`, `hnorm`, `eh_proj [h, 2h]` on
+  `cat(enorm(embedding), hnorm(hidden))`, an MLA + MoE layer, `final_layernorm`) have no place in AReaL's
+  layout: by default they are left out (AReaL and Megatron-Bridge drop them too) and hf2mcore says so;
+  with `--mtp` they become megatron-core's MTP block (`mtp.layers.{j}.`, multi_token_prediction.py:
+  `enorm`, `hnorm`, column-parallel `eh_proj`, the inner layer `mtp_model_layer.` built from the last
+  decoder layer's spec, `final_layernorm`) on the last pipeline stage, which then also holds a copy of
+  the word embedding (GPTModel builds one wherever MTP runs).
 """
 from types import SimpleNamespace
 
-from mconv.converter.transforms import COLUMN, DUPLICATED, GLU, REPLICATED, ROW, SECTIONED
+from mconv.converter.transforms import COLUMN, DUPLICATED, GLU, REPLICATED, ROW, SECTIONED, VOCAB
 from mconv.errors import MconvError
 from mconv.mappings.common import config_value, rope_parameters, rope_theta
 from mconv.mappings.qwen3 import DENSE_MLP, H, L, embedding_and_output
 from mconv.mappings.qwen3_moe import MOE_MLP, moe
-from mconv.mappings.schema import Architecture, Rule, extra_state, linear
+from mconv.mappings.schema import (LAST, MTP_LAYER, MTP_REPEAT, Architecture, DistKeys, Rule, extra_state, linear,
+                                   mtp_layer_rules)
 
 A, HA = L + "self_attention.", H + "attention."
 
 
-def _layer_kinds(layers: int, group: int) -> frozenset[int]:
-    """The MLA layers: the last of every `layer_group_size` group, and any incomplete tail group."""
+def _layer_kinds(layers: int, group: int, total: int | None = None) -> frozenset[int]:
+    """The MLA layers among the first `total` (default `layers`) HF layers: the last of every
+    `layer_group_size` group, and any incomplete tail group, which includes every MTP layer (i >= layers)."""
+    total = layers if total is None else total
     if group <= 1:
-        return frozenset(range(layers))
+        return frozenset(range(total))
     full = layers // group * group
-    return frozenset(i for i in range(layers) if (i + 1) % group == 0 or i >= full)
+    return frozenset(i for i in range(total) if (i + 1) % group == 0 or i >= full)
 
 
 def _rope_scaling(config: dict) -> dict:
@@ -65,8 +73,10 @@ def dims(config: dict) -> SimpleNamespace:
     kv_lora = config_value(config, "kv_lora_rank")
     experts = config.get("num_experts") or 0
     first_dense = config.get("first_k_dense_replace", 0) or 0
-    mla_layers = _layer_kinds(layers, config.get("layer_group_size", 1) or 1)
-    moe_layers = frozenset(i for i in range(layers) if experts and i >= first_dense)
+    mtp = config.get("num_nextn_predict_layers", 0) or 0
+    # Layer kinds by the HF rules, for the MTP layers (HF layers L + j) too.
+    mla_layers = _layer_kinds(layers, config.get("layer_group_size", 1) or 1, layers + mtp)
+    moe_layers = frozenset(i for i in range(layers + mtp) if experts and i >= first_dense)
     d = SimpleNamespace(
         layers=layers, hidden=hidden, heads=heads, groups=heads, vocab=config_value(config, "vocab_size"),
         tied=bool(config.get("tie_word_embeddings", False)), norm_eps=config.get("rms_norm_eps", 1e-6),
@@ -74,14 +84,16 @@ def dims(config: dict) -> SimpleNamespace:
         rope_interleave=bool(config.get("rope_interleave", True)),
         max_positions=config.get("max_position_embeddings", 4096), ffn=config_value(config, "intermediate_size"),
         # KDA
-        mla_layers=mla_layers, kda_layers=frozenset(range(layers)) - mla_layers,
+        mla_layers=mla_layers, kda_layers=frozenset(range(layers + mtp)) - mla_layers,
         head_dim=head_dim, kda=heads * head_dim, conv_kernel=config.get("short_conv_kernel_size", 4),
         kda_lora=not config.get("no_kda_lora", False),
         # MLA
         q_lora=q_lora, kv_lora=kv_lora, qk_nope=nope, qk_rope=rope, v_head=v_head,
         q_rows=heads * (nope + rope), kv_down=kv_lora + rope, kv_up=heads * (nope + v_head), attn_out=heads * v_head,
         # MoE
-        experts=experts, moe_layers=moe_layers, mtp_layers=config.get("num_nextn_predict_layers", 0) or 0)
+        experts=experts, moe_layers=moe_layers,
+        # MTP: the HF model's layers, and those converted (planner.model_dims sets it for --mtp)
+        hf_mtp_layers=mtp, mtp_layers=0, eh_in=2 * hidden, mtp_loss_scale=config.get("mtp_loss_scaling_factor", 0.1))
     if experts:
         d.moe_ffn = config_value(config, "moe_intermediate_size")
         d.shared_ffn = (config.get("moe_shared_expert_intermediate_size") or d.moe_ffn) * (
@@ -113,6 +125,15 @@ def megatron_args(d: SimpleNamespace) -> dict:
                     mscale_all_dim=s.get("mscale_all_dim", 0.0),
                     original_max_position_embeddings=s.get("original_max_position_embeddings", d.max_positions),
                     beta_fast=s.get("beta_fast", 32), beta_slow=s.get("beta_slow", 1))
+    if d.mtp_layers:
+        last = d.layers - 1  # megatron-core builds every MTP layer from the last decoder layer's spec
+        for layer in range(d.layers, d.layers + d.mtp_layers):
+            if (layer in d.moe_layers) != (last in d.moe_layers):
+                kinds = {True: "MoE", False: "a dense MLP"}
+                raise MconvError(f"--mtp: config.json first_k_dense_replace gives MTP layer model.layers.{layer} "
+                                 f"{kinds[layer in d.moe_layers]} and the last decoder layer {kinds[last in d.moe_layers]}; "
+                                 "megatron-core builds its MTP layers with the last decoder layer's spec")
+        args.update(mtp_num_layers=d.mtp_layers, mtp_loss_scaling_factor=d.mtp_loss_scale)
     if d.experts:
         # megatron-core scores a group by the sum of its top (topk / group_topk) experts
         # (moe_utils.group_limited_topk); the HF BailingMoeV3Gate by its top 2.
@@ -170,15 +191,19 @@ INPUT_NORM = (
     extra_state(L + "input_layernorm", specs=("te",)),  # TENorm
 )
 
+# torch_dist keys of the sections, `in_proj.weight.query` ... (KimiDeltaAttention.sharded_state_dict).
+IN_PROJ_SECTIONS = ("query", "key", "value", "g", "gate")
 KDA = (
     *linear(A + "in_proj", {**QKV_IN, HA + "f_proj.weight": "kda hidden", HA + "g_proj.weight": "kda hidden"},
-            SECTIONED, when=_when(kda, full_rank)),
+            SECTIONED, when=_when(kda, full_rank), dist_sections=IN_PROJ_SECTIONS),
     *linear(A + "in_proj", {**QKV_IN, HA + "f_a_proj.weight": "head_dim hidden",
-                            HA + "g_a_proj.weight": "head_dim hidden"}, SECTIONED, when=_when(kda, low_rank)),
+                            HA + "g_a_proj.weight": "head_dim hidden"}, SECTIONED, when=_when(kda, low_rank),
+            dist_sections=IN_PROJ_SECTIONS),
     *linear(A + "f_b_proj", {HA + "f_b_proj.weight": "kda head_dim"}, COLUMN, when=_when(kda, low_rank)),
     *linear(A + "g_b_proj", {HA + "g_b_proj.weight": "kda head_dim"}, COLUMN, when=_when(kda, low_rank)),
     Rule(A + "conv1d.weight", {HA + "q_conv1d.weight": "kda 1 conv_kernel", HA + "k_conv1d.weight": "kda 1 conv_kernel",
-                               HA + "v_conv1d.weight": "kda 1 conv_kernel"}, SECTIONED, when=kda),
+                               HA + "v_conv1d.weight": "kda 1 conv_kernel"}, SECTIONED, when=kda,
+         dist_sections=IN_PROJ_SECTIONS[:3]),
     *linear(A + "beta_proj", {HA + "b_proj.weight": "heads hidden"}, COLUMN, when=kda),
     Rule(A + "A_log", {HA + "A_log": "heads"}, COLUMN, when=kda),
     Rule(A + "dt_bias", {HA + "dt_bias": "kda"}, COLUMN, when=kda),
@@ -221,8 +246,31 @@ MOE_EXTRAS = (
             ROW, when=_when(moe, shared)),
 )
 
+M = MTP_LAYER
+
+
+def mtp_copy_of_embedding(d):
+    # GPTModel builds an embedding wherever MTP runs; off the first chunk it is a copy (tied by megatron-core).
+    return d.mtp_layers and (d.pp > 1 or d.vpp > 1)
+
+
+MTP = (
+    *mtp_layer_rules(INPUT_NORM + MLA + DENSE_MLP + MOE_MLP + MOE_EXTRAS),
+    *(rule for norm in ("enorm", "hnorm", "final_layernorm") for rule in (
+        Rule(f"{M}{norm}.weight", {f"{H}{norm}.weight": "hidden"}, REPLICATED, stage=LAST, repeat=MTP_REPEAT),
+        extra_state(M + norm, stage=LAST, specs=("te",), repeat=MTP_REPEAT))),
+    *linear(M + "eh_proj", {H + "eh_proj.weight": "hidden eh_in"}, COLUMN, stage=LAST, repeat=MTP_REPEAT),
+    Rule("embedding.word_embeddings.weight", {"model.word_embeddings.weight": "vocab hidden"}, VOCAB, stage=LAST,
+         when=mtp_copy_of_embedding, exported=False),
+)
+
 BAILING_V3 = Architecture("BailingMoeV3ForCausalLM", dims,
                           embedding_and_output("model.word_embeddings.weight") + INPUT_NORM + KDA + MLA
-                          + DENSE_MLP + MOE_MLP + MOE_EXTRAS, megatron_args, dropped=lambda d: {
+                          + DENSE_MLP + MOE_MLP + MOE_EXTRAS + MTP, megatron_args, dropped=lambda d: {
                               f"model.layers.{d.layers + j}.": "multi-token-prediction layer: AReaL's layout has "
-                              "no MTP, so it is not converted" for j in range(d.mtp_layers)})
+                              "no MTP, so it is not converted; --mtp keeps it in megatron-core's MTP block"
+                              for j in range(0 if d.mtp_layers else d.hf_mtp_layers)},
+                          # torch_dist: KDA and MLA layers differ, so keys are per layer; local names
+                          # (megatron-core's local MLA spec has no keys map, AReaL's KDA layer has its own
+                          # input_layernorm).
+                          torch_dist=DistKeys(per_layer=True))

@@ -26,6 +26,7 @@ B_KIND: dict[Kind, Kind] = {QKV: QKV, GLU: GLU, SECTIONED: SECTIONED, COLUMN: CO
 CANONICAL: dict[Kind, tuple[str, ...]] = {QKV: ("adapter_q", "adapter_k", "adapter_v"),
                                           GLU: ("adapter_gate", "adapter_up")}
 GROUPED_WEIGHT = ".weight{expert}"  # TE grouped-GEMM expert weights: one adapter shared by the rank's experts
+DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge LoRA's target_modules
 
 
 @dataclass(frozen=True)
@@ -50,26 +51,34 @@ def _target(base: Rule, adapter: str, hf: dict[str, str], a_kind: Kind, b_kind: 
     module = base.megatron.removesuffix(".weight")
     modules = tuple(name.removesuffix(".weight") for name in hf)
     fan_in = next(iter(hf.values())).split()[1]
-    common = dict(when=base.when, group=base.group)
+    common = dict(when=base.when, group=base.group, stage=base.stage, repeat=base.repeat, qkv_dims=base.qkv_dims)
     a = Rule(f"{module}.{adapter}.linear_in.weight", {f"{modules[0]}.lora_A.weight": f"{RANK} {fan_in}"}, a_kind,
              **common)
     b = Rule(f"{module}.{adapter}.linear_out.weight",
              {f"{m}.lora_B.weight": f"{shape.split()[0]} {RANK}" for m, shape in zip(modules, hf.values())},
              b_kind, **common)
-    shared = base.te.removesuffix(GROUPED_WEIGHT) if base.te and base.te.endswith(GROUPED_WEIGHT) else None
+    # (decoder layers only: in a numbered block outside them, an MTP layer, such an adapter is refused as unknown)
+    grouped = base.per_layer and base.te and base.te.endswith(GROUPED_WEIGHT)
+    shared = base.te.removesuffix(GROUPED_WEIGHT) if grouped else None
     return Target(adapter, modules, a, b, shared)
 
 
 def targets(arch: Architecture) -> tuple[Target, ...]:
-    """Every adapter Megatron-Bridge's LoRA and CanonicalLoRA can put on the architecture's linear layers."""
+    """Every adapter Megatron-Bridge's LoRA and CanonicalLoRA can put on the architecture's linear layers:
+    those of the decoder layers and of other numbered blocks (a vision tower's blocks, deepstack
+    mergers, MTP layers), and elsewhere those named like its default targets (a vision tower's patch
+    merger): Megatron-Bridge matches target modules by name, in the whole model."""
     found = []
     for rule in arch.rules:
         linear = len(next(iter(rule.hf.values()), "").split()) == 2  # not a convolution (KDA conv1d)
-        if rule.kind not in A_KIND or not rule.per_layer or not rule.megatron.endswith(".weight") or not linear:
+        wrapped = rule.per_layer or rule.repeat is not None or rule.megatron.rsplit(".", 2)[-2] in DEFAULT_TARGETS
+        if rule.kind not in A_KIND or not wrapped or not rule.megatron.endswith(".weight") or not linear:
             continue
         found.append(_target(rule, "adapter", rule.hf, A_KIND[rule.kind], B_KIND[rule.kind]))
-        for name, (hf, shape) in zip(CANONICAL.get(rule.kind, ()), rule.hf.items()):
-            found.append(_target(rule, f"adapter.{name}", {hf: shape}, COLUMN, COLUMN))
+        canonical = CANONICAL.get(rule.kind, ())
+        if len(canonical) == len(rule.hf):  # a fused layer with one HF tensor (vision attn.qkv) has no per-part HF module
+            for name, (hf, shape) in zip(canonical, rule.hf.items()):
+                found.append(_target(rule, f"adapter.{name}", {hf: shape}, COLUMN, COLUMN))
     return tuple(found)
 
 

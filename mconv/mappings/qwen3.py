@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 from mconv.converter.transforms import GLU, QKV, REPLICATED, ROW, VOCAB
 from mconv.errors import MconvError
-from mconv.mappings.schema import FIRST, LAST, Architecture, Rule, extra_state, linear
+from mconv.mappings.schema import FIRST, GPT_LOCAL_KEYS, LAST, Architecture, Rule, extra_state, linear
 from mconv.mappings.common import config_value, require_silu, rope_args
 
 L, H = "decoder.layers.{layer}.", "model.layers.{layer}."
@@ -104,4 +104,4 @@ def embedding_and_output(embedding: str = "model.embed_tokens.weight") -> tuple[
 EMBEDDING_AND_OUTPUT = embedding_and_output()
 
 QWEN3 = Architecture("Qwen3ForCausalLM", dims, EMBEDDING_AND_OUTPUT + ATTENTION + DENSE_MLP, megatron_args,
-                     model_type="qwen3")
+                     model_type="qwen3", torch_dist=GPT_LOCAL_KEYS)

@@ -13,14 +13,14 @@ vision linear has a bias (split with a column-parallel weight, whole with a row-
 the MLP is not gated; norms are LayerNorms (weight and bias); the merger's norm acts before the
 2x2 patch shuffle (`[Dv]`), the deepstack mergers' norms after it (`[Dv * m^2]`).
 """
-import logging
+from dataclasses import replace
 from types import SimpleNamespace
 
 from mconv.converter.transforms import COLUMN, QKV, REPLICATED, ROW
 from mconv.errors import MconvError
 from mconv.mappings import qwen3, qwen3_moe
 from mconv.mappings.common import config_value, rope_parameters
-from mconv.mappings.schema import FIRST, Architecture, Rule, extra_state, prefixed
+from mconv.mappings.schema import FIRST, GPT_LOCAL_KEYS, Architecture, Rule, extra_state, prefixed
 
 V = "vision_model."
 B, HB = V + "decoder.layers.{block}.", "model.visual.blocks.{block}."
@@ -151,74 +151,14 @@ def megatron_args(d: SimpleNamespace, language=qwen3.megatron_args) -> dict:
                 vision_start_token_id=d.vision_start_token_id)
 
 
-def megatron_model(args, config):
-    """The Megatron `Qwen3VLModel` of mbridge (git main) for these Megatron-LM args, from megatron-core's
-    local specs, as a CPU trainer builds it (vision blocks `get_vit_layer_with_local_spec`; mergers
-    WrappedTorchNorm / ColumnParallelLinear / RowParallelLinear), built on the current device;
-    `config` is the language model's TransformerConfig. Its `sharded_state_dict()` gives the
-    torch_dist keys (the vision tower's local-spec norms keep their local names there)."""
-    import dataclasses
-
-    import torch
-
-    try:
-        from mbridge.models.qwen3_vl.model import Qwen3VLModel
-        from mbridge.models.qwen3_vl.transformer_config import Qwen3VLTransformerConfig
-    except ImportError as e:
-        raise MconvError(f"--format torch_dist for Qwen3-VL takes its keys from mbridge's Qwen3VLModel, which is "
-                         f"not installed ({e}); install the mbridge wheel in wheels/ (scripts/install.sh does)") from None
-
-    if len(args.deepstack_visual_indexes) >= args.num_layers:
-        raise MconvError(f"mbridge's Qwen3VLModel needs more language layers ({args.num_layers}) than deepstack "
-                         f"targets ({len(args.deepstack_visual_indexes)}); use --format torch")
-    config = Qwen3VLTransformerConfig(**{
-        **{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init},
-        "mrope_section": list(args.mrope_section)}, patch_size=args.patch_size,
-        temporal_patch_size=args.temporal_patch_size, in_channels=args.in_channels,
-        spatial_merge_size=args.spatial_merge_size, num_position_embeddings=args.num_position_embeddings,
-        out_hidden_size=args.hidden_size, deepstack_visual_indexes=list(args.deepstack_visual_indexes))
-    vision = SimpleNamespace(depth=args.vision_layers, hidden_size=args.vision_hidden, num_heads=args.vision_heads,
-                             intermediate_size=args.vision_ffn, patch_size=args.patch_size,
-                             temporal_patch_size=args.temporal_patch_size, in_channels=args.in_channels,
-                             spatial_merge_size=args.spatial_merge_size,
-                             num_position_embeddings=args.num_position_embeddings, out_hidden_size=args.hidden_size,
-                             deepstack_visual_indexes=list(args.deepstack_visual_indexes))
-    # megatron-core's MultimodalRotaryEmbedding puts its frequencies on torch.cuda.current_device() when
-    # built; the model is built on the meta device to read its keys, so they go there, GPU or not.
-    # mbridge also logs a warning that its Qwen3VLModel is "under development".
-    current_device, torch.cuda.current_device = torch.cuda.current_device, lambda: "meta"
-    logger = logging.getLogger("mbridge")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        return _qwen3_vl_model(Qwen3VLModel, config, vision, args)
-    finally:
-        torch.cuda.current_device = current_device
-        logger.setLevel(level)
+def check_torch_dist(d: SimpleNamespace) -> None:
+    """mbridge's Qwen3VLModel asserts fewer deepstack targets than language layers."""
+    if d.deepstack >= d.layers:
+        raise MconvError(f"mbridge's Qwen3VLModel needs more language layers ({d.layers}) than deepstack "
+                         f"targets ({d.deepstack}); use --format torch")
 
 
-def _qwen3_vl_model(Qwen3VLModel, config, vision, args):
-    from copy import deepcopy
-
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from mbridge.models.qwen3_vl.transformer_config import get_vision_model_config
-    from mbridge.models.qwen3_vl.utils import PatchMergerSubmodules
-
-    return Qwen3VLModel(
-        language_transformer_config=config,
-        language_transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                                                   normalization=args.normalization, qk_l2_norm=False),
-        language_vocab_size=args.padded_vocab_size, language_max_sequence_length=args.max_position_embeddings,
-        vision_transformer_config=get_vision_model_config(deepcopy(config), vision),
-        vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
-        vision_patch_merger_spec=PatchMergerSubmodules(WrappedTorchNorm, ColumnParallelLinear, RowParallelLinear),
-        language_rotary_base=args.rotary_base,
-        language_share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        image_token_id=args.image_token_id, video_token_id=args.video_token_id,
-        vision_start_token_id=args.vision_start_token_id)
+DIST_KEYS = replace(GPT_LOCAL_KEYS, check=check_torch_dist)
 
 
 def moe_megatron_args(d: SimpleNamespace) -> dict:
@@ -227,8 +167,13 @@ def moe_megatron_args(d: SimpleNamespace) -> dict:
 
 def hf_config(config: dict) -> dict:
     """config.json that transformers 4.57 and 5.x both read: 4.x reads rope_theta + rope_scaling and
-    num_experts, 5.x rope_parameters and num_local_experts (reference qwen3-vl.md, section 2)."""
+    num_experts, 5.x rope_parameters and num_local_experts (reference qwen3-vl.md, section 2). 4.57 ties
+    lm_head to the embeddings by text_config's tie_word_embeddings, 5.x by the top-level one (5.x MoE
+    text configs carry a default true): text_config gets the top-level value (seen with 4.57.6: lm_head
+    silently dropped, logits off by 1.0). MoE text configs get `norm_topk_prob: true`, which 4.x writes and
+    vLLM 0.32's Qwen3-VL-MoE reads (5.x neither writes nor needs it: its router always renormalises)."""
     text = dict(config["text_config"])
+    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
     rope = rope_parameters(text)[0]
     text["rope_parameters"] = rope
     text["rope_theta"] = rope["rope_theta"]
@@ -236,12 +181,14 @@ def hf_config(config: dict) -> dict:
     experts = text.get("num_local_experts") or text.get("num_experts")
     if experts:
         text["num_experts"] = text["num_local_experts"] = experts
+        text["norm_topk_prob"] = True
     return {**config, "text_config": text}
 
 
 LANGUAGE = prefixed(qwen3.EMBEDDING_AND_OUTPUT + qwen3.ATTENTION + qwen3.DENSE_MLP, "language_model.", _hf_language)
 QWEN3_VL = Architecture("Qwen3VLForConditionalGeneration", dims, VISION + LANGUAGE, megatron_args,
-                        check_layout=check_layout, hf_config=hf_config)
+                        check_layout=check_layout, hf_config=hf_config, torch_dist=DIST_KEYS)
 QWEN3_VL_MOE = Architecture("Qwen3VLMoeForConditionalGeneration", moe_dims,
                             VISION + LANGUAGE + prefixed(qwen3_moe.MOE_MLP, "language_model.", _hf_language),
-                            moe_megatron_args, check_layout=check_layout, stacked_experts=True, hf_config=hf_config)
+                            moe_megatron_args, check_layout=check_layout, stacked_experts=True, hf_config=hf_config,
+                            torch_dist=DIST_KEYS)

@@ -29,10 +29,15 @@ class Rule:
     exported: bool = True  # False for copies (the tied output layer): mcore2hf takes the original
     specs: tuple[str, ...] = ("local", "te")
     # Non-layer rules repeated over an index: (template field, dims attribute with the count),
-    # e.g. ("block", "vision_layers") for `vision_model.decoder.layers.{block}.`.
-    repeat: tuple[str, str] | None = None
+    # e.g. ("block", "vision_layers") for `vision_model.decoder.layers.{block}.`. A third item, a dims
+    # attribute, makes the copies layers kept outside the decoder (MTP): copy j is HF layer
+    # `{layer}` = that attribute + j, and `when` takes (dims, layer) as a layer rule's does.
+    repeat: tuple[str, ...] | None = None
     # The dims attributes a fused QKV rule takes its (heads, query groups, head_dim) from.
     qkv_dims: tuple[str, str, str] = ("heads", "groups", "head_dim")
+    # torch_dist: a fused tensor stored as one global tensor per HF section, its key suffixed with
+    # these names (e.g. AReaL's KimiDeltaAttention `in_proj.weight.query`); see converter/torch_dist.py.
+    dist_sections: tuple[str, ...] = ()
 
     def megatron_name(self, spec: str) -> str:
         return self.te if spec == "te" and self.te else self.megatron
@@ -40,6 +45,26 @@ class Rule:
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
+
+
+@dataclass(frozen=True)
+class DistKeys:
+    """How a torch_dist checkpoint names an architecture's tensors, beyond the conventions of every
+    megatron-core model (converter/torch_dist.py): `keys_map` is the layer spec's
+    `sharded_state_dict_keys_map` (a local-spec name prefix inside a decoder layer -> its key prefix,
+    the first match applies); `per_layer` says the decoder layers differ from each other, so their keys
+    are always per layer (`decoder.layers.{i}.`), never stacked; `check(dims)` raises MconvError for
+    a model the trainer's Megatron model class cannot build (so no checkpoint of it can be loaded)."""
+
+    keys_map: tuple[tuple[str, str], ...] = ()
+    per_layer: bool = False
+    check: Callable[[SimpleNamespace], None] | None = None
+
+
+# megatron-core's local GPT layer spec (get_gpt_layer_local_submodules, megatron-core 0.19.2): the
+# norms take the names they have fused into the next linear under Transformer Engine.
+GPT_LOCAL_KEYS = DistKeys(keys_map=(("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                                    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")))
 
 
 @dataclass(frozen=True)
@@ -59,6 +84,8 @@ class Architecture:
     # HF tensors the Megatron layout has no place for: {HF name prefix: why}; hf2mcore leaves them out
     # and says so (mcore2hf cannot bring them back).
     dropped: Callable[[SimpleNamespace], dict[str, str]] = field(default=lambda d: {})
+    # How torch_dist keys are named (None: no torch_dist checkpoint for this architecture).
+    torch_dist: DistKeys | None = None
 
 
 def prefixed(rules: tuple[Rule, ...], megatron: str, hf: Callable[[str], str]) -> tuple[Rule, ...]:
@@ -68,6 +95,21 @@ def prefixed(rules: tuple[Rule, ...], megatron: str, hf: Callable[[str], str]) -
                          hf={hf(name): shape for name, shape in r.hf.items()}) for r in rules)
 
 
+DECODER_LAYER = "decoder.layers.{layer}."
+MTP_LAYER = "mtp.layers.{mtp}."  # megatron-core's MultiTokenPredictionBlock, on the last pipeline stage
+MTP_REPEAT = ("mtp", "mtp_layers", "layers")  # MTP layer j is HF layer num_hidden_layers + j
+
+
+def mtp_layer_rules(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """Decoder-layer rules as the inner layer of megatron-core's MTP layers
+    (`mtp.layers.{j}.mtp_model_layer.`, multi_token_prediction.py), placed with the final norm on the
+    last pipeline stage, for HF layer num_hidden_layers + j; their `when` picks the layer kind there."""
+    def move(name: str) -> str:
+        return name.replace(DECODER_LAYER, MTP_LAYER + "mtp_model_layer.")
+    return tuple(replace(r, megatron=move(r.megatron), te=r.te and move(r.te), stage=LAST, repeat=MTP_REPEAT)
+                 for r in rules if r.per_layer)
+
+
 def extra_state(module: str, stage: str | None = None, specs=("local", "te"), when=None, repeat=None) -> Rule:
     """The `_extra_state` entry (None in converted checkpoints) that Megatron linear modules carry."""
     return Rule(f"{module}._extra_state", {}, EXTRA_STATE, stage=stage, specs=specs, when=when, repeat=repeat)
@@ -75,5 +117,5 @@ def extra_state(module: str, stage: str | None = None, specs=("local", "te"), wh
 
 def linear(module: str, hf: dict[str, str], kind: Kind, **options) -> tuple[Rule, Rule]:
     """A Megatron linear layer: its weight and its `_extra_state`."""
-    stage, when = options.get("stage"), options.get("when")
-    return Rule(f"{module}.weight", hf, kind, **options), extra_state(module, stage=stage, when=when)
+    stage, when, repeat = options.get("stage"), options.get("when"), options.get("repeat")
+    return Rule(f"{module}.weight", hf, kind, **options), extra_state(module, stage=stage, when=when, repeat=repeat)
