@@ -245,3 +245,25 @@ def test_torch_dist_mtp_round_trip(tmp_path):
     hf2mcore(hf, tmp_path / "m", Layout(tp=2), fmt="torch_dist", progress=False, mtp=True)
     mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
     assert_bit_identical(read_all(hf), read_all(tmp_path / "back"))
+
+
+def test_inspect_prints_the_mtp_flags_megatron_lm_parses(tmp_path):
+    """`mconv inspect` of a --mtp checkpoint prints --mtp-num-layers / --mtp-loss-scaling-factor, and
+    Megatron-LM's own parser reads them back as the stored args."""
+    import argparse
+    import warnings
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from mconv.converter import megatron_io as mio
+    from mconv.converter.describe import inspect_path
+
+    warnings.filterwarnings("ignore")
+    hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=2, mtp_loss_scaling_factor=0.3)
+    hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch", progress=False, mtp=True)
+    saved = vars(mio.load_rank_file(tmp_path / "m/release/mp_rank_00/model_optim_rng.pt")["args"])
+    flags = inspect_path(tmp_path / "m")["trainer_flags"]
+    parsed, unknown = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_known_args(flags)
+    assert not unknown and "--mtp-num-layers" in flags
+    assert (parsed.mtp_num_layers, parsed.mtp_loss_scaling_factor) == (saved["mtp_num_layers"],
+                                                                       saved["mtp_loss_scaling_factor"]) == (2, 0.3)
