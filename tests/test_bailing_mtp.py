@@ -114,10 +114,11 @@ def _pipeline_worker(rank: int, checkpoint, c: dict, pp: int, vpp: int, port: in
     state = torch.load(path, map_location="cpu", weights_only=False)
     config = _core_config(state["args"], 1, 1, pp, vpp)
     for v in range(vpp):
+        chunk = state[f"model{v}" if vpp > 1 else "model"]
         model = bailing_model(config, c, state["args"].padded_vocab_size, v if vpp > 1 else None)
-        model.load_state_dict(state[f"model{v}" if vpp > 1 else "model"], strict=True)
+        model.load_state_dict(chunk, strict=True)
         last = rank == pp - 1 and v == vpp - 1
-        assert hasattr(model, "mtp") == last and any(k.startswith("mtp.") for k in state[f"model{v}" if vpp > 1 else "model"]) == last
+        assert hasattr(model, "mtp") == last and any(k.startswith("mtp.") for k in chunk) == last
     dist.barrier()
     dist.destroy_process_group()
 
