@@ -236,7 +236,9 @@ def main():
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a JSON summary (tensors, bytes, seconds, peak RSS; with --dry-run: tensors, bytes, files, "
+                   "plan).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
                      vocab_divisor, spec, fmt, iteration, mtp, dry_run, overwrite, workers, as_json, quiet):
@@ -267,7 +269,10 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
         click.echo(f"mconv: note: {note}", err=True)
     header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
               f"padded vocab {plan.padded_vocab}")
-    if dry_run:
+    if dry_run and as_json:
+        click.echo(json.dumps({"tensors": summary.tensors, "bytes": summary.bytes, "files": summary.files,
+                               "plan": summary.lines}))
+    elif dry_run:
         click.echo(f"plan for {out_dir} ({header})")
         for line in summary.lines:
             click.echo(f"  {line}")

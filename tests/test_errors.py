@@ -686,6 +686,8 @@ def test_quiet_means_the_same_for_every_command(tmp_path):
         assert result.exit_code == 0 and result.stdout == "" and result.stderr == "", (args, result.output)
     assert mconv("inspect", tmp_path / "m", "-q").stdout.startswith(f"{tmp_path / 'm'}: Megatron checkpoint")
     assert "total: " in mconv("hf2mcore", TINY, tmp_path / "plan", "--dry-run", "-q").stdout
+    plan = json.loads(mconv("hf2mcore", TINY, tmp_path / "plan", "--dry-run", "--json", "--tp", 2, "--format", "torch").stdout)
+    assert plan["files"] == 2 and plan["plan"][0].startswith("mp_rank_00: 1 chunk(s)")
     assert json.loads(mconv("mcore2hf", tmp_path / "m", tmp_path / "back2", "--json", "-q").stdout)["tensors"] > 0
     for args in quiet_runs[:2] + quiet_runs[3:]:  # errors are still printed: every output exists now
         result = mconv(*args, "-q")
@@ -790,7 +792,8 @@ def _live_save_worker(rank, run, where: Path):
 
 @pytest.mark.parametrize("case", ["checkpoint as HF input", "iteration dir as HF input", "output under a file",
                                   "dry run, output under a file", "hf-config without config.json", "neither",
-                                  "lora dtype without merge", "lora shard size without merge", "lora alpha nan"])
+                                  "lora dtype without merge", "lora shard size without merge", "lora alpha nan",
+                                  "output is the root", "inspect an HF model with --hf-config"])
 def test_a_new_users_mistakes_are_one_line(tmp_path, case):
     """Each mistake: exit status 1, one line saying what is wrong (not a raw OSError naming a staging
     directory, not a missing config.json of the wrong thing), nothing written."""
@@ -812,6 +815,90 @@ def test_a_new_users_mistakes_are_one_line(tmp_path, case):
         "lora shard size without merge": (["export-lora", tmp_path / "m", out, "--max-shard-size", "1GB"],
                                           "--max-shard-size applies only with --merge"),
         "lora alpha nan": (["export-lora", tmp_path / "m", out, "--alpha", "nan"], "--alpha must be a finite number"),
+        "output is the root": (["hf2mcore", TINY, "/", "--overwrite"], "output / overlaps the input"),
+        "inspect an HF model with --hf-config": (["inspect", TINY, "--hf-config", FIXTURES / "qwen3-moe-tiny"],
+                                                 "is an HF model, which has its own config.json; --hf-config is for"),
     }[case]
     assert_refused(mconv(*args, "-q"), out, fragment)
     assert leftovers(TINY) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_torchrun_rank_and_leaves_nothing(tmp_path):
+    """Ctrl-C in a terminal signals torchrun and its 2 ranks (one process group) while the ranks
+    write (stopped with SIGSTOP while the staging directory exists): every process ends, a rank
+    waiting for the other at a barrier included (a blocking TCPStore wait ran no signal handler),
+    and nothing is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    assert legacy(TINY, tmp_path / "m", "--tp", 2).exit_code == 0
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(29000 + os.getpid() % 1000 + 500), "-m", "mconv.cli", "mcore2hf", tmp_path / "m", out,
+               "--max-shard-size", "50KB"]
+    for _ in range(5):
+        process = subprocess.Popen([str(a) for a in command], cwd=Path(__file__).resolve().parents[1],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        staging = lambda: (tmp_path / ".out.mconv-partial-torchrun").exists()  # noqa: E731
+        if not wait_for(staging, process):
+            pytest.fail(process.communicate()[1][-3000:])
+        os.killpg(process.pid, signal.SIGSTOP)
+        if staging() and not out.exists():
+            break
+        os.killpg(process.pid, signal.SIGCONT)
+        process.communicate()
+        shutil.rmtree(out, ignore_errors=True)
+    os.killpg(process.pid, signal.SIGINT)
+    os.killpg(process.pid, signal.SIGCONT)
+    try:
+        _, stderr = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("a rank did not stop")
+    assert process.returncode != 0 and "mconv: interrupted" in stderr, stderr[-3000:]
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+TEAM_SCRIPT = """
+import datetime, signal, sys
+import torch.distributed as dist
+from mconv.converter.parallel import TorchrunTeam
+from mconv.errors import MconvError
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(hours=1))
+first, second = TorchrunTeam(0, 2, store, "job"), TorchrunTeam(1, 2, store, "job")
+
+def interrupted():
+    raise KeyboardInterrupt
+
+try:  # rank 0 is interrupted in its step: it leaves a note and counts as arrived
+    first.step("written", interrupted)
+except KeyboardInterrupt:
+    pass
+try:  # so rank 1 does not wait for it
+    second.step("written", lambda: None)
+except MconvError as e:
+    print(e)
+signal.signal(signal.SIGALRM, lambda *a: interrupted())
+signal.setitimer(signal.ITIMER_REAL, 0.5)
+try:  # a rank waiting for a rank that never comes still takes Ctrl-C
+    second.barrier("finished")
+except KeyboardInterrupt:
+    print("interrupted while waiting")
+"""
+
+
+def test_a_torchrun_rank_is_interruptible_and_never_waits_for_a_stopped_one():
+    """TorchrunTeam on a real TCPStore: a rank stopped by an interrupt leaves a note the others stop
+    with, and a rank waiting at a barrier takes Ctrl-C (a blocking TCPStore wait ran no Python
+    signal handler: Ctrl-C or torchrun's SIGTERM left the rank waiting for hours)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", TEAM_SCRIPT], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.stdout.splitlines() == ["rank 0 stopped (KeyboardInterrupt)", "interrupted while waiting"], \
+        result.stdout + result.stderr[-2000:]

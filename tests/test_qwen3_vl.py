@@ -107,6 +107,7 @@ def test_config_written_for_transformers_4_and_5(tmp_path):
     assert text["rope_theta"] == text["rope_parameters"]["rope_theta"] == 1_000_000.0
     assert text["rope_scaling"]["mrope_section"] == text["rope_parameters"]["mrope_section"] == [2, 3, 3]
     assert text["num_experts"] == text["num_local_experts"] == 4
+    assert text["norm_topk_prob"] is True  # vLLM 0.32 reads it; the model always renormalises its top-k
     # 4.57 ties lm_head by text_config's flag (5.x MoE text configs default it to true), 5.x by the top level.
     tensors = read_all(tmp_path / "back")
     assert text["tie_word_embeddings"] is False and "lm_head.weight" in tensors

@@ -192,6 +192,9 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     huggingface_hub's download bars for a hub name. Raises MconvError for what is neither."""
     local = Path(path)
     if not local.is_dir() or ((local / "config.json").is_file() and not (local / mio.TRACKER).is_file()):
+        if hf_config:
+            raise MconvError(f"{path} is an HF model, which has its own config.json; --hf-config is for Megatron "
+                             "checkpoints that store none")
         return _describe_hf(resolve_model(path, revision, progress=progress), str(path))
     if not (local / mio.TRACKER).is_file() and local.name != "release" and not local.name.startswith("iter_"):
         raise MconvError(f"{path} is neither an HF model (no config.json) nor a Megatron checkpoint (no "

@@ -32,8 +32,8 @@ def check_output_path(out: str | Path, overwrite: bool, inputs: tuple[str | Path
 
     Raises MconvError naming both paths."""
     out = output_path(out)
-    above = next(p for p in out.parents if os.path.lexists(p))
-    if not above.is_dir():
+    above = next((p for p in out.parents if os.path.lexists(p)), None)  # None for the root
+    if above is not None and not above.is_dir():
         raise MconvError(f"cannot write {out}: {above} is not a directory")
     real = out.resolve()
     for source in inputs:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 from mconv.errors import MconvError
 
 T = TypeVar("T")
+POLL_SECONDS = 0.1  # how often a rank waiting for the others looks at the store
 
 
 def share(costs: Sequence[int], index: int, size: int) -> list[int]:
@@ -52,20 +54,31 @@ class TorchrunTeam:
                               timeout=datetime.timedelta(hours=6))
         return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), store, job)
 
-    def barrier(self, name: str) -> None:
+    def _arrive(self, name: str) -> None:
         key = f"mconv/{self.job}/{name}"
         if self.store.add(key, 1) == self.size:
             self.store.set(f"{key}/open", "1")
-        self.store.wait([f"{key}/open"])
+
+    def barrier(self, name: str) -> None:
+        """Wait for every rank. Polled: while a blocking store.wait runs, Python runs no signal
+        handler, so Ctrl-C or torchrun's SIGTERM would not stop a waiting rank."""
+        self._arrive(name)
+        while not self.store.check([f"mconv/{self.job}/{name}/open"]):
+            time.sleep(POLL_SECONDS)
 
     def step(self, name: str, action: Callable[[], None]) -> None:
         """Run a step on this rank, then wait for all ranks; if any rank failed, every rank stops
-        with that rank's message (instead of waiting for it forever)."""
+        with that rank's message (instead of waiting for it forever). A rank stopped by anything
+        else (an interrupt) leaves a note and counts as arrived, so the others do not wait for it."""
         failed = f"mconv/{self.job}/failed"
         try:
             action()
         except MconvError as e:
             self.store.set(failed, f"rank {self.rank}: {e}")
+        except BaseException as e:
+            self.store.set(failed, f"rank {self.rank} stopped ({type(e).__name__})")
+            self._arrive(name)
+            raise
         self.barrier(name)
         if self.store.check([failed]):
             raise MconvError(self.store.get(failed).decode())

@@ -25,8 +25,8 @@ A_KIND: dict[Kind, Kind] = {QKV: COLUMN, GLU: COLUMN, SECTIONED: COLUMN, COLUMN:
 B_KIND: dict[Kind, Kind] = {QKV: QKV, GLU: GLU, SECTIONED: SECTIONED, COLUMN: COLUMN, ROW: COLUMN}
 CANONICAL: dict[Kind, tuple[str, ...]] = {QKV: ("adapter_q", "adapter_k", "adapter_v"),
                                           GLU: ("adapter_gate", "adapter_up")}
-GROUPED_WEIGHT = ".weight{expert}"
-DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge LoRA's target_modules  # TE grouped-GEMM expert weights: one adapter shared by the rank's experts
+GROUPED_WEIGHT = ".weight{expert}"  # TE grouped-GEMM expert weights: one adapter shared by the rank's experts
+DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge LoRA's target_modules
 
 
 @dataclass(frozen=True)
@@ -57,19 +57,21 @@ def _target(base: Rule, adapter: str, hf: dict[str, str], a_kind: Kind, b_kind: 
     b = Rule(f"{module}.{adapter}.linear_out.weight",
              {f"{m}.lora_B.weight": f"{shape.split()[0]} {RANK}" for m, shape in zip(modules, hf.values())},
              b_kind, **common)
-    shared = base.te.removesuffix(GROUPED_WEIGHT) if base.te and base.te.endswith(GROUPED_WEIGHT) else None
+    # (decoder layers only: in a numbered block outside them, an MTP layer, such an adapter is refused as unknown)
+    grouped = base.per_layer and base.te and base.te.endswith(GROUPED_WEIGHT)
+    shared = base.te.removesuffix(GROUPED_WEIGHT) if grouped else None
     return Target(adapter, modules, a, b, shared)
 
 
 def targets(arch: Architecture) -> tuple[Target, ...]:
     """Every adapter Megatron-Bridge's LoRA and CanonicalLoRA can put on the architecture's linear layers:
-    those of the decoder layers, and outside them those named like its default targets (a vision
-    tower's blocks and patch mergers: Megatron-Bridge matches target modules by name, so they are
-    wrapped too)."""
+    those of the decoder layers and of other numbered blocks (a vision tower's blocks, deepstack
+    mergers, MTP layers), and elsewhere those named like its default targets (a vision tower's patch
+    merger): Megatron-Bridge matches target modules by name, in the whole model."""
     found = []
     for rule in arch.rules:
         linear = len(next(iter(rule.hf.values()), "").split()) == 2  # not a convolution (KDA conv1d)
-        wrapped = rule.per_layer or rule.megatron.rsplit(".", 2)[-2] in DEFAULT_TARGETS
+        wrapped = rule.per_layer or rule.repeat is not None or rule.megatron.rsplit(".", 2)[-2] in DEFAULT_TARGETS
         if rule.kind not in A_KIND or not wrapped or not rule.megatron.endswith(".weight") or not linear:
             continue
         found.append(_target(rule, "adapter", rule.hf, A_KIND[rule.kind], B_KIND[rule.kind]))

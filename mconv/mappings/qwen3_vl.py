@@ -170,7 +170,8 @@ def hf_config(config: dict) -> dict:
     num_experts, 5.x rope_parameters and num_local_experts (reference qwen3-vl.md, section 2). 4.57 ties
     lm_head to the embeddings by text_config's tie_word_embeddings, 5.x by the top-level one (5.x MoE
     text configs carry a default true): text_config gets the top-level value (seen with 4.57.6: lm_head
-    silently dropped, logits off by 1.0)."""
+    silently dropped, logits off by 1.0). MoE text configs get `norm_topk_prob: true`, which 4.x writes and
+    vLLM 0.32's Qwen3-VL-MoE reads (5.x neither writes nor needs it: its router always renormalises)."""
     text = dict(config["text_config"])
     text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
     rope = rope_parameters(text)[0]
@@ -180,6 +181,7 @@ def hf_config(config: dict) -> dict:
     experts = text.get("num_local_experts") or text.get("num_experts")
     if experts:
         text["num_experts"] = text["num_local_experts"] = experts
+        text["norm_topk_prob"] = True
     return {**config, "text_config": text}
 
 
