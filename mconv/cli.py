@@ -122,7 +122,14 @@ class Command(click.Command):
     (`output.staged_directory`), so nothing was written."""
 
     def invoke(self, ctx):
+        from mconv.converter.output import uninterrupted
+
         try:
+            # torch's C module imports numpy and carries on without it if that import fails, so a
+            # KeyboardInterrupt raised in there is swallowed and the command would run on: held
+            # back, it is delivered as soon as torch is imported.
+            with uninterrupted():
+                import torch  # noqa: F401
             return super().invoke(ctx)
         except KeyboardInterrupt as e:
             interrupted(e, ctx.params.get("out_dir"))

@@ -562,6 +562,33 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_status_130(tmp_path):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
+def test_ctrl_c_swallowed_inside_the_torch_import_still_stops_the_command(tmp_path):
+    """torch's C module imports numpy and carries on without it when that import fails, so a Ctrl-C
+    landing there raised a KeyboardInterrupt that torch swallowed, and the conversion ran to the end
+    (seen with a real SIGINT about half a second after start). A stand-in torch that swallows one
+    the same way: the command still stops with one line and status 130."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import os, signal\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    sum(range(10000))\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "mconv.cli", "hf2mcore", str(TINY), str(tmp_path / "out")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{root}"})
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == f"mconv: interrupted; nothing was written to {tmp_path / 'out'}\n" and done.stdout == ""
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("command", ["hf2mcore torch_dist", "hf2mcore torch", "mcore2hf"])
