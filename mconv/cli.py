@@ -230,7 +230,7 @@ def main():
                    "of this times --tp.")
 @click.option("--spec", type=click.Choice(SPECS), default="local", show_default=True,
               help="Megatron layer spec the trainer builds: 'te' (Transformer Engine names, fused layer "
-                   "norms) or 'local'.")
+                   "norms; with --format torch only) or 'local'.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="torch_dist", show_default=True,
               help="Megatron checkpoint format: 'torch_dist' (Megatron-LM's default; layout-independent, "
                    "the trainer reshards on load) or 'torch' (legacy, one file per rank).")

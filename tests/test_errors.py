@@ -231,7 +231,9 @@ def test_usage_errors_are_one_line_with_status_2(tmp_path, args, fragment):
 
 
 def test_help_is_not_an_error():
-    assert mconv("hf2mcore", "--help").exit_code == 0
+    result = mconv("hf2mcore", "--help")
+    assert result.exit_code == 0
+    assert "with --format torch only" in " ".join(result.output.split())  # torch_dist, the default, refuses te
     assert "Usage:" in mconv().output  # plain `mconv` still shows the help
 
 
