@@ -171,10 +171,12 @@ def test_mtp_is_refused_when_megatron_core_would_build_another_layer_kind(tmp_pa
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("other, implied", [(2, "2"), (0, "none")])
-def test_mcore2hf_refuses_a_config_with_other_mtp_layers(tmp_path, other, implied):
+def test_mcore2hf_refuses_a_config_with_other_mtp_layers(tmp_path, other, implied, fmt):
+    """torch_dist too (its reader planned with the args' MTP first, and blamed an `--mtp` not given)."""
     hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=1)
-    hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch", progress=False, mtp=True)
+    hf2mcore(hf, tmp_path / "m", Layout(), fmt=fmt, progress=False, mtp=True)
     config = make_bailing_v3(tmp_path / "other", tokenizer=False, num_nextn_predict_layers=other)
     with pytest.raises(MconvError, match=f"args say mtp_num_layers=1, but the HF config implies {implied}"):
         mcore2hf(tmp_path / "m", tmp_path / "back", hf_config=config, progress=False)

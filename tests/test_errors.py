@@ -230,6 +230,15 @@ def test_usage_errors_are_one_line_with_status_2(tmp_path, args, fragment):
     assert result.stderr.startswith("mconv: error: ") and fragment in result.stderr, result.stderr
 
 
+def test_torch_dist_with_the_config_of_another_model_names_the_embedding(tmp_path):
+    """A Qwen3-VL checkpoint read with a Qwen3-MoE --hf-config: the key it looked for, no Python repr."""
+    from mconv import hf2mcore
+
+    hf2mcore(FIXTURES / "qwen3-vl-tiny", tmp_path / "m", Layout(), progress=False)
+    result = mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--hf-config", FIXTURES / "qwen3-moe-tiny")
+    assert_refused(result, tmp_path / "out", "needs embedding.word_embeddings.weight with at least", "there is none")
+
+
 def test_help_is_not_an_error():
     result = mconv("hf2mcore", "--help")
     assert result.exit_code == 0

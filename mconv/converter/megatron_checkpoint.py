@@ -150,14 +150,15 @@ class DistCheckpoint:
         key = next(r.megatron for r in arch.rules if r.kind is VOCAB and r.stage == FIRST)
         embedding = self.reader.global_shape(key)
         if embedding is None or embedding[0] < dims.vocab:
-            raise MconvError(f"{location.iter_dir}: no embedding of at least {dims.vocab} rows "
-                             f"(found {embedding}); is this checkpoint of the model in the HF config?")
+            found = "there is none" if embedding is None else f"it has {embedding[0]} rows"
+            raise MconvError(f"{location.iter_dir}: the HF config needs {key} with at least {dims.vocab} rows, "
+                             f"{found}; is this checkpoint of the model in the HF config?")
         self.padded_vocab = embedding[0]
         self.layout = Layout(vocab_divisor=self.padded_vocab)
+        if self.args is not None:  # before the plan, which needs what they are checked against
+            check_args(self.args, arch, dims, location.iter_dir)
         mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
         self.plan = make_plan(arch, self.config, self.layout, "local", mtp)
-        if self.args is not None:
-            check_args(self.args, arch, dims, location.iter_dir)
         self.load_args = mio.megatron_lm_args(self.layout, dims, arch.megatron_args(dims), "local",
                                               self.padded_vocab, torch.bfloat16, "torch_dist")
         if getattr(self.load_args, "moe_layer_freq", None) == 1 and any(
