@@ -230,6 +230,14 @@ def test_usage_errors_are_one_line_with_status_2(tmp_path, args, fragment):
     assert result.stderr.startswith("mconv: error: ") and fragment in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("args", [["inspect", "IN"], ["mcore2hf", "IN", "OUT"], ["hf2mcore", "IN", "OUT"],
+                                  ["export-lora", "IN", "OUT", "--alpha", "8"], ["verify", "IN", TINY]])
+def test_a_missing_input_is_said_not_to_exist(tmp_path, args):
+    missing = tmp_path / "typo"
+    result = mconv(*[{"IN": missing, "OUT": tmp_path / "out"}.get(a, a) for a in args])
+    assert_refused(result, tmp_path / "out", f"{missing} does not exist")
+
+
 def test_torch_dist_with_the_config_of_another_model_names_the_embedding(tmp_path):
     """A Qwen3-VL checkpoint read with a Qwen3-MoE --hf-config: the key it looked for, no Python repr."""
     from mconv import hf2mcore
