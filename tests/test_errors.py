@@ -238,6 +238,21 @@ def test_a_missing_input_is_said_not_to_exist(tmp_path, args):
     assert_refused(result, tmp_path / "out", f"{missing} does not exist")
 
 
+def test_a_lora_checkpoint_given_to_mcore2hf_or_inspect_points_to_export_lora(tmp_path, monkeypatch):
+    """With or without its base weights, legacy or torch_dist: one line saying export-lora reads it
+    (it was an unexpected adapter tensor, or a missing embedding)."""
+    from tests.test_lora import lora_checkpoint, save_dist_adapters
+
+    full, _ = lora_checkpoint(tmp_path / "full", TINY, Layout(tp=2))
+    only, _ = lora_checkpoint(tmp_path / "only", TINY, Layout(), adapter_only=True)
+    written_here = only / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    adapters = torch.load(written_here, weights_only=False)["model"]
+    dist = save_dist_adapters(tmp_path, TINY, adapters, monkeypatch)
+    for ckpt in (full, only, dist):
+        for args in (["mcore2hf", ckpt, tmp_path / "out", "--hf-config", TINY], ["inspect", ckpt, "--hf-config", TINY]):
+            assert_refused(mconv(*args), tmp_path / "out", "holds LoRA adapters (", "mconv export-lora")
+
+
 def test_torch_dist_with_the_config_of_another_model_names_the_embedding(tmp_path):
     """A Qwen3-VL checkpoint read with a Qwen3-MoE --hf-config: the key it looked for, no Python repr."""
     from mconv import hf2mcore

@@ -82,6 +82,18 @@ def _detect_spec(chunks: list[dict]) -> str:
     return "te" if any(k.endswith(".layer_norm_weight") for chunk in chunks for k in chunk) else "local"
 
 
+ADAPTER = ".adapter."  # every Megatron-Bridge adapter tensor's name has it
+
+
+def refuse_adapters(names, where) -> None:
+    """A checkpoint with LoRA adapters (with or without its base weights) is export-lora's input:
+    MconvError saying so, rather than an unexpected or missing tensor."""
+    adapter = next((name for name in names if ADAPTER in name), None)
+    if adapter is not None:
+        raise MconvError(f"{where} holds LoRA adapters ({adapter}); `mconv export-lora` exports them as a PEFT "
+                         "adapter, or with --merge and --base-model as a merged HF model")
+
+
 class LegacyCheckpoint:
     """A legacy `torch` checkpoint: rank files memory-mapped, tensors read on access."""
 
@@ -101,6 +113,7 @@ class LegacyCheckpoint:
             self._check_rank(path, rank_plan, self.chunks[rank_plan.rank])
 
     def _check_rank(self, path: Path, rank_plan, chunks: list[dict]) -> None:
+        refuse_adapters((name for chunk in chunks for name in chunk), path)
         if len(chunks) != len(rank_plan.chunks):
             raise MconvError(f"{path} holds {len(chunks)} model chunk(s), the layout needs {len(rank_plan.chunks)}")
         for chunk, tasks in zip(chunks, rank_plan.chunks):
@@ -143,6 +156,7 @@ class DistCheckpoint:
         self.config_dir = _config_dir(location, hf_config)
         self.config = read_config(self.config_dir)
         self.reader = TorchDistReader.open(location.iter_dir)
+        refuse_adapters(self.reader.tensors, location.iter_dir)
         self.args = self.reader.args
         arch = architecture_for(self.config)
         dims = arch.dims(self.config)
