@@ -122,7 +122,14 @@ class Command(click.Command):
     (`output.staged_directory`), so nothing was written."""
 
     def invoke(self, ctx):
+        from mconv.converter.output import uninterrupted
+
         try:
+            # torch's C module imports numpy and carries on without it if that import fails, so a
+            # KeyboardInterrupt raised in there is swallowed and the command would run on: held
+            # back, it is delivered as soon as torch is imported.
+            with uninterrupted():
+                import torch  # noqa: F401
             return super().invoke(ctx)
         except KeyboardInterrupt as e:
             interrupted(e, ctx.params.get("out_dir"))
@@ -223,7 +230,7 @@ def main():
                    "of this times --tp.")
 @click.option("--spec", type=click.Choice(SPECS), default="local", show_default=True,
               help="Megatron layer spec the trainer builds: 'te' (Transformer Engine names, fused layer "
-                   "norms) or 'local'.")
+                   "norms; with --format torch only) or 'local'.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="torch_dist", show_default=True,
               help="Megatron checkpoint format: 'torch_dist' (Megatron-LM's default; layout-independent, "
                    "the trainer reshards on load) or 'torch' (legacy, one file per rank).")

@@ -114,10 +114,11 @@ def _pipeline_worker(rank: int, checkpoint, c: dict, pp: int, vpp: int, port: in
     state = torch.load(path, map_location="cpu", weights_only=False)
     config = _core_config(state["args"], 1, 1, pp, vpp)
     for v in range(vpp):
+        chunk = state[f"model{v}" if vpp > 1 else "model"]
         model = bailing_model(config, c, state["args"].padded_vocab_size, v if vpp > 1 else None)
-        model.load_state_dict(state[f"model{v}" if vpp > 1 else "model"], strict=True)
+        model.load_state_dict(chunk, strict=True)
         last = rank == pp - 1 and v == vpp - 1
-        assert hasattr(model, "mtp") == last and any(k.startswith("mtp.") for k in state[f"model{v}" if vpp > 1 else "model"]) == last
+        assert hasattr(model, "mtp") == last and any(k.startswith("mtp.") for k in chunk) == last
     dist.barrier()
     dist.destroy_process_group()
 
@@ -170,10 +171,12 @@ def test_mtp_is_refused_when_megatron_core_would_build_another_layer_kind(tmp_pa
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("other, implied", [(2, "2"), (0, "none")])
-def test_mcore2hf_refuses_a_config_with_other_mtp_layers(tmp_path, other, implied):
+def test_mcore2hf_refuses_a_config_with_other_mtp_layers(tmp_path, other, implied, fmt):
+    """torch_dist too (its reader planned with the args' MTP first, and blamed an `--mtp` not given)."""
     hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=1)
-    hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch", progress=False, mtp=True)
+    hf2mcore(hf, tmp_path / "m", Layout(), fmt=fmt, progress=False, mtp=True)
     config = make_bailing_v3(tmp_path / "other", tokenizer=False, num_nextn_predict_layers=other)
     with pytest.raises(MconvError, match=f"args say mtp_num_layers=1, but the HF config implies {implied}"):
         mcore2hf(tmp_path / "m", tmp_path / "back", hf_config=config, progress=False)
@@ -245,3 +248,25 @@ def test_torch_dist_mtp_round_trip(tmp_path):
     hf2mcore(hf, tmp_path / "m", Layout(tp=2), fmt="torch_dist", progress=False, mtp=True)
     mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
     assert_bit_identical(read_all(hf), read_all(tmp_path / "back"))
+
+
+def test_inspect_prints_the_mtp_flags_megatron_lm_parses(tmp_path):
+    """`mconv inspect` of a --mtp checkpoint prints --mtp-num-layers / --mtp-loss-scaling-factor, and
+    Megatron-LM's own parser reads them back as the stored args."""
+    import argparse
+    import warnings
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from mconv.converter import megatron_io as mio
+    from mconv.converter.describe import inspect_path
+
+    warnings.filterwarnings("ignore")
+    hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=2, mtp_loss_scaling_factor=0.3)
+    hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch", progress=False, mtp=True)
+    saved = vars(mio.load_rank_file(tmp_path / "m/release/mp_rank_00/model_optim_rng.pt")["args"])
+    flags = inspect_path(tmp_path / "m")["trainer_flags"]
+    parsed, unknown = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_known_args(flags)
+    assert not unknown and "--mtp-num-layers" in flags
+    assert (parsed.mtp_num_layers, parsed.mtp_loss_scaling_factor) == (saved["mtp_num_layers"],
+                                                                       saved["mtp_loss_scaling_factor"]) == (2, 0.3)

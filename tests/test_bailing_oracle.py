@@ -128,9 +128,9 @@ class HFReference(torch.nn.Module):
         self.layers = [self._layer(i, i in mla_layers) for i in range(layers)]
         self.norm = self._norm("model.norm.weight")
         # An MTP layer is MLA (the HF tail-group rule) and MoE past first_k_dense_replace.
-        self.mtp = [dict(enorm=self._norm(f"model.layers.{i}.enorm.weight"), hnorm=self._norm(f"model.layers.{i}.hnorm.weight"),
-                         eh_proj=t[f"model.layers.{i}.eh_proj.weight"], layer=self._layer(i, True),
-                         final=self._norm(f"model.layers.{i}.final_layernorm.weight"))
+        self.mtp = [dict(enorm=self._norm(f"model.layers.{i}.enorm.weight"),
+                         hnorm=self._norm(f"model.layers.{i}.hnorm.weight"), eh_proj=t[f"model.layers.{i}.eh_proj.weight"],
+                         layer=self._layer(i, True), final=self._norm(f"model.layers.{i}.final_layernorm.weight"))
                     for i in range(layers, layers + mtp)]
 
     def _norm(self, name):
@@ -171,7 +171,8 @@ class HFReference(torch.nn.Module):
                 mlp.experts.down_proj.data[e].copy_(t[ex + "down_proj.weight"])
             for x in ("gate_proj", "up_proj", "down_proj"):
                 getattr(mlp.shared_experts, x).weight.data.copy_(t[p + f"mlp.shared_experts.{x}.weight"])
-        return self._norm(p + "input_layernorm.weight"), attn, is_mla, self._norm(p + "post_attention_layernorm.weight"), mlp
+        return (self._norm(p + "input_layernorm.weight"), attn, is_mla, self._norm(p + "post_attention_layernorm.weight"),
+                mlp)
 
     @staticmethod
     def _apply(layer, x, cos_sin, mask):

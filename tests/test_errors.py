@@ -230,8 +230,42 @@ def test_usage_errors_are_one_line_with_status_2(tmp_path, args, fragment):
     assert result.stderr.startswith("mconv: error: ") and fragment in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("args", [["inspect", "IN"], ["mcore2hf", "IN", "OUT"], ["hf2mcore", "IN", "OUT"],
+                                  ["export-lora", "IN", "OUT", "--alpha", "8"], ["verify", "IN", TINY]])
+def test_a_missing_input_is_said_not_to_exist(tmp_path, args):
+    missing = tmp_path / "typo"
+    result = mconv(*[{"IN": missing, "OUT": tmp_path / "out"}.get(a, a) for a in args])
+    assert_refused(result, tmp_path / "out", f"{missing} does not exist")
+
+
+def test_a_lora_checkpoint_given_to_mcore2hf_or_inspect_points_to_export_lora(tmp_path, monkeypatch):
+    """With or without its base weights, legacy or torch_dist: one line saying export-lora reads it
+    (it was an unexpected adapter tensor, or a missing embedding)."""
+    from tests.test_lora import lora_checkpoint, save_dist_adapters
+
+    full, _ = lora_checkpoint(tmp_path / "full", TINY, Layout(tp=2))
+    only, _ = lora_checkpoint(tmp_path / "only", TINY, Layout(), adapter_only=True)
+    written_here = only / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    adapters = torch.load(written_here, weights_only=False)["model"]
+    dist = save_dist_adapters(tmp_path, TINY, adapters, monkeypatch)
+    for ckpt in (full, only, dist):
+        for args in (["mcore2hf", ckpt, tmp_path / "out", "--hf-config", TINY], ["inspect", ckpt, "--hf-config", TINY]):
+            assert_refused(mconv(*args), tmp_path / "out", "holds LoRA adapters (", "mconv export-lora")
+
+
+def test_torch_dist_with_the_config_of_another_model_names_the_embedding(tmp_path):
+    """A Qwen3-VL checkpoint read with a Qwen3-MoE --hf-config: the key it looked for, no Python repr."""
+    from mconv import hf2mcore
+
+    hf2mcore(FIXTURES / "qwen3-vl-tiny", tmp_path / "m", Layout(), progress=False)
+    result = mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--hf-config", FIXTURES / "qwen3-moe-tiny")
+    assert_refused(result, tmp_path / "out", "needs embedding.word_embeddings.weight with at least", "there is none")
+
+
 def test_help_is_not_an_error():
-    assert mconv("hf2mcore", "--help").exit_code == 0
+    result = mconv("hf2mcore", "--help")
+    assert result.exit_code == 0
+    assert "with --format torch only" in " ".join(result.output.split())  # torch_dist, the default, refuses te
     assert "Usage:" in mconv().output  # plain `mconv` still shows the help
 
 
@@ -559,6 +593,33 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_status_130(tmp_path):
     stdout, stderr = process.communicate()
     assert process.returncode == 130, stderr
     assert stderr == f"mconv: interrupted; nothing was written to {tmp_path / 'out'}\n" and stdout == ""
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_ctrl_c_swallowed_inside_the_torch_import_still_stops_the_command(tmp_path):
+    """torch's C module imports numpy and carries on without it when that import fails, so a Ctrl-C
+    landing there raised a KeyboardInterrupt that torch swallowed, and the conversion ran to the end
+    (seen with a real SIGINT about half a second after start). A stand-in torch that swallows one
+    the same way: the command still stops with one line and status 130."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import os, signal\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    sum(range(10000))\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "mconv.cli", "hf2mcore", str(TINY), str(tmp_path / "out")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{root}"})
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == f"mconv: interrupted; nothing was written to {tmp_path / 'out'}\n" and done.stdout == ""
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 

@@ -144,7 +144,7 @@ def test_a_missing_model_names_the_cache(hub, tmp_path):
         assert line.startswith("mconv: error: ") and str(hub) in line and "HF_HUB_OFFLINE" in line, line
         assert not out.exists()
     result = mconv("hf2mcore", "./not/a/dir", out)
-    assert result.exit_code == 1 and "not a directory" in result.stderr
+    assert result.exit_code == 1 and "does not exist" in result.stderr  # a path, not a hub name
 
 
 def test_environment_variables_as_users_set_them(tmp_path):

@@ -288,3 +288,23 @@ def test_buckets_keep_a_stacked_tensors_experts_together():
     assert [[name for name, _ in b] for b in buckets] == [["a"], ["e0", "e1", "e2"], ["b"], ["f0", "f1"]]
     assert [[n for n, _ in b] for b in _buckets(items, lambda item: 10, 25)] == [
         ["a", "e0"], ["e1", "e2"], ["b", "f0"], ["f1"]]
+
+
+def test_verify_tells_stacked_experts_of_another_orientation(tmp_path):
+    """verify presents stacked experts per expert (as every command reads them), so files in the
+    two orientations hold equal experts; they are still not the same files, and verify says so
+    (it reported them bit-identical)."""
+    other = tmp_path / "5.x"
+    shutil.copytree(MOE, other)
+    tensors = load_file(other / "model.safetensors")
+    stacked = sorted(name for name in tensors if name.endswith(STACKED))
+    save_file({name: t.transpose(1, 2).contiguous() if name in stacked else t for name, t in tensors.items()},
+              other / "model.safetensors", metadata={"format": "pt"})
+    result = mconv("verify", MOE, other)
+    assert result.exit_code == 1
+    lines = result.output.splitlines()
+    name = stacked[0]
+    shape = list(tensors[name].shape)
+    assert f"  {name}: stored as {shape} vs {[shape[0], shape[2], shape[1]]} (stacked experts" in lines[0]
+    assert len(lines) == len(stacked) + 1 and lines[-1].startswith("mconv: error:")
+    assert mconv("verify", MOE, MOE, "-q").exit_code == 0

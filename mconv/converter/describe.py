@@ -42,6 +42,7 @@ MODEL_FLAGS = (
     ("kv_lora_rank", "--kv-lora-rank"), ("qk_head_dim", "--qk-head-dim"), ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim"),
     ("v_head_dim", "--v-head-dim"), ("rope_type", "--rope-type"), ("rotary_scaling_factor", "--rotary-scaling-factor"),
     ("mscale", "--mscale"), ("mscale_all_dim", "--mscale-all-dim"),
+    ("mtp_num_layers", "--mtp-num-layers"), ("mtp_loss_scaling_factor", "--mtp-loss-scaling-factor"),
     ("moe_grouped_gemm", "--moe-grouped-gemm"), ("transformer_impl", "--transformer-impl"),
     ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"), ("bf16", "--bf16"), ("fp16", "--fp16"),
 )
@@ -90,6 +91,8 @@ def trainer_flags(args: dict, layout: bool = True) -> list[str]:
             continue
         if first == "expert_tensor_parallel_size" and value == args.get("tensor_model_parallel_size"):
             continue  # Megatron-LM's default ETP is TP
+        if first == "mtp_loss_scaling_factor" and not args.get("mtp_num_layers"):
+            continue  # Megatron-LM stores its default without MTP layers
         if first == "num_virtual_stages_per_pipeline_rank" and args.get("num_layers_per_virtual_pipeline_stage"):
             continue  # Megatron-LM takes one of the two VPP flags; the saved one is printed
         if value is True:

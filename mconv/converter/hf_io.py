@@ -274,7 +274,10 @@ class HFCheckpoint:
         for name, file in (weight_map or {}).items():
             if name not in self.tensors or self.tensors[name].file != file:
                 raise MconvError(f"{self.dir / INDEX_NAME} says tensor {name} is in {file}, but it is not there")
-        self.tensors = expand_stacked_experts(self.tensors, str(self.dir))
+        stored = self.tensors
+        self.tensors = expand_stacked_experts(stored, str(self.dir))
+        # the stacked expert tensors as stored (name -> shape), which `tensors` presents per expert
+        self.stacked = {name: info.shape for name, info in stored.items() if name not in self.tensors}
         self._handles: dict[str, int] = {}
         for file in {info.file for info in self.tensors.values()}:  # opened up front: readers may be threads
             self._fd(file)

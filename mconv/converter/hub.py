@@ -39,7 +39,7 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
     if path.is_dir():
         return path
     if path.exists() or _looks_like_path(text):
-        raise MconvError(f"{text} is not a directory")
+        raise MconvError(f"{text} {'is not a directory' if path.exists() else 'does not exist'}")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)

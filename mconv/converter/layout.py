@@ -110,6 +110,11 @@ class Layout:
         if middle and remaining % len(middle):
             raise MconvError(f"{remaining} layers cannot be split evenly over {len(middle)} pipeline stages "
                              f"(num_layers={num_layers}, --pp {self.pp})")
+        if not middle and self.vpp > 1:
+            # get_transformer_layer_offset divides by the number of middle stages under VPP
+            # (ZeroDivisionError in megatron-core 0.19.2), so no trainer can build this layout.
+            raise MconvError(f"--vpp with both --first-stage-layers and --last-stage-layers needs a middle "
+                             f"pipeline stage (--pp 3 or more, got --pp {self.pp}): megatron-core cannot place it")
         if not middle and remaining:
             raise MconvError(f"the first and last stages hold {sum(fixed.values())} layers, "
                              f"but the model has {num_layers}")

@@ -23,7 +23,7 @@ from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_
                                    write_config_dtype)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
-from mconv.converter.megatron_checkpoint import _config_dir, check_args
+from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
 from mconv.converter.transforms import merge, padded_vocab_size
@@ -33,7 +33,6 @@ from mconv.mappings.lora import Target, lora_architecture, targets
 from mconv.mappings.schema import Architecture
 
 PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the HF module names in saved keys
-ADAPTER = ".adapter."  # every Megatron-Bridge adapter tensor's name has it
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 DEFAULT_SHARD_BYTES = 3_000_000_000
 

@@ -85,6 +85,18 @@ def _detect_spec(chunks: list[dict]) -> str:
     return "te" if any(k.endswith(".layer_norm_weight") for chunk in chunks for k in chunk) else "local"
 
 
+ADAPTER = ".adapter."  # every Megatron-Bridge adapter tensor's name has it
+
+
+def refuse_adapters(names, where) -> None:
+    """A checkpoint with LoRA adapters (with or without its base weights) is export-lora's input:
+    MconvError saying so, rather than an unexpected or missing tensor."""
+    adapter = next((name for name in names if ADAPTER in name), None)
+    if adapter is not None:
+        raise MconvError(f"{where} holds LoRA adapters ({adapter}); `mconv export-lora` exports them as a PEFT "
+                         "adapter, or with --merge and --base-model as a merged HF model")
+
+
 class LegacyCheckpoint:
     """A legacy `torch` checkpoint: rank files memory-mapped, tensors read on access."""
 
@@ -104,6 +116,7 @@ class LegacyCheckpoint:
             self._check_rank(path, rank_plan, self.chunks[rank_plan.rank])
 
     def _check_rank(self, path: Path, rank_plan, chunks: list[dict]) -> None:
+        refuse_adapters((name for chunk in chunks for name in chunk), path)
         if len(chunks) != len(rank_plan.chunks):
             raise MconvError(f"{path} holds {len(chunks)} model chunk(s), the layout needs {len(rank_plan.chunks)}")
         for chunk, tasks in zip(chunks, rank_plan.chunks):
@@ -151,6 +164,7 @@ class DistCheckpoint:
         self.config_dir = _config_dir(location, hf_config)
         self.config = read_config(self.config_dir)
         self.reader = TorchDistReader.open(location.iter_dir)
+        refuse_adapters(self.reader.tensors, location.iter_dir)
         self.args = self.reader.args
         arch = architecture_for(self.config)
         dims = arch.dims(self.config)
@@ -158,14 +172,15 @@ class DistCheckpoint:
         key = next(r.megatron for r in arch.rules if r.kind is VOCAB and r.stage == FIRST)
         embedding = self.reader.global_shape(key)
         if embedding is None or embedding[0] < dims.vocab:
-            raise MconvError(f"{location.iter_dir}: no embedding of at least {dims.vocab} rows "
-                             f"(found {embedding}); is this checkpoint of the model in the HF config?")
+            found = "there is none" if embedding is None else f"it has {embedding[0]} rows"
+            raise MconvError(f"{location.iter_dir}: the HF config needs {key} with at least {dims.vocab} rows, "
+                             f"{found}; is this checkpoint of the model in the HF config?")
         self.padded_vocab = embedding[0]
         self.layout = Layout(vocab_divisor=self.padded_vocab)
+        if self.args is not None:  # before the plan, which needs what they are checked against
+            check_args(self.args, arch, dims, location.iter_dir)
         mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
         self.plan = make_plan(arch, self.config, self.layout, "local", mtp)
-        if self.args is not None:
-            check_args(self.args, arch, dims, location.iter_dir)
         self.load_args = mio.megatron_lm_args(self.layout, dims, arch.megatron_args(dims), "local",
                                               self.padded_vocab, torch.bfloat16, "torch_dist")
         if getattr(self.load_args, "moe_layer_freq", None) == 1 and any(

@@ -42,7 +42,7 @@ def locate(path: str | Path) -> CheckpointLocation:
     """Accept either a save directory (with the tracker file) or an iteration directory."""
     path = Path(path)
     if not path.is_dir():
-        raise MconvError(f"{path} is not a directory")
+        raise MconvError(f"{path} {'is not a directory' if path.exists() else 'does not exist'}")
     if (path / TRACKER).is_file():
         try:
             text = (path / TRACKER).read_bytes()[:64].decode("utf-8").strip()

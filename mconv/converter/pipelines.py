@@ -497,6 +497,12 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
     left, right = (HFCheckpoint(resolve_model(x, progress=progress)) for x in (a, b))
     differences = [f"{name}: only in {left.dir}" for name in sorted(left.tensors.keys() - right.tensors.keys())]
     differences += [f"{name}: only in {right.dir}" for name in sorted(right.tensors.keys() - left.tensors.keys())]
+    for name in sorted(left.stacked.keys() | right.stacked.keys()):  # the per-expert view hides how they are stored
+        shapes = [side.stacked.get(name) for side in (left, right)]
+        if shapes[0] != shapes[1]:
+            a, b = (f"{list(s)}" if s else "per-expert tensors" for s in shapes)
+            differences.append(f"{name}: stored as {a} vs {b} (stacked experts in another orientation or form; "
+                               "the experts' values are compared one by one)")
     common = sorted(left.tensors.keys() & right.tensors.keys())
     total = 0
     with _bar(sum(left.tensors[n].nbytes for n in common), "verify", progress) as bar:

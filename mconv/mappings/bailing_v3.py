@@ -129,10 +129,11 @@ def megatron_args(d: SimpleNamespace) -> dict:
         last = d.layers - 1  # megatron-core builds every MTP layer from the last decoder layer's spec
         for layer in range(d.layers, d.layers + d.mtp_layers):
             if (layer in d.moe_layers) != (last in d.moe_layers):
-                kinds = {True: "MoE", False: "a dense MLP"}
+                kind = {True: "MoE", False: "a dense MLP"}
                 raise MconvError(f"--mtp: config.json first_k_dense_replace gives MTP layer model.layers.{layer} "
-                                 f"{kinds[layer in d.moe_layers]} and the last decoder layer {kinds[last in d.moe_layers]}; "
-                                 "megatron-core builds its MTP layers with the last decoder layer's spec")
+                                 f"{kind[layer in d.moe_layers]} and the last decoder layer "
+                                 f"{kind[last in d.moe_layers]}; megatron-core builds its MTP layers with the last "
+                                 "decoder layer's spec")
         args.update(mtp_num_layers=d.mtp_layers, mtp_loss_scaling_factor=d.mtp_loss_scale)
     if d.experts:
         # megatron-core scores a group by the sum of its top (topk / group_topk) experts
