@@ -302,8 +302,9 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True,
               help="Largest safetensors shard (a larger tensor gets a shard of its own).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
-@click.option("--expert-orientation", type=click.Choice(["4.x", "5.x"]), default="4.x", show_default=True,
-              help="Stacked HF experts (Qwen3-VL-MoE): 4.x writes gate_up_proj [E, hidden, 2I] / down_proj "
+@click.option("--expert-orientation", type=click.Choice(["4.x", "5.x"]), default=None,
+              help="Stacked HF experts (Qwen3-VL-MoE only; refused for other models): 4.x (default) writes"
+                   " gate_up_proj [E, hidden, 2I] / down_proj "
                    "[E, I, hidden], which transformers 4.57 and 5.x both load; 5.x writes [E, 2I, hidden] / "
                    "[E, hidden, I], as transformers 5.x saves.")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, check_orientation, copy_side_files,
+from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, expert_orientation_for,
                                    read_config, stack_experts, stacked_expert, write_config_dtype,
                                    write_hf_config)
 from mconv.converter.hub import resolve_model
@@ -435,7 +435,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
 def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path | dict,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
                     gather_pp: bool = False, revision: str | None = None, stacked_experts: bool = False,
-                    expert_orientation: str = "4.x") -> Iterator[Bucket]:
+                    expert_orientation: str | None = None) -> Iterator[Bucket]:
     """Yield buckets of (HF name, tensor) for this rank's pipeline stage (every stage by default
     yields its own layers; with gather_pp every rank yields the whole model, stage by stage).
 
@@ -450,14 +450,17 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     `<p>.mlp.experts.gate_up_proj` / `down_proj` (no `.weight`), contiguous, in `expert_orientation`:
     "4.x" `[E, h, 2I]` / `[E, I, h]` (what mcore2hf writes by default), "5.x" `[E, 2I, h]` /
     `[E, h, I]`; a bucket then holds all the experts of its stacked tensors, whatever `bucket_bytes`.
+    `expert_orientation` without `stacked_experts` is an MconvError (it would change nothing).
     """
-    check_orientation(expert_orientation, "expert_orientation")
     config = _config(hf_config, revision)
     if stacked_experts and not architecture_for(config).stacked_experts:
         raise MconvError(f"stacked_experts: {architecture_for(config).name} checkpoints keep their experts per "
                          "expert (stacked mlp.experts.gate_up_proj / down_proj is the HF form of Qwen3-VL-MoE)")
+    if expert_orientation is not None and not stacked_experts:
+        raise MconvError("expert_orientation applies with stacked_experts=True (experts come per expert otherwise)")
+    stacked = expert_orientation_for(architecture_for(config), expert_orientation, "expert_orientation") \
+        if stacked_experts else None
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes, stacked_experts)
-    stacked = expert_orientation if stacked_experts else None
     if not gather_pp or live.layout.pp == 1:
         yield from _stage_buckets(live, schedule, dtype, stacked)
         return
@@ -486,7 +489,7 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
 
 def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path, hf_config: str | Path,
                     max_shard_bytes: int = 3_000_000_000, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    revision: str | None = None, expert_orientation: str = "4.x") -> None:
+                    revision: str | None = None, expert_orientation: str | None = None) -> None:
     """Save the live model as an HF directory, the same files `mconv mcore2hf` writes.
 
     Rank 0 lays out the shard files (headers are known in advance); one rank per pipeline stage
@@ -494,7 +497,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     index, copies config and tokenizer from `hf_config` (the HF model directory or hub name) and
     renames the finished directory into place (replacing an existing `out_dir`); config.json's dtype
     names the dtype written. The output path must be on a filesystem all ranks share. Stacked HF
-    experts (Qwen3-VL-MoE) are written in `expert_orientation` ("4.x" or "5.x", as mcore2hf's).
+    experts (Qwen3-VL-MoE) are written in `expert_orientation` ("4.x", the default, or "5.x", as
+    mcore2hf's; MconvError when given for another model).
 
     Raises MconvError on every rank when a write fails on any rank (full disk, read-only file
     system, no permission: `cannot write OUT: <cause>; nothing was written`); the hidden staging
@@ -502,9 +506,9 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     """
     from megatron.core import parallel_state as ps
 
-    check_orientation(expert_orientation, "expert_orientation")
     source = _model_dir(str(hf_config), revision, False)
     config = read_config(source)
+    stacked = expert_orientation_for(architecture_for(config), expert_orientation, "expert_orientation")
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes)
     full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
     dtypes: dict[str, torch.dtype] = {}
@@ -519,8 +523,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
 
     out = output_path(out_dir)
     staging = out.with_name(f".{out.name}.mconv-partial-live")
-    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes,
-                                      expert_orientation if live.arch.stacked_experts else None)
+    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stacked)
     first = dist.get_rank() == 0
     try:
         def prepare():

@@ -69,14 +69,14 @@ def test_round_trip_is_bit_identical(tmp_path_factory, case, seed):
     tmp = tmp_path_factory.mktemp("vl")
     hf = make_qwen3_vl(tmp / "hf", seed=seed, **model)
     hf2mcore(hf, tmp / "megatron", layout, spec=spec, fmt="torch", progress=False)
-    mcore2hf(tmp / "megatron", tmp / "back", progress=False, expert_orientation=orientation)
+    mcore2hf(tmp / "megatron", tmp / "back", progress=False, expert_orientation=orientation if model["moe"] else None)
     original = read_all(hf)
     if model["transposed_experts"] != (orientation == "4.x"):
         original = transposed_experts(original)
     assert_bit_identical(original, read_all(tmp / "back"))
 
 
-@pytest.mark.parametrize("fixture,orientation", [(DENSE, "4.x"), (MOE, "4.x"), (MOE, "5.x")])
+@pytest.mark.parametrize("fixture,orientation", [(DENSE, None), (MOE, "4.x"), (MOE, "5.x")])
 def test_transformers_loads_output_without_missing_or_unexpected_keys(tmp_path, fixture, orientation):
     from transformers import AutoModelForImageTextToText
 
@@ -270,6 +270,7 @@ def test_workers_write_the_same_bytes(tmp_path):
 @pytest.mark.parametrize("fixture,options,message", [
     ("qwen3-moe-tiny", dict(stacked_experts=True), "Qwen3MoeForCausalLM checkpoints keep their experts per expert"),
     ("qwen3-vl-moe-tiny", dict(stacked_experts=True, expert_orientation="6.x"), "must be one of 4.x, 5.x, got '6.x'"),
+    ("qwen3-vl-moe-tiny", dict(expert_orientation="5.x"), "applies with stacked_experts=True"),
 ])
 def test_live_stacked_experts_refused(fixture, options, message):
     """Checked before the model is looked at (no parallel state needed here)."""
@@ -277,6 +278,14 @@ def test_live_stacked_experts_refused(fixture, options, message):
 
     with pytest.raises(MconvError, match=message):
         next(iter_hf_weights([], FIXTURES / fixture, **options))
+
+
+@pytest.mark.parametrize("fixture", ["qwen3-vl-tiny", "qwen3-moe-tiny"])
+def test_expert_orientation_is_refused_for_models_without_stacked_experts(tmp_path, fixture):
+    """An option that would change nothing is refused, not ignored (CLI: one line, exit 1, no output)."""
+    hf2mcore(FIXTURES / fixture, tmp_path / "m", Layout(), fmt="torch", progress=False)
+    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "back", "--expert-orientation", "5.x"),
+                   tmp_path / "back", "--expert-orientation applies to stacked HF experts (Qwen3-VL-MoE)")
 
 
 def test_buckets_keep_a_stacked_tensors_experts_together():

@@ -40,6 +40,18 @@ def check_orientation(value: str, option: str) -> str:
     return value
 
 
+def expert_orientation_for(arch, value: str | None, option: str) -> str | None:
+    """The orientation `arch`'s stacked HF experts are written in: `value`, "4.x" when None; None for
+    architectures whose HF checkpoints keep experts per expert. MconvError for an unknown `value`, or
+    a `value` given for such an architecture (an option that does not apply is refused, not ignored)."""
+    if value is not None:
+        check_orientation(value, option)
+        if not arch.stacked_experts:
+            raise MconvError(f"{option} applies to stacked HF experts (Qwen3-VL-MoE); {arch.name} checkpoints keep "
+                             "their experts per expert")
+    return (value or "4.x") if arch.stacked_experts else None
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     file: str

@@ -17,8 +17,8 @@ from tqdm import tqdm
 from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist, torch_dist_io
-from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, StagingBuffer, check_orientation,
-                                   copy_side_files, write_config_dtype, write_hf_config)
+from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, StagingBuffer, copy_side_files,
+                                   expert_orientation_for, write_config_dtype, write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -393,7 +393,7 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True,
              workers: int = 1, dtype: torch.dtype | None = None, revision: str | None = None,
-             expert_orientation: str = "4.x") -> Summary:
+             expert_orientation: str | None = None) -> Summary:
     """Megatron -> HF. `workers` threads write disjoint tensors of the shards; under torchrun every
     rank writes its share (with `workers` threads) and rank 0 prepares and finishes the output.
 
@@ -401,13 +401,13 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     checkpoints mconv did not write. `dtype`: cast every tensor to it (float32, bfloat16 or
     float16); by default each tensor keeps the dtype it has in the checkpoint. config.json's
     `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
-    `expert_orientation` ("4.x" or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see hf_io.ORIENTATIONS."""
-    check_orientation(expert_orientation, "--expert-orientation")
+    `expert_orientation` ("4.x", the default, or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see
+    hf_io.ORIENTATIONS; MconvError if given for a model whose HF checkpoints keep experts per expert."""
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     ckpt = open_checkpoint(ckpt_dir, hf_config)
     arch = ckpt.plan.arch
-    stack = expert_orientation if arch.stacked_experts else None
+    stack = expert_orientation_for(arch, expert_orientation, "--expert-orientation")
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
     out = output_path(out_dir)
