@@ -11,6 +11,7 @@ halves swapped, eh_proj split on the wrong dimension) must fail the same compari
 megatron-core's `dist_checkpointing.load` fills its TP2 model from the TP1 checkpoint.
 """
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -148,6 +149,19 @@ def test_cli_mtp_round_trip_and_stored_args(tmp_path):
     assert not any(k.startswith("mtp.") for k in first["model"])
     mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
     assert_bit_identical(read_all(hf), read_all(tmp_path / "back"))
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_config_says_how_many_mtp_layers_were_converted(tmp_path, mtp):
+    """Without --mtp the MTP layers are left out, so config.json says there are none (a loader that
+    builds them would look for weights that are not there); with --mtp it keeps the model's count."""
+    hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=2)
+    hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch", mtp=mtp, progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    config = json.loads((tmp_path / "back/config.json").read_text())
+    assert config["num_nextn_predict_layers"] == (2 if mtp else 0)
+    layers = {int(name.split(".")[2]) for name in read_all(tmp_path / "back") if name.startswith("model.layers.")}
+    assert max(layers) + 1 == config["num_hidden_layers"] + config["num_nextn_predict_layers"]
 
 
 def _cli_error(*args) -> str:
