@@ -152,8 +152,10 @@ def test_etp_must_divide_expert_mlp(tmp_path):
                    tmp_path / "out", "moe_intermediate_size=25", "--etp 2")
 
 
-def test_ep_on_dense_model_is_refused(tmp_path):
-    assert_refused(mconv("hf2mcore", FIXTURES / "qwen3-tiny", tmp_path / "out", "--ep", "2"), tmp_path / "out",
+@pytest.mark.parametrize("option", ["--ep", "--etp"])
+def test_ep_on_dense_model_is_refused(tmp_path, option):
+    """Named for what it is (not as a broken ETP/TP rule, which --etp 2 at TP1 would also break)."""
+    assert_refused(mconv("hf2mcore", FIXTURES / "qwen3-tiny", tmp_path / "out", option, "2"), tmp_path / "out",
                    "need a model with experts")
 
 
