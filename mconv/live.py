@@ -547,7 +547,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         def finish():
             writer.write_index()
             copy_side_files(source, staging)
-            write_hf_config(staging, live.arch.hf_config(config), config)
+            write_hf_config(staging, live.arch.hf_config(config, live.dims), config)
             write_config_dtype(staging, entries)
             commit(staging, out)
 

@@ -9,8 +9,9 @@ FIXTURES = ROOT / "fixtures"
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 
-def load_rank_file(path):
-    """A legacy rank file read by torch itself (weights_only), with the args Namespace allowed.
+def load_rank_file(path, map_location=None):
+    """A legacy rank file (or any .pt file the tests wrote) read by torch itself with weights_only,
+    the args Namespace allowed: the tests unpickle nothing more than mconv does.
     The (object, name) form matters: a plain entry is removed from torch's allow-list on exit,
     which would also drop megatron-core's own registration of argparse.Namespace (made when
     megatron.core is imported) and make its later loads in this process fail."""
@@ -19,4 +20,4 @@ def load_rank_file(path):
     import torch
 
     with torch.serialization.safe_globals([(argparse.Namespace, "argparse.Namespace")]):
-        return torch.load(path, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from tests.conftest import load_rank_file
+
 
 @dataclass
 class MegatronRun:
@@ -221,7 +223,7 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
         release = tracker == "release"
         path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
                                    expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_rank_file(path, map_location="cpu")
         for v, model in enumerate(chunks):
             model.load_state_dict(state["model"] if run.vpp == 1 else state[f"model{v}"], strict=True)
 

@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import torch
 import torch.multiprocessing as mp
 
+from tests.conftest import load_rank_file
 from tests.megatron_oracle import MegatronRun, _cpu_shims, _free_port, _transformer_config
 
 PATCHES = (1, 4, 4)  # image_grid_thw: one frame of 4 x 4 patches -> 4 merged image tokens
@@ -209,7 +210,7 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
         release = tracker == "release"
         path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
                                    expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_rank_file(path, map_location="cpu")
         for v, model in enumerate(chunks):
             model.load_state_dict(state["model"] if run.vpp == 1 else state[f"model{v}"], strict=True)
     if run.bridge_hf is not None:  # a second, independent mapping into a second model of this rank

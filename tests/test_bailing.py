@@ -18,7 +18,7 @@ from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter import megatron_io as mio
 from mconv.converter.planner import make_plan
 from mconv.mappings import architecture_for
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES, ROOT, load_rank_file
 from tests.test_roundtrip import assert_bit_identical, read_all
 
 SMALL = dict(hidden_size=32, head_dim=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
@@ -65,7 +65,7 @@ def test_round_trip_is_bit_identical(tmp_path_factory, case, seed):
 
 def test_fixture_round_trip_keeps_fp32_buffers(tmp_path):
     hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", Layout(tp=2, ep=2), spec="te", fmt="torch", progress=False)
-    state = torch.load(tmp_path / "m/release/mp_rank_01_001/model_optim_rng.pt", weights_only=False)["model"]
+    state = load_rank_file(tmp_path / "m/release/mp_rank_01_001/model_optim_rng.pt")["model"]
     assert state["decoder.layers.3.mlp.router.expert_bias"].dtype == torch.float32
     assert state["decoder.layers.0.self_attention.A_log"].dtype == torch.float32
     assert state["decoder.layers.1.self_attention.linear_gate.weight"].dtype == torch.bfloat16
@@ -243,7 +243,7 @@ def lora(tmp_path_factory):
     adapters = Adapters(BAILING_V3, layout, canonical=False)
     for rank in layout.ranks():
         path = mio.rank_file(tmp_path / "lora" / "release", layout, rank)
-        state = torch.load(path, weights_only=False)
+        state = load_rank_file(path)
         added = {}
         for name, weight in list(chunks_of(state)[0].items()):
             if not LORA_MODULE.fullmatch(name):
@@ -259,7 +259,7 @@ def lora(tmp_path_factory):
             added[prefix + ".linear_in.weight"], added[prefix + ".linear_out.weight"] = a, b
             chunks_of(state)[0][name] = weight.float() + SCALE * delta
         torch.save(state, mio.rank_file(tmp_path / "merged" / "release", layout, rank))
-        state = torch.load(path, weights_only=False)
+        state = load_rank_file(path)
         chunks_of(state)[0].update(added)
         torch.save(state, path)
     export(tmp_path / "lora", tmp_path / "adapter")
@@ -416,7 +416,7 @@ def test_export_lora_of_te_duplicated_mla_down_projections(tmp_path):
     hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", layout, spec="te", fmt="torch", progress=False)
     for rank in layout.ranks():
         path = mio.rank_file(tmp_path / "m" / "release", layout, rank)
-        state = torch.load(path, weights_only=False)
+        state = load_rank_file(path)
         for layer in mla_layers:
             for module in outs:
                 a, b, _ = shards[rank.tp][module]

@@ -11,6 +11,7 @@ halves swapped, eh_proj split on the wrong dimension) must fail the same compari
 megatron-core's `dist_checkpointing.load` fills its TP2 model from the TP1 checkpoint.
 """
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ from fixtures.make_fixtures import make_bailing_v3
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter.transforms import ROW
 from mconv.mappings import bailing_v3
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES, ROOT, load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, read_config
 from tests.test_bailing_oracle import HFReference, TOKENS, _core_config, _max_difference, bailing_model, megatron_run
 from tests.test_roundtrip import assert_bit_identical, read_all
@@ -111,7 +112,7 @@ def _pipeline_worker(rank: int, checkpoint, c: dict, pp: int, vpp: int, port: in
     ps.initialize_model_parallel(1, pp, vpp if vpp > 1 else None)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     path = get_checkpoint_name(str(checkpoint), 0, True, pipeline_parallel=True, tensor_rank=0, pipeline_rank=rank)
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_rank_file(path, map_location="cpu")
     config = _core_config(state["args"], 1, 1, pp, vpp)
     for v in range(vpp):
         chunk = state[f"model{v}" if vpp > 1 else "model"]
@@ -141,13 +142,26 @@ def test_cli_mtp_round_trip_and_stored_args(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "mconv.cli", "hf2mcore", str(hf), str(tmp_path / "m"), "--format",
                           "torch", "--tp", "2", "--pp", "2", "--mtp"], capture_output=True, text=True, cwd=ROOT)
     assert cli.returncode == 0 and "note" not in cli.stderr, cli.stderr
-    last = torch.load(tmp_path / "m/release/mp_rank_01_001/model_optim_rng.pt", weights_only=False)
+    last = load_rank_file(tmp_path / "m/release/mp_rank_01_001/model_optim_rng.pt")
     assert last["args"].mtp_num_layers == 1 and last["args"].mtp_loss_scaling_factor == 0.1
     assert "mtp.layers.0.eh_proj.weight" in last["model"] and "embedding.word_embeddings.weight" in last["model"]
-    first = torch.load(tmp_path / "m/release/mp_rank_00_000/model_optim_rng.pt", weights_only=False)
+    first = load_rank_file(tmp_path / "m/release/mp_rank_00_000/model_optim_rng.pt")
     assert not any(k.startswith("mtp.") for k in first["model"])
     mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
     assert_bit_identical(read_all(hf), read_all(tmp_path / "back"))
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_config_says_how_many_mtp_layers_were_converted(tmp_path, mtp):
+    """Without --mtp the MTP layers are left out, so config.json says there are none (a loader that
+    builds them would look for weights that are not there); with --mtp it keeps the model's count."""
+    hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=2)
+    hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch", mtp=mtp, progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    config = json.loads((tmp_path / "back/config.json").read_text())
+    assert config["num_nextn_predict_layers"] == (2 if mtp else 0)
+    layers = {int(name.split(".")[2]) for name in read_all(tmp_path / "back") if name.startswith("model.layers.")}
+    assert max(layers) + 1 == config["num_hidden_layers"] + config["num_nextn_predict_layers"]
 
 
 def _cli_error(*args) -> str:

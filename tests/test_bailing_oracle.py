@@ -35,6 +35,7 @@ from mconv import Layout, hf2mcore
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.transforms import Kind, Piece, ShardLayout
 from mconv.mappings import bailing_v3
+from tests.conftest import load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, read_config
 
 TOKENS = list(range(5, 200, 13))
@@ -396,7 +397,7 @@ def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     path = get_checkpoint_name(str(checkpoint), 0, True, expert_parallel=ep > 1,
                                expert_rank=ps.get_expert_model_parallel_rank())
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_rank_file(path, map_location="cpu")
     config = _core_config(state["args"], tp, ep)
     c = hf_config
     model = bailing_model(config, c, state["args"].padded_vocab_size)
@@ -440,7 +441,7 @@ def _max_difference(tmp_path: Path, hf_dir: Path, tp: int, ep: int, edit=None) -
     mtp = bool(read_config(hf_dir)["num_nextn_predict_layers"])
     hf2mcore(hf_dir, tmp_path / "m", Layout(tp=tp, ep=ep), spec="local", fmt="torch", progress=False, mtp=mtp)
     for path in (tmp_path / "m").glob("release/*/model_optim_rng.pt") if edit else ():
-        state = torch.load(path, weights_only=False)
+        state = load_rank_file(path)
         edit(state["model"])
         torch.save(state, path)
     ours, _ = megatron_run(tmp_path / "m", hf_dir, tp, ep, tmp_path)

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from fixtures.make_fixtures import make_bailing_v3
 from mconv import Layout, hf2mcore, mcore2hf
+from tests.conftest import load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, read_config
 from tests.test_bailing import SMALL
 from tests.test_roundtrip import assert_bit_identical, read_all
@@ -169,8 +170,8 @@ def _worker(rank: int, mode: str, dist_dir: Path, legacy_dir: Path, hf_config: d
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(dist_dir / "release"),
                                      strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(loaded["model"], strict=True)
-    legacy = torch.load(get_checkpoint_name(str(legacy_dir), 0, True, expert_parallel=ep > 1,
-                                            expert_rank=ps.get_expert_model_parallel_rank()), weights_only=False)
+    legacy = load_rank_file(get_checkpoint_name(str(legacy_dir), 0, True, expert_parallel=ep > 1,
+                                                expert_rank=ps.get_expert_model_parallel_rank()))
     ours = model.state_dict()
     differing = [name for name, tensor in legacy["model"].items()
                  if not name.endswith("_extra_state") and not torch.equal(ours[name], tensor)]

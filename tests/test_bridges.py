@@ -44,7 +44,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, hf_logits, read_config
 
 TOKENS = list(range(7, 80, 6))
@@ -268,7 +268,7 @@ def test_bridge_built_model(models, tmp_path, monkeypatch, kind, model, tp, ep):
     out.mkdir()
     mp.start_processes(_worker, args=(kind, hf, hf_dir, tp, ep, _free_port(), out), nprocs=max(tp, ep),
                        start_method="spawn")
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(max(tp, ep))]
+    results = [load_rank_file(out / f"rank{r}.pt") for r in range(max(tp, ep))]
     config = read_config(hf_dir)
     source = HFCheckpoint(hf_dir)
     expected = {name: _bytes(source.read(name)) for name in source.tensors}

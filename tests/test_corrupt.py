@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from mconv import Layout, hf2mcore
 from mconv.cli import main
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 
 EXAMPLES = int(os.environ.get("MCONV_CORRUPT_EXAMPLES", "8"))
 TEXT, JSON, SAFETENSORS, TORCH, PICKLE, BINARY, YAML = "text", "json", "safetensors", "torch", "pickle", "binary", "yaml"
@@ -126,7 +126,7 @@ def wrong_type(draw, value):
 
 
 def _torch_load(path: Path):
-    return torch.load(path, weights_only=False, map_location="cpu")  # our own pristine file
+    return load_rank_file(path, map_location="cpu")  # our own pristine file
 
 
 def structured(fmt: str, data: bytes, path: Path):

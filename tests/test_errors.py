@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from mconv import Layout
 from mconv.cli import main
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 
 TINY = FIXTURES / "qwen3-tiny"
 
@@ -164,7 +164,7 @@ def test_missing_rank_file(tmp_path):
 def test_megatron_tensor_missing(tmp_path):
     assert legacy(TINY, tmp_path / "m").exit_code == 0
     path = tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
+    state = load_rank_file(path)
     del state["model"]["decoder.layers.1.mlp.linear_fc2.weight"]
     torch.save(state, path)
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out",
@@ -174,7 +174,7 @@ def test_megatron_tensor_missing(tmp_path):
 def test_shards_with_different_dtypes_are_refused(tmp_path):
     assert legacy(TINY, tmp_path / "m", "--tp", "2").exit_code == 0
     path = tmp_path / "m" / "release" / "mp_rank_01" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
+    state = load_rank_file(path)
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
     state["model"][name] = state["model"][name].to(torch.float16)
     torch.save(state, path)
@@ -190,7 +190,7 @@ class Exploit:
 def test_legacy_reader_refuses_arbitrary_pickles(tmp_path):
     assert legacy(TINY, tmp_path / "m").exit_code == 0
     path = tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
+    state = load_rank_file(path)
     state["payload"] = Exploit()
     torch.save(state, path)
     Path("/tmp/mconv-exploit-ran").unlink(missing_ok=True)
@@ -246,7 +246,7 @@ def test_a_lora_checkpoint_given_to_mcore2hf_or_inspect_points_to_export_lora(tm
     full, _ = lora_checkpoint(tmp_path / "full", TINY, Layout(tp=2))
     only, _ = lora_checkpoint(tmp_path / "only", TINY, Layout(), adapter_only=True)
     written_here = only / "release" / "mp_rank_00" / "model_optim_rng.pt"
-    adapters = torch.load(written_here, weights_only=False)["model"]
+    adapters = load_rank_file(written_here)["model"]
     dist = save_dist_adapters(tmp_path, TINY, adapters, monkeypatch)
     for ckpt in (full, only, dist):
         for args in (["mcore2hf", ckpt, tmp_path / "out", "--hf-config", TINY], ["inspect", ckpt, "--hf-config", TINY]):

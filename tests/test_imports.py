@@ -37,6 +37,12 @@ def test_help_imports_no_torch():
     assert imported(["--help"], ["hf2mcore", "--help"], ["mcore2hf", "--help"]) == set()
 
 
+def test_python_dash_m_mconv_is_the_command_line():
+    done = subprocess.run([sys.executable, "-m", "mconv", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "hf2mcore" in done.stdout and "mcore2hf" in done.stdout, done.stderr
+
+
 def test_inspect_verify_dry_run_and_legacy_format_import_no_megatron(tmp_path):
     """The whole legacy round trip (with 2 workers), inspect of both sides, verify and a dry run."""
     hf, ckpt, back = FIXTURES / "qwen3-moe-tiny", tmp_path / "ckpt", tmp_path / "back"

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from mconv.cli import main
 from mconv.converter.describe import LAYOUT_FLAGS, MODEL_FLAGS, saved_value
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 
 MOE = FIXTURES / "qwen3-moe-tiny"
 
@@ -91,7 +91,7 @@ def test_a_checkpoint_mconv_did_not_write(checkpoints, tmp_path):
         if fmt == "torch":
             # The rank files as torch loads them: every tensor, its dtype and bytes.
             tensors = [t for f in sorted((path / "release").glob("mp_rank_*/model_optim_rng.pt"))
-                       for t in torch.load(f, weights_only=False)["model"].values() if isinstance(t, torch.Tensor)]
+                       for t in load_rank_file(f)["model"].values() if isinstance(t, torch.Tensor)]
             assert info["size"]["tensors"] == len(tensors) == reports["torch"]["tensors"]
             assert info["size"]["bytes"] == sum(t.nbytes for t in tensors)
             assert info["layout"]["text"] == "TP2 PP1 EP2 ETP1"

@@ -24,7 +24,7 @@ from mconv import Layout, hf2mcore, mcore2hf
 from mconv.converter import megatron_io as mio
 from mconv.converter.layout import Rank
 from mconv.converter.lora import ADAPTER_WEIGHTS, adapter_to_peft
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config
 from tests.test_errors import assert_refused, mconv
 from tests.test_roundtrip import read_all
@@ -130,10 +130,10 @@ def lora_checkpoint(tmp: Path, hf_dir: Path, layout: Layout, spec="local", canon
     for rank in layout.ranks():
         lora_path = mio.rank_file(tmp / "lora" / "release", layout, rank)
         merged_path = mio.rank_file(tmp / "merged" / "release", layout, rank)
-        state = torch.load(lora_path, weights_only=False)
+        state = load_rank_file(lora_path)
         added = [adapters.add(rank, v, chunk) for v, chunk in enumerate(chunks_of(state))]  # merges into state
         torch.save(state, merged_path)
-        state = torch.load(lora_path, weights_only=False)
+        state = load_rank_file(lora_path)
         for chunk, extra in zip(chunks_of(state), added):
             if adapter_only:
                 chunk.clear()
@@ -238,7 +238,7 @@ def gather_tp2(lora: Path) -> dict:
     """The adapters of TP2 rank files as one TP1 chunk, gathered by hand with Megatron's rules:
     column-parallel pieces concatenated (a column base's A, every B), a row base's A on dim 1,
     fc1's per-rank [gate_r; up_r] B regrouped as [gate; up]."""
-    states = [chunks_of(torch.load(lora / "release" / f"mp_rank_0{t}" / "model_optim_rng.pt", weights_only=False))[0]
+    states = [chunks_of(load_rank_file(lora / "release" / f"mp_rank_0{t}" / "model_optim_rng.pt"))[0]
               for t in range(2)]
     gathered = {}
     for name in (n for n in states[0] if ".adapter." in n):
@@ -308,7 +308,7 @@ def assert_same_files(ours: Path, theirs: Path) -> None:
 
 def edit_rank(lora: Path, rank_dir: str, edit) -> None:
     path = lora / "release" / rank_dir / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
+    state = load_rank_file(path)
     edit(state["model"])
     torch.save(state, path)
 

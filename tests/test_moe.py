@@ -11,7 +11,7 @@ from fixtures.make_fixtures import make_qwen3_moe
 from mconv import Layout, hf2mcore, mcore2hf
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.layout import parse_layout_string
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 from tests.test_errors import assert_refused, legacy, mconv
 from tests.test_roundtrip import assert_bit_identical, read_all
 
@@ -79,8 +79,8 @@ def test_expert_names_per_spec(tmp_path):
 
     hf2mcore(MOE, tmp_path / "te", Layout(ep=2), spec="te", fmt="torch", progress=False)
     hf2mcore(MOE, tmp_path / "local", Layout(ep=2), spec="local", fmt="torch", progress=False)
-    te = torch.load(tmp_path / "te/release/mp_rank_00_001/model_optim_rng.pt", weights_only=False)["model"]
-    local = torch.load(tmp_path / "local/release/mp_rank_00_001/model_optim_rng.pt", weights_only=False)["model"]
+    te = load_rank_file(tmp_path / "te/release/mp_rank_00_001/model_optim_rng.pt")["model"]
+    local = load_rank_file(tmp_path / "local/release/mp_rank_00_001/model_optim_rng.pt")["model"]
     assert "decoder.layers.0.mlp.experts.linear_fc1.weight3" in te and "decoder.layers.0.mlp.experts.linear_fc1._extra_state" in te
     assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in local
     assert "decoder.layers.0.mlp.experts.local_experts.4.linear_fc2.weight" not in local  # 8 experts / EP2
@@ -125,7 +125,7 @@ def test_layout_string_conversion_matches_flags(tmp_path):
     for a in sorted((tmp_path / "a" / "release").iterdir()):
         b = tmp_path / "b" / "release" / a.name
         import torch
-        sa, sb = (torch.load(x / "model_optim_rng.pt", weights_only=False)["model"] for x in (a, b))
+        sa, sb = (load_rank_file(x / "model_optim_rng.pt")["model"] for x in (a, b))
         assert sa.keys() == sb.keys() and all(sa[k] is None or torch.equal(sa[k], sb[k]) for k in sa)
 
 
@@ -152,8 +152,10 @@ def test_etp_must_divide_expert_mlp(tmp_path):
                    tmp_path / "out", "moe_intermediate_size=25", "--etp 2")
 
 
-def test_ep_on_dense_model_is_refused(tmp_path):
-    assert_refused(mconv("hf2mcore", FIXTURES / "qwen3-tiny", tmp_path / "out", "--ep", "2"), tmp_path / "out",
+@pytest.mark.parametrize("option", ["--ep", "--etp"])
+def test_ep_on_dense_model_is_refused(tmp_path, option):
+    """Named for what it is (not as a broken ETP/TP rule, which --etp 2 at TP1 would also break)."""
+    assert_refused(mconv("hf2mcore", FIXTURES / "qwen3-tiny", tmp_path / "out", option, "2"), tmp_path / "out",
                    "need a model with experts")
 
 
@@ -175,7 +177,7 @@ def test_megatron_checkpoint_missing_one_expert(tmp_path):
 
     assert legacy(MOE, tmp_path / "m", "--ep", "2").exit_code == 0
     path = tmp_path / "m/release/mp_rank_00_001/model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
+    state = load_rank_file(path)
     del state["model"]["decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"]
     torch.save(state, path)
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out",

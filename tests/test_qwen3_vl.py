@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from fixtures.make_fixtures import make_qwen3_vl
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 from tests.qwen3_vl_oracle import PATCHES, example_inputs, hf_logits
 from tests.test_errors import assert_refused, legacy, mconv
 from tests.test_roundtrip import assert_bit_identical, read_all
@@ -161,8 +161,7 @@ def test_square_expert_tensors_read_as_transformers_holds_them(tmp_path, moe_ffn
     for name, hf in (("5", five), ("4", four)):
         hf2mcore(hf, tmp_path / name, Layout(ep=2), fmt="torch", progress=False)
         for ep in range(2):
-            state = torch.load(tmp_path / name / f"release/mp_rank_00_{ep:03d}/model_optim_rng.pt",
-                               weights_only=False)["model"]
+            state = load_rank_file(tmp_path / name / f"release/mp_rank_00_{ep:03d}/model_optim_rng.pt")["model"]
             for local in range(2):
                 prefix = f"language_model.decoder.layers.1.mlp.experts.local_experts.{local}."
                 assert torch.equal(state[prefix + "linear_fc1.weight"], experts.gate_up_proj[2 * ep + local])
@@ -193,7 +192,7 @@ def test_missing_vision_tensor_in_megatron_checkpoint(tmp_path):
     """mcore2hf: a rank file without one of its vision tensors (TP rank 1 of 2) names file and tensor."""
     assert legacy(DENSE, tmp_path / "m", "--tp", "2").exit_code == 0
     path = tmp_path / "m/release/mp_rank_01/model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
+    state = load_rank_file(path)
     del state["model"]["vision_model.decoder.layers.1.self_attention.linear_qkv.bias"]
     torch.save(state, path)
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out",

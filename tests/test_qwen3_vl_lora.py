@@ -23,7 +23,7 @@ from fixtures.make_fixtures import make_qwen3_vl
 from mconv import Layout, mcore2hf
 from mconv.converter.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from mconv.converter.transforms import padded_vocab_size
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 from tests.qwen3_vl_oracle import PATCHES, VLRun, example_inputs, hf_logits, megatron_logits
 from tests.test_errors import assert_refused, mconv
 from tests.test_lora import (ALPHA, R, assert_same_files, export, lora_checkpoint, needs_vllm, run_vllm,
@@ -136,8 +136,7 @@ def test_torch_dist_adapter_checkpoint(tmp_path, monkeypatch):
     """Vision and language adapters in a torch_dist checkpoint (keys of mbridge's Qwen3VLModel, stacked
     like their base layers) export as the same rank files do."""
     lora, _ = lora_checkpoint(tmp_path, DENSE, Layout(), vision=True, adapter_only=True)
-    adapters = {k: v for k, v in torch.load(lora / "release" / "mp_rank_00" / "model_optim_rng.pt",
-                                            weights_only=False)["model"].items() if ".adapter." in k}
+    adapters = {k: v for k, v in load_rank_file(lora / "release" / "mp_rank_00" / "model_optim_rng.pt")["model"].items() if ".adapter." in k}
     assert any(k.startswith("vision_model.decoder.deepstack_merger_list.1.") for k in adapters)
     dist = save_dist_adapters(tmp_path, DENSE, adapters, monkeypatch)
     export(lora, tmp_path / "from-legacy")

@@ -18,7 +18,7 @@ from mconv.converter.lora import export_lora
 from mconv.converter.describe import inspect_path
 from mconv.converter.pipelines import mcore2hf
 from mconv.errors import MconvError
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, load_rank_file
 from tests.test_errors import assert_refused, mconv
 
 TINY = FIXTURES / "qwen3-tiny"
@@ -70,13 +70,13 @@ def poison_metadata(iter_dir: Path, marker: Path) -> None:
 
 
 def poison_common_pt(iter_dir: Path, marker: Path) -> None:
-    common = torch.load(iter_dir / "common.pt", weights_only=False)
+    common = load_rank_file(iter_dir / "common.pt")
     common["args"].payload = Payload(marker)
     torch.save(common, iter_dir / "common.pt")
 
 
 def poison_common_state(iter_dir: Path, marker: Path) -> None:
-    common = torch.load(iter_dir / "common.pt", weights_only=False)
+    common = load_rank_file(iter_dir / "common.pt")
     (iter_dir / "common.pt").unlink()  # megatron-core 0.19 then reads the common_state object
     common["payload"] = Payload(marker)
     _append_object(iter_dir, _dcp_metadata(iter_dir), "common_state/shard_0_1", [common])
@@ -88,7 +88,7 @@ def poison_tensor_chunk(iter_dir: Path, marker: Path) -> None:
 
 def poison_rank_file(iter_dir: Path, marker: Path) -> None:
     path = iter_dir / "mp_rank_01" / "model_optim_rng.pt"
-    state = torch.load(path, weights_only=False)
+    state = load_rank_file(path)
     state["optimizer"] = {"payload": Payload(marker)}
     torch.save(state, path)
 
@@ -251,7 +251,7 @@ def test_training_checkpoints_with_optimizer_and_rng_state_convert_bit_exactly(c
 
     legacy = Path(shutil.copytree(checkpoints / "torch", tmp_path / "legacy"))
     for path in legacy.glob("release/mp_rank_*/model_optim_rng.pt"):
-        rank = torch.load(path, weights_only=False)
+        rank = load_rank_file(path)
         with megatron_process_group():
             extra = training_state(torch.nn.Linear(2, 2), training_args(rank["args"]), sharded=False)
         torch.save({**rank, **extra, "iteration": 0}, path)

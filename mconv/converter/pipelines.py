@@ -428,7 +428,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
             writer.write_index()
             copy_side_files(ckpt.config_dir, staging)
-            write_hf_config(staging, arch.hf_config(ckpt.config), ckpt.config)
+            write_hf_config(staging, arch.hf_config(ckpt.config, ckpt.plan.dims), ckpt.config)
             write_config_dtype(staging, entries)
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:

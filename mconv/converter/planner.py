@@ -120,6 +120,9 @@ def _shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
 
 
 def validate_layout(dims: SimpleNamespace, layout: Layout, arch_check=None) -> None:
+    experts = getattr(dims, "experts", 0)
+    if not experts and (layout.ep > 1 or layout.etp > 1):  # before the layout's own ETP rules
+        raise MconvError("--ep/--etp need a model with experts")
     layout.validate(dims.layers)
     for what, value in (("num_attention_heads", getattr(dims, "heads", None)),
                         ("num_key_value_heads (query groups)", getattr(dims, "groups", None))):
@@ -127,9 +130,6 @@ def validate_layout(dims: SimpleNamespace, layout: Layout, arch_check=None) -> N
             raise MconvError(f"{what}={value} is not divisible by --tp {layout.tp}")
     if arch_check is not None:
         arch_check(dims, layout)
-    experts = getattr(dims, "experts", 0)
-    if not experts and (layout.ep > 1 or layout.etp > 1):
-        raise MconvError("--ep/--etp need a model with experts")
     if experts and experts % layout.ep:
         raise MconvError(f"{experts} experts are not divisible by --ep {layout.ep}")
     if experts and dims.moe_ffn % layout.etp:

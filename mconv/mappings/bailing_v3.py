@@ -265,12 +265,18 @@ MTP = (
          when=mtp_copy_of_embedding, exported=False),
 )
 
+def hf_config(config: dict, d: SimpleNamespace) -> dict:
+    """config.json of a conversion without MTP layers (hf2mcore without --mtp) says there are none, so
+    loaders that build them (vLLM's BailingMoeV3 MTP, the model's own code) do not look for weights."""
+    return {**config, "num_nextn_predict_layers": 0} if d.hf_mtp_layers and not d.mtp_layers else config
+
+
 BAILING_V3 = Architecture("BailingMoeV3ForCausalLM", dims,
                           embedding_and_output("model.word_embeddings.weight") + INPUT_NORM + KDA + MLA
                           + DENSE_MLP + MOE_MLP + MOE_EXTRAS + MTP, megatron_args, dropped=lambda d: {
                               f"model.layers.{d.layers + j}.": "multi-token-prediction layer: AReaL's layout has "
                               "no MTP, so it is not converted; --mtp keeps it in megatron-core's MTP block"
-                              for j in range(0 if d.mtp_layers else d.hf_mtp_layers)},
+                              for j in range(0 if d.mtp_layers else d.hf_mtp_layers)}, hf_config=hf_config,
                           # torch_dist: KDA and MLA layers differ, so keys are per layer; local names
                           # (megatron-core's local MLA spec has no keys map, AReaL's KDA layer has its own
                           # input_layernorm).

@@ -165,7 +165,7 @@ def moe_megatron_args(d: SimpleNamespace) -> dict:
     return megatron_args(d, qwen3_moe.megatron_args)
 
 
-def hf_config(config: dict) -> dict:
+def hf_config(config: dict, d: SimpleNamespace | None = None) -> dict:
     """config.json that transformers 4.57 and 5.x both read: 4.x reads rope_theta + rope_scaling and
     num_experts, 5.x rope_parameters and num_local_experts (reference qwen3-vl.md, section 2). 4.57 ties
     lm_head to the embeddings by text_config's tie_word_embeddings, 5.x by the top-level one (5.x MoE

@@ -79,8 +79,9 @@ class Architecture:
     # HF keeps routed experts stacked (`mlp.experts.gate_up_proj` / `down_proj`, transformers'
     # Qwen3-VL-MoE): the table names them per expert and the HF writer stacks them.
     stacked_experts: bool = False
-    # config.json as mcore2hf writes it (e.g. with the keys of both transformers 4.x and 5.x).
-    hf_config: Callable[[dict], dict] = field(default=lambda config: config)
+    # config.json as mcore2hf writes it, from the model's config and the converted model's dims (e.g.
+    # with the keys of both transformers 4.x and 5.x, or without the layers the checkpoint lacks).
+    hf_config: Callable[[dict, SimpleNamespace], dict] = field(default=lambda config, d: config)
     # HF tensors the Megatron layout has no place for: {HF name prefix: why}; hf2mcore leaves them out
     # and says so (mcore2hf cannot bring them back).
     dropped: Callable[[SimpleNamespace], dict[str, str]] = field(default=lambda d: {})

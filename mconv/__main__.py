@@ -1,0 +1,4 @@
+"""`python -m mconv`: the same command line as the `mconv` entry point."""
+from mconv.cli import main
+
+main()
