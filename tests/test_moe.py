@@ -95,14 +95,13 @@ def test_expert_names_per_spec(tmp_path):
 
 def test_each_ep_rank_reads_only_its_experts(tmp_path, monkeypatch):
     reads = defaultdict(int)  # HF tensor -> bytes read
-    original = HFCheckpoint.read
+    original = HFCheckpoint.read_into  # every read (`read`, and pieces read into their rows) ends here
 
-    def counting_read(self, name, dim=0, start=None, stop=None):
-        tensor = original(self, name, dim, start, stop)
-        reads[name] += tensor.nbytes
-        return tensor
+    def counting_read(self, name, dim, start, stop, out):
+        original(self, name, dim, start, stop, out)
+        reads[name] += out.nbytes
 
-    monkeypatch.setattr(HFCheckpoint, "read", counting_read)
+    monkeypatch.setattr(HFCheckpoint, "read_into", counting_read)
     layout = Layout(tp=2, ep=4, etp=1)
     summary = hf2mcore(MOE, tmp_path / "m", layout, fmt="torch", progress=False)
     hf = HFCheckpoint(MOE)

@@ -58,7 +58,7 @@ def peft_logits(hf_dir: Path, adapter: Path, inputs: dict) -> dict[str, torch.Te
 
 def assert_merge_equals_megatron_layout_merge(tmp_path: Path, hf_dir: Path, lora: Path, merged: Path) -> None:
     export(lora, tmp_path / "ours", "--merge", "--base-model", hf_dir, "--dtype", "float32")
-    mcore2hf(merged, tmp_path / "theirs", progress=False, expert_orientation="4.x")
+    mcore2hf(merged, tmp_path / "theirs", progress=False)  # stacked experts: 4.x, as the base
     ours, theirs, base = read_all(tmp_path / "ours"), read_all(tmp_path / "theirs"), read_all(hf_dir)
     assert ours.keys() == theirs.keys() == base.keys()
     for name in ours:

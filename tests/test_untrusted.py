@@ -255,9 +255,9 @@ def test_training_checkpoints_with_optimizer_and_rng_state_convert_bit_exactly(c
         with megatron_process_group():
             extra = training_state(torch.nn.Linear(2, 2), training_args(rank["args"]), sharded=False)
         torch.save({**rank, **extra, "iteration": 0}, path)
-    from mconv.converter.megatron_io import load_rank_file
+    from mconv.converter import megatron_io
 
-    rank = load_rank_file(next(legacy.glob("release/mp_rank_*/model_optim_rng.pt")))
+    rank = megatron_io.load_rank_file(next(legacy.glob("release/mp_rank_*/model_optim_rng.pt")))
     assert rank["rng_state"][0]["np_rng_state"][1].dtype.name == "uint32" and "exp_avg" in str(rank["optimizer"])
     mcore2hf(legacy, tmp_path / "hf-legacy", progress=False)
     assert_bit_identical(read_all(TINY), read_all(tmp_path / "hf-legacy"))
