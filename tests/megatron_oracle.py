@@ -102,6 +102,33 @@ def _transformer_config(run: MegatronRun):
     ), float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
 
 
+@contextlib.contextmanager
+def one_process_gpt(run: MegatronRun, vocab_size: int = 384):
+    """megatron-core's GPTModel (local spec) for `run`'s config, in a one-process gloo group at
+    TP1/PP1 that is torn down on exit; for tests of mconv.live in a spawned worker."""
+    import tempfile
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    _cpu_shims()
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store}/s", rank=0, world_size=1)
+        ps.initialize_model_parallel(1, 1)
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        config, theta = _transformer_config(run)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                          qk_l2_norm=False)
+        try:
+            yield GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+                           max_sequence_length=256, position_embedding_type="rope", rotary_base=theta)
+        finally:
+            dist.destroy_process_group()
+
+
 def megatron_lm_args(argv: list[str], world: int = 1, overlay: dict | None = None) -> argparse.Namespace:
     """Megatron-LM's own `parse_args` for a command line, with `overlay` set on the result, then its
     `validate_args`, on this CPU machine: the GPU generation check answers Hopper and

@@ -794,30 +794,15 @@ def test_live_save_failures_are_one_sentence_and_leave_nothing(tmp_path):
 def _live_save_worker(rank, run, where: Path):
     import errno
     import os
-    import tempfile
     import warnings
     from unittest import mock
 
     warnings.filterwarnings("ignore")
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
-
     import mconv.live
-    from tests.megatron_oracle import _cpu_shims, _transformer_config
+    from tests.megatron_oracle import one_process_gpt
 
-    _cpu_shims()
-    with tempfile.TemporaryDirectory() as store:
-        dist.init_process_group("gloo", init_method=f"file://{store}/s", rank=0, world_size=1)
-        ps.initialize_model_parallel(1, 1)
-        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-        config, theta = _transformer_config(run)
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                          qk_l2_norm=False)
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=384, max_sequence_length=256,
-                         position_embedding_type="rope", rotary_base=theta).to(torch.bfloat16)
+    with one_process_gpt(run) as model:
+        model = model.to(torch.bfloat16)
         mconv.live.load_hf_weights([model], TINY)
 
         def failing(name, code, real):
@@ -846,7 +831,6 @@ def _live_save_worker(rank, run, where: Path):
             except Exception as e:
                 results["existing"] = [type(e).__name__, str(e)]
         (where / "results.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- a new user's mistakes

@@ -79,29 +79,13 @@ def test_staged_load_casts_and_places_every_piece(tmp_path):
 
 
 def _staged_worker(rank, run, out):
-    import tempfile
     import warnings
 
     warnings.filterwarnings("ignore")
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
-
     import mconv.live
-    from tests.megatron_oracle import _cpu_shims, _transformer_config
+    from tests.megatron_oracle import one_process_gpt
 
-    _cpu_shims()
-    with tempfile.TemporaryDirectory() as store:
-        dist.init_process_group("gloo", init_method=f"file://{store}/s", rank=0, world_size=1)
-        ps.initialize_model_parallel(1, 1)
-        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-        config, theta = _transformer_config(run)
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                          qk_l2_norm=False)
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=384, max_sequence_length=256,
-                         position_embedding_type="rope", rotary_base=theta)
+    with one_process_gpt(run) as model:
         mconv.live.STAGE_BYTES = 30_000  # many batches, and pieces larger than a batch
         mconv.live.load_hf_weights([model], FIXTURES / "qwen3-moe-tiny", staged=True)
         source = HFCheckpoint(FIXTURES / "qwen3-moe-tiny")
@@ -112,4 +96,3 @@ def _staged_worker(rank, run, out):
                 names.append(name)
         assert sorted(names) == sorted(source.tensors)
         torch.save("exact", out)
-        dist.destroy_process_group()
