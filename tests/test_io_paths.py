@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mconv.converter import torch_dist_io
+from mconv.converter import torch_dist_io, torch_save
 from mconv.converter.hf_io import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.torch_dist_io import DistEntry
 
@@ -30,12 +30,12 @@ def _archive(value) -> bytes:
 def test_zip_members_parsed_with_struct_agree_with_zipfile(value):
     """Oracle: Python's zipfile reading the same torch.save archive."""
     data = _archive(value)
-    members = torch_dist_io._members(data[-4096:], len(data), lambda at, n: data[at:at + n])
+    members = torch_save.members(data[-4096:], len(data), lambda at, n: data[at:at + n])
     expected = {i.filename: (i.header_offset, i.file_size, i.compress_type)
                 for i in zipfile.ZipFile(io.BytesIO(data)).infolist()}
     assert members == expected
     for name, (local, size, _) in members.items():
-        start = torch_dist_io._record_start(local, lambda at, n: data[at:at + n])
+        start = torch_save.record_start(local, lambda at, n: data[at:at + n])
         assert data[start:start + size] == zipfile.ZipFile(io.BytesIO(data)).read(name)
 
 
@@ -43,7 +43,7 @@ def test_zip_with_a_comment_is_left_to_zipfile():
     data = bytearray(_archive(torch.zeros(2)))
     data[-2:] = (4).to_bytes(2, "little")  # a 4-byte archive comment
     data += b"note"
-    assert torch_dist_io._members(bytes(data[-4096:]), len(data), lambda at, n: bytes(data[at:at + n])) is None
+    assert torch_save.members(bytes(data[-4096:]), len(data), lambda at, n: bytes(data[at:at + n])) is None
 
 
 def _entries():

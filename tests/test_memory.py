@@ -45,3 +45,32 @@ def test_peak_memory_is_independent_of_model_size(tmp_path):
           f"(tiny {base_in / 2**20:.0f}); mcore2hf peak {big_out / 2**20:.0f} MiB (tiny {base_out / 2**20:.0f})")
     assert big_in - base_in < MARGIN
     assert big_out - base_out < MARGIN
+
+
+@pytest.mark.slow
+def test_legacy_rank_file_is_written_without_holding_it(tmp_path):
+    """The legacy format at TP1 puts the whole model into one torch.save file; it is laid out by
+    torch.save and filled window by window, so memory does not hold the rank (it did: 11 GiB at
+    TP1 on the benchmark model). torch.load reads the file back bit for bit (its oracle)."""
+    from transformers import Qwen3Config
+
+    from fixtures.make_fixtures import make_synthetic
+    from mconv.converter import safe_load
+
+    big = make_synthetic(tmp_path / "big", Qwen3Config(
+        vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=36, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, architectures=["Qwen3ForCausalLM"]))
+    size = sum(p.stat().st_size for p in big.glob("*.safetensors"))
+    base = peak_rss("hf2mcore", FIXTURES / "qwen3-tiny", tmp_path / "tiny", "--format", "torch")
+    peak = peak_rss("hf2mcore", big, tmp_path / "m", "--format", "torch", "--workers", "2")
+    print(f"checkpoint {size / 2**20:.0f} MiB; legacy hf2mcore TP1 peak {peak / 2**20:.0f} MiB "
+          f"(tiny {base / 2**20:.0f})")
+    assert peak - base < MARGIN
+    state = safe_load.load_torch(tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt", mmap=True)
+    from safetensors import safe_open
+    for file in big.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            name = next(n for n in f.keys() if n.endswith("layers.35.mlp.down_proj.weight") or n == "model.norm.weight")
+            megatron = ("decoder.layers.35.mlp.linear_fc2.weight" if "down_proj" in name
+                        else "decoder.final_layernorm.weight")
+            assert state["model"][megatron].equal(f.get_tensor(name))

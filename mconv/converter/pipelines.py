@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import threading
 from collections import Counter
@@ -16,7 +17,7 @@ from tqdm import tqdm
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
-from mconv.converter import torch_dist, torch_dist_io
+from mconv.converter import torch_dist, torch_dist_io, torch_save
 from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, StagingBuffer, copy_side_files,
                                    expert_orientation_for, write_config_dtype, write_hf_config)
 from mconv.converter.hub import resolve_model
@@ -27,7 +28,7 @@ from mconv.converter.output import (check_output_path, commit, output_path, remo
 from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
-from mconv.converter.transforms import merge, split
+from mconv.converter.transforms import Piece, ShardLayout, merge, split
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
@@ -126,52 +127,109 @@ def refuse_megatron(path: str | Path, why: str) -> None:
         raise MconvError(f"{path} is a Megatron checkpoint; {why}")
 
 
-def _read_shard(task: TensorTask, ckpt: HFCheckpoint) -> torch.Tensor:
-    """One Megatron shard from the HF slices. Pieces that are ranges of rows (fused QKV, GLU fc1,
-    padded vocabulary) are read straight into their rows of the shard: no concatenated copy, and
-    no second block of fresh memory to fault in."""
-    layout, infos = task.shard, [ckpt.tensors[name] for name in task.hf]
-    if layout.dim != 0 or (len(layout.pieces) == 1 and not layout.pad) or len({i.dtype for i in infos}) > 1:
-        return split(layout, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b))
-    out = torch.empty(layout.shape([info.shape for info in infos]), dtype=infos[layout.pieces[0].source].dtype)
-    offset = 0
-    for p in layout.pieces:
-        ckpt.read_into(task.hf[p.source], 0, p.start, p.stop, out.narrow(0, offset, p.length))
-        offset += p.length
-    out.narrow(0, offset, layout.pad).zero_()
-    return out
+WINDOW_BYTES = 32 * 2**20  # bytes of a Megatron tensor built and written at a time (per thread)
+
+
+def _shard_dtype(task: TensorTask, ckpt: HFCheckpoint) -> torch.dtype:
+    """The dtype of a Megatron shard: that of its HF tensors, which must agree (no silent cast)."""
+    dtypes = {ckpt.tensors[name].dtype for name in task.hf}
+    if len(dtypes) > 1:
+        found = ", ".join(f"{name} {str(ckpt.tensors[name].dtype).removeprefix('torch.')}" for name in task.hf)
+        raise MconvError(f"{ckpt.dir}: {task.megatron} is made of tensors of different dtypes ({found}); "
+                         "mconv does not cast silently")
+    return dtypes.pop()
+
+
+def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer,
+                   rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
+    """One Megatron shard (or its rows [start, stop) along dim 0) from the HF slices, as
+    consecutive windows of its bytes (row ranges of about WINDOW_BYTES) built in `memory`, each
+    valid until the next is asked for: memory that is reused, so no fresh pages are faulted in,
+    and never a whole large tensor. Pieces that are ranges of rows (fused QKV, GLU fc1, padded
+    vocabulary) are read straight into their rows; a shard split along another dimension
+    (row-parallel at TP > 1) is built whole, in one window."""
+    layout, shapes = task.shard, [ckpt.tensors[name].shape for name in task.hf]
+    dtype, shape = _shard_dtype(task, ckpt), layout.shape(shapes)
+    first = layout.pieces[0]
+    start, stop = rows or (0, shape[0] if shape else 1)
+    if layout.dim != 0:
+        if len(layout.pieces) > 1 or layout.pad or first.start or first.stop != shapes[first.source][layout.dim]:
+            yield split(layout, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b)).narrow(0, start, stop - start)
+            return
+        layout = ShardLayout(0, (Piece(first.source, 0, shape[0]),))  # the whole tensor, read by rows
+    if not shape:
+        out = memory.take(dtype.itemsize).view(dtype).view(())
+        ckpt.read_into(task.hf[first.source], 0, 0, 1, out)
+        yield out
+        return
+    row = _nbytes(shape[1:], dtype)
+    step = max(1, WINDOW_BYTES // max(row, 1))
+    for lo in range(start, stop, step):
+        hi = min(stop, lo + step)
+        out = memory.take((hi - lo) * row).view(dtype).view((hi - lo, *shape[1:]))
+        offset = 0
+        for p in layout.pieces:
+            a, b = max(lo, offset), min(hi, offset + p.length)
+            if a < b:
+                ckpt.read_into(task.hf[p.source], 0, p.start + a - offset, p.start + b - offset, out.narrow(0, a - lo, b - a))
+            offset += p.length
+        if hi > offset:
+            out.narrow(0, max(lo, offset) - lo, hi - max(lo, offset)).zero_()
+        yield out
+
+
+def _rank_archive(plan: Plan, ckpt: HFCheckpoint, i: int, args, iteration: int | None):
+    """Rank `i`'s file as torch.save lays it out (torch_save.plan_archive), with the placeholder
+    tensor standing for each task's shard."""
+    chunks, placeholders = [], []
+    for chunk in plan.ranks[i].chunks:
+        state = {}
+        for task in chunk:
+            state[task.megatron] = None if task.shard is None else torch.empty(task.shape, dtype=_shard_dtype(task, ckpt))
+            if task.shard is not None:
+                placeholders.append((task, state[task.megatron]))
+        chunks.append(state)
+    return torch_save.plan_archive(mio.rank_state(chunks, args, iteration)), placeholders
 
 
 def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, progress: Callable[[int], None],
                       iter_dir: Path, args, iteration: int | None, threads: int = 1) -> None:
-    """Write member `index`'s share of the rank files, one after the other (the format pickles a
-    rank's state dict whole). `threads` threads read the tensors (split by tensor, so a single rank
-    file gains too), and a rank file is saved while the next one is read: memory holds at most two
-    ranks' tensors (one with one thread)."""
+    """Write member `index`'s share of the rank files. Each file is laid out by torch.save itself
+    (`torch_save.plan_archive`: its pickle, records and directory, the tensors' bytes left out); then
+    `threads` threads fill in its tensors, window by window from the HF files (split by tensor, so
+    a single rank file gains too), each CRC-32 computed on the way, and the small records are
+    written last, with one fsync per file. Memory holds a window per thread, not a rank."""
     costs = [sum(_nbytes(t.shape, torch.float32) for chunk in r.chunks for t in chunk if t.shape) for r in plan.ranks]
-    mine = share(costs, index, size)
-    reads = run_ordered(((lambda task=task: None if task.shard is None else _read_shard(task, ckpt))
-                         for i in mine for chunk in plan.ranks[i].chunks for task in chunk), threads)
-    # closing: on an error or an interrupt, the readers stop before the output is cleaned up
-    with closing(reads), ThreadPoolExecutor(1, thread_name_prefix="mconv-save") as saver:
-        saving = None
-        for i in mine:
-            chunks = []
-            for chunk in plan.ranks[i].chunks:
-                state = {}
-                for task in chunk:
-                    state[task.megatron] = next(reads)
-                    progress(0 if state[task.megatron] is None else state[task.megatron].nbytes)
-                chunks.append(state)
+    local = threading.local()  # each thread's StagingBuffer
+    files = []
+    try:
+        jobs = []
+        for i in share(costs, index, size):
+            layout, placeholders = _rank_archive(plan, ckpt, i, args, iteration)
             path = mio.rank_file(iter_dir, plan.layout, plan.ranks[i].rank)
             path.parent.mkdir(parents=True, exist_ok=True)
-            if saving is not None:
-                saving.result()
-            saving = saver.submit(torch.save, mio.rank_state(chunks, args, iteration), path)
-            if threads <= 1:
-                saving.result()
-        if saving is not None:
-            saving.result()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            files.append((fd, layout))
+            os.ftruncate(fd, layout.size)
+            jobs += [(fd, layout, task, placeholder) for task, placeholder in placeholders]
+
+        def fill(fd: int, layout, task: TensorTask, placeholder: torch.Tensor) -> int:
+            if not hasattr(local, "memory"):
+                local.memory = StagingBuffer(WINDOW_BYTES)
+            torch_save.fill(fd, 0, layout, layout.record(placeholder), _shard_windows(task, ckpt, local.memory))
+            return placeholder.nbytes
+
+        jobs.sort(key=lambda job: -job[3].nbytes)  # largest first: the threads end together
+        # closing: on an error or an interrupt, the writers stop before the output is cleaned up
+        with closing(run_ordered((functools.partial(fill, *job) for job in jobs), threads)) as fills:
+            for written in fills:
+                progress(written)
+        for fd, layout in files:
+            layout.write_runs(fd, 0)
+            os.fsync(fd)
+    finally:
+        for fd, _ in files:
+            os.close(fd)
 
 
 def _flat_plan(plan: Plan) -> Plan:
@@ -185,8 +243,14 @@ def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict) -> l
     """What the torch_dist checkpoint holds (torch_dist.plan_boxes), each box built from the HF slices
     when written."""
     flat = _flat_plan(plan)
-    dtypes = {task.megatron: ckpt.tensors[task.hf[0]].dtype for task in flat.ranks[0].chunks[0] if task.shard}
-    return torch_dist.entries(flat, args, common, lambda task: _read_shard(task, ckpt), dtypes)
+    dtypes = {task.megatron: _shard_dtype(task, ckpt) for task in flat.ranks[0].chunks[0] if task.shard}
+    local = threading.local()  # each writer thread's StagingBuffer
+
+    def windows(task: TensorTask, start: int, stop: int) -> Iterator[torch.Tensor]:
+        if not hasattr(local, "memory"):
+            local.memory = StagingBuffer(WINDOW_BYTES)
+        return _shard_windows(task, ckpt, local.memory, (start, stop))
+    return torch_dist.entries(flat, args, common, windows, dtypes)
 
 
 def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:

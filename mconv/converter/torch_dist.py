@@ -31,11 +31,11 @@ from the HF slices when the writer gets to it, one parameter per writer thread i
 """
 from __future__ import annotations
 
+import functools
 import re
-import threading
 from argparse import Namespace
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -170,29 +170,21 @@ def plan_boxes(plan: Plan, args: Namespace) -> list[DistBox]:
     return boxes
 
 
-def entries(plan: Plan, args: Namespace, common: dict, parameter: Callable[[TensorTask], torch.Tensor],
+def entries(plan: Plan, args: Namespace, common: dict,
+            windows: Callable[[TensorTask, int, int], Iterable[torch.Tensor]],
             dtypes: dict[str, torch.dtype]) -> list[DistEntry]:
     """The writer's entries for the torch_dist checkpoint of `plan` (see `plan_boxes`), then the
-    `common` state (as Megatron-LM's: args, checkpoint_version, iteration). `parameter(task)` builds
-    the full TP1 tensor of a parameter, `dtypes` each parameter's dtype by its local-spec name."""
-    local = threading.local()  # each writer thread builds its own parameters
-
-    def produce(box: DistBox) -> Callable[[], torch.Tensor]:
-        def build() -> torch.Tensor:
-            if getattr(local, "name", None) != box.task.megatron:  # a parameter's boxes are written in turn
-                local.name, local.full = box.task.megatron, parameter(box.task)
-            full = local.full
-            part = full if box.length == full.shape[0] else full.narrow(0, box.start, box.length)
-            return part.reshape(box.sizes)
-        return build
-
+    `common` state (as Megatron-LM's: args, checkpoint_version, iteration). `windows(task, start,
+    stop)` gives rows [start, stop) of a parameter's full TP1 tensor as consecutive windows of its
+    bytes (DistEntry.produce), `dtypes` each parameter's dtype by its local-spec name."""
     out = []
     for box in plan_boxes(plan, args):
         if box.global_shape is None:
             out.append(DistEntry(box.key, None, None, lambda: None))
         else:
-            out.append(DistEntry(box.key, box.global_shape, dtypes[box.task.megatron], produce(box), box.offsets,
-                                 box.sizes, group=box.task.megatron))
+            out.append(DistEntry(box.key, box.global_shape, dtypes[box.task.megatron],
+                                 functools.partial(windows, box.task, box.start, box.start + box.length),
+                                 box.offsets, box.sizes, group=box.task.megatron))
     out.append(DistEntry(COMMON_KEY, None, None, lambda: common))
     return out
 

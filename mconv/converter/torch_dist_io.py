@@ -19,6 +19,7 @@ written with few `writev` calls and one fsync per file; each member of a team wr
 from __future__ import annotations
 
 import bisect
+import functools
 import io
 import json
 import os
@@ -31,10 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy
 import torch
 
-from mconv.converter import safe_load
+from mconv.converter import safe_load, torch_save
 from mconv.converter.parallel import share
 from mconv.errors import MconvError
 
@@ -42,7 +42,6 @@ METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"  # megatron-core <= 0.18 keeps the common state here (0.19 reads it first)
 COMMON_KEY = "common_state/shard_0_1"  # megatron-core 0.19's ShardedObject("common_state", ...).unique_key
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-WRITE_BUFFER_BYTES = 64 * 2**20  # serialized chunks gathered per writev
 MERGE_GAP_BYTES = 64 * 2**10  # reads closer than this are merged into one request
 metadata_reads = 0  # `.metadata` files this process parsed (tests count them)
 
@@ -117,63 +116,6 @@ class _Window(io.RawIOBase):
         n = os.preadv(self.fd, [memoryview(buffer)[:n]], self.base + self.pos)
         self.pos += n
         return n
-
-
-_EOCD = struct.Struct("<4s4H2LH")  # zip end of central directory record
-_EOCD64_LOCATOR = struct.Struct("<4sLQL")
-_EOCD64 = struct.Struct("<4sQ2H2L4Q")
-_CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
-_LOCAL = struct.Struct("<4s5H3L2H")  # local file header
-
-
-def _members(tail: bytes, length: int, read: Callable[[int, int], bytes]) -> dict[str, tuple[int, int, int]] | None:
-    """name -> (local header offset, size, compression) of a zip archive of `length` bytes whose
-    last bytes are `tail`, from its end records and central directory (zip64 where torch.save
-    writes them); None if the archive does not end in a comment-less end record. `read(at, n)`
-    gives archive-relative bytes. Raises ValueError / struct.error on inconsistent records."""
-    if len(tail) < _EOCD.size or tail[-_EOCD.size:-_EOCD.size + 4] != b"PK\x05\x06":
-        return None
-    _, _, _, _, count, size, offset, comment = _EOCD.unpack_from(tail, len(tail) - _EOCD.size)
-    if comment:
-        return None
-    if 0xFFFF == count or 0xFFFFFFFF in (size, offset):
-        locator = read(length - _EOCD.size - _EOCD64_LOCATOR.size, _EOCD64_LOCATOR.size)
-        signature, _, at, _ = _EOCD64_LOCATOR.unpack(locator)
-        record = read(at, _EOCD64.size)
-        if signature != b"PK\x06\x07" or record[:4] != b"PK\x06\x06":
-            raise ValueError("a broken zip64 end record")
-        *_, count, size, offset = _EOCD64.unpack(record)
-    directory, members, at = read(offset, size), {}, 0
-    for _ in range(count):
-        (signature, _, _, _, method, _, _, _, csize, usize, name_len, extra_len, comment_len, _, _, _,
-         local) = _CENTRAL.unpack_from(directory, at)
-        if signature != b"PK\x01\x02":
-            raise ValueError("a broken central directory")
-        name = directory[at + _CENTRAL.size:at + _CENTRAL.size + name_len].decode("utf-8", "replace")
-        extra = directory[at + _CENTRAL.size + name_len:at + _CENTRAL.size + name_len + extra_len]
-        wide = [v for v in (usize, csize, local) if v == 0xFFFFFFFF]
-        while wide and len(extra) >= 4:  # the zip64 field holds, in order, the fields set to 0xFFFFFFFF
-            tag, n = struct.unpack_from("<2H", extra)
-            if tag == 1:
-                values = list(struct.unpack_from(f"<{len(wide)}Q", extra, 4))
-                usize = values.pop(0) if usize == 0xFFFFFFFF else usize
-                csize = values.pop(0) if csize == 0xFFFFFFFF else csize
-                local = values.pop(0) if local == 0xFFFFFFFF else local
-                break
-            extra = extra[4 + n:]
-        if method == zipfile.ZIP_STORED and csize != usize:
-            raise ValueError(f"{name} has two sizes")
-        members[name] = (local, usize, method)
-        at += _CENTRAL.size + name_len + extra_len + comment_len
-    return members
-
-
-def _record_start(local: int, read: Callable[[int, int], bytes]) -> int:
-    """Where the data of the member whose local header is at `local` starts (archive-relative)."""
-    signature, *_, name_len, extra_len = _LOCAL.unpack(read(local, _LOCAL.size))
-    if signature != b"PK\x03\x04":
-        raise ValueError(f"no local header at byte {local}")
-    return local + _LOCAL.size + name_len + extra_len
 
 
 class _ChunkIndex:
@@ -389,7 +331,7 @@ class TorchDistReader:
 
     def _decode(self, info: StoredTensor, chunk: StoredChunk) -> _ChunkData:
         """Parse a chunk's torch.save archive: the header pickle (restricted) and the storage record.
-        The zip's end records and central directory are parsed with `struct` (`_members`); an
+        The zip's end records and central directory are parsed with `struct` (`torch_save.members`); an
         archive laid out otherwise (a comment, ...) goes through `zipfile`, which also names what is
         wrong with a broken one. Header pickles are decoded once per distinct pickle (chunks of one
         shape and dtype share it)."""
@@ -415,14 +357,14 @@ class TorchDistReader:
 
         try:
             try:
-                members = _members(bytes(tail), chunk.length, read)
+                members = torch_save.members(bytes(tail), chunk.length, read)
                 if members is None:
                     raise zipfile.BadZipFile("not laid out as torch.save writes")
                 pickle_name = next((n for n in members if n.endswith("/data.pkl")), None)
                 if pickle_name is None:
                     raise ValueError("no data.pkl")
                 at, size, method = members[pickle_name]
-                pickled = read(_record_start(at, read), size)
+                pickled = read(torch_save.record_start(at, read), size)
                 if method != zipfile.ZIP_STORED:
                     raise zipfile.BadZipFile("data.pkl is compressed")
             except (ValueError, KeyError, struct.error, zipfile.BadZipFile):
@@ -435,7 +377,7 @@ class TorchDistReader:
             at, file_size, method = members[f"{pickle_name[:-len('data.pkl')]}data/{record}"]
             if method != zipfile.ZIP_STORED:
                 raise ValueError("the storage record is not stored uncompressed")
-            start = chunk.offset + _record_start(at, read)
+            start = chunk.offset + torch_save.record_start(at, read)
         except MconvError:
             raise
         except (ValueError, KeyError, zipfile.BadZipFile, OSError, StopIteration, struct.error) as e:
@@ -451,7 +393,7 @@ class TorchDistReader:
         return data
 
     def _zip_members(self, chunk: StoredChunk) -> tuple[dict[str, tuple[int, int, int]], str, bytes]:
-        """`_members` and data.pkl's bytes through `zipfile` (any zip layout; its errors name the fault)."""
+        """`torch_save.members` and data.pkl's bytes through `zipfile` (any zip layout; its errors name the fault)."""
         window = _Window(self._fd(chunk.file), chunk.offset, chunk.length)
         with zipfile.ZipFile(io.BufferedReader(window, 4096)) as archive:
             names = archive.namelist()
@@ -582,12 +524,13 @@ def _index(path: Path, metadata) -> tuple[dict[str, StoredTensor], dict[str, Sto
 class DistEntry:
     """One box of a global tensor a torch_dist checkpoint will hold (or one object).
 
-    `produce()` returns the box's tensor (`sizes`, `dtype`) when the writer gets to it, so one
-    box is in memory at a time; `offsets` defaults to zeros and `sizes` to `global_shape` (the whole
-    tensor). An object entry has `global_shape=None`, `key` its unique key (`key/shard_0_1`), and
-    `produce()` returns the object (a restricted-unpickler type: tensors, dicts, Namespace...).
-    Entries with the same `group` are written by the same team member, in order (e.g. two halves of
-    one parameter built once).
+    `produce()` gives the box's bytes (`sizes`, `dtype`, C order) when the writer gets to it: a
+    tensor, or consecutive windows of them (tensors, each used before the next is asked for, so a
+    window of reused memory at a time); `offsets` defaults to zeros and `sizes` to `global_shape`
+    (the whole tensor). An object entry has `global_shape=None`, `key` its unique key
+    (`key/shard_0_1`), and `produce()` returns the object (a restricted-unpickler type: tensors,
+    dicts, Namespace...). Entries with the same `group` are written by the same team member, in
+    order (e.g. two halves of one parameter).
     """
 
     key: str
@@ -609,52 +552,28 @@ class DistEntry:
         return 0 if self.global_shape is None else self.dtype.itemsize * torch.Size(self.sizes).numel()
 
 
-class _Archive:
-    """The file object torch.save writes one chunk archive into. Its small records are copied; the
-    tensor's storage, which torch.save writes in one call straight from the tensor's memory (seen
-    by its address), is kept as a view of the tensor: its bytes go from the tensor to the file
-    with no copy in between (a BytesIO copied them and grew by reallocation)."""
-
-    def __init__(self, tensor: torch.Tensor | None):
-        self.tensor = tensor if tensor is not None and tensor.nbytes else None
-        self.parts: list = []
-        self.size = 0
-
-    def write(self, data) -> int:
-        view = memoryview(data)
-        n = view.nbytes
-        if (self.tensor is not None and n == self.tensor.nbytes
-                and numpy.frombuffer(view, numpy.uint8).ctypes.data == self.tensor.data_ptr()):
-            self.parts.append(_bytes_view(self.tensor))
-        elif self.parts and isinstance(self.parts[-1], bytearray):
-            self.parts[-1] += view
-        else:
-            self.parts.append(bytearray(view))
-        self.size += n
-        return n
-
-    def flush(self) -> None:
-        pass
+@functools.lru_cache(maxsize=256)
+def _chunk_layout(dtype: torch.dtype, sizes: tuple[int, ...]) -> torch_save.ArchiveLayout:
+    """How torch.save lays out the archive of one tensor of `sizes` and `dtype` (the same for every
+    chunk of that shape: planned once, copied per chunk)."""
+    return torch_save.plan_archive(torch.empty(sizes, dtype=dtype))
 
 
-def _serialize(entry: DistEntry) -> _Archive:
-    """The entry as torch.save writes it (the archive DCP's reader expects), in `_Archive` parts."""
+def _write_entry(fd: int, position: int, entry: DistEntry) -> int:
+    """Write `entry` as the torch.save archive DCP's reader expects at byte `position` of `fd`
+    (a tensor: laid out by torch.save, its bytes filled window by window, CRC-32 set); returns its length."""
     value = entry.produce()
     if entry.global_shape is None:
-        archive = _Archive(None)
+        archive = io.BytesIO()
         torch.save([value], archive)
-        return archive
-    if not isinstance(value, torch.Tensor) or value.dtype != entry.dtype or tuple(value.shape) != entry.sizes:
-        got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise MconvError(f"internal: {entry.key} at {list(entry.offsets)} was produced as {got}, "
-                         f"expected {entry.dtype} {list(entry.sizes)}")
-    value = value.detach().cpu().contiguous()
-    if value.untyped_storage().nbytes() != value.nbytes or value.storage_offset():
-        # torch.save stores a view's whole storage: give it a tensor whose storage is the view's bytes (no copy).
-        value = torch.frombuffer(_bytes_view(value), dtype=value.dtype).view(value.shape)
-    archive = _Archive(value)
-    torch.save(value, archive)
-    return archive
+        torch_save.pwrite_all(fd, archive.getbuffer(), position)
+        return archive.tell()
+    layout = _chunk_layout(entry.dtype, entry.sizes).copy()
+    windows = [value] if isinstance(value, torch.Tensor) else value
+    torch_save.fill(fd, position, layout, layout.records[0],
+                    (w.detach().cpu().contiguous() for w in windows), entry.dtype)
+    layout.write_runs(fd, position)
+    return layout.size
 
 
 def data_file(member: int) -> str:
@@ -677,39 +596,22 @@ def member_share(entries: Sequence[DistEntry], member: int, members: int) -> lis
 
 def write_share(iter_dir: Path, entries: Sequence[DistEntry], member: int, members: int,
                 progress: Callable[[int], None] = lambda n: None, stop: threading.Event | None = None) -> None:
-    """Write team member `member`'s share of `entries` into `__{member}_0.distcp` (large writev
-    calls, one fsync), and where each landed into a part file `finish` reads. Once `stop` is set
-    it returns at the next entry, leaving its file incomplete (the caller discards the output)."""
+    """Write team member `member`'s share of `entries` into `__{member}_0.distcp` (one fsync), and
+    where each landed into a part file `finish` reads. Once `stop` is set it returns at the next
+    entry, leaving its file incomplete (the caller discards the output)."""
     path = iter_dir / data_file(member)
-    records, pending, pending_bytes, position = [], [], 0, 0
+    records, position = [], 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        def flush():
-            nonlocal pending, pending_bytes
-            views = [memoryview(p).cast("B") for p in pending]
-            while views:
-                n = os.writev(fd, views[:1000])
-                while n and views:
-                    if n >= len(views[0]):
-                        n -= len(views.pop(0))
-                    else:
-                        views[0], n = views[0][n:], 0
-            pending, pending_bytes = [], 0
-
         for i in member_share(entries, member, members):
             if stop is not None and stop.is_set():
                 return
             entry = entries[i]
-            archive = _serialize(entry)
+            size = _write_entry(fd, position, entry)
             records.append([entry.key, list(entry.offsets) if entry.global_shape is not None else None,
-                            position, archive.size])
-            pending.extend(archive.parts)
-            position += archive.size
-            pending_bytes += archive.size
+                            position, size])
+            position += size
             progress(entry.nbytes)
-            if pending_bytes >= WRITE_BUFFER_BYTES:
-                flush()
-        flush()
         os.fsync(fd)
     finally:
         os.close(fd)
