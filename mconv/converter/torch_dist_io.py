@@ -12,9 +12,10 @@ Reading parses `.metadata` once per reader, through mconv's restricted unpickler
 key's stored chunks once; a read of many boxes finds the overlapping chunks, decodes each chunk's
 archive header (a small restricted unpickle) and reads the storage bytes straight into the
 destination, requests sorted by file and offset and merged into large `preadv` calls. Writing
-serializes chunks with torch.save (the archive format DCP's reader expects) into large buffers,
-written with few `writev` calls and one fsync per file; each member of a team writes its own
-`__{member}_0.distcp`, and one `.metadata` is written at the end.
+lays each chunk out as torch.save does (the archive format DCP's reader expects; `torch_save`),
+planned once per shape and dtype, and fills its tensor bytes window by window from reused memory,
+with one fsync per file; each member of a team writes its own `__{member}_0.distcp`, and one
+`.metadata` is written at the end.
 """
 from __future__ import annotations
 
