@@ -141,13 +141,13 @@ def _shard_dtype(task: TensorTask, ckpt: HFCheckpoint) -> torch.dtype:
 
 
 def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer,
-                   rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
-    """One Megatron shard (or its rows [start, stop) along dim 0) from the HF slices, as
-    consecutive windows of its bytes (row ranges of about WINDOW_BYTES) built in `memory`, each
-    valid until the next is asked for: memory that is reused, so no fresh pages are faulted in,
-    and never a whole large tensor. Pieces that are ranges of rows (fused QKV, GLU fc1, padded
-    vocabulary) are read straight into their rows; a shard split along another dimension
-    (row-parallel at TP > 1) is built whole, in one window."""
+                   rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor | torch_save.FileRange]:
+    """One Megatron shard (or its rows [start, stop) along dim 0) from the HF slices, as consecutive
+    windows of its bytes for `torch_save.fill`: the ranges of the HF files its pieces are (fused
+    QKV, GLU fc1, whole tensors: copied file to file), else rows read into `memory` about
+    WINDOW_BYTES at a time (each valid until the next is asked for: reused memory, no fresh pages,
+    never a whole large tensor), the vocabulary padding as zeros. A shard split along another
+    dimension (row-parallel at TP > 1) is built whole, in one window."""
     layout, shapes = task.shard, [ckpt.tensors[name].shape for name in task.hf]
     dtype, shape = _shard_dtype(task, ckpt), layout.shape(shapes)
     first = layout.pieces[0]
@@ -157,25 +157,22 @@ def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer,
             yield split(layout, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b)).narrow(0, start, stop - start)
             return
         layout = ShardLayout(0, (Piece(first.source, 0, shape[0]),))  # the whole tensor, read by rows
-    if not shape:
-        out = memory.take(dtype.itemsize).view(dtype).view(())
-        ckpt.read_into(task.hf[first.source], 0, 0, 1, out)
-        yield out
-        return
     row = _nbytes(shape[1:], dtype)
     step = max(1, WINDOW_BYTES // max(row, 1))
-    for lo in range(start, stop, step):
-        hi = min(stop, lo + step)
-        out = memory.take((hi - lo) * row).view(dtype).view((hi - lo, *shape[1:]))
-        offset = 0
-        for p in layout.pieces:
-            a, b = max(lo, offset), min(hi, offset + p.length)
-            if a < b:
-                ckpt.read_into(task.hf[p.source], 0, p.start + a - offset, p.start + b - offset, out.narrow(0, a - lo, b - a))
-            offset += p.length
-        if hi > offset:
-            out.narrow(0, max(lo, offset) - lo, hi - max(lo, offset)).zero_()
-        yield out
+    offset = 0
+    for p in layout.pieces:
+        a, b = max(start, offset), min(stop, offset + p.length)
+        source = ckpt.byte_range(task.hf[p.source], p.start + a - offset, p.start + b - offset) if a < b else None
+        if source is not None:
+            yield torch_save.FileRange(*source)
+        for lo in range(a, b, step) if source is None else ():
+            hi = min(b, lo + step)
+            out = memory.take((hi - lo) * row).view(dtype).view((hi - lo, *shape[1:]))
+            ckpt.read_into(task.hf[p.source], 0, p.start + lo - offset, p.start + hi - offset, out)
+            yield out
+        offset += p.length
+    for lo in range(max(start, offset), stop, step):  # the vocabulary padding
+        yield memory.take((min(stop, lo + step) - lo) * row).zero_().view(dtype)
 
 
 def _rank_archive(plan: Plan, ckpt: HFCheckpoint, i: int, args, iteration: int | None):

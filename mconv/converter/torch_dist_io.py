@@ -527,7 +527,7 @@ class DistEntry:
 
     `produce()` gives the box's bytes (`sizes`, `dtype`, C order) when the writer gets to it: a
     tensor, or consecutive windows of them (tensors, each used before the next is asked for, so a
-    window of reused memory at a time); `offsets` defaults to zeros and `sizes` to `global_shape`
+    window of reused memory at a time, or `torch_save.FileRange`s of input files); `offsets` defaults to zeros and `sizes` to `global_shape`
     (the whole tensor). An object entry has `global_shape=None`, `key` its unique key
     (`key/shard_0_1`), and `produce()` returns the object (a restricted-unpickler type: tensors,
     dicts, Namespace...). Entries with the same `group` are written by the same team member, in
@@ -572,7 +572,7 @@ def _write_entry(fd: int, position: int, entry: DistEntry) -> int:
     layout = _chunk_layout(entry.dtype, entry.sizes).copy()
     windows = [value] if isinstance(value, torch.Tensor) else value
     torch_save.fill(fd, position, layout, layout.records[0],
-                    (w.detach().cpu().contiguous() for w in windows), entry.dtype)
+                    (w.detach().cpu().contiguous() if isinstance(w, torch.Tensor) else w for w in windows), entry.dtype)
     layout.write_runs(fd, position)
     return layout.size
 
