@@ -254,6 +254,8 @@ def _copy(source: FileRange, fd: int, at: int, crc: int) -> int:
         n = min(COPY_BYTES, source.nbytes - done)
         start = source.offset + done
         base = start - start % mmap.ALLOCATIONGRANULARITY
+        if os.fstat(source.fd).st_size < start + n:  # a mapping past the end would kill the process (SIGBUS)
+            raise MconvError("an input file ended early (changed while reading?)")
         with mmap.mmap(source.fd, start + n - base, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                        prot=mmap.PROT_READ, offset=base) as mapped:
             with memoryview(mapped) as view:
@@ -268,7 +270,7 @@ def _copy(source: FileRange, fd: int, at: int, crc: int) -> int:
                         pwrite_all(fd, view[start - base + copied:], at + done + copied)
                         step = n - copied
                     if step == 0:
-                        raise MconvError(f"an input file ended early (changed while reading?)")
+                        raise MconvError("an input file ended early (changed while reading?)")
                     copied += step
         done += n
     return crc
