@@ -346,14 +346,14 @@ class HFCheckpoint:
             for r in range(_numel(shape[:dim])):
                 self._pread(fd, buffer[r * piece:(r + 1) * piece], info.offset + r * row + start * inner)
 
-    def byte_range(self, name: str, start: int, stop: int) -> tuple[int, int, int] | None:
-        """(open file descriptor, byte offset, bytes) of rows [start, stop) of tensor `name`, which
-        are one contiguous range of its file; None for an expert of transposed stacked experts."""
+    def byte_range(self, name: str, start: int, stop: int) -> tuple[int, int, int, str] | None:
+        """(open file descriptor, byte offset, bytes, path) of rows [start, stop) of tensor `name`,
+        which are one contiguous range of its file; None for an expert of transposed stacked experts."""
         info = self.tensors[name]
         if info.transposed_stride:
             return None
         inner = _numel(info.shape[1:]) * _itemsize(info.dtype)
-        return self._fd(info.file), info.offset + start * inner, (stop - start) * inner
+        return self._fd(info.file), info.offset + start * inner, (stop - start) * inner, str(self.dir / info.file)
 
     def _read_transposed(self, info: TensorInfo, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
         """One expert's module of a 4.x stacked tensor: the stored rows it needs (all of them for a

@@ -238,6 +238,7 @@ class FileRange:
     fd: int
     offset: int
     nbytes: int
+    path: str  # for messages
 
 
 COPY_BYTES = 64 * 2**20  # bytes mapped for the CRC and copied per call (interrupts wait no longer)
@@ -255,7 +256,7 @@ def _copy(source: FileRange, fd: int, at: int, crc: int) -> int:
         start = source.offset + done
         base = start - start % mmap.ALLOCATIONGRANULARITY
         if os.fstat(source.fd).st_size < start + n:  # a mapping past the end would kill the process (SIGBUS)
-            raise MconvError("an input file ended early (changed while reading?)")
+            raise MconvError(f"{source.path} ended early (changed while reading?)")
         with mmap.mmap(source.fd, start + n - base, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                        prot=mmap.PROT_READ, offset=base) as mapped:
             with memoryview(mapped) as view:
@@ -270,7 +271,7 @@ def _copy(source: FileRange, fd: int, at: int, crc: int) -> int:
                         pwrite_all(fd, view[start - base + copied:], at + done + copied)
                         step = n - copied
                     if step == 0:
-                        raise MconvError("an input file ended early (changed while reading?)")
+                        raise MconvError(f"{source.path} ended early (changed while reading?)")
                     copied += step
         done += n
     return crc
