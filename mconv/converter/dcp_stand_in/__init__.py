@@ -17,6 +17,7 @@ from __future__ import annotations
 import pickle
 
 from mconv.converter.dcp_stand_in import filesystem, metadata
+from mconv.errors import MconvError
 
 PREFIX = __name__ + "."
 DCP_PREFIX = "torch.distributed.checkpoint."
@@ -34,9 +35,9 @@ def dumps(record: metadata.Metadata) -> bytes:
     `pickle.dump`)."""
     data = pickle.dumps(record)
     for module in (metadata, filesystem):
-        ours = module.__name__
-        # A module's name is written once, with its first class (later ones refer to it by memo).
-        # Before that only keys, field and class names, dtypes and numbers are pickled (the
-        # checkpoint path comes last), none of which holds these bytes: the first match is the name.
-        data = data.replace(_name_record(ours), _name_record(DCP_PREFIX + ours[len(PREFIX):]), 1)
+        ours = _name_record(module.__name__)
+        # A module's name is written once, with its first class: later ones refer to it by memo.
+        if data.count(ours) > 1:
+            raise MconvError(f"internal: {module.__name__} is named more than once in a .metadata pickle")
+        data = data.replace(ours, _name_record(DCP_PREFIX + module.__name__[len(PREFIX):]))
     return data
