@@ -18,19 +18,24 @@ for line in json.loads(sys.argv[1]):
         main(line, standalone_mode=False)
     except SystemExit as e:
         assert not e.code, (line, e.code)
-print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(%r))))
-""" % (HEAVY,)
+print(json.dumps(sorted(sys.modules)))
+"""
 
 
-def imported(*commands: list) -> set[str]:
-    """The heavy top-level packages that running `commands` (mconv argument lists, one after
-    another) imported in a fresh interpreter. One interpreter runs them all, to keep the test fast:
-    a package none of them may import is absent at the end only if each left it out."""
+def loaded(*commands: list) -> set[str]:
+    """The modules that running `commands` (mconv argument lists, one after another) loaded in a
+    fresh interpreter. One interpreter runs them all, to keep the test fast: a module none of them
+    may import is absent at the end only if each left it out."""
     lines = [[str(a) for a in command] for command in commands]
     done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(lines)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def imported(*commands: list) -> set[str]:
+    """The heavy top-level packages that running `commands` imported (see `loaded`)."""
+    return {m.split(".")[0] for m in loaded(*commands)} & set(HEAVY)
 
 
 def test_help_imports_no_torch():
@@ -66,3 +71,21 @@ def test_torch_dist_round_trip_imports_no_megatron(tmp_path):
                       "--workers", "2"],
                      ["mcore2hf", ckpt, tmp_path / f"{fixture}-back", "-q"]]
     assert imported(*commands) == {"torch"}
+
+
+def test_torch_dist_writer_imports_no_torch_distributed_beyond_import_torch(tmp_path):
+    """DCP's `.metadata` is pickled from mconv's stand-ins of its classes (converter/dcp_stand_in):
+    hf2mcore --format torch_dist (one writer and two) loads no torch.distributed module that
+    `import torch` does not load itself (torch.distributed.checkpoint pulls in DTensor, dynamo and
+    sympy), nor sympy."""
+    done = subprocess.run([sys.executable, "-c", "import json, sys, torch; print(json.dumps(sorted(sys.modules)))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_torch = set(json.loads(done.stdout))
+    hf = FIXTURES / "qwen3-moe-tiny"
+    modules = loaded(["hf2mcore", hf, tmp_path / "one", "--format", "torch_dist", "-q"],
+                     ["hf2mcore", hf, tmp_path / "two", "--format", "torch_dist", "--tp", "2", "-q", "--workers", "2"])
+    assert (tmp_path / "one" / "release" / ".metadata").is_file() and (tmp_path / "two" / "release" / ".metadata").is_file()
+    assert "torch.distributed" in by_torch
+    assert {m for m in modules - by_torch if m.startswith(("torch.distributed.", "sympy"))} == set()
+    assert not {m for m in modules if m.startswith(("torch.distributed.checkpoint", "torch.distributed.tensor"))}

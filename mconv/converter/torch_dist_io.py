@@ -15,7 +15,8 @@ destination, requests sorted by file and offset and merged into large `preadv` c
 lays each chunk out as torch.save does (the archive format DCP's reader expects; `torch_save`),
 planned once per shape and dtype, and fills its tensor bytes window by window from reused memory,
 with one fsync per file; each member of a team writes its own `__{member}_0.distcp`, and one
-`.metadata` is written at the end.
+`.metadata` is written at the end (pickled from mconv's stand-ins of DCP's classes,
+`dcp_stand_in`: torch.distributed.checkpoint is not imported).
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import functools
 import io
 import json
 import os
-import pickle
 import struct
 import threading
 import uuid
@@ -35,7 +35,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from mconv.converter import safe_load, torch_save
+from mconv.converter import dcp_stand_in, safe_load, torch_save
+from mconv.converter.dcp_stand_in import metadata as dcp
+from mconv.converter.dcp_stand_in.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from mconv.converter.parallel import share
 from mconv.errors import MconvError
 
@@ -619,43 +621,50 @@ def write_share(iter_dir: Path, entries: Sequence[DistEntry], member: int, membe
     (iter_dir / _part_file(member)).write_text(json.dumps(records))
 
 
-def finish(iter_dir: Path, entries: Sequence[DistEntry], members: int, common_pt: Any = None) -> None:
-    """After every member's `write_share`: write DCP's `.metadata` (one for all members), `common.pt`
-    (if given: the common state as megatron-core <= 0.18 reads it) and `metadata.json`."""
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
-
-    state, storage = {}, {}
+def dcp_metadata(entries: Sequence[DistEntry], placed: Sequence[tuple[str, tuple[int, ...] | None, str, int, int]],
+                 checkpoint_id: str, save_id: str) -> dcp.Metadata:
+    """DCP's `Metadata` of a checkpoint of `entries`, each stored where `placed` says (key, offsets or
+    None for an object, file, byte offset, length), as torch's `FileSystemWriter.finish` completes it
+    (`storage_data`, `storage_meta`, `version`). Chunks are listed by offsets; each key and each file
+    name is one string wherever it occurs (as in DCP's own writer), so the pickle refers to it."""
+    state: dict[str, dcp.TensorStorageMetadata | dcp.BytesStorageMetadata] = {}
     for entry in entries:
         if entry.global_shape is None:
-            state[entry.key] = BytesStorageMetadata()
+            state[entry.key] = dcp.BytesStorageMetadata()
         elif entry.key not in state:
-            state[entry.key] = TensorStorageMetadata(TensorProperties(dtype=entry.dtype),
-                                                     torch.Size(entry.global_shape), [])
+            state[entry.key] = dcp.TensorStorageMetadata(dcp.TensorProperties(dtype=entry.dtype),
+                                                         torch.Size(entry.global_shape), [])
         elif tuple(state[entry.key].size) != entry.global_shape or state[entry.key].properties.dtype != entry.dtype:
             raise MconvError(f"internal: tensor {entry.key} is given two global shapes or dtypes")
+    keys, files = {key: key for key in state}, {}
     sizes = {(e.key, e.offsets): e.sizes for e in entries if e.global_shape is not None}
-    for member in range(members):
-        part = iter_dir / _part_file(member)
-        for key, offsets, offset, length in json.loads(part.read_text()):
-            info = _StorageInfo(data_file(member), offset, length)
-            if offsets is None:
-                storage[MetadataIndex(key)] = info
-            else:
-                storage[MetadataIndex(key, torch.Size(offsets))] = info
-                state[key].chunks.append(tuple(offsets))
-        part.unlink()
+    storage, chunks = {}, {}
+    for key, offsets, file, offset, length in placed:
+        storage[dcp.MetadataIndex(keys[key], offsets)] = _StorageInfo(files.setdefault(file, file), offset, length)
+        if offsets is not None:
+            chunks.setdefault(key, []).append(offsets)
     for key, entry in state.items():
-        if isinstance(entry, TensorStorageMetadata):
-            entry.chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(sizes[(key, o)])) for o in sorted(entry.chunks)]
-    metadata = Metadata(state, storage_data=storage,
-                        storage_meta=StorageMeta(checkpoint_id=str(iter_dir), save_id=str(uuid.uuid4())),
+        if isinstance(entry, dcp.TensorStorageMetadata):
+            entry.chunks = [dcp.ChunkStorageMetadata(torch.Size(o), torch.Size(sizes[(key, o)]))
+                            for o in sorted(chunks.get(key, []))]
+    return dcp.Metadata(state, storage_data=storage, storage_meta=dcp.StorageMeta(checkpoint_id, save_id),
                         version=CURRENT_DCP_VERSION)
+
+
+def finish(iter_dir: Path, entries: Sequence[DistEntry], members: int, common_pt: Any = None) -> None:
+    """After every member's `write_share`: write DCP's `.metadata` (one for all members; a fresh
+    uuid4 as its `save_id`, as DCP's writer draws one), `common.pt` (if given: the common state as
+    megatron-core <= 0.18 reads it) and `metadata.json`."""
+    placed = []
+    for member in range(members):
+        part, name = iter_dir / _part_file(member), data_file(member)
+        placed += [(key, None if offsets is None else tuple(offsets), name, offset, length)
+                   for key, offsets, offset, length in json.loads(part.read_text())]
+        part.unlink()
+    metadata = dcp_metadata(entries, placed, str(iter_dir), str(uuid.uuid4()))
     if common_pt is not None:
         _write_file(iter_dir / COMMON_FILE, lambda f: torch.save(common_pt, f))
-    _write_file(iter_dir / METADATA_FILE, lambda f: pickle.dump(metadata, f))
+    _write_file(iter_dir / METADATA_FILE, lambda f: f.write(dcp_stand_in.dumps(metadata)))
     _write_file(iter_dir / "metadata.json", lambda f: f.write(json.dumps(BACKEND).encode()))
 
 
