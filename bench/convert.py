@@ -9,7 +9,8 @@
 In one run, on a synthetic HF checkpoint (random bf16 bits, transformers' on-disk names, written by
 fixtures.make_fixtures.make_synthetic), it times and takes the peak RSS of:
   - the I/O floor: `cp` of the input .safetensors files to the output file system, then sync;
-  - the same mconv commands on the tiny fixture: their fixed cost (imports, planning);
+  - the same mconv commands on the tiny fixture: their fixed cost (imports, planning), beside the
+    interpreter's own `python -c 'import torch'`;
   - `mconv hf2mcore` at TP1 and TP2/EP2 (TP2 for the dense model), formats torch_dist and torch,
     and `mconv mcore2hf` back from each output (`mconv verify` checks the TP2 legacy round trip, untimed);
   - a peer standing for the verl / Pai-Megatron-Patch approach (whole model in memory):
@@ -277,6 +278,9 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
     floor = timed("I/O floor (cp + sync)", "floor", ["sh", "-c", 'mkdir -p "$0" && cp "$@" "$0"', str(floor_out),
                                                      *map(str, sorted(hf.glob("*.safetensors")))], hf, floor_out)
     shutil.rmtree(floor_out)
+    # The part of every fixed cost mconv cannot remove: the interpreter importing torch.
+    timed(f"{TINY}python -c 'import torch'", "import torch", [sys.executable, "-c", "import torch"], tiny,
+          scratch / "none")
 
     def round_trip(label: str, src: Path, flags: list[str], fmt: str, workers: int | None, check: bool) -> None:
         """Time hf2mcore of `src` and mcore2hf back (and verify the result when `check`)."""

@@ -139,7 +139,10 @@ def test_files_the_kernel_cannot_copy_between_give_the_same_bytes(tmp_path, monk
     from mconv.converter.layout import Layout
     from tests.conftest import FIXTURES
 
+    from mconv.converter import file_io
+
     source = FIXTURES / "qwen3-moe-tiny"
+    monkeypatch.setattr(file_io, "_refused", set())
     hf2mcore(source, tmp_path / "kernel", Layout(tp=2), fmt=fmt, progress=False, workers=2)
     calls = []
 
@@ -148,7 +151,7 @@ def test_files_the_kernel_cannot_copy_between_give_the_same_bytes(tmp_path, monk
         raise OSError(errno.EXDEV, "Invalid cross-device link")
     monkeypatch.setattr(os, "copy_file_range", refuse)
     hf2mcore(source, tmp_path / "copied", Layout(tp=2), fmt=fmt, progress=False, workers=2)
-    assert calls
+    assert 1 <= len(calls) <= 2 and file_io._refused  # refused once per thread at most, then not tried again
     files = sorted(p.relative_to(tmp_path / "kernel") for p in (tmp_path / "kernel").rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(tmp_path / "copied") for p in (tmp_path / "copied").rglob("*") if p.is_file())
     for name in files:

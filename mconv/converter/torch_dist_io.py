@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from mconv.converter import dcp_stand_in, safe_load, torch_save
+from mconv.converter import dcp_stand_in, file_io, safe_load, torch_save
 from mconv.converter.dcp_stand_in import metadata as dcp
 from mconv.converter.dcp_stand_in.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from mconv.converter.parallel import share
@@ -569,7 +569,7 @@ def _write_entry(fd: int, position: int, entry: DistEntry) -> int:
     if entry.global_shape is None:
         archive = io.BytesIO()
         torch.save([value], archive)
-        torch_save.pwrite_all(fd, archive.getbuffer(), position)
+        file_io.pwrite_all(fd, archive.getbuffer(), position)
         return archive.tell()
     layout = _chunk_layout(entry.dtype, entry.sizes).copy()
     windows = [value] if isinstance(value, torch.Tensor) else value

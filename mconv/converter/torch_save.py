@@ -17,12 +17,12 @@ record checks (`zipfile.ZipFile.testzip`), written without any tensor whole in m
 from __future__ import annotations
 
 import bisect
-import errno
 import io
 import mmap
 import os
 import pickle
 import struct
+import threading
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from mconv.converter import file_io
 from mconv.errors import MconvError
 
 _EOCD = struct.Struct("<4s4H2LH")  # zip end of central directory record
@@ -140,7 +141,7 @@ class ArchiveLayout:
     def write_runs(self, fd: int, base: int) -> None:
         """pwrite every run into file `fd`, the archive starting at byte `base`."""
         for offset, data in self.runs:
-            pwrite_all(fd, memoryview(data), base + offset)
+            file_io.pwrite_all(fd, memoryview(data), base + offset)
 
 
 class _Sink(io.RawIOBase):
@@ -241,46 +242,36 @@ class FileRange:
     path: str  # for messages
 
 
-COPY_BYTES = 64 * 2**20  # bytes mapped for the CRC and copied per call (interrupts wait no longer)
-# copy_file_range's errnos for "not between these files": other file systems, old kernels, file systems without it.
-_NO_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+_local = threading.local()  # each thread's buffer for inputs the kernel will not copy from
 
 
 def _copy(source: FileRange, fd: int, at: int, crc: int) -> int:
-    """Copy `source` to byte `at` of `fd` (os.copy_file_range; pread/pwrite where the kernel cannot
-    copy between the two files) and return the CRC-32 continued over its bytes, which are read
-    through a populated read-only mapping of the input's page cache (no page faults, no copy)."""
+    """Copy `source` to byte `at` of `fd` and return the CRC-32 continued over its bytes: copied file
+    to file (`file_io.copy_range`), the CRC read through a populated read-only mapping of the
+    input's page cache (no page faults, no copy); where the kernel cannot copy between the two file
+    systems, read into a reused buffer (the CRC taken there) and pwritten."""
     done = 0
     while done < source.nbytes:
-        n = min(COPY_BYTES, source.nbytes - done)
+        n = min(file_io.COPY_CALL_BYTES, source.nbytes - done)
         start = source.offset + done
-        base = start - start % mmap.ALLOCATIONGRANULARITY
         if os.fstat(source.fd).st_size < start + n:  # a mapping past the end would kill the process (SIGBUS)
             raise MconvError(f"{source.path} ended early (changed while reading?)")
-        with mmap.mmap(source.fd, start + n - base, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                       prot=mmap.PROT_READ, offset=base) as mapped:
-            with memoryview(mapped) as view:
-                crc = zlib.crc32(view[start - base:], crc)
-                copied = 0
-                while copied < n:
-                    try:
-                        step = os.copy_file_range(source.fd, fd, n - copied, start + copied, at + done + copied)
-                    except OSError as e:
-                        if e.errno not in _NO_COPY:
-                            raise
-                        pwrite_all(fd, view[start - base + copied:], at + done + copied)
-                        step = n - copied
-                    if step == 0:
-                        raise MconvError(f"{source.path} ended early (changed while reading?)")
-                    copied += step
+        if file_io.copy_range(source.fd, start, fd, at + done, n):
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            with mmap.mmap(source.fd, start + n - base, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                           prot=mmap.PROT_READ, offset=base) as mapped:
+                with memoryview(mapped) as view:
+                    crc = zlib.crc32(view[start - base:], crc)
+        else:
+            if len(getattr(_local, "buffer", b"")) < n:
+                _local.buffer = bytearray(file_io.COPY_CALL_BYTES)
+            view = memoryview(_local.buffer)[:n]
+            if os.preadv(source.fd, [view], start) != n:
+                raise MconvError(f"{source.path} ended early (changed while reading?)")
+            crc = zlib.crc32(view, crc)
+            file_io.pwrite_all(fd, view, at + done)
         done += n
     return crc
-
-
-def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def fill(fd: int, base: int, layout: ArchiveLayout, record: StorageRecord,
@@ -299,7 +290,7 @@ def fill(fd: int, base: int, layout: ArchiveLayout, record: StorageRecord,
             raise MconvError(f"internal: storage {record.key} of {dtype} was given {window.dtype} bytes")
         view = memoryview(window.reshape(-1).view(torch.uint8).numpy()) if window.numel() else memoryview(b"")
         crc = zlib.crc32(view, crc)
-        pwrite_all(fd, view, at)
+        file_io.pwrite_all(fd, view, at)
         at += len(view)
     if at - base - record.offset != record.nbytes:
         raise MconvError(f"internal: storage {record.key} was given {at - base - record.offset} bytes, "

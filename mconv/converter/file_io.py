@@ -1,0 +1,42 @@
+"""Moving bytes between open files: whole-buffer pwrite and file-to-file copies in the kernel."""
+from __future__ import annotations
+
+import errno
+import os
+
+COPY_CALL_BYTES = 64 * 2**20  # bytes one copy_file_range call moves at most (interrupts wait no longer)
+# copy_file_range's errnos for "not between these files": other file systems (Linux 5.19+ copies only
+# within one file system unless it implements cross-device copies), old kernels, file systems without it.
+COPY_REFUSED = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
+_refused: set[tuple[int, int]] = set()  # (input device, output device) pairs the kernel would not copy between
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """pwrite all of `view` at byte `offset` of `fd` (OSError as pwrite raises it: ENOSPC, EIO...)."""
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def copy_range(source: int, offset: int, dest: int, at: int, nbytes: int) -> bool:
+    """Copy `nbytes` bytes at `offset` of the open file `source` to byte `at` of `dest`, file to
+    file in the kernel (os.copy_file_range, COPY_CALL_BYTES a call), so they never pass through
+    user memory. False where the kernel does not copy between the two files' file systems
+    (COPY_REFUSED; remembered per pair of devices, so not tried again) or the input ends early:
+    the caller then writes the bytes itself. Other errors (ENOSPC) are raised."""
+    devices = (os.fstat(source).st_dev, os.fstat(dest).st_dev)
+    if devices in _refused or not hasattr(os, "copy_file_range"):
+        return False
+    done = 0
+    while done < nbytes:
+        try:
+            n = os.copy_file_range(source, dest, min(nbytes - done, COPY_CALL_BYTES), offset + done, at + done)
+        except OSError as e:
+            if e.errno not in COPY_REFUSED:
+                raise
+            _refused.add(devices)
+            return False
+        if n == 0:
+            return False
+        done += n
+    return True
