@@ -666,6 +666,7 @@ class StagedBatch:
             self.writer.write(name, tensor)
 
     def _write(self, file: str, shift: int, lo: int, hi: int) -> None:
+        """pwrite memory [lo, hi) at file offset lo + shift."""
         if hi > lo:
             self.writer._pwrite(file, memoryview(self.memory[lo:hi].numpy()), lo + shift)
 

@@ -26,7 +26,7 @@ from mconv.converter.output import (check_output_path, commit, output_path, remo
                                     uninterrupted, write_errors)
 from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
-from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
+from mconv.converter.planner import ExportTask, Plan, ShardSource, TensorTask, make_plan
 from mconv.converter.transforms import merge, split
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
@@ -299,7 +299,7 @@ def _batches(exports: list[ExportTask], budget: int) -> Iterator[list[ExportTask
         yield batch
 
 
-def _by_rows(task: ExportTask, source) -> bool:
+def _by_rows(task: ExportTask, source: ShardSource) -> bool:
     """Whether each of the source shard's pieces is a range of rows of an HF tensor: pieces along dim
     0, or (a group of one shard) one whole HF tensor."""
     layout = source.shard
