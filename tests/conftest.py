@@ -2,11 +2,23 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 FIXTURES = ROOT / "fixtures"
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+
+
+@pytest.fixture(autouse=True)
+def _copies_not_yet_refused(monkeypatch):
+    """Each test starts with no pair of file systems marked as refusing in-kernel copies
+    (file_io.copy_range remembers refusals for the process: a test that forces one would
+    otherwise send later tests' bytes through memory)."""
+    from mconv.converter import file_io
+
+    monkeypatch.setattr(file_io, "_refused", set())
 
 
 def load_rank_file(path, map_location=None):

@@ -447,17 +447,21 @@ def assert_write_refused(result, out: Path, cause: str):
     assert_refused(result, out, f"cannot write {out}", cause)
 
 
-def test_full_disk_while_writing_safetensors(tmp_path, monkeypatch):
-    """The failure injected at the write system call (os.pwrite), as a full disk raises it."""
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("call", ["pwrite", "copy_file_range"])
+def test_full_disk_while_writing_safetensors(tmp_path, monkeypatch, call, fmt):
+    """The failure injected at the write system calls, as a full disk raises it: os.pwrite (headers,
+    tensors staged in memory) and os.copy_file_range (tensors copied file to file; the headers are
+    written)."""
     import errno
     import os
 
-    assert legacy(TINY, tmp_path / "m").exit_code == 0
+    assert mconv("hf2mcore", TINY, tmp_path / "m", "--format", fmt, "-q").exit_code == 0
 
     def full(*args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(os, call, full)
     assert_write_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--workers", 1), tmp_path / "out",
                          "No space left on device")
 

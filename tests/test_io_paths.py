@@ -116,10 +116,10 @@ def test_staged_output_is_what_safetensors_reads(tmp_path, stack):
     buffer = StagingBuffer(keep=64)
     names = list(tensors)
     for batch in (names[:4], names[4:11], names[11:]):
-        views, flush = writer.stage([(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in batch], buffer)
+        staged = writer.stage([(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in batch], buffer)
         for n in batch:
-            views[n].copy_(tensors[n])
-        flush()
+            staged.views[n].copy_(tensors[n])
+        staged.flush()
     writer.close()
     writer.write_index()
     found = {}
@@ -137,3 +137,49 @@ def test_staged_output_is_what_safetensors_reads(tmp_path, stack):
             assert torch.equal(gate_up[e], torch.cat([experts[f"m.mlp.experts.{e}.gate_proj.weight"],
                                                       experts[f"m.mlp.experts.{e}.up_proj.weight"]]))
             assert torch.equal(down[e], experts[f"m.mlp.experts.{e}.down_proj.weight"])
+
+
+COPIED = (("a", 0, 4), ("a", 6, 8), ("b", 0, 6), ("c", 3, 7))  # rows of tensors copied file to file
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_staged_output_with_bytes_copied_file_to_file(tmp_path, monkeypatch, refused):
+    """Oracle: safetensors.safe_open. Rows of some tensors (whole tensors, a head, a tail, a middle
+    stretch; each in two ranges) are copied from an input file into the output; their staged
+    memory then holds garbage, which `flush` must not write around them. Refused (EXDEV), `copy`
+    says so and the memory, which holds the right bytes, is written instead."""
+    import errno
+
+    tensors = {"a": torch.randn(8, 4).to(torch.bfloat16), "b": torch.randn(6, 2),
+               "c": torch.arange(10, dtype=torch.int64), "d": torch.randn(5).to(torch.float16)}
+    source, where, at = tmp_path / "input.bin", {}, 0
+    for name, tensor in tensors.items():
+        where[name], at = at, at + tensor.nbytes
+    source.write_bytes(b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values()))
+    if refused:
+        def exdev(*args):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        monkeypatch.setattr(os, "copy_file_range", exdev)
+    entries = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    (tmp_path / "out").mkdir()
+    writer = ShardedSafetensorsWriter(tmp_path / "out", entries, 10**6)
+    writer.create()
+    staged = writer.stage(entries, StagingBuffer())
+    for name, tensor in tensors.items():
+        staged.views[name].copy_(tensor)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        for name, lo, hi in COPIED:
+            dest, row = staged.views[name][lo:hi], tensors[name][0].nbytes
+            half = (hi - lo) // 2 * row
+            ranges = [(fd, where[name] + lo * row, 0, half), (fd, where[name] + lo * row + half, half, dest.nbytes - half)]
+            assert staged.copy(dest, ranges) is not refused
+            if not refused:
+                dest.reshape(-1).view(torch.uint8).fill_(0xAB)
+    finally:
+        os.close(fd)
+    staged.flush()
+    writer.close()
+    with safe_open(str(tmp_path / "out" / writer.files[0]), framework="pt") as f:
+        for name, tensor in tensors.items():
+            assert torch.equal(f.get_tensor(name), tensor), name

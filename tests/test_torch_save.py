@@ -142,7 +142,6 @@ def test_files_the_kernel_cannot_copy_between_give_the_same_bytes(tmp_path, monk
     from mconv.converter import file_io
 
     source = FIXTURES / "qwen3-moe-tiny"
-    monkeypatch.setattr(file_io, "_refused", set())
     hf2mcore(source, tmp_path / "kernel", Layout(tp=2), fmt=fmt, progress=False, workers=2)
     calls = []
 

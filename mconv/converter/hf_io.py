@@ -1,16 +1,17 @@
 """Hugging Face checkpoints: a lazy slice reader and a streaming sharded safetensors writer."""
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from mconv.converter import file_io
 from mconv.converter.output import copy_file
 from mconv.errors import MconvError
 
@@ -525,9 +526,7 @@ class ShardedSafetensorsWriter:
         self._pwrite(file, memoryview(data), offset)
 
     def _pwrite(self, file: str, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self._fds[file], view[done:], offset + done)
+        file_io.pwrite_all(self._fds[file], view, offset)
 
     def place(self, name: str) -> tuple[str, int] | None:
         """(file, byte offset) where tensor `name` is one contiguous byte range of the output, or
@@ -542,11 +541,10 @@ class ShardedSafetensorsWriter:
         return file, offset + expert * slice_bytes + part * (slice_bytes // parts)
 
     def stage(self, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], buffer: "StagingBuffer",
-              first_row: int = 0) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
-        """Memory laid out as the output files' bytes for `tensors` (name, dtype, shape): returns
-        each tensor's view into it (in `buffer`, reused from batch to batch, so its pages are not
-        faulted in again) and `flush()`, which writes them with one pwrite per run of adjacent
-        tensors. A tensor that is not one aligned byte range of the output (transposed stacked
+              first_row: int = 0) -> "StagedBatch":
+        """Memory laid out as the output files' bytes for `tensors` (name, dtype, shape), in
+        `buffer` (reused from batch to batch, so its pages are not faulted in again): see
+        StagedBatch. A tensor that is not one aligned byte range of the output (transposed stacked
         experts) gets its own tensor, which `flush` hands to `write`. With `first_row`, `tensors`
         is one tensor's rows from that row on (`shape` those rows'), a window of a large tensor."""
         placed, loose = [], {}
@@ -580,14 +578,14 @@ class ShardedSafetensorsWriter:
             for offset, nbytes, name, dtype, shape in members:
                 at = start + offset - first
                 views[name] = memory[at:at + nbytes].view(dtype).view(shape)
+        return StagedBatch(self, memory, [(start, start + end - first, file, first)
+                                          for (file, first, end, _), start in zip(runs, starts)], views, loose)
 
-        def flush() -> None:
-            for (file, first, end, _), start in zip(runs, starts):
-                self._pwrite(file, memoryview(memory[start:start + end - first].numpy()), first)
-            for name, tensor in loose.items():
-                self.write(name, tensor)
-        return views, flush
-
+    def copy_range(self, source: int, file: str, offset: int, at: int, nbytes: int) -> bool:
+        """Copy `nbytes` bytes at `offset` of the open input file `source` to byte `at` of output
+        `file`, file to file in the kernel (`file_io.copy_range`). False where the kernel does not
+        copy between these files or the input ends early: the caller writes the bytes itself."""
+        return file_io.copy_range(source, offset, self._fds[file], at, nbytes)
 
     def close(self) -> None:
         if self._pending:
@@ -606,6 +604,57 @@ class ShardedSafetensorsWriter:
         parameters = sum(_numel(shape) for _, _, shape in self.entries)
         index = {"metadata": {"total_parameters": parameters, "total_size": self.total_size}, "weight_map": weight_map}
         (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+class StagedBatch:
+    """A batch of output tensors staged by `ShardedSafetensorsWriter.stage`. `views`: each tensor's
+    view into memory laid out as its range of the output files. Each view's bytes get to the
+    output either through memory (fill the view; `flush` writes runs of adjacent tensors with one
+    pwrite each) or, where they are bytes of an input file, by `copy`, file to file (those bytes
+    are then left out of `flush`)."""
+
+    def __init__(self, writer: ShardedSafetensorsWriter, memory: torch.Tensor, runs: list[tuple[int, int, str, int]],
+                 views: dict[str, torch.Tensor], loose: dict[str, torch.Tensor]):
+        self.writer, self.memory, self.views, self.loose = writer, memory, views, loose
+        self.runs = runs  # (memory start, memory end, file, file offset), by memory start
+        self.starts = [run[0] for run in runs]
+        self.copied: list[tuple[int, int]] = []  # memory ranges whose bytes `copy` put in the output
+
+    def copy(self, dest: torch.Tensor, ranges: list[tuple[int, int, int, int]]) -> bool:
+        """Copy into the output, where `dest` (a contiguous part of a view) lands, the input file
+        ranges `ranges` (file descriptor, file offset, byte offset in `dest`, bytes) that make up
+        `dest`, file to file (`ShardedSafetensorsWriter.copy_range`). False where `dest` is not in
+        the staged memory or the kernel does not copy: the caller fills `dest` instead."""
+        lo = dest.data_ptr() - self.memory.data_ptr()
+        hi = lo + dest.nbytes
+        run = bisect.bisect_right(self.starts, lo) - 1
+        if (not dest.is_contiguous() or run < 0 or hi > self.runs[run][1] or lo >= hi
+                or sum(r[3] for r in ranges) != dest.nbytes):
+            return False
+        start, _, file, first = self.runs[run]
+        for source, offset, at, nbytes in ranges:
+            if not self.writer.copy_range(source, file, offset, first + lo - start + at, nbytes):
+                return False
+        self.copied.append((lo, hi))
+        return True
+
+    def flush(self) -> None:
+        """Write what `copy` did not put in the output: the staged memory around the copied
+        ranges, one pwrite per stretch, then the loose tensors."""
+        copied = sorted(self.copied)
+        for start, end, file, first in self.runs:
+            at = start
+            for lo, hi in copied[bisect.bisect_left(copied, (start,)):bisect.bisect_left(copied, (end,))]:
+                self._write(file, first - start, at, lo)
+                at = hi
+            self._write(file, first - start, at, end)
+        for name, tensor in self.loose.items():
+            self.writer.write(name, tensor)
+
+    def _write(self, file: str, shift: int, lo: int, hi: int) -> None:
+        """pwrite memory [lo, hi) at file offset lo + shift."""
+        if hi > lo:
+            self.writer._pwrite(file, memoryview(self.memory[lo:hi].numpy()), lo + shift)
 
 
 def copy_side_files(source: Path, destination: Path) -> list[str]:

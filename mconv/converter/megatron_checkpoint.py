@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -26,6 +26,18 @@ DtypeOf = Callable[[ShardSource], torch.dtype]
 # Reads rows [start, start + len(dest)) of each source's shard into `dest` (contiguous, the stored
 # dtype): straight into the output's memory.
 RowLoader = Callable[[list[tuple[ShardSource, int, torch.Tensor]]], None]
+# Where rows [start, start + len(dest)) of a source's shard are stored, if they are bytes of input files:
+# (file descriptor, file offset, byte offset in dest, bytes) ranges making up dest; None otherwise.
+FileRows = Callable[[ShardSource, int, torch.Tensor], "list[tuple[int, int, int, int]] | None"]
+
+
+class Session(NamedTuple):
+    """How an export reads a checkpoint's tensors (see `LegacyCheckpoint.session`, `DistCheckpoint.session`)."""
+
+    load: Loader
+    dtype_of: DtypeOf
+    load_rows: RowLoader
+    file_rows: FileRows
 
 
 def _config_dir(location: mio.CheckpointLocation, hf_config: str | Path | None) -> Path:
@@ -143,13 +155,30 @@ class LegacyCheckpoint:
         return len(tensors), sum(t.nbytes for t in tensors)
 
     @contextlib.contextmanager
-    def session(self) -> Iterator[tuple[Loader, DtypeOf, RowLoader]]:
-        """(load, dtype_of, load_rows): the rank files are memory-mapped, so `load` costs no copy and
-        `load_rows` one, from the mapped file into `dest`."""
+    def session(self) -> Iterator[Session]:
+        """The rank files are memory-mapped, so `load` costs no copy and `load_rows` one, from the
+        mapped file into `dest`; `file_rows` gives rows of a tensor as bytes of its rank file, found
+        by `megatron_io.MappedRankFiles` (checked against the file's zip records; None where not)."""
+        files = mio.MappedRankFiles({rank: mio.rank_file(self.location.iter_dir, self.layout, rank)
+                                     for rank in self.chunks})
+
         def load_rows(parts: list[tuple[ShardSource, int, torch.Tensor]]) -> None:
             for source, start, dest in parts:
                 dest.copy_(self._tensor(source).narrow(0, start, dest.shape[0]))
-        yield (lambda sources: [self._tensor(s) for s in sources]), (lambda source: self._tensor(source).dtype), load_rows
+
+        def file_rows(source: ShardSource, start: int, dest: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+            tensor = self._tensor(source)
+            found = files.locate(source.rank, tensor)
+            if (found is None or not tensor.dim() or dest.dtype != tensor.dtype or dest.shape[1:] != tensor.shape[1:]
+                    or start + dest.shape[0] > tensor.shape[0]):
+                return None
+            fd, offset = found
+            return [(fd, offset + start * (tensor.nbytes // tensor.shape[0]), 0, dest.nbytes)]
+        try:
+            yield Session(lambda sources: [self._tensor(s) for s in sources], lambda source: self._tensor(source).dtype,
+                          load_rows, file_rows)
+        finally:
+            files.close()
 
 
 class DistCheckpoint:
@@ -192,16 +221,18 @@ class DistCheckpoint:
         return len(self.reader.tensors), self.reader.nbytes()
 
     @contextlib.contextmanager
-    def session(self) -> Iterator[tuple[Loader, DtypeOf, RowLoader]]:
+    def session(self) -> Iterator[Session]:
+        """Reads boxes of the stored tensors by their TP1 parameter names (torch_dist.parameter_session)."""
         from mconv.converter.torch_dist import parameter_session
 
-        load, dtype_of, load_rows = parameter_session(self.reader, self.plan, self.load_args)
+        load, dtype_of, load_rows, file_rows = parameter_session(self.reader, self.plan, self.load_args)
 
         def load_sources(sources: list[ShardSource]) -> list[torch.Tensor]:
             loaded = load(sorted({s.megatron for s in sources}))
             return [loaded[s.megatron] for s in sources]
-        yield (load_sources, (lambda source: dtype_of(source.megatron)),
-               lambda parts: load_rows([(s.megatron, start, dest) for s, start, dest in parts]))
+        yield Session(load_sources, lambda source: dtype_of(source.megatron),
+                      lambda parts: load_rows([(s.megatron, start, dest) for s, start, dest in parts]),
+                      lambda source, start, dest: file_rows(source.megatron, start, dest))
 
 
 def open_checkpoint(path: str | Path, hf_config: str | Path | None = None) -> LegacyCheckpoint | DistCheckpoint:

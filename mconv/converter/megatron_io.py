@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mconv.converter import safe_load
+from mconv.converter import safe_load, torch_dist_io
 from mconv.converter.hf_io import read_json
 from mconv.converter.layout import Layout, Rank
 from mconv.errors import MconvError
@@ -147,6 +149,89 @@ def load_rank_file(path: Path) -> dict:
     if not isinstance(state, dict):
         raise MconvError(f"{path} holds a {type(state).__name__}, not a Megatron-LM checkpoint dict")
     return state
+
+
+def _file_mappings() -> dict[tuple[int, str], list[tuple[int, int, int]]]:
+    """This process's file mappings (/proc/self/maps): (inode, path) -> [(first address, end address,
+    file offset)], adjacent mappings that continue each other merged; empty where there is no such file."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return {}
+    found: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
+    for line in lines:
+        fields = line.split(None, 5)
+        if len(fields) < 6 or "-" not in fields[0]:
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        offset, spans = int(fields[2], 16), found.setdefault((int(fields[4]), fields[5]), [])
+        if spans and spans[-1][1] == lo and spans[-1][2] + spans[-1][1] - spans[-1][0] == offset:
+            spans[-1] = (spans[-1][0], hi, spans[-1][2])
+        else:
+            spans.append((lo, hi, offset))
+    return found
+
+
+def _descriptors_to_spare() -> int:
+    """Half the file descriptors this process may still open (RLIMIT_NOFILE less those open now)."""
+    try:
+        import resource
+
+        return max(0, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - len(os.listdir("/proc/self/fd"))) // 2)
+    except (ImportError, OSError, ValueError):
+        return 0
+
+
+class MappedRankFiles:
+    """Where the memory-mapped tensors of legacy rank files (`load_rank_file`) lie in their files,
+    so that their bytes can be copied file to file. A tensor's file offset is its address within
+    torch's mapping of the file (/proc/self/maps, matched by inode and path to a descriptor opened
+    here), accepted only when the tensor's bytes lie inside one uncompressed storage record
+    (`.../data/<key>`) of the zip directory read from that descriptor
+    (torch_dist_io.stored_records). Nothing else in the file is trusted: wherever anything
+    disagrees or cannot be read, `locate` says None and the tensor is read through the mapping.
+    One descriptor is held per rank file, for at most half the descriptors the process may still
+    open (the mappings hold none): rank files past that are read through their mapping."""
+
+    def __init__(self, paths: dict[Rank, Path]):
+        mappings = _file_mappings()
+        self._files: dict[Rank, tuple[int, list, list[int], list]] = {}  # fd, spans, record starts, records
+        for rank, path in list(paths.items())[:_descriptors_to_spare()]:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            spans, records = [], []
+            try:
+                stat = os.fstat(fd)
+                spans = mappings.get((stat.st_ino, os.path.realpath(path)), [])
+                if spans:
+                    records = torch_dist_io.stored_records(stat.st_size, lambda at, n: os.pread(fd, n, at)) or []
+            except (OSError, ValueError, struct.error):
+                pass
+            records = [r for r in records if r[2].split("/")[-2:-1] == ["data"]]  # storages, not data.pkl
+            if not records:
+                os.close(fd)
+                continue
+            self._files[rank] = (fd, spans, [r[0] for r in records], records)
+
+    def locate(self, rank: Rank, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """(file descriptor, byte offset) of the bytes of `tensor`, a contiguous tensor loaded from
+        rank `rank`'s file, in that file; None where they are not found as above."""
+        if rank not in self._files or tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.nbytes:
+            return None
+        fd, spans, starts, records = self._files[rank]
+        address, nbytes = tensor.data_ptr(), tensor.nbytes
+        at = next((offset + address - lo for lo, hi, offset in spans if lo <= address and address + nbytes <= hi), None)
+        record = -1 if at is None else bisect.bisect_right(starts, at) - 1
+        if record < 0 or at + nbytes > starts[record] + records[record][1]:
+            return None
+        return fd, at
+
+    def close(self) -> None:
+        for fd, *_ in self._files.values():
+            os.close(fd)
+        self._files.clear()
 
 
 def rank_chunks(state: dict, path: Path) -> list[dict]:

@@ -27,7 +27,7 @@ from mconv.converter.output import (check_output_path, commit, output_path, remo
                                     uninterrupted, write_errors)
 from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
-from mconv.converter.planner import ExportTask, Plan, TensorTask, make_plan
+from mconv.converter.planner import ExportTask, Plan, ShardSource, TensorTask, make_plan
 from mconv.converter.transforms import Piece, ShardLayout, merge, split
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
@@ -360,27 +360,38 @@ def _batches(exports: list[ExportTask], budget: int) -> Iterator[list[ExportTask
         yield batch
 
 
-def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], stored: torch.dtype, first: int = 0) -> list | None:
-    """For an HF tensor group made from one shard (TP1) whose pieces are ranges of its rows, the
-    (source, first row, destination) reads that build the HF tensors in place (`views`: the HF
-    tensors, or rows from `first` on of one of them); None otherwise (TP shards to merge, pieces
-    along another dimension, a cast)."""
-    if len(task.sources) != 1 or any(views[n].dtype != stored or not views[n].dim() for n in views):
-        return None
-    source = task.sources[0]
+def _by_rows(task: ExportTask, source: ShardSource) -> bool:
+    """Whether each of the source shard's pieces is a range of rows of an HF tensor: pieces along dim
+    0, or (a group of one shard) one whole HF tensor."""
     layout = source.shard
-    if layout.dim != 0 and (len(layout.pieces) != 1 or layout.pad or layout.pieces[0].start
-                            or layout.pieces[0].stop != task.hf_shapes[layout.pieces[0].source][layout.dim]):
+    if layout.dim == 0:
+        return True
+    piece = layout.pieces[0]
+    return (len(task.sources) == 1 and len(layout.pieces) == 1 and not layout.pad and not piece.start
+            and piece.stop == task.hf_shapes[piece.source][layout.dim])
+
+
+def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], dtype_of, first: int = 0) -> list | None:
+    """For an HF tensor group whose pieces are each a range of rows of one shard (any group of one
+    shard, as at TP1; column, vocabulary, QKV and GLU pieces of TP shards), the (source, first row,
+    destination) reads that build the HF tensors in place (`views`: the HF tensors, or rows from
+    `first` on of one of them); None otherwise (pieces along another dimension to merge, a cast,
+    shards of another dtype: `merge` and its checks)."""
+    if any(not view.dim() or view.dtype != dtype_of(source) for view in views.values() for source in task.sources):
         return None
-    parts, offset = [], 0
-    for p in layout.pieces:
-        dest = views.get(task.hf[p.source])
-        start, stop = (p.start, p.stop) if layout.dim == 0 else (0, task.hf_shapes[p.source][0])
-        if dest is not None:
-            lo, hi = max(start, first), min(stop, first + dest.shape[0])
-            if lo < hi:
-                parts.append((source, offset + lo - start, dest.narrow(0, lo - first, hi - lo)))
-        offset += p.length
+    if not all(_by_rows(task, source) for source in task.sources):
+        return None
+    parts = []
+    for source in task.sources:
+        offset = 0
+        for p in source.shard.pieces:
+            dest = views.get(task.hf[p.source])
+            start, stop = (p.start, p.stop) if source.shard.dim == 0 else (0, task.hf_shapes[p.source][0])
+            if dest is not None:
+                lo, hi = max(start, first), min(stop, first + dest.shape[0])
+                if lo < hi:
+                    parts.append((source, offset + lo - start, dest.narrow(0, lo - first, hi - lo)))
+            offset += p.length
     return parts
 
 
@@ -388,52 +399,60 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                    progress: Callable[[int], None], dtype: torch.dtype | None = None, threads: int = 1) -> None:
     """Write member `index`'s share of the HF tensors into the prepared shard files (cast to
     `dtype` if given), a batch of LOAD_BATCH_BYTES per job, `threads` jobs at a time (tensors go to
-    disjoint, precomputed ranges of the files). `session` is the checkpoint's (load, dtype_of,
-    load_rows). Each batch is built in memory laid out as its range of the output files (reused
-    from batch to batch) and written with one pwrite per run: TP1 groups are read straight into it
-    (`load_rows`), the shards of other groups are loaded and merged into it."""
-    load, dtype_of, load_rows = session
+    disjoint, precomputed ranges of the files). `session` is the checkpoint's (megatron_checkpoint.
+    Session). Each batch is staged as its range of the output files (`writer.stage`): a piece that
+    is rows of one shard (`_row_parts`) and bytes of an input file (`session.file_rows`) is copied
+    file to file; other pieces of one shard are read straight into the staged memory
+    (`session.load_rows`), the shards of other groups loaded and merged into it; then it is
+    written (memory reused from batch to batch)."""
     costs = [sum(_nbytes(s, torch.float32) for s in task.hf_shapes) for task in exports]
     mine = [exports[i] for i in share(costs, index, size)]
     local = threading.local()  # each thread's StagingBuffer
 
+    def fill(staged, parts: list) -> None:
+        """Copy each part file to file where it is bytes of an input file; read the others."""
+        rest = [part for part in parts
+                if (ranges := session.file_rows(*part)) is None or not staged.copy(part[2], ranges)]
+        if rest:
+            session.load_rows(rest)
+
     def write_rows(task: ExportTask, out_dtype: torch.dtype) -> int | None:
-        """A group larger than the staging buffer, read straight into the output a window of
+        """A group larger than the staging buffer, put into the output a window of
         LOAD_BATCH_BYTES of rows at a time (None if it cannot be: see `_row_parts`)."""
         names = list(zip(task.hf, task.hf_shapes))
         if (any(writer.place(name) is None or not shape for name, shape in names)
                 or _row_parts(task, {name: torch.empty((1,) * len(shape), dtype=out_dtype) for name, shape in names},
-                              dtype_of(task.sources[0])) is None):
+                              session.dtype_of) is None):
             return None
         for name, shape in names:
             row = _nbytes(shape[1:], out_dtype)
             step = max(1, LOAD_BATCH_BYTES // max(row, 1))
             for first in range(0, shape[0], step):
-                views, flush = writer.stage([(name, out_dtype, (min(step, shape[0] - first), *shape[1:]))],
-                                            local.buffer, first)
-                load_rows(_row_parts(task, views, out_dtype, first))
-                flush()
+                staged = writer.stage([(name, out_dtype, (min(step, shape[0] - first), *shape[1:]))],
+                                      local.buffer, first)
+                fill(staged, _row_parts(task, staged.views, session.dtype_of, first))
+                staged.flush()
         return sum(_nbytes(shape, out_dtype) for _, shape in names)
 
     def write_batch(batch: list[ExportTask]) -> int:
         if not hasattr(local, "buffer"):
             local.buffer = StagingBuffer()
-        outputs = [(name, dtype or dtype_of(task.sources[0]), shape)
+        outputs = [(name, dtype or session.dtype_of(task.sources[0]), shape)
                    for task in batch for name, shape in zip(task.hf, task.hf_shapes)]
         if len(batch) == 1 and sum(_nbytes(s, d) for _, d, s in outputs) > local.buffer.keep:
             written = write_rows(batch[0], outputs[0][1])
             if written is not None:
                 return written
-        views, flush = writer.stage(outputs, local.buffer)
+        staged = writer.stage(outputs, local.buffer)
+        views = staged.views
         parts, merged = [], []
         for task in batch:
-            rows = _row_parts(task, {name: views[name] for name in task.hf}, dtype_of(task.sources[0]))
+            rows = _row_parts(task, {name: views[name] for name in task.hf}, session.dtype_of)
             parts.extend(rows or [])
             if rows is None:
                 merged.append(task)
-        if parts:
-            load_rows(parts)
-        shards = iter(load([source for task in merged for source in task.sources]) if merged else [])
+        fill(staged, parts)
+        shards = iter(session.load([source for task in merged for source in task.sources]) if merged else [])
         for task in merged:
             task_shards = [next(shards) for _ in task.sources]
             if len({shard.dtype for shard in task_shards}) > 1:
@@ -441,7 +460,7 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
             merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [views[n] for n in task.hf])
-        flush()
+        staged.flush()
         return sum(views[name].nbytes for name, _, _ in outputs)
 
     # closing: on an error or an interrupt, the writers stop before the output is cleaned up
@@ -474,8 +493,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     out = output_path(out_dir)
     check_output_path(out, overwrite, inputs)
     with ckpt.session() as session:
-        dtype_of = session[1]
-        entries = [(name, dtype or dtype_of(task.sources[0]), shape)
+        entries = [(name, dtype or session.dtype_of(task.sources[0]), shape)
                    for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
 

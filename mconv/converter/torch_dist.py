@@ -190,10 +190,13 @@ def entries(plan: Plan, args: Namespace, common: dict,
 
 
 def parameter_session(reader: torch_dist_io.TorchDistReader, plan: Plan, args: Namespace):
-    """(load, dtype_of, load_rows) for a torch_dist checkpoint read by the TP1 local-spec parameter
-    names of `plan`: load(names) -> {name: tensor}; dtype_of(name) is the stored dtype of that
-    parameter; load_rows([(name, start, dest)]) reads rows [start, start + len(dest)) of each
-    parameter into `dest` (a contiguous tensor of the stored dtype: the output's own memory).
+    """(load, dtype_of, load_rows, file_rows) for a torch_dist checkpoint read by the TP1 local-spec
+    parameter names of `plan`: load(names) -> {name: tensor}; dtype_of(name) is the stored dtype of
+    that parameter; load_rows([(name, start, dest)]) reads rows [start, start + len(dest)) of each
+    parameter into `dest` (a contiguous tensor of the stored dtype: the output's own memory);
+    file_rows(name, start, dest) says where those rows are stored, as (file descriptor, file
+    offset, byte offset in dest, bytes) ranges making up `dest`, or None where they are not
+    contiguous bytes of the stored chunks (TorchDistReader.file_ranges).
     The reader reads each parameter's boxes (ranges of its rows), whatever chunking was written.
     Errors (MconvError): a key missing from the checkpoint, a global shape other than the HF config implies."""
     boxes: dict[str, list[DistBox]] = {}
@@ -210,28 +213,40 @@ def parameter_session(reader: torch_dist_io.TorchDistReader, plan: Plan, args: N
             raise MconvError(f"{where}: tensor {key} (for {name}) is missing from the checkpoint")
         return reader.tensors[key].dtype
 
+    def requests(name: str, start: int, dest: torch.Tensor) -> list[tuple[str, tuple[int, ...], torch.Tensor]]:
+        """The reader's (key, offsets, destination) boxes holding rows [start, start + len(dest))."""
+        stored_dtype(name)
+        stop, out = start + dest.shape[0], []
+        for box in boxes[name]:
+            lo, hi = max(start, box.start), min(stop, box.start + box.length)
+            if lo >= hi:
+                continue
+            stored = reader.tensors[box.key].shape
+            if stored != box.global_shape:
+                raise MconvError(f"{where}: tensor {box.key} has shape {list(stored)}, "
+                                 f"the HF config implies {list(box.global_shape)}")
+            offsets, sizes = list(box.offsets), list(box.sizes)
+            offsets[box.axes] += lo - box.start  # the parameter's rows are axis `axes` of the box
+            sizes[box.axes] = hi - lo
+            out.append((box.key, tuple(offsets), dest.narrow(0, lo - start, hi - lo).view(sizes)))
+        return out
+
     def load_rows(parts: list[tuple[str, int, torch.Tensor]]) -> None:
-        requests = []
-        for name, start, dest in parts:
-            stored_dtype(name)
-            stop = start + dest.shape[0]
-            for box in boxes[name]:
-                lo, hi = max(start, box.start), min(stop, box.start + box.length)
-                if lo >= hi:
-                    continue
-                stored = reader.tensors[box.key].shape
-                if stored != box.global_shape:
-                    raise MconvError(f"{where}: tensor {box.key} has shape {list(stored)}, "
-                                     f"the HF config implies {list(box.global_shape)}")
-                offsets, sizes = list(box.offsets), list(box.sizes)
-                offsets[box.axes] += lo - box.start  # the parameter's rows are axis `axes` of the box
-                sizes[box.axes] = hi - lo
-                requests.append((box.key, tuple(offsets), dest.narrow(0, lo - start, hi - lo).view(sizes)))
-        reader.read(requests)
+        reader.read([request for part in parts for request in requests(*part)])
+
+    def file_rows(name: str, start: int, dest: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+        ranges = []
+        for key, offsets, view in requests(name, start, dest):
+            found = reader.file_ranges(key, offsets, view)
+            if found is None:
+                return None
+            shift = view.data_ptr() - dest.data_ptr()
+            ranges += [(fd, offset, shift + at, nbytes) for fd, offset, at, nbytes in found]
+        return ranges
 
     def load(wanted: list[str]) -> dict[str, torch.Tensor]:
         out = {name: torch.empty(boxes[name][0].task.shape, dtype=stored_dtype(name)) for name in wanted}
         load_rows([(name, 0, buffer) for name, buffer in out.items()])
         return out
 
-    return load, stored_dtype, load_rows
+    return load, stored_dtype, load_rows, file_rows

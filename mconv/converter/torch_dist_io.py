@@ -121,6 +121,28 @@ class _Window(io.RawIOBase):
         return n
 
 
+def stored_records(length: int, read: Callable[[int, int], bytes]) -> list[tuple[int, int, str]] | None:
+    """(data offset, size, name) of each uncompressed member of a zip archive of `length` bytes, by
+    offset, from its own records (`torch_save.members`, `torch_save.record_start`; `read(at, n)` gives its bytes); None
+    if it is not laid out as torch.save writes. Raises ValueError / struct.error on records that
+    are inconsistent or point outside it."""
+    def checked(at: int, n: int) -> bytes:
+        data = read(at, n) if 0 <= at and n >= 0 and at + n <= length else b""
+        if len(data) != n:
+            raise ValueError(f"a record points past the archive (byte {at})")
+        return data
+
+    tail = min(length, 4096)
+    members = torch_save.members(checked(length - tail, tail), length, checked)
+    if members is None:
+        return None
+    records = sorted((torch_save.record_start(local, checked), size, name) for name, (local, size, method) in members.items()
+                     if method == zipfile.ZIP_STORED)
+    if any(start + size > length for start, size, _ in records):
+        raise ValueError("a record runs past the archive")
+    return records
+
+
 class _ChunkIndex:
     """The stored chunks of one tensor, indexed dimension by dimension (sorted starts, bisect), so
     finding the chunks a box overlaps costs about log(chunks), not one test per chunk: stacked keys
@@ -278,30 +300,53 @@ class TorchDistReader:
         reads: list[tuple[str, int, memoryview]] = []
         copies: list[Callable[[], None]] = []
         for key, offsets, dest in requests:
-            info = self._tensor(key)
-            offsets, sizes = tuple(offsets), tuple(dest.shape)
-            if dest.dtype != info.dtype or len(offsets) != len(info.shape) or any(
-                    o < 0 or o + s > g for o, s, g in zip(offsets, sizes, info.shape)):
-                raise MconvError(f"{self.iter_dir}: tensor {key} ({info.dtype}, {list(info.shape)}) has no box "
-                                 f"{list(sizes)} {dest.dtype} at {list(offsets)}")
-            covered = 0
-            if key not in self._indexes:
-                self._indexes[key] = _ChunkIndex(info.chunks)
-            for chunk in self._indexes[key].find(offsets, sizes):
-                overlap = _box_overlap(chunk.offsets, chunk.sizes, offsets, sizes)
-                if overlap is None:
-                    continue
-                starts, lengths = overlap
-                covered += torch.Size(lengths).numel()
-                target = _narrow(dest, [s - o for s, o in zip(starts, offsets)], lengths)
-                self._plan_read(info, chunk, [s - o for s, o in zip(starts, chunk.offsets)], lengths, target,
-                                reads, copies)
-            if covered != dest.numel():
-                raise MconvError(f"{self.iter_dir}: the stored chunks of {key} do not cover the box "
-                                 f"{list(sizes)} at {list(offsets)}")
+            for info, chunk, starts, lengths, target in self._overlaps(key, offsets, dest):
+                self._plan_read(info, chunk, starts, lengths, target, reads, copies)
         self._read_merged(reads)
         for copy in copies:
             copy()
+
+    def file_ranges(self, key: str, offsets: Sequence[int],
+                    dest: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+        """Where the box that `read` would put into `dest` (contiguous) is stored, as (file
+        descriptor, file offset, byte offset in `dest`, bytes) ranges that together cover `dest`, if
+        each overlapping chunk holds its part as contiguous bytes that are also contiguous in
+        `dest`; None otherwise (then `read` it). Same errors as `read`."""
+        if not dest.is_contiguous():
+            return None
+        ranges = []
+        for info, chunk, starts, lengths, target in self._overlaps(key, offsets, dest):
+            at = self._contiguous_at(info, chunk, starts, lengths)
+            if at is None or not target.is_contiguous():
+                return None
+            ranges.append((self._fd(chunk.file), at, target.data_ptr() - dest.data_ptr(), target.nbytes))
+        return ranges
+
+    def _overlaps(self, key: str, offsets: Sequence[int], dest: torch.Tensor) -> list[tuple]:
+        """(stored tensor, chunk, box start within the chunk, box lengths, the part of `dest` it
+        fills) for each stored chunk the box of `dest`'s shape at `offsets` overlaps; MconvError if
+        there is no such box or the chunks do not cover it."""
+        info = self._tensor(key)
+        offsets, sizes = tuple(offsets), tuple(dest.shape)
+        if dest.dtype != info.dtype or len(offsets) != len(info.shape) or any(
+                o < 0 or o + s > g for o, s, g in zip(offsets, sizes, info.shape)):
+            raise MconvError(f"{self.iter_dir}: tensor {key} ({info.dtype}, {list(info.shape)}) has no box "
+                             f"{list(sizes)} {dest.dtype} at {list(offsets)}")
+        if key not in self._indexes:
+            self._indexes[key] = _ChunkIndex(info.chunks)
+        found, covered = [], 0
+        for chunk in self._indexes[key].find(offsets, sizes):
+            overlap = _box_overlap(chunk.offsets, chunk.sizes, offsets, sizes)
+            if overlap is None:
+                continue
+            starts, lengths = overlap
+            covered += torch.Size(lengths).numel()
+            target = _narrow(dest, [s - o for s, o in zip(starts, offsets)], lengths)
+            found.append((info, chunk, [s - o for s, o in zip(starts, chunk.offsets)], lengths, target))
+        if covered != dest.numel():
+            raise MconvError(f"{self.iter_dir}: the stored chunks of {key} do not cover the box "
+                             f"{list(sizes)} at {list(offsets)}")
+        return found
 
     def _tensor(self, key: str) -> StoredTensor:
         info = self.tensors.get(key)
@@ -309,17 +354,28 @@ class TorchDistReader:
             raise MconvError(f"{self.iter_dir}: tensor {key} is missing from the checkpoint")
         return info
 
+    def _contiguous_at(self, info: StoredTensor, chunk: StoredChunk, starts: list[int],
+                       lengths: tuple[int, ...]) -> int | None:
+        """The file offset of the box (`starts`, `lengths` within the chunk) if it is contiguous bytes
+        of a dense chunk: past its last partial axis every axis is whole and, before it, every axis
+        has length 1 (a range of rows of one layer and expert); None otherwise."""
+        data = self._decode(info, chunk)
+        partial = max((i for i, (n, c) in enumerate(zip(lengths, chunk.sizes)) if n != c), default=0)
+        if not (data.dense and lengths and all(n == 1 for n in lengths[:partial])):
+            return None
+        at, step = data.start, info.dtype.itemsize
+        for axis in reversed(range(len(lengths))):
+            at += starts[axis] * step
+            step *= chunk.sizes[axis]
+        return at
+
     def _plan_read(self, info: StoredTensor, chunk: StoredChunk, starts: list[int], lengths: tuple[int, ...],
                    target: torch.Tensor, reads: list, copies: list) -> None:
-        data = self._decode(info, chunk)
-        # The box is contiguous bytes of a dense chunk if, past its last partial axis, every axis is
-        # whole and, before it, every axis has length 1 (a range of rows of one layer and expert).
-        partial = max((i for i, (n, c) in enumerate(zip(lengths, chunk.sizes)) if n != c), default=0)
-        if data.dense and lengths and all(n == 1 for n in lengths[:partial]):
-            at, step = data.start, info.dtype.itemsize
-            for axis in reversed(range(len(lengths))):
-                at += starts[axis] * step
-                step *= chunk.sizes[axis]
+        """Plan the read of one chunk's part of a box into `target`: straight into it where the part is
+        contiguous bytes of the chunk (through a staged copy if `target` is strided), else the whole
+        storage record, copied out."""
+        at = self._contiguous_at(info, chunk, starts, lengths)
+        if at is not None:
             if target.is_contiguous():
                 reads.append((chunk.file, at, _bytes_view(target)))
                 return
@@ -327,6 +383,7 @@ class TorchDistReader:
             reads.append((chunk.file, at, _bytes_view(staged)))
             copies.append(lambda: target.copy_(staged))
             return
+        data = self._decode(info, chunk)
         storage = torch.empty(data.storage_bytes, dtype=torch.uint8)
         reads.append((chunk.file, data.start, _bytes_view(storage)))
         copies.append(lambda: target.copy_(_narrow(storage.view(info.dtype).as_strided(
