@@ -21,6 +21,14 @@ def _copies_not_yet_refused(monkeypatch):
     monkeypatch.setattr(file_io, "_refused", set())
 
 
+@pytest.fixture
+def kernel_copies(monkeypatch):
+    """In-kernel copies on (MCONV_COPY_FILE_RANGE=1; off by default, see file_io) in this process."""
+    from mconv.converter import file_io
+
+    monkeypatch.setattr(file_io, "KERNEL_COPIES", True)
+
+
 def load_rank_file(path, map_location=None):
     """A legacy rank file (or any .pt file the tests wrote) read by torch itself with weights_only,
     the args Namespace allowed: the tests unpickle nothing more than mconv does.

@@ -449,7 +449,7 @@ def assert_write_refused(result, out: Path, cause: str):
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("call", ["pwrite", "copy_file_range"])
-def test_full_disk_while_writing_safetensors(tmp_path, monkeypatch, call, fmt):
+def test_full_disk_while_writing_safetensors(tmp_path, monkeypatch, kernel_copies, call, fmt):
     """The failure injected at the write system calls, as a full disk raises it: os.pwrite (headers,
     tensors staged in memory) and os.copy_file_range (tensors copied file to file; the headers are
     written)."""

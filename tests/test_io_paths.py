@@ -143,7 +143,7 @@ COPIED = (("a", 0, 4), ("a", 6, 8), ("b", 0, 6), ("c", 3, 7))  # rows of tensors
 
 
 @pytest.mark.parametrize("refused", [False, True])
-def test_staged_output_with_bytes_copied_file_to_file(tmp_path, monkeypatch, refused):
+def test_staged_output_with_bytes_copied_file_to_file(tmp_path, monkeypatch, kernel_copies, refused):
     """Oracle: safetensors.safe_open. Rows of some tensors (whole tensors, a head, a tail, a middle
     stretch; each in two ranges) are copied from an input file into the output; their staged
     memory then holds garbage, which `flush` must not write around them. Refused (EXDEV), `copy`

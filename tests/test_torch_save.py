@@ -129,7 +129,7 @@ def test_hf2mcore_torch_dist_chunks_are_valid_zips(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_files_the_kernel_cannot_copy_between_give_the_same_bytes(tmp_path, monkeypatch, fmt):
+def test_files_the_kernel_cannot_copy_between_give_the_same_bytes(tmp_path, monkeypatch, kernel_copies, fmt):
     """Where os.copy_file_range refuses (EXDEV: input and output on different file systems; ENOSYS:
     an old kernel), the bytes go through pread/pwrite and the output is the same, byte for byte
     (the writer is deterministic: two runs give identical files)."""

@@ -1,8 +1,19 @@
-"""Moving bytes between open files: whole-buffer pwrite and file-to-file copies in the kernel."""
+"""Moving bytes between open files: whole-buffer pread / pwrite and file-to-file copies in the kernel.
+
+In-kernel copies (os.copy_file_range) are off unless MCONV_COPY_FILE_RANGE=1: they cost less CPU on
+the 2-core VM but were slower than pread/pwrite through reused memory on the 16-core H200 host, for
+every command (bench/results-convert-h200.log, run 3 of 2026-12-01), so the buffered path is the default.
+"""
 from __future__ import annotations
 
 import errno
 import os
+
+import torch
+
+from mconv.errors import MconvError
+
+KERNEL_COPIES = os.environ.get("MCONV_COPY_FILE_RANGE") == "1"
 
 COPY_CALL_BYTES = 64 * 2**20  # bytes one copy_file_range call moves at most (interrupts wait no longer)
 # copy_file_range's errnos for "not between these files": other file systems (Linux 5.19+ copies only
@@ -23,9 +34,12 @@ def copy_range(source: int, offset: int, dest: int, at: int, nbytes: int) -> boo
     file in the kernel (os.copy_file_range, COPY_CALL_BYTES a call), so they never pass through
     user memory. False where the kernel does not copy between the two files' file systems
     (COPY_REFUSED; remembered per pair of devices, so not tried again) or the input ends early:
-    the caller then writes the bytes itself. Other errors (ENOSPC) are raised."""
+    the caller then writes the bytes itself; also False (nothing tried) unless KERNEL_COPIES. Other
+    errors (ENOSPC) are raised."""
+    if not KERNEL_COPIES or not hasattr(os, "copy_file_range"):
+        return False
     devices = (os.fstat(source).st_dev, os.fstat(dest).st_dev)
-    if devices in _refused or not hasattr(os, "copy_file_range"):
+    if devices in _refused:
         return False
     done = 0
     while done < nbytes:
@@ -40,3 +54,16 @@ def copy_range(source: int, offset: int, dest: int, at: int, nbytes: int) -> boo
             return False
         done += n
     return True
+
+
+def pread_into(ranges: list[tuple[int, int, int, int]], dest: torch.Tensor, path: object) -> None:
+    """Read `ranges` (file descriptor, file offset, byte offset in `dest`, bytes) of the file `path`
+    into the contiguous CPU tensor `dest` with preadv. Raises MconvError if the file ends early."""
+    view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+    for fd, offset, at, nbytes in ranges:
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[at + done:at + nbytes]], offset + done)
+            if n == 0:
+                raise MconvError(f"{path} ended early (changed while reading?)")
+            done += n

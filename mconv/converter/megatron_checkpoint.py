@@ -12,6 +12,7 @@ from typing import Callable, Iterator, NamedTuple
 
 import torch
 
+from mconv.converter import file_io
 from mconv.converter import megatron_io as mio
 from mconv.converter.hf_io import read_config
 from mconv.converter.layout import Layout, Rank
@@ -156,15 +157,21 @@ class LegacyCheckpoint:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[Session]:
-        """The rank files are memory-mapped, so `load` costs no copy and `load_rows` one, from the
-        mapped file into `dest`; `file_rows` gives rows of a tensor as bytes of its rank file, found
-        by `megatron_io.MappedRankFiles` (checked against the file's zip records; None where not)."""
+        """The rank files are memory-mapped, so `load` costs no copy; `file_rows` gives rows of a
+        tensor as bytes of its rank file, found by `megatron_io.MappedRankFiles` (checked against
+        the file's zip records; None where not), and `load_rows` preads those bytes into `dest` (the
+        mapping is not touched, so it does not stay resident) or, where they are not found, copies
+        them from the mapping."""
         files = mio.MappedRankFiles({rank: mio.rank_file(self.location.iter_dir, self.layout, rank)
                                      for rank in self.chunks})
 
         def load_rows(parts: list[tuple[ShardSource, int, torch.Tensor]]) -> None:
             for source, start, dest in parts:
-                dest.copy_(self._tensor(source).narrow(0, start, dest.shape[0]))
+                ranges = file_rows(source, start, dest)
+                if ranges is None or not dest.is_contiguous():
+                    dest.copy_(self._tensor(source).narrow(0, start, dest.shape[0]))
+                else:
+                    file_io.pread_into(ranges, dest, mio.rank_file(self.location.iter_dir, self.layout, source.rank))
 
         def file_rows(source: ShardSource, start: int, dest: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
             tensor = self._tensor(source)
