@@ -95,13 +95,21 @@ def test_expert_names_per_spec(tmp_path):
 
 def test_each_ep_rank_reads_only_its_experts(tmp_path, monkeypatch):
     reads = defaultdict(int)  # HF tensor -> bytes read
-    original = HFCheckpoint.read_into  # every read (`read`, and pieces read into their rows) ends here
+    # Every read ends in one of these: `read_into` (`read`, pieces read into their rows) or
+    # `byte_range` (pieces that are byte ranges of the files, copied from there).
+    original_read, original_range = HFCheckpoint.read_into, HFCheckpoint.byte_range
 
     def counting_read(self, name, dim, start, stop, out):
-        original(self, name, dim, start, stop, out)
+        original_read(self, name, dim, start, stop, out)
         reads[name] += out.nbytes
 
+    def counting_range(self, name, start, stop):
+        found = original_range(self, name, start, stop)
+        reads[name] += found[2] if found else 0
+        return found
+
     monkeypatch.setattr(HFCheckpoint, "read_into", counting_read)
+    monkeypatch.setattr(HFCheckpoint, "byte_range", counting_range)
     layout = Layout(tp=2, ep=4, etp=1)
     summary = hf2mcore(MOE, tmp_path / "m", layout, fmt="torch", progress=False)
     hf = HFCheckpoint(MOE)
