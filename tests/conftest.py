@@ -23,7 +23,8 @@ def _copies_not_yet_refused(monkeypatch):
 
 @pytest.fixture
 def kernel_copies(monkeypatch):
-    """In-kernel copies on (MCONV_COPY_FILE_RANGE=1; off by default, see file_io) in this process."""
+    """In-kernel copies on in this process (MCONV_COPY_FILE_RANGE=1; by default only on machines of
+    fewer than 4 CPUs, see file_io), whatever machine the tests run on."""
     from mconv.converter import file_io
 
     monkeypatch.setattr(file_io, "KERNEL_COPIES", True)

@@ -22,7 +22,7 @@ from mconv.converter.layout import Rank
 from mconv.converter.pipelines import hf2mcore, mcore2hf
 from tests.conftest import FIXTURES, load_rank_file
 
-pytestmark = pytest.mark.usefixtures("kernel_copies")  # the path under test is opt-in (file_io)
+pytestmark = pytest.mark.usefixtures("kernel_copies")  # the path under test, whatever the machine's default (file_io)
 TINY, MOE = FIXTURES / "qwen3-tiny", FIXTURES / "qwen3-moe-tiny"
 
 

@@ -1,8 +1,10 @@
 """Moving bytes between open files: whole-buffer pread / pwrite and file-to-file copies in the kernel.
 
-In-kernel copies (os.copy_file_range) are off unless MCONV_COPY_FILE_RANGE=1: they cost less CPU on
-the 2-core VM but were slower than pread/pwrite through reused memory on the 16-core H200 host, for
-every command (bench/results-convert-h200.log, run 3 of 2026-12-01), so the buffered path is the default.
+In-kernel copies (os.copy_file_range) are the default on machines of fewer than 4 CPUs and off on
+larger ones; MCONV_COPY_FILE_RANGE=1 or 0 chooses. Measured on 2026-12-01 (README, Benchmarks):
+on the 2-core VM (one worker thread by default) they were faster for every command in 6 of 6
+back-to-back pairs, and on the 16-core H200 host (4 worker threads) pread/pwrite through reused
+memory was faster for every command (bench/results-convert-h200.log, run 3).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from mconv.errors import MconvError
 
-KERNEL_COPIES = os.environ.get("MCONV_COPY_FILE_RANGE") == "1"
+KERNEL_COPIES = {"1": True, "0": False}.get(os.environ.get("MCONV_COPY_FILE_RANGE", ""), (os.cpu_count() or 1) < 4)
 
 COPY_CALL_BYTES = 64 * 2**20  # bytes one copy_file_range call moves at most (interrupts wait no longer)
 # copy_file_range's errnos for "not between these files": other file systems (Linux 5.19+ copies only
