@@ -61,7 +61,10 @@ def default_workers() -> int:
 REVISION_HELP = ("Branch, tag or commit of a hub model name (default: its default branch). Hub names are "
                  "resolved as transformers does: the hub cache under HF_HOME, HF_HUB_OFFLINE, HF_TOKEN.")
 WORKERS_HELP = ("Threads that convert disjoint tensors of the output (default: half the CPUs, at most 4). "
-                "Under torchrun, the ranks share the work, each with this many threads.")
+                "Under torchrun, the ranks share the work, each with this many threads. On machines of fewer "
+                "than 4 CPUs tensor bytes are copied file to file in the kernel (copy_file_range), on larger "
+                "ones through memory (pread/pwrite), the faster of the two on each as measured; "
+                "MCONV_COPY_FILE_RANGE=1 or 0 chooses.")
 
 
 def report(summary, started: float, as_json: bool, text: str) -> None:

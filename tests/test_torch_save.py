@@ -156,3 +156,47 @@ def test_files_the_kernel_cannot_copy_between_give_the_same_bytes(tmp_path, monk
     for name in files:
         if name.name != ".metadata":  # it holds a random save id
             assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "copied" / name).read_bytes(), name
+
+
+def test_an_interrupt_while_torch_save_lays_out_an_archive_stays_an_interrupt(monkeypatch):
+    """torch's C++ writer turns anything the file object raises into a RuntimeError ("unexpected
+    pos"), which reads as a full disk; a Ctrl-C landing in the sink's write is raised as itself."""
+    calls = []
+
+    def interrupted(self, data):
+        calls.append(len(data))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(torch_save._Sink, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        torch_save.plan_archive({"model": {"w": torch.empty(4, 4)}})
+    assert calls
+
+
+def test_metadata_names_the_final_directory(tmp_path):
+    """DCP's writer records the path it saved to as `storage_meta.checkpoint_id`: the final
+    iteration directory, not the staging directory renamed into place."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mconv.converter.layout import Layout
+    from mconv.converter.pipelines import hf2mcore
+    from tests.conftest import FIXTURES
+
+    hf2mcore(FIXTURES / "qwen3-tiny", tmp_path / "m", Layout(), progress=False, workers=2)
+    metadata = FileSystemReader(tmp_path / "m" / "release").read_metadata()
+    assert metadata.storage_meta.checkpoint_id == str(tmp_path / "m" / "release")
+
+
+def test_a_bad_copy_setting_is_one_line(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from mconv.cli import main
+    from mconv.converter import file_io
+    from tests.conftest import FIXTURES
+
+    monkeypatch.setenv("MCONV_COPY_FILE_RANGE", "yes")
+    monkeypatch.setattr(file_io, "KERNEL_COPIES", None)  # as the module reads that value at import
+    result = CliRunner().invoke(main, ["hf2mcore", str(FIXTURES / "qwen3-tiny"), str(tmp_path / "m"), "-q"])
+    assert result.exit_code == 1 and not (tmp_path / "m").exists()
+    assert result.output.strip().splitlines() == [
+        "mconv: error: MCONV_COPY_FILE_RANGE='yes': set it to 1 (copy file to file in the kernel) or 0 "
+        "(pread/pwrite), or leave it unset (1 on machines of fewer than 4 CPUs)"]

@@ -15,7 +15,9 @@ import torch
 
 from mconv.errors import MconvError
 
-KERNEL_COPIES = {"1": True, "0": False}.get(os.environ.get("MCONV_COPY_FILE_RANGE", ""), (os.cpu_count() or 1) < 4)
+SETTING = "MCONV_COPY_FILE_RANGE"
+# None: the variable holds something else, which copy_range refuses by name.
+KERNEL_COPIES = {"": (os.cpu_count() or 1) < 4, "1": True, "0": False}.get(os.environ.get(SETTING, ""))
 
 COPY_CALL_BYTES = 64 * 2**20  # bytes one copy_file_range call moves at most (interrupts wait no longer)
 # copy_file_range's errnos for "not between these files": other file systems (Linux 5.19+ copies only
@@ -38,6 +40,9 @@ def copy_range(source: int, offset: int, dest: int, at: int, nbytes: int) -> boo
     (COPY_REFUSED; remembered per pair of devices, so not tried again) or the input ends early:
     the caller then writes the bytes itself; also False (nothing tried) unless KERNEL_COPIES. Other
     errors (ENOSPC) are raised."""
+    if KERNEL_COPIES is None:
+        raise MconvError(f"{SETTING}={os.environ.get(SETTING)!r}: set it to 1 (copy file to file in the kernel) "
+                         "or 0 (pread/pwrite), or leave it unset (1 on machines of fewer than 4 CPUs)")
     if not KERNEL_COPIES or not hasattr(os, "copy_file_range"):
         return False
     devices = (os.fstat(source).st_dev, os.fstat(dest).st_dev)
@@ -58,10 +63,11 @@ def copy_range(source: int, offset: int, dest: int, at: int, nbytes: int) -> boo
     return True
 
 
-def pread_into(ranges: list[tuple[int, int, int, int]], dest: torch.Tensor, path: object) -> None:
+def pread_into(ranges: list[tuple[int, int, int, int]], dest: torch.Tensor | memoryview, path: object) -> None:
     """Read `ranges` (file descriptor, file offset, byte offset in `dest`, bytes) of the file `path`
-    into the contiguous CPU tensor `dest` with preadv. Raises MconvError if the file ends early."""
-    view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+    into `dest` (a contiguous CPU tensor or a writable buffer) with preadv. Raises MconvError if the
+    file ends early."""
+    view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if isinstance(dest, torch.Tensor) else dest
     for fd, offset, at, nbytes in ranges:
         done = 0
         while done < nbytes:

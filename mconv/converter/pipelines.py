@@ -313,7 +313,8 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
 
     def finish(_, staging: Path, dist_members: int = 0) -> None:
         if dist_members:  # torchrun: one .metadata for all ranks' files
-            torch_dist_io.finish(staging / mio.iteration_dir_name(iteration), dist_entries(), dist_members, common)
+            torch_dist_io.finish(staging / mio.iteration_dir_name(iteration), dist_entries(), dist_members, common,
+                                 str(out / mio.iteration_dir_name(iteration)))
         mio.write_tracker(staging, iteration)
         (staging / mio.HF_CONFIG_DIR).mkdir()
         copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
@@ -334,7 +335,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         with _bar(summary.bytes, "hf2mcore", progress) as bar:
             if fmt == "torch_dist":  # threads, each writing its own .distcp file, one .metadata
                 torch_dist_io.write(staging / mio.iteration_dir_name(iteration), dist_entries(), workers, common,
-                                    bar.update)
+                                    bar.update, checkpoint_id=str(out / mio.iteration_dir_name(iteration)))
             else:
                 write_share(staging, 0, 1, bar.update)
         finish(None, staging)

@@ -625,7 +625,7 @@ def _write_entry(fd: int, position: int, entry: DistEntry) -> int:
     value = entry.produce()
     if entry.global_shape is None:
         archive = io.BytesIO()
-        torch.save([value], archive)
+        torch_save.save([value], archive)
         file_io.pwrite_all(fd, archive.getbuffer(), position)
         return archive.tell()
     layout = _chunk_layout(entry.dtype, entry.sizes).copy()
@@ -708,9 +708,11 @@ def dcp_metadata(entries: Sequence[DistEntry], placed: Sequence[tuple[str, tuple
                         version=CURRENT_DCP_VERSION)
 
 
-def finish(iter_dir: Path, entries: Sequence[DistEntry], members: int, common_pt: Any = None) -> None:
+def finish(iter_dir: Path, entries: Sequence[DistEntry], members: int, common_pt: Any = None,
+           checkpoint_id: str | None = None) -> None:
     """After every member's `write_share`: write DCP's `.metadata` (one for all members; a fresh
-    uuid4 as its `save_id`, as DCP's writer draws one), `common.pt` (if given: the common state as
+    uuid4 as its `save_id`, as DCP's writer draws one; `checkpoint_id` the directory's final path,
+    which DCP's writer records, by default `iter_dir`), `common.pt` (if given: the common state as
     megatron-core <= 0.18 reads it) and `metadata.json`."""
     placed = []
     for member in range(members):
@@ -718,7 +720,7 @@ def finish(iter_dir: Path, entries: Sequence[DistEntry], members: int, common_pt
         placed += [(key, None if offsets is None else tuple(offsets), name, offset, length)
                    for key, offsets, offset, length in json.loads(part.read_text())]
         part.unlink()
-    metadata = dcp_metadata(entries, placed, str(iter_dir), str(uuid.uuid4()))
+    metadata = dcp_metadata(entries, placed, checkpoint_id or str(iter_dir), str(uuid.uuid4()))
     if common_pt is not None:
         _write_file(iter_dir / COMMON_FILE, lambda f: torch.save(common_pt, f))
     _write_file(iter_dir / METADATA_FILE, lambda f: f.write(dcp_stand_in.dumps(metadata)))
@@ -733,7 +735,7 @@ def _write_file(path: Path, write: Callable[[io.BufferedWriter], Any]) -> None:
 
 
 def write(iter_dir: Path, entries: Sequence[DistEntry], workers: int = 1, common_pt: Any = None,
-          progress: Callable[[int], None] = lambda n: None) -> None:
+          progress: Callable[[int], None] = lambda n: None, checkpoint_id: str | None = None) -> None:
     """Write a whole torch_dist checkpoint into `iter_dir` from `entries`, `workers` threads each
     writing its own `.distcp` file (pread, torch.save and the writes release the GIL)."""
     iter_dir.mkdir(parents=True, exist_ok=True)
@@ -751,4 +753,4 @@ def write(iter_dir: Path, entries: Sequence[DistEntry], workers: int = 1, common
             except BaseException:
                 stop.set()
                 raise
-    finish(iter_dir, entries, max(workers, 1), common_pt)
+    finish(iter_dir, entries, max(workers, 1), common_pt, checkpoint_id)

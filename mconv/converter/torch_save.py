@@ -204,6 +204,30 @@ def _storage_order(obj) -> list[int]:
     return list(order)
 
 
+def save(obj, sink: io.RawIOBase) -> None:
+    """torch.save `obj` into the in-memory file `sink`. torch's C++ writer reports anything raised in
+    the sink's `write` (an interrupt: Ctrl-C, or SIGTERM as KeyboardInterrupt) as a RuntimeError
+    ("unexpected pos"), which would read as a full disk: the sink's own exception is raised instead."""
+    raised: list[BaseException] = []
+    write = sink.write
+
+    def recording(data):
+        try:
+            return write(data)
+        except BaseException as e:
+            raised.append(e)
+            raise
+    sink.write = recording
+    try:
+        torch.save(obj, sink)
+    except RuntimeError:
+        if raised:
+            raise raised[0] from None
+        raise
+    finally:
+        del sink.write
+
+
 def plan_archive(obj) -> ArchiveLayout:
     """The archive torch.save writes for `obj`, its storages' bytes left out. `obj`'s tensors stand
     for the storages to be filled: they may be `torch.empty` (untouched memory is never read), each
@@ -211,7 +235,7 @@ def plan_archive(obj) -> ArchiveLayout:
     is not laid out as expected."""
     sink = _Sink()
     with torch.serialization.skip_data():
-        torch.save(obj, sink)
+        save(obj, sink)
     layout = ArchiveLayout(sink.size, sink.runs)
     central: dict[str, int] = {}
     tail = sink.read_at(max(0, sink.size - 4096), min(sink.size, 4096))
@@ -256,22 +280,32 @@ def _copy(source: FileRange, fd: int, at: int, crc: int) -> int:
         start = source.offset + done
         if os.fstat(source.fd).st_size < start + n:  # a mapping past the end would kill the process (SIGBUS)
             raise MconvError(f"{source.path} ended early (changed while reading?)")
-        if file_io.copy_range(source.fd, start, fd, at + done, n):
-            base = start - start % mmap.ALLOCATIONGRANULARITY
-            with mmap.mmap(source.fd, start + n - base, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                           prot=mmap.PROT_READ, offset=base) as mapped:
-                with memoryview(mapped) as view:
-                    crc = zlib.crc32(view[start - base:], crc)
-        else:
+        copied = file_io.copy_range(source.fd, start, fd, at + done, n)
+        checked = _mapped_crc(source.fd, start, n, crc) if copied else None
+        if checked is None:  # not copied, or a file system that cannot map it: through memory
             if len(getattr(_local, "buffer", b"")) < n:
                 _local.buffer = bytearray(file_io.COPY_CALL_BYTES)
             view = memoryview(_local.buffer)[:n]
-            if os.preadv(source.fd, [view], start) != n:
-                raise MconvError(f"{source.path} ended early (changed while reading?)")
-            crc = zlib.crc32(view, crc)
-            file_io.pwrite_all(fd, view, at + done)
+            file_io.pread_into([(source.fd, start, 0, n)], view, source.path)
+            checked = zlib.crc32(view, crc)
+            if not copied:
+                file_io.pwrite_all(fd, view, at + done)
+        crc = checked
         done += n
     return crc
+
+
+def _mapped_crc(fd: int, start: int, n: int, crc: int) -> int | None:
+    """The CRC-32 of bytes [start, start + n) of `fd`, continued from `crc`, read through a populated
+    read-only mapping; None where the file cannot be mapped (some FUSE file systems, no memory)."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapped = mmap.mmap(fd, start + n - base, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ,
+                           offset=base)
+    except OSError:
+        return None
+    with mapped, memoryview(mapped) as view:
+        return zlib.crc32(view[start - base:], crc)
 
 
 def fill(fd: int, base: int, layout: ArchiveLayout, record: StorageRecord,
