@@ -144,7 +144,7 @@ def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer,
                    rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor | torch_save.FileRange]:
     """One Megatron shard (or its rows [start, stop) along dim 0) from the HF slices, as consecutive
     windows of its bytes for `torch_save.fill`: the ranges of the HF files its pieces are (fused
-    QKV, GLU fc1, whole tensors: copied file to file), else rows read into `memory` about
+    QKV, GLU fc1, whole tensors), as `torch_save.FileRange`s, else rows read into `memory` about
     WINDOW_BYTES at a time (each valid until the next is asked for: reused memory, no fresh pages,
     never a whole large tensor), the vocabulary padding as zeros. A shard split along another
     dimension (row-parallel at TP > 1) is built whole, in one window."""
