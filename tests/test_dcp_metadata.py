@@ -17,11 +17,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from mconv import Layout, hf2mcore
 from mconv.converter import dcp_stand_in, torch_dist, torch_dist_io
 from mconv.converter.dcp_stand_in import filesystem, metadata
-from mconv.converter.pipelines import _flat_plan
-from mconv.converter.planner import make_plan
-from mconv.mappings import architecture_for
 from tests.conftest import FIXTURES
-from tests.test_torch_dist_keys import _dtype, config
+from tests.test_torch_dist_keys import _dtype, config, flat_plan_and_args
 
 TORCH = {metadata: dcp_metadata, filesystem: dcp_filesystem}
 STAND_INS = [(module, value) for module in TORCH for value in vars(module).values()
@@ -74,15 +71,9 @@ def test_tensor_properties_and_index_pickle_as_torchs():
 
 def checkpoint_entries(hf_config: dict, layout: Layout):
     """The entries hf2mcore writes for a model (no tensors are built)."""
-    from mconv.converter import megatron_io as mio
-
-    arch = architecture_for(hf_config)
-    plan = make_plan(arch, hf_config, layout, "local", False)
-    args = mio.megatron_lm_args(layout, plan.dims, arch.megatron_args(plan.dims), "local", plan.padded_vocab,
-                                torch.bfloat16, "torch_dist")
-    flat = _flat_plan(plan)
+    flat, args = flat_plan_and_args(hf_config, layout)
     dtypes = {t.megatron: _dtype(t.megatron) for t in flat.ranks[0].chunks[0]}
-    return torch_dist.entries(flat, args, {"args": args}, lambda task: None, dtypes)
+    return torch_dist.entries(flat, args, {"args": args}, lambda task, start, stop: (), dtypes)
 
 
 def placements(entries, members: int):

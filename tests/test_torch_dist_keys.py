@@ -47,14 +47,20 @@ CASES = {
 }
 
 
-def derived(hf_config: dict, layout: Layout, dtype_of=_dtype, mtp: bool = False):
-    """mconv's boxes as comparable records (parameter dtypes by `dtype_of(name)`), and the args and
-    dtypes hf2mcore would store with them (`mtp`: with the multi-token-prediction layers)."""
+def flat_plan_and_args(hf_config: dict, layout: Layout, mtp: bool = False):
+    """The TP1 plan of a torch_dist checkpoint of `hf_config` and the Megatron-LM args hf2mcore
+    stores with it."""
     arch = architecture_for(hf_config)
     plan = make_plan(arch, hf_config, layout, "local", mtp)
     args = mio.megatron_lm_args(layout, plan.dims, arch.megatron_args(plan.dims), "local", plan.padded_vocab,
                                 torch.bfloat16, "torch_dist")
-    flat = _flat_plan(plan)
+    return _flat_plan(plan), args
+
+
+def derived(hf_config: dict, layout: Layout, dtype_of=_dtype, mtp: bool = False):
+    """mconv's boxes as comparable records (parameter dtypes by `dtype_of(name)`), and the args and
+    dtypes hf2mcore would store with them (`mtp`: with the multi-token-prediction layers)."""
+    flat, args = flat_plan_and_args(hf_config, layout, mtp)
     dtypes = {t.megatron: dtype_of(t.megatron) for t in flat.ranks[0].chunks[0]}
     records = []
     for box in torch_dist.plan_boxes(flat, args):

@@ -175,6 +175,13 @@ def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer,
         yield memory.take((min(stop, lo + step) - lo) * row).zero_().view(dtype)
 
 
+def _window_memory(local: threading.local) -> StagingBuffer:
+    """This thread's memory for `_shard_windows` (one StagingBuffer per thread, kept in `local`)."""
+    if not hasattr(local, "memory"):
+        local.memory = StagingBuffer(WINDOW_BYTES)
+    return local.memory
+
+
 def _rank_archive(plan: Plan, ckpt: HFCheckpoint, i: int, args, iteration: int | None):
     """Rank `i`'s file as torch.save lays it out (torch_save.plan_archive), with the placeholder
     tensor standing for each task's shard."""
@@ -211,9 +218,7 @@ def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, pro
             jobs += [(fd, layout, task, placeholder) for task, placeholder in placeholders]
 
         def fill(fd: int, layout, task: TensorTask, placeholder: torch.Tensor) -> int:
-            if not hasattr(local, "memory"):
-                local.memory = StagingBuffer(WINDOW_BYTES)
-            torch_save.fill(fd, 0, layout, layout.record(placeholder), _shard_windows(task, ckpt, local.memory))
+            torch_save.fill(fd, 0, layout, layout.record(placeholder), _shard_windows(task, ckpt, _window_memory(local)))
             return placeholder.nbytes
 
         jobs.sort(key=lambda job: -job[3].nbytes)  # largest first: the threads end together
@@ -244,9 +249,7 @@ def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict) -> l
     local = threading.local()  # each writer thread's StagingBuffer
 
     def windows(task: TensorTask, start: int, stop: int) -> Iterator[torch.Tensor]:
-        if not hasattr(local, "memory"):
-            local.memory = StagingBuffer(WINDOW_BYTES)
-        return _shard_windows(task, ckpt, local.memory, (start, stop))
+        return _shard_windows(task, ckpt, _window_memory(local), (start, stop))
     return torch_dist.entries(flat, args, common, windows, dtypes)
 
 
