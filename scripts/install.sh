@@ -18,7 +18,7 @@ find_python() {
 # only in mbridge's git history after 0.15.1, so it is carried here as a wheel (see wheels/README.md).
 MBRIDGE_WHEEL=wheels/mbridge-0.15.1+git.10cb17f-py3-none-any.whl
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c '
-import importlib.metadata as m, mconv, megatron.core, transformers, hypothesis, einops, omegaconf
+import importlib.metadata as m, mconv, megatron.core, transformers, hypothesis, einops, omegaconf, isal
 assert m.version("mbridge") == "0.15.1+git.10cb17f" and m.version("megatron-bridge") == "0.6.2"' 2>/dev/null; then
     PYTHON="$(find_python)"
     [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv

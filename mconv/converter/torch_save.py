@@ -11,7 +11,8 @@ Under `torch.serialization.skip_data()` torch.save writes all of that except the
 seeking over them (their CRC-32 fields are left 0). `plan_archive` runs it into memory (the skipped
 bytes never exist) and finds each storage's record; the caller then fills every record, from any
 source and window by window, and `ArchiveLayout.set_crc` patches the CRC-32 computed on the way
-(zlib's, the zip standard's, as torch computes it): a file that `torch.load` reads and whose every
+(the zip standard's, as torch computes it with zlib; computed here by Intel ISA-L through `isal`, the
+same polynomial about four times faster, releasing the GIL): a file that `torch.load` reads and whose every
 record checks (`zipfile.ZipFile.testzip`), written without any tensor whole in memory.
 """
 from __future__ import annotations
@@ -24,11 +25,11 @@ import pickle
 import struct
 import threading
 import zipfile
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
+from isal.isal_zlib import crc32
 
 from mconv.converter import file_io
 from mconv.errors import MconvError
@@ -287,7 +288,7 @@ def _copy(source: FileRange, fd: int, at: int, crc: int) -> int:
                 _local.buffer = bytearray(file_io.COPY_CALL_BYTES)
             view = memoryview(_local.buffer)[:n]
             file_io.pread_into([(source.fd, start, 0, n)], view, source.path)
-            checked = zlib.crc32(view, crc)
+            checked = crc32(view, crc)
             if not copied:
                 file_io.pwrite_all(fd, view, at + done)
         crc = checked
@@ -305,7 +306,7 @@ def _mapped_crc(fd: int, start: int, n: int, crc: int) -> int | None:
     except OSError:
         return None
     with mapped, memoryview(mapped) as view:
-        return zlib.crc32(view[start - base:], crc)
+        return crc32(view[start - base:], crc)
 
 
 def fill(fd: int, base: int, layout: ArchiveLayout, record: StorageRecord,
@@ -323,7 +324,7 @@ def fill(fd: int, base: int, layout: ArchiveLayout, record: StorageRecord,
         if dtype is not None and window.dtype != dtype:
             raise MconvError(f"internal: storage {record.key} of {dtype} was given {window.dtype} bytes")
         view = memoryview(window.reshape(-1).view(torch.uint8).numpy()) if window.numel() else memoryview(b"")
-        crc = zlib.crc32(view, crc)
+        crc = crc32(view, crc)
         file_io.pwrite_all(fd, view, at)
         at += len(view)
     if at - base - record.offset != record.nbytes:
