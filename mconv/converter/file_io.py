@@ -5,9 +5,16 @@ larger ones; MCONV_COPY_FILE_RANGE=1 or 0 chooses. Measured on 2026-12-01 (READM
 on the 2-core VM (one worker thread by default) they were faster for every command in 6 of 6
 back-to-back pairs, and on the 16-core H200 host (4 worker threads) pread/pwrite through reused
 memory was faster for every command (bench/results-convert-h200.log, run 3).
+
+Every write of at least WRITEBACK_BYTES also starts the disk write of its range at once (Linux
+sync_file_range(SYNC_FILE_RANGE_WRITE), which does not wait for it): the pages go to disk while the
+next window is copied, so the fsync each output file ends with finds little left to do, instead of
+the whole file (the kernel would start on its own only past vm.dirty_background_ratio of memory,
+gigabytes on a large host). MCONV_WRITEBACK=0 turns it off. Measured: README, Benchmarks.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 
@@ -26,11 +33,39 @@ COPY_REFUSED = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
 _refused: set[tuple[int, int]] = set()  # (input device, output device) pairs the kernel would not copy between
 
 
+WRITEBACK_SETTING = "MCONV_WRITEBACK"
+WRITEBACK_BYTES = 2**20
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+
+
+def _sync_file_range():
+    """libc's sync_file_range (Linux), or None (other systems, or MCONV_WRITEBACK=0)."""
+    if os.environ.get(WRITEBACK_SETTING, "1") == "0":
+        return None
+    function = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return function
+
+
+_start_writeback = _sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing bytes [offset, offset + nbytes) of `fd` to disk without waiting (see the module
+    docstring); a no-op for small ranges and where unsupported. Its errors are left to the fsync
+    that follows every output file (which reports a failed write-back)."""
+    if _start_writeback is not None and nbytes >= WRITEBACK_BYTES:
+        _start_writeback(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # ctypes releases the GIL
+
+
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    """pwrite all of `view` at byte `offset` of `fd` (OSError as pwrite raises it: ENOSPC, EIO...)."""
+    """pwrite all of `view` at byte `offset` of `fd` (OSError as pwrite raises it: ENOSPC, EIO...),
+    and start its write-back (`start_writeback`)."""
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
+    start_writeback(fd, offset, len(view))
 
 
 def copy_range(source: int, offset: int, dest: int, at: int, nbytes: int) -> bool:
@@ -60,6 +95,7 @@ def copy_range(source: int, offset: int, dest: int, at: int, nbytes: int) -> boo
         if n == 0:
             return False
         done += n
+    start_writeback(dest, at, nbytes)
     return True
 
 
