@@ -23,8 +23,10 @@ import torch
 from mconv.errors import MconvError
 
 SETTING = "MCONV_COPY_FILE_RANGE"
-# None: the variable holds something else, which copy_range refuses by name.
+WRITEBACK_SETTING = "MCONV_WRITEBACK"
+# None: the variable holds something else, which the first copy or write refuses by name.
 KERNEL_COPIES = {"": (os.cpu_count() or 1) < 4, "1": True, "0": False}.get(os.environ.get(SETTING, ""))
+WRITEBACK = {"": True, "1": True, "0": False}.get(os.environ.get(WRITEBACK_SETTING, ""))
 
 COPY_CALL_BYTES = 64 * 2**20  # bytes one copy_file_range call moves at most (interrupts wait no longer)
 # copy_file_range's errnos for "not between these files": other file systems (Linux 5.19+ copies only
@@ -32,31 +34,27 @@ COPY_CALL_BYTES = 64 * 2**20  # bytes one copy_file_range call moves at most (in
 COPY_REFUSED = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
 _refused: set[tuple[int, int]] = set()  # (input device, output device) pairs the kernel would not copy between
 
-
-WRITEBACK_SETTING = "MCONV_WRITEBACK"
-WRITEBACK_BYTES = 2**20
+WRITEBACK_BYTES = 2**20  # smaller writes (headers, metadata) are left to the closing fsync
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+_sync_file_range = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)  # Linux only
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 
 
-def _sync_file_range():
-    """libc's sync_file_range (Linux), or None (other systems, or MCONV_WRITEBACK=0)."""
-    if os.environ.get(WRITEBACK_SETTING, "1") == "0":
-        return None
-    function = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
-    if function is not None:
-        function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return function
-
-
-_start_writeback = _sync_file_range()
+def _bad_setting(name: str, choices: str, unset: str) -> MconvError:
+    return MconvError(f"{name}={os.environ.get(name)!r}: set it to {choices}, or leave it unset ({unset})")
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Start writing bytes [offset, offset + nbytes) of `fd` to disk without waiting (see the module
-    docstring); a no-op for small ranges and where unsupported. Its errors are left to the fsync
-    that follows every output file (which reports a failed write-back)."""
-    if _start_writeback is not None and nbytes >= WRITEBACK_BYTES:
-        _start_writeback(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # ctypes releases the GIL
+    docstring); a no-op for ranges under WRITEBACK_BYTES, with MCONV_WRITEBACK=0 and off Linux. Its
+    errors are left to the fsync that closes every output file (which reports a failed write-back).
+    Raises MconvError if MCONV_WRITEBACK holds anything but 0 or 1."""
+    if WRITEBACK is None:
+        raise _bad_setting(WRITEBACK_SETTING, "1 (start each write's write-back at once) or 0 (leave it to fsync)",
+                           "1")
+    if WRITEBACK and _sync_file_range is not None and nbytes >= WRITEBACK_BYTES:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # ctypes releases the GIL
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -76,8 +74,8 @@ def copy_range(source: int, offset: int, dest: int, at: int, nbytes: int) -> boo
     the caller then writes the bytes itself; also False (nothing tried) unless KERNEL_COPIES. Other
     errors (ENOSPC) are raised."""
     if KERNEL_COPIES is None:
-        raise MconvError(f"{SETTING}={os.environ.get(SETTING)!r}: set it to 1 (copy file to file in the kernel) "
-                         "or 0 (pread/pwrite), or leave it unset (1 on machines of fewer than 4 CPUs)")
+        raise _bad_setting(SETTING, "1 (copy file to file in the kernel) or 0 (pread/pwrite)",
+                           "1 on machines of fewer than 4 CPUs")
     if not KERNEL_COPIES or not hasattr(os, "copy_file_range"):
         return False
     devices = (os.fstat(source).st_dev, os.fstat(dest).st_dev)

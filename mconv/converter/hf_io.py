@@ -492,7 +492,7 @@ class ShardedSafetensorsWriter:
     def create(self) -> None:
         for file, header in zip(self.files, self.headers):
             fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-            os.pwrite(fd, header, 0)
+            file_io.pwrite_all(fd, memoryview(header), 0)
             self._fds[file] = fd
 
     def open_existing(self) -> None:
