@@ -1,4 +1,4 @@
 """`python -m mconv`: the same command line as the `mconv` entry point."""
-from mconv.cli import main
+from mconv.cli import entry
 
-main()
+entry()

@@ -119,10 +119,16 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
+_program = False  # set by `entry`: this process is the mconv program, not a caller of `main`
+
+
 class Command(click.Command):
     """An mconv command: an interrupt (Ctrl-C, SIGTERM) at any point, the imports included, is one
     line and exit status 128 + the signal; the output being written has been removed by then
-    (`output.staged_directory`), so nothing was written."""
+    (`output.staged_directory`), so nothing was written. Once the output is in place the command
+    has done its work: an interrupt then says so and the status is 0, and the mconv program
+    (`entry`) ignores later ones, which would otherwise surface from click or the interpreter's
+    exit as "Aborted!" or a traceback. Bad MCONV_* settings are refused before any work."""
 
     def invoke(self, ctx):
         from mconv.converter.output import uninterrupted
@@ -133,13 +139,25 @@ class Command(click.Command):
             # back, it is delivered as soon as torch is imported.
             with uninterrupted():
                 import torch  # noqa: F401
-            return super().invoke(ctx)
+            from mconv.converter import file_io
+
+            run(file_io.check_settings)
+            result = super().invoke(ctx)
+            if _program and threading.current_thread() is threading.main_thread():
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(signum, signal.SIG_IGN)
+            return result
         except KeyboardInterrupt as e:
             interrupted(e, ctx.params.get("out_dir"))
 
 
 def interrupted(error: KeyboardInterrupt, out: str | None = None):
+    from mconv.converter.output import finished
+
     what = "terminated" if isinstance(error, Terminated) else "interrupted"
+    if out and finished(out):
+        click.echo(f"mconv: {what} after {out} was complete; it is in place", err=True)
+        sys.exit(0)
     click.echo(f"mconv: {what}" + (f"; nothing was written to {out}" if out else ""), err=True)
     sys.exit(128 + (signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT))
 
@@ -207,6 +225,13 @@ def main():
 
     Outputs are written to a temporary sibling directory and renamed into place only when
     complete; inputs are never modified.
+
+    \b
+    Environment (unset: the measured default; anything but 0 or 1 is refused):
+      MCONV_COPY_FILE_RANGE=1|0  copy tensor bytes file to file in the kernel (default: 1 on
+                                 machines of fewer than 4 CPUs) or through memory
+      MCONV_WRITEBACK=1|0        start each large write's write-back to disk at once (default 1),
+                                 so the closing fsync has little left, or leave it all to fsync
     """
 
 
@@ -442,5 +467,14 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
                    f"read from a {result.format} checkpoint at {layout}")
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The mconv program (its console script, `python -m mconv`, `python -m mconv.cli`): `main`,
+    ignoring interrupts once a command has done its work (`Command`). Called in-process (click's
+    CliRunner), `main` leaves the caller's signal handlers as they were."""
+    global _program
+    _program = True
     main()
+
+
+if __name__ == "__main__":
+    entry()

@@ -707,6 +707,58 @@ def test_an_interrupt_during_the_final_rename_is_held_back(tmp_path, monkeypatch
     assert not (tmp_path / "other").exists() and leftovers(tmp_path) == []
 
 
+def test_an_interrupt_once_the_output_is_in_place_says_so_and_exits_0(tmp_path):
+    """Ctrl-C right after the output was renamed into place (landing as the conversion returns)
+    does not claim that nothing was written: one line saying the output is complete, status 0;
+    with --overwrite the new output is the one in place."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    script = ("import os, signal\n"
+              "from mconv.converter import pipelines\n"
+              "real = pipelines.hf2mcore\n"
+              "def hf2mcore(*args, **kwargs):\n"
+              "    summary = real(*args, **kwargs)\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    return summary\n"
+              "pipelines.hf2mcore = hf2mcore\n"
+              "from mconv.cli import entry\n"
+              "entry()\n")
+    done = subprocess.run([sys.executable, "-c", script, "hf2mcore", str(TINY), str(out), "--overwrite", "-q"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", f"mconv: interrupted after {out} was complete; "
+                                                                  "it is in place\n")
+    assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_ctrl_c_after_the_closing_line_is_no_traceback(tmp_path, fmt):
+    """A real SIGINT as soon as the closing `wrote ...` line is out, while the command returns and
+    the interpreter exits (click would print "Aborted!", torch's exit hooks a traceback): status 0,
+    at most the line saying the output is complete."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-m", "mconv.cli", "hf2mcore", str(TINY), str(out), "--format", fmt],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                    "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    line = process.stdout.readline()
+    assert line.startswith(f"wrote {out}"), (line, process.communicate())
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0 and stdout == "", (process.returncode, stdout, stderr)
+    assert stderr in ("", f"mconv: interrupted after {out} was complete; it is in place\n"), stderr
+    assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
+
+
 # ----------------------------------------------------------------------------- damaged torch_dist checkpoints
 
 def test_truncated_distcp_is_reported_by_inspect_and_refused_by_mcore2hf(tmp_path):

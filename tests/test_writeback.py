@@ -117,11 +117,19 @@ def test_the_libc_call_is_bound_right(tmp_path):
     assert file_io._sync_file_range(-1, 0, 8192, 2) == -1 and ctypes.get_errno() == 9  # EBADF
 
 
-def test_a_bad_writeback_setting_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setenv("MCONV_WRITEBACK", "on")
-    monkeypatch.setattr(file_io, "WRITEBACK", None)  # as the module reads that value at import
-    result = CliRunner().invoke(main, ["hf2mcore", str(MOE), str(tmp_path / "m"), "-q"])
-    assert result.exit_code == 1 and not (tmp_path / "m").exists()
-    assert result.output.strip().splitlines() == [
-        "mconv: error: MCONV_WRITEBACK='on': set it to 1 (start each write's write-back at once) or 0 "
-        "(leave it to fsync), or leave it unset (1)"]
+@pytest.mark.parametrize("setting, value, message", [
+    ("WRITEBACK", "on", "MCONV_WRITEBACK='on': set it to 1 (start each write's write-back at once) or 0 "
+                        "(leave it to fsync), or leave it unset (1)"),
+    ("KERNEL_COPIES", "2", "MCONV_COPY_FILE_RANGE='2': set it to 1 (copy file to file in the kernel) or 0 "
+                           "(pread/pwrite), or leave it unset (1 on machines of fewer than 4 CPUs)")])
+def test_a_bad_setting_is_one_line_before_any_work(tmp_path, monkeypatch, setting, value, message):
+    """Refused by every command before it starts, also where no byte would take the path it sets
+    (a cast, a dry run)."""
+    assert CliRunner().invoke(main, ["hf2mcore", str(MOE), str(tmp_path / "m"), "--format", "torch", "-q"]).exit_code == 0
+    monkeypatch.setenv(file_io.SETTING if setting == "KERNEL_COPIES" else file_io.WRITEBACK_SETTING, value)
+    monkeypatch.setattr(file_io, setting, None)  # as the module reads that value at import
+    for args in (["hf2mcore", str(MOE), str(tmp_path / "m2"), "-q"], ["hf2mcore", str(MOE), str(tmp_path / "m2"), "--dry-run"],
+                 ["mcore2hf", str(tmp_path / "m"), str(tmp_path / "hf"), "--dtype", "float32", "-q"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and not (tmp_path / "m2").exists() and not (tmp_path / "hf").exists(), args
+        assert result.output.strip().splitlines() == [f"mconv: error: {message}"], args

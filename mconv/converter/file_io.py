@@ -45,14 +45,24 @@ def _bad_setting(name: str, choices: str, unset: str) -> MconvError:
     return MconvError(f"{name}={os.environ.get(name)!r}: set it to {choices}, or leave it unset ({unset})")
 
 
+def check_settings() -> None:
+    """Raise MconvError (one sentence naming the variable) if MCONV_COPY_FILE_RANGE or
+    MCONV_WRITEBACK holds anything but 0 or 1 (the command line checks before any work)."""
+    if KERNEL_COPIES is None:
+        raise _bad_setting(SETTING, "1 (copy file to file in the kernel) or 0 (pread/pwrite)",
+                           "1 on machines of fewer than 4 CPUs")
+    if WRITEBACK is None:
+        raise _bad_setting(WRITEBACK_SETTING, "1 (start each write's write-back at once) or 0 (leave it to fsync)",
+                           "1")
+
+
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Start writing bytes [offset, offset + nbytes) of `fd` to disk without waiting (see the module
     docstring); a no-op for ranges under WRITEBACK_BYTES, with MCONV_WRITEBACK=0 and off Linux. Its
     errors are left to the fsync that closes every output file (which reports a failed write-back).
-    Raises MconvError if MCONV_WRITEBACK holds anything but 0 or 1."""
+    Raises MconvError if MCONV_WRITEBACK holds anything but 0 or 1 (`check_settings`)."""
     if WRITEBACK is None:
-        raise _bad_setting(WRITEBACK_SETTING, "1 (start each write's write-back at once) or 0 (leave it to fsync)",
-                           "1")
+        check_settings()
     if WRITEBACK and _sync_file_range is not None and nbytes >= WRITEBACK_BYTES:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # ctypes releases the GIL
 
@@ -72,10 +82,9 @@ def copy_range(source: int, offset: int, dest: int, at: int, nbytes: int) -> boo
     user memory. False where the kernel does not copy between the two files' file systems
     (COPY_REFUSED; remembered per pair of devices, so not tried again) or the input ends early:
     the caller then writes the bytes itself; also False (nothing tried) unless KERNEL_COPIES. Other
-    errors (ENOSPC) are raised."""
+    errors (ENOSPC) are raised; MconvError if MCONV_COPY_FILE_RANGE is bad (`check_settings`)."""
     if KERNEL_COPIES is None:
-        raise _bad_setting(SETTING, "1 (copy file to file in the kernel) or 0 (pread/pwrite)",
-                           "1 on machines of fewer than 4 CPUs")
+        check_settings()
     if not KERNEL_COPIES or not hasattr(os, "copy_file_range"):
         return False
     devices = (os.fstat(source).st_dev, os.fstat(dest).st_dev)

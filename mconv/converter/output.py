@@ -123,6 +123,15 @@ def _make_parents(directory: Path) -> list[Path]:
     return created
 
 
+_finished: set[Path] = set()  # outputs this process has put in place (see `finished`)
+
+
+def finished(out: str | Path) -> bool:
+    """Whether this process has renamed a complete `out` into place (`staged_directory`): an
+    interrupt after that stopped nothing."""
+    return output_path(out) in _finished
+
+
 # Signals whose Python handlers `uninterrupted` holds back (Ctrl-C, and the SIGTERM the CLI and
 # torchrun's agent send): a rename or a clean-up stopped halfway would leave a partial output.
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -189,6 +198,7 @@ def staged_directory(out: str | Path, overwrite: bool, inputs: tuple[str | Path,
             yield staging
             with uninterrupted(deliver=False):
                 commit(staging, out)
+                _finished.add(out)
     except BaseException:
         remove_staging(staging, created)
         raise
