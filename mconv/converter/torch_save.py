@@ -12,7 +12,7 @@ seeking over them (their CRC-32 fields are left 0). `plan_archive` runs it into 
 bytes never exist) and finds each storage's record; the caller then fills every record, from any
 source and window by window, and `ArchiveLayout.set_crc` patches the CRC-32 computed on the way
 (the zip standard's, as torch computes it with zlib; computed here by Intel ISA-L through `isal`, the
-same polynomial about four times faster, releasing the GIL): a file that `torch.load` reads and whose every
+same polynomial three to four times faster, releasing the GIL): a file that `torch.load` reads and whose every
 record checks (`zipfile.ZipFile.testzip`), written without any tensor whole in memory.
 """
 from __future__ import annotations
