@@ -497,6 +497,22 @@ def test_read_only_output_location(tmp_path, monkeypatch):
     assert list((tmp_path / "ro").iterdir()) == []
 
 
+def test_a_location_that_cannot_hold_the_staging_directory_names_the_output(tmp_path, monkeypatch):
+    """A directory the staging sibling cannot be made in (as under /proc: ENOENT naming the sibling
+    mkdtemp tried): the sentence names the output, not mconv's hidden staging path."""
+    import errno
+    import os
+    import tempfile
+
+    def absent(prefix=None, dir=None, **kwargs):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.path.join(dir, prefix + "x1y2z3"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", absent)
+    result = mconv("hf2mcore", TINY, tmp_path / "out")
+    assert_write_refused(result, tmp_path / "out", "No such file or directory")
+    assert "mconv-partial" not in result.output
+
+
 SMALL_FS = """
 set -e
 mount -t tmpfs -o size=300k tmpfs {full}

@@ -83,12 +83,14 @@ def write_failure(error: BaseException, out: Path, staging: Path | None = None) 
     ("unexpected pos")."""
     if isinstance(error, OSError):
         name = Path(os.path.abspath(error.filename)) if isinstance(error.filename, (str, Path)) else None
-        ours = name is not None and any(name == p or name.is_relative_to(p) or p.is_relative_to(name)
-                                        for p in (out, staging) if p is not None)
+        # mconv's own siblings of `out` (the staging directory being made, a replaced output set aside)
+        sibling = name is not None and name.parent == out.parent and name.name.startswith(f".{out.name}.mconv-")
+        ours = sibling or name is not None and any(name == p or name.is_relative_to(p) or p.is_relative_to(name)
+                                                   for p in (out, staging) if p is not None)
         if not ours and error.errno not in WRITE_ERRNOS:
             return None
         cause = os.strerror(error.errno) if error.errno else str(error)
-        staged = staging is not None and name is not None and name.is_relative_to(staging)
+        staged = sibling or staging is not None and name is not None and name.is_relative_to(staging)
         where = f"{name}: " if name is not None and name != out and not staged else ""
         return MconvError(f"cannot write {out}: {where}{cause}; nothing was written")
     if isinstance(error, RuntimeError) and ("unexpected pos" in str(error) or "PytorchStreamWriter" in str(error)):
