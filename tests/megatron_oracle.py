@@ -25,6 +25,7 @@ import json
 import math
 import os
 import socket
+import tempfile
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -186,12 +187,14 @@ def _config_from_args(args: argparse.Namespace):
                         rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling)
 
 
-def _worker(rank: int, run: MegatronRun, port: int, out: Path):
+def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
     warnings.filterwarnings("ignore")
     _cpu_shims()
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=run.world)
+    # A file store, not a TCP port: a port found free can be taken by another test before rank 0
+    # binds it (seen once in CI-like runs: a rank aborted at start-up).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=run.world)
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -291,7 +294,8 @@ def _worker(rank: int, run: MegatronRun, port: int, out: Path):
 def megatron_logits(run: MegatronRun, workdir: Path) -> torch.Tensor:
     """Logits [1, seq, vocab] of megatron-core's forward on the checkpoint (padding rows dropped)."""
     out = Path(workdir) / "megatron_logits.pt"
-    mp.start_processes(_worker, args=(run, _free_port(), out), nprocs=run.world, start_method="spawn")
+    store = Path(tempfile.mkdtemp(dir=workdir)) / "store"
+    mp.start_processes(_worker, args=(run, store, out), nprocs=run.world, start_method="spawn")
     return torch.load(out)[..., : run.hf_config["vocab_size"]]
 
 
