@@ -42,3 +42,24 @@ def load_rank_file(path, map_location=None):
 
     with torch.serialization.safe_globals([(argparse.Namespace, "argparse.Namespace")]):
         return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def hf_tensors(directory) -> dict:
+    """Every tensor of the HF model in `directory`, as safetensors' own reader (`load_file`) gives it."""
+    from safetensors.torch import load_file
+
+    found = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        found.update(load_file(path))
+    return found
+
+
+def assert_hf_bits_equal(expected: dict, directory) -> None:
+    """The HF model in `directory` holds exactly `expected`'s tensors, bit for bit."""
+    import torch
+
+    found = hf_tensors(directory)
+    assert found.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert found[name].dtype == tensor.dtype and found[name].shape == tensor.shape, name
+        assert torch.equal(found[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name

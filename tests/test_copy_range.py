@@ -14,13 +14,12 @@ import zipfile
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mconv import Layout
 from mconv.converter import megatron_io as mio
 from mconv.converter.layout import Rank
 from mconv.converter.pipelines import hf2mcore, mcore2hf
-from tests.conftest import FIXTURES, load_rank_file
+from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors, load_rank_file
 
 pytestmark = pytest.mark.usefixtures("kernel_copies")  # the path under test, whatever the machine's default (file_io)
 TINY, MOE = FIXTURES / "qwen3-tiny", FIXTURES / "qwen3-moe-tiny"
@@ -51,23 +50,8 @@ def _counted(monkeypatch, refused: int | None = None) -> dict[str, int]:
     return counts
 
 
-def _tensors(directory) -> dict[str, torch.Tensor]:
-    found = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        found.update(load_file(path))
-    return found
-
-
 def _header_bytes(directory) -> int:
     return sum(8 + struct.unpack("<Q", path.read_bytes()[:8])[0] for path in directory.glob("*.safetensors"))
-
-
-def _assert_bits_equal(expected: dict[str, torch.Tensor], directory) -> None:
-    found = _tensors(directory)
-    assert found.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert found[name].dtype == tensor.dtype and found[name].shape == tensor.shape, name
-        assert torch.equal(found[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
 
 
 def _export(tmp_path, monkeypatch, name: str, refused: int | None = None, workers: int = 1) -> dict[str, int]:
@@ -83,13 +67,13 @@ def test_tp1_tensor_bytes_go_file_to_file(tmp_path, monkeypatch, fixture, fmt):
     """At TP1 (and every torch_dist checkpoint, read as TP1) each tensor byte is copied in the kernel
     (fused QKV and GLU pieces included); only the safetensors headers go through memory. Forced to
     fall back (EXDEV), every byte goes through memory instead and the files are the same."""
-    expected = _tensors(fixture)
+    expected = hf_tensors(fixture)
     tensor_bytes = sum(t.nbytes for t in expected.values())
     hf2mcore(fixture, tmp_path / "m", Layout(), fmt=fmt, progress=False)
     for name, workers in (("hf", 1), ("hf-threads", 2)):
         counts = _export(tmp_path, monkeypatch, name, workers=workers)
         assert counts == {"kernel": tensor_bytes, "memory": _header_bytes(tmp_path / name)}, name
-        _assert_bits_equal(expected, tmp_path / name)
+        assert_hf_bits_equal(expected, tmp_path / name)
     counts = _export(tmp_path, monkeypatch, "fallback", errno.EXDEV)
     assert counts == {"kernel": 0, "memory": tensor_bytes + _header_bytes(tmp_path / "fallback")}
     for path in (tmp_path / "hf").iterdir():
@@ -102,7 +86,7 @@ def test_every_refusal_falls_back(tmp_path, monkeypatch, refused):
     hf2mcore(TINY, tmp_path / "m", Layout(), fmt="torch", progress=False)
     counts = _export(tmp_path, monkeypatch, "hf", refused)
     assert counts["kernel"] == 0
-    _assert_bits_equal(_tensors(TINY), tmp_path / "hf")
+    assert_hf_bits_equal(hf_tensors(TINY), tmp_path / "hf")
 
 
 @pytest.mark.parametrize("fixture, layout", [(TINY, Layout(tp=2)), (MOE, Layout(tp=2, ep=2))],
@@ -111,13 +95,13 @@ def test_whole_rows_of_tp_shards_go_file_to_file(tmp_path, monkeypatch, fixture,
     """Legacy TP shards: pieces that are whole rows of one rank's tensor (column, vocabulary, QKV, GLU,
     experts) are copied in the kernel, the rest (row-parallel shards, merged along dim 1) through
     memory; every tensor byte is written exactly once."""
-    expected = _tensors(fixture)
+    expected = hf_tensors(fixture)
     tensor_bytes = sum(t.nbytes for t in expected.values())
     hf2mcore(fixture, tmp_path / "m", layout, fmt="torch", progress=False)
     counts = _export(tmp_path, monkeypatch, "hf")
     assert tensor_bytes // 2 < counts["kernel"] < tensor_bytes
     assert counts["kernel"] + counts["memory"] == tensor_bytes + _header_bytes(tmp_path / "hf")
-    _assert_bits_equal(expected, tmp_path / "hf")
+    assert_hf_bits_equal(expected, tmp_path / "hf")
 
 
 def _damaged(case: str, monkeypatch, rank_files) -> None:
@@ -140,7 +124,7 @@ def test_legacy_offsets_that_do_not_check_out_are_read_through_the_mapping(tmp_p
     _damaged(case, monkeypatch, sorted((tmp_path / "m").glob(f"release/mp_rank_*/{mio.RANK_FILE}")))
     counts = _export(tmp_path, monkeypatch, "hf")
     assert counts["kernel"] == 0
-    _assert_bits_equal(_tensors(TINY), tmp_path / "hf")
+    assert_hf_bits_equal(hf_tensors(TINY), tmp_path / "hf")
 
 
 def test_rank_file_offsets_agree_with_zipfile(tmp_path):
