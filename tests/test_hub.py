@@ -9,6 +9,7 @@ import filecmp
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,38 @@ def test_environment_variables_as_users_set_them(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mconv.cli", "inspect", "tiny-org/absent"], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 1 and str(home / "hub") in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_remote_code_is_fetched_when_auto_map_names_it(hub, tmp_path, monkeypatch):
+    """A hub model with remote code: what the allow patterns mconv gives snapshot_download select
+    (huggingface_hub's own filter_repo_objects over the repository's files) includes the modules
+    auto_map names and what they import, and nothing else of the code; mcore2hf --hf-config NAME
+    then carries it into the output."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from mconv.converter.hub import resolve_model
+    from tests.test_remote_code import CODE, with_remote_code
+
+    snapshot = add_snapshot(hub, "tiny-org/bailing", with_remote_code(tmp_path), "c" * 40, "main")
+    patterns, real = [], huggingface_hub.snapshot_download
+
+    def recording(*args, allow_patterns=None, **kwargs):
+        patterns.append(allow_patterns)
+        return real(*args, allow_patterns=allow_patterns, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recording)
+    files = [p.name for p in snapshot.iterdir()]
+    for weights in (False, True):
+        patterns.clear()
+        assert resolve_model("tiny-org/bailing", weights=weights, progress=False) == snapshot
+        fetched = {name for allow in patterns for name in filter_repo_objects(files, allow_patterns=allow)}
+        assert {name for name in fetched if name.endswith(".py")} == set(CODE)
+        assert ("model.safetensors" in fetched) == weights
+    ckpt = tmp_path / "ckpt"
+    assert mconv("hf2mcore", snapshot, ckpt, "-q").exit_code == 0
+    shutil.rmtree(ckpt / "hf_config")
+    (ckpt / "mconv.json").unlink()
+    result = mconv("mcore2hf", ckpt, tmp_path / "back", "--hf-config", "tiny-org/bailing", "-q")
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in (tmp_path / "back").glob("*.py")} == set(CODE)

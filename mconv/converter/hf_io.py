@@ -13,6 +13,7 @@ import torch
 
 from mconv.converter import file_io
 from mconv.converter.output import copy_file
+from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -658,9 +659,10 @@ class StagedBatch:
 
 
 def copy_side_files(source: Path, destination: Path) -> list[str]:
-    """Copy config, generation config and tokenizer files; returns the names copied."""
+    """Copy config, generation config and tokenizer files, and the remote code their `auto_map`
+    names (remote_code.remote_code_files: never imported here); returns the names copied."""
     copied = []
-    for name in SIDE_FILES:
+    for name in SIDE_FILES + tuple(remote_code_files(source, SIDE_FILES)):
         if (Path(source) / name).is_file():
             copy_file(Path(source) / name, Path(destination) / name)
             copied.append(name)

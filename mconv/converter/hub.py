@@ -5,18 +5,25 @@ an existing local directory always wins; otherwise the name is a hub repository 
 `huggingface_hub.snapshot_download` returns its snapshot in the hub cache (`HF_HUB_CACHE`,
 by default `$HF_HOME/hub`, laid out as `models--ORG--NAME/{blobs,refs,snapshots/COMMIT}`),
 downloading what is missing unless `HF_HUB_OFFLINE=1`, with huggingface_hub's own progress bars
-and token. Only the files mconv reads are fetched: safetensors weights and their index (when
-weights are needed), JSON configs and tokenizer files.
+and token. Only the files mconv reads or carries are fetched: safetensors weights and their index
+(when weights are needed), JSON configs, tokenizer files, and the remote code (`*.py`) the configs'
+`auto_map` names (see remote_code).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
 
 # What transformers reads of a model besides its weights: configs, tokenizer, chat template.
 CONFIG_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "merges.txt", "*.tiktoken"]
 WEIGHT_PATTERNS = ["*.safetensors"]
+
+
+def _remote_code(folder: Path) -> list[str]:
+    """The remote-code files the snapshot's JSON configs name (remote_code.remote_code_files)."""
+    return remote_code_files(folder, tuple(p.name for p in folder.glob("*.json")))
 
 
 def _looks_like_path(text: str) -> bool:
@@ -52,8 +59,15 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
         disable_progress_bars()
     try:
         # Offline, transformers asks for local files only (a commit hash would otherwise still be fetched).
-        folder = snapshot_download(text, revision=revision, local_files_only=constants.HF_HUB_OFFLINE,
-                                   allow_patterns=CONFIG_PATTERNS + (WEIGHT_PATTERNS if weights else []))
+        folder = Path(snapshot_download(text, revision=revision, local_files_only=constants.HF_HUB_OFFLINE,
+                                        allow_patterns=CONFIG_PATTERNS + (WEIGHT_PATTERNS if weights else [])))
+        # The remote code the configs name, and what it imports, are known only once they are here:
+        # fetched from the same commit until the files named stop growing (remote_code_files).
+        fetched: list[str] = []
+        while (code := _remote_code(folder)) != fetched:
+            snapshot_download(text, revision=folder.name, local_files_only=constants.HF_HUB_OFFLINE,
+                              allow_patterns=code)
+            fetched = code
     except HFValidationError:
         raise MconvError(f"{text} is not a directory, nor a hub model name such as Qwen/Qwen3-8B") from None
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:  # GatedRepoError is a RepositoryNotFoundError
@@ -71,7 +85,6 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
     finally:
         if quiet:
             enable_progress_bars()
-    folder = Path(folder)
     if weights and not any(folder.glob("*.safetensors")):
         raise MconvError(f"{text}{at} (in {folder}) has no safetensors weights; mconv reads only safetensors")
     return folder
