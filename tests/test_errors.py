@@ -109,7 +109,7 @@ def test_unsupported_architecture(tmp_path):
     (["--tp", "4"], "num_key_value_heads (query groups)=2 is not divisible by --tp 4"),
     (["--pp", "3"], "4 layers cannot be split evenly over 3 pipeline stages"),
     (["--pp", "2", "--vpp", "4"], "not divisible by --vpp 4"),
-    (["--pp", "2", "--first-stage-layers", "4"], "leave 0 of 4 layers"),
+    (["--pp", "2", "--first-stage-layers", "4"], "all 4 layers of the model on the first/last pipeline stages"),
     (["--tp", str(10**20)], "tp is 100000000000000000000, not a size"),
 ])
 def test_layout_does_not_fit(tmp_path, options, fragment):

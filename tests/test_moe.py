@@ -139,7 +139,7 @@ def test_layout_string_conversion_matches_flags(tmp_path):
 @pytest.mark.parametrize("options,fragment", [
     (["--ep", "3"], "8 experts are not divisible by --ep 3"),
     (["--tp", "2", "--etp", "2", "--ep", "2"], None),
-    (["--tp", "1", "--etp", "2"], "--etp 2 does not divide --tp 1"),
+    (["--tp", "1", "--etp", "2", "--format", "torch"], "--etp 2 does not divide --tp 1: Megatron-LM's legacy format"),
     (["--layout", "attn:d1p2t2|ffn:d1p4t1e2"], "attention pp 2 and expert pp 4 must agree"),
     (["--layout", "attn:d1p1t2|ffn:d1p1t1e4"], "uses 2 processes and the expert part 4"),
     (["--layout", "attn:d1p1t2x3"], "sizes d, p, t, c"),
@@ -159,11 +159,31 @@ def test_etp_must_divide_expert_mlp(tmp_path):
                    tmp_path / "out", "moe_intermediate_size=25", "--etp 2")
 
 
-@pytest.mark.parametrize("option", ["--ep", "--etp"])
-def test_ep_on_dense_model_is_refused(tmp_path, option):
-    """Named for what it is (not as a broken ETP/TP rule, which --etp 2 at TP1 would also break)."""
-    assert_refused(mconv("hf2mcore", FIXTURES / "qwen3-tiny", tmp_path / "out", option, "2"), tmp_path / "out",
-                   "need a model with experts")
+@pytest.mark.parametrize("options", [["--ep", "2"], ["--etp", "2"], ["--layout", "attn:d1p1t2|ffn:d1p1t1e2"],
+                                     ["--layout", "attn:d2p1t2|ffn:d1p1t4e1"]])
+def test_ep_on_dense_model_is_refused(tmp_path, options):
+    """Named for what it is (not as a broken ETP/TP rule, which --etp 2 at TP1 would also break),
+    with the values and both ways of giving them (flags or --layout's ffn part)."""
+    assert_refused(mconv("hf2mcore", FIXTURES / "qwen3-tiny", tmp_path / "out", *options), tmp_path / "out",
+                   "the model has no experts, so the expert layout EP", "--layout's ffn part")
+
+
+@pytest.mark.parametrize("layout,files", [("d1p1t2", 2), ("attn:d1p2t2|ffn:d1p2t2e1", 4), ("attn:d2p1t2|ffn:d4p1t1e1", 2)])
+def test_a_dense_model_takes_a_layout_whose_ffn_part_follows_attention(tmp_path, layout, files):
+    """--layout 'd1p1t2' makes the ffn part t2 as well; for a dense model that is its MLP's TP."""
+    result = mconv("hf2mcore", FIXTURES / "qwen3-tiny", tmp_path / "out", "--layout", layout, "--format", "torch", "-q")
+    assert result.exit_code == 0, result.output
+    assert len(list((tmp_path / "out" / "release").iterdir())) == files
+
+
+def test_torch_dist_takes_an_etp_that_does_not_divide_tp(tmp_path):
+    """megatron-core's expert grid is its own (parallel_state: only the world size must divide):
+    the legacy format's tp % etp rule does not apply to torch_dist, which stores global tensors."""
+    from tests.conftest import assert_hf_bits_equal, hf_tensors
+
+    assert mconv("hf2mcore", MOE, tmp_path / "ckpt", "--tp", "1", "--etp", "2", "-q").exit_code == 0
+    assert mconv("mcore2hf", tmp_path / "ckpt", tmp_path / "back", "-q").exit_code == 0
+    assert_hf_bits_equal(hf_tensors(MOE), tmp_path / "back")
 
 
 def test_checkpoint_missing_one_expert(tmp_path):

@@ -8,6 +8,11 @@ from typing import Iterator
 from mconv.errors import MconvError
 
 
+def count(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless n is one: `1 layer`, `2 layers`, `0 layers`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 @dataclass(frozen=True)
 class Rank:
     """One legacy-format rank file: the tensor, pipeline and expert parallel ranks of the process
@@ -51,8 +56,10 @@ class Layout:
             text += f" VPP{self.vpp}"
         if self.ep > 1 or self.etp > 1:
             text += f" EP{self.ep} ETP{self.etp}"
-        if self.first_stage_layers is not None or self.last_stage_layers is not None:
-            text += f" (first stage {self.first_stage_layers}, last stage {self.last_stage_layers} layers)"
+        stages = [f"{which} stage {count(n, 'layer')}" for which, n in (("first", self.first_stage_layers),
+                                                                        ("last", self.last_stage_layers)) if n is not None]
+        if stages:
+            text += f" ({', '.join(stages)})"
         return text
 
     def ranks(self) -> Iterator[Rank]:
@@ -83,11 +90,15 @@ class Layout:
             if value < 1:
                 raise MconvError(f"{option} must be a positive integer, got {value}")
 
+    def check_legacy(self) -> None:
+        """The legacy (`torch`) format's own rule; megatron-core and torch_dist take any ETP."""
+        if self.tp % self.etp:
+            raise MconvError(f"--etp {self.etp} does not divide --tp {self.tp}: Megatron-LM's legacy format (--format "
+                             "torch) keeps one expert shard per (tp, ep) rank file, which needs tp % etp == 0; "
+                             "--format torch_dist takes any --etp")
+
     def validate(self, num_layers: int) -> None:
         self.check_sizes()
-        if self.tp % self.etp:
-            raise MconvError(f"--etp {self.etp} does not divide --tp {self.tp}: Megatron-LM's legacy format keeps "
-                             "one expert shard per (tp, ep) rank file, which needs tp % etp == 0")
         if self.vpp > 1 and self.pp == 1:
             raise MconvError("--vpp needs --pp > 1: virtual pipeline chunks interleave pipeline stages")
         if self.pp == 1 and (self.first_stage_layers is not None or self.last_stage_layers is not None):
@@ -104,24 +115,28 @@ class Layout:
         remaining = num_layers - sum(fixed.values())
         if any(n < 1 for n in fixed.values()):
             raise MconvError("--first-stage-layers/--last-stage-layers must be at least 1")
-        if remaining < 0 or (middle and remaining == 0):
-            raise MconvError(f"the first/last stage layer counts leave {remaining} of {num_layers} layers "
-                             f"for {len(middle)} middle pipeline stage(s)")
+        given = " and ".join(f"--{'first' if stage == 0 else 'last'}-stage-layers {n}" for stage, n in fixed.items())
+        if remaining < 0:
+            raise MconvError(f"{given}: {count(sum(fixed.values()), 'layer')} on the first/last pipeline stages, "
+                             f"more than the model's {num_layers}")
+        if middle and remaining == 0:
+            raise MconvError(f"{given}: all {count(num_layers, 'layer')} of the model on the first/last pipeline "
+                             f"stages, none left for the {count(len(middle), 'other stage')} of --pp {self.pp}")
         if middle and remaining % len(middle):
-            raise MconvError(f"{remaining} layers cannot be split evenly over {len(middle)} pipeline stages "
-                             f"(num_layers={num_layers}, --pp {self.pp})")
+            raise MconvError(f"{count(remaining, 'layer')} cannot be split evenly over "
+                             f"{count(len(middle), 'pipeline stage')} (num_layers={num_layers}, --pp {self.pp})")
         if not middle and self.vpp > 1:
             # get_transformer_layer_offset divides by the number of middle stages under VPP
             # (ZeroDivisionError in megatron-core 0.19.2), so no trainer can build this layout.
             raise MconvError(f"--vpp with both --first-stage-layers and --last-stage-layers needs a middle "
                              f"pipeline stage (--pp 3 or more, got --pp {self.pp}): megatron-core cannot place it")
         if not middle and remaining:
-            raise MconvError(f"the first and last stages hold {sum(fixed.values())} layers, "
+            raise MconvError(f"the first and last stages hold {count(sum(fixed.values()), 'layer')}, "
                              f"but the model has {num_layers}")
         counts = [fixed.get(s, remaining // len(middle) if middle else 0) for s in range(self.pp)]
-        for stage, count in enumerate(counts):
-            if count % self.vpp:
-                raise MconvError(f"pipeline stage {stage} holds {count} layers, "
+        for stage, layers in enumerate(counts):
+            if layers % self.vpp:
+                raise MconvError(f"pipeline stage {stage} holds {count(layers, 'layer')}, "
                                  f"not divisible by --vpp {self.vpp}")
         return counts
 

@@ -280,6 +280,8 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         raise MconvError("--format torch_dist is written in megatron-core's local-spec layout; the extra "
                          "_extra_state objects a Transformer Engine model also asks for cannot be derived "
                          "without Transformer Engine. Use --spec local (same tensor keys) or --format torch")
+    if fmt == "torch":
+        layout.check_legacy()
     hf_dir = resolve_model(hf_dir, revision, progress=progress)
     refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
     ckpt = HFCheckpoint(hf_dir)

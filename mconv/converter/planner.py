@@ -121,8 +121,11 @@ def _shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
 
 def validate_layout(dims: SimpleNamespace, layout: Layout, arch_check=None) -> None:
     experts = getattr(dims, "experts", 0)
-    if not experts and (layout.ep > 1 or layout.etp > 1):  # before the layout's own ETP rules
-        raise MconvError("--ep/--etp need a model with experts")
+    # A dense model's MLP is split as attention is: an expert layout of EP 1 and ETP 1 or TP (the
+    # ffn part of --layout, which defaults to the attention part) says nothing more.
+    if not experts and (layout.ep > 1 or layout.etp not in (1, layout.tp)):
+        raise MconvError(f"the model has no experts, so the expert layout EP {layout.ep} ETP {layout.etp} (--ep/--etp, "
+                         "or e and t of --layout's ffn part) does not apply: leave them out")
     layout.validate(dims.layers)
     for what, value in (("num_attention_heads", getattr(dims, "heads", None)),
                         ("num_key_value_heads (query groups)", getattr(dims, "groups", None))):
