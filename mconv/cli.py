@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import resource
 import signal
 import sys
@@ -13,26 +11,25 @@ import time
 
 import click
 
-from mconv.converter.layout import Layout, parse_layout_string
-from mconv.converter.options import FORMATS, SPECS
+from mconv.converter.layout import Layout, count, parse_layout_string
+from mconv.converter.options import FORMATS, SPECS, parse_size
+from mconv import __version__
 from mconv.errors import MconvError
 
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
 class Size(click.ParamType):
-    """A byte size such as 3GB, 500MB or 1GiB (click names the option in its error)."""
+    """A byte size as transformers reads max_shard_size: 3GB, 500MB, 1GiB (`options.parse_size`;
+    click names the option in its error)."""
 
     name = "size"
 
     def convert(self, value, param, ctx) -> int:
         if isinstance(value, int):
             return value
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-        if not match or match.group(2).upper() not in SIZE_UNITS:
-            self.fail(f"{value!r} is not a size such as 3GB, 500MB or 1GiB", param, ctx)
-        size = int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+        try:
+            size = parse_size(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a size such as 3GB, 500MB or 1GiB (read as transformers reads "
+                      "max_shard_size: a lower-case final b means bits)", param, ctx)
         if size < 1:
             self.fail(f"{value!r} is not a positive size", param, ctx)
         return size
@@ -68,7 +65,12 @@ WORKERS_HELP = ("Threads that convert disjoint tensors of the output (default: h
 
 
 def report(summary, started: float, as_json: bool, text: str) -> None:
-    """The closing line, or a JSON summary for scripts (tensors, bytes, seconds, peak RSS)."""
+    """The closing line, or a JSON summary for scripts (tensors, bytes, seconds, peak RSS); under
+    torchrun from rank 0 only, which speaks for the job."""
+    from mconv.converter.parallel import torchrun_rank
+
+    if torchrun_rank()[0]:
+        return
     if as_json:
         peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                    resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
@@ -84,7 +86,11 @@ def one_line(message: str) -> str:
 
 
 def fail(message: str):
-    click.echo(one_line(message), err=True)
+    """Print the error (under torchrun: once for the job, see parallel.speaks_for_itself); exit 1."""
+    from mconv.converter.parallel import speaks_for_itself
+
+    if speaks_for_itself(one_line(message)):
+        click.echo(one_line(message), err=True)
     sys.exit(1)
 
 
@@ -171,8 +177,11 @@ class UsageLine(click.ClickException):
         self.command = error.ctx.command_path if error.ctx else None
 
     def show(self, file=None) -> None:
+        from mconv.converter.parallel import speaks_for_itself
+
         see = f" (see '{self.command} --help')" if self.command else ""
-        click.echo(one_line(self.format_message() + see), err=True)
+        if speaks_for_itself(one_line(self.format_message() + see)):
+            click.echo(one_line(self.format_message() + see), err=True)
 
 
 class Group(click.Group):
@@ -212,7 +221,7 @@ class Group(click.Group):
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="mconv")
+@click.version_option(__version__, prog_name="mconv", message="%(prog)s %(version)s")
 def main():
     """Convert model weights between Hugging Face and Megatron-Core, exactly.
 
@@ -293,6 +302,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
         sizes = run(lambda: parse_layout_string(layout_string))
     layout = run(lambda: Layout(vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
                                 vocab_divisor=vocab_divisor, **sizes))
+    from mconv.converter.parallel import torchrun_rank
     from mconv.converter.pipelines import hf2mcore  # imports torch: not needed for --help
 
     started = time.perf_counter()
@@ -300,13 +310,13 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                                    overwrite=overwrite, dry_run=dry_run, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), revision=revision))
     plan = summary.plan
-    for note in summary.notes if not quiet else ():
+    for note in summary.notes if not quiet and not torchrun_rank()[0] else ():
         click.echo(f"mconv: note: {note}", err=True)
     header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
               f"padded vocab {plan.padded_vocab}")
     if dry_run and as_json:
         click.echo(json.dumps({"tensors": summary.tensors, "bytes": summary.bytes, "files": summary.files,
-                               "plan": summary.lines}))
+                               "plan": summary.files_plan}))
     elif dry_run:
         click.echo(f"plan for {out_dir} ({header})")
         for line in summary.lines:
@@ -353,7 +363,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
                                    workers=workers or default_workers(), dtype=torch_dtype(dtype),
                                    revision=revision, expert_orientation=expert_orientation))
     if not quiet or as_json:
-        report(summary, started, as_json, f"wrote {out_dir}: {summary.files} safetensors shard(s), "
+        report(summary, started, as_json, f"wrote {out_dir}: {count(summary.files, 'safetensors shard')}, "
                                           f"{summary.tensors} tensors, {summary.bytes:,} bytes ({summary.plan.arch.name})")
 
 
@@ -380,22 +390,23 @@ def inspect_command(path, hf_config, revision, as_json, quiet):
         click.echo(line)
 
 
-@main.command("verify", short_help="Are two HF models bit-identical?")
+@main.command("verify", short_help="Are two HF models (or PEFT adapters) bit-identical?")
 @click.argument("first", type=click.Path(file_okay=False))
 @click.argument("second", type=click.Path(file_okay=False))
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def verify_command(first, second, quiet):
     """Check that two HF model directories hold the same tensors, bit for bit (names, dtypes,
-    shapes and bytes; shard layout may differ). Exit status 1 if they differ."""
+    shapes and bytes; shard layout may differ), or two PEFT adapters the same tensors and
+    adapter settings (r, alpha, target modules...). Exit status 1 if they differ (with -q: one line)."""
     from mconv.converter.pipelines import compare_hf
 
     tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=show_progress(quiet)))
     if differences:
-        for line in differences[:20]:
+        for line in differences[:20] if not quiet else ():
             click.echo(f"  {line}", err=True)
-        more = f" (first 20 of {len(differences)})" if len(differences) > 20 else ""
-        click.echo(f"mconv: error: {first} and {second} differ{more}", err=True)
-        sys.exit(1)
+        more = f" (first 20 of {len(differences)})" if len(differences) > 20 and not quiet else ""
+        fail(f"{first} and {second} differ{more}" if not quiet else
+             f"{first} and {second} differ ({count(len(differences), 'difference')}; the first: {differences[0]})")
     if not quiet:
         click.echo(f"identical: {tensors} tensors, {nbytes:,} bytes, bit for bit")
 
@@ -450,8 +461,6 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     for name, why in (("dtype", "an adapter keeps the dtype it was trained in"), ("max_shard_size", "an adapter is one file")):
         if not merge and ctx.get_parameter_source(name).name != "DEFAULT":
             fail(f"--{name.replace('_', '-')} applies only with --merge ({why})")
-    if alpha is not None and not math.isfinite(alpha):
-        fail(f"--alpha must be a finite number, got {alpha}")
     from mconv.converter.lora import export_lora
 
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
@@ -473,7 +482,7 @@ def entry() -> None:
     CliRunner), `main` leaves the caller's signal handlers as they were."""
     global _program
     _program = True
-    main()
+    main(prog_name="mconv")  # however started: `mconv` in usage lines, _MCONV_COMPLETE for shell completion
 
 
 if __name__ == "__main__":

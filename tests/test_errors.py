@@ -215,7 +215,7 @@ def test_inputs_are_not_modified(tmp_path):
 @pytest.mark.parametrize("args,fragment", [
     (["hf2mcore", TINY / "config.json", "out"], "Invalid value for 'HF_DIR|HUB_NAME': Directory"),
     (["mcore2hf", "ckpt", "out", "--max-shard-size", "3XB"], "'--max-shard-size': '3XB' is not a size"),
-    (["mcore2hf", "ckpt", "out", "--max-shard-size", "0"], "'--max-shard-size': '0' is not a positive size"),
+    (["mcore2hf", "ckpt", "out", "--max-shard-size", "0GB"], "'--max-shard-size': '0GB' is not a positive size"),
     (["hf2mcore", TINY, "out", "--tpp", "2"], "No such option '--tpp'"),
     (["hf2mcore", TINY, "out", "--tp", "two"], "'--tp': 'two' is not a valid integer"),
     (["hf2mcore", TINY], "Missing argument 'OUT_DIR'"),
@@ -820,7 +820,7 @@ def test_quiet_means_the_same_for_every_command(tmp_path):
     assert mconv("inspect", tmp_path / "m", "-q").stdout.startswith(f"{tmp_path / 'm'}: Megatron checkpoint")
     assert "total: " in mconv("hf2mcore", TINY, tmp_path / "plan", "--dry-run", "-q").stdout
     plan = json.loads(mconv("hf2mcore", TINY, tmp_path / "plan", "--dry-run", "--json", "--tp", 2, "--format", "torch").stdout)
-    assert plan["files"] == 2 and plan["plan"][0].startswith("mp_rank_00: 1 chunk(s)")
+    assert plan["files"] == 2 and plan["plan"][0]["file"] == "mp_rank_00" and plan["plan"][0]["chunks"] == 1
     assert json.loads(mconv("mcore2hf", tmp_path / "m", tmp_path / "back2", "--json", "-q").stdout)["tensors"] > 0
     for args in quiet_runs[:2] + quiet_runs[3:]:  # errors are still printed: every output exists now
         result = mconv(*args, "-q")
@@ -910,7 +910,8 @@ def _live_save_worker(rank, run, where: Path):
 @pytest.mark.parametrize("case", ["checkpoint as HF input", "iteration dir as HF input", "output under a file",
                                   "dry run, output under a file", "hf-config without config.json", "neither",
                                   "lora dtype without merge", "lora shard size without merge", "lora alpha nan",
-                                  "output is the root", "inspect an HF model with --hf-config"])
+                                  "lora alpha 0", "lora alpha negative", "revision of a local directory",
+                                  "revision with no hub name", "output is the root", "inspect an HF model with --hf-config"])
 def test_a_new_users_mistakes_are_one_line(tmp_path, case):
     """Each mistake: exit status 1, one line saying what is wrong (not a raw OSError naming a staging
     directory, not a missing config.json of the wrong thing), nothing written."""
@@ -931,7 +932,14 @@ def test_a_new_users_mistakes_are_one_line(tmp_path, case):
                                      "--dtype applies only with --merge"),
         "lora shard size without merge": (["export-lora", tmp_path / "m", out, "--max-shard-size", "1GB"],
                                           "--max-shard-size applies only with --merge"),
-        "lora alpha nan": (["export-lora", tmp_path / "m", out, "--alpha", "nan"], "--alpha must be a finite number"),
+        "lora alpha nan": (["export-lora", tmp_path / "m", out, "--alpha", "nan"], "--alpha must be a positive number"),
+        "lora alpha 0": (["export-lora", tmp_path / "m", out, "--alpha", "0"], "--alpha must be a positive number"),
+        "lora alpha negative": (["export-lora", tmp_path / "m", out, "--alpha", "-2"],
+                                "--alpha must be a positive number (scale = alpha / r), got -2"),
+        "revision of a local directory": (["hf2mcore", TINY, out, "--revision", "main"],
+                                          f"{TINY} is a local directory; a revision applies only to hub model names"),
+        "revision with no hub name": (["mcore2hf", tmp_path / "m", out, "--revision", "main"],
+                                      "a revision applies only to hub model names, and no hub name was given"),
         "output is the root": (["hf2mcore", TINY, "/", "--overwrite"], "output / overlaps the input"),
         "inspect an HF model with --hf-config": (["inspect", TINY, "--hf-config", FIXTURES / "qwen3-moe-tiny"],
                                                  "is an HF model, which has its own config.json; --hf-config is for"),

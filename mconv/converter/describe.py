@@ -13,8 +13,10 @@ from argparse import Namespace
 from pathlib import Path
 
 from mconv.converter import megatron_io as mio
+from mconv.converter.adapter_dir import describe_adapter, is_adapter, render_adapter
 from mconv.converter.hf_io import HFCheckpoint
-from mconv.converter.hub import resolve_model
+from mconv.converter.hub import check_revision, resolve_model
+from mconv.converter.layout import count
 from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
@@ -153,6 +155,16 @@ def _model(args: dict, name: str | None) -> dict:
     return {k: _plain(v) for k, v in model.items() if v is not None}
 
 
+# Attention kinds of hybrid models (BailingMoeV3: KDA linear attention, MLA every layer_group_size
+# layers), as the architecture's dims list them by layer.
+ATTENTION_KINDS = (("kda_layers", "KDA (linear attention)"), ("mla_layers", "MLA"))
+
+
+def _attention_layers(dims) -> dict:
+    """{"kda_layers": [...], "mla_layers": [...]} for a model whose layers differ in attention kind."""
+    return {key: sorted(getattr(dims, key)) for key, _ in ATTENTION_KINDS if getattr(dims, key, None) is not None}
+
+
 def _sizes(dtypes: dict) -> dict:
     return {"tensors": sum(n for n, _ in dtypes.values()), "bytes": sum(b for _, b in dtypes.values())}
 
@@ -173,7 +185,7 @@ def _describe_hf(path: Path, shown: str) -> dict:
     for info in ckpt.tensors.values():
         _count(dtypes, info.dtype, info.nbytes)
     ckpt.close()
-    return {"kind": "huggingface", "path": shown, "model": _model(args, arch.name),
+    return {"kind": "huggingface", "path": shown, "model": {**_model(args, arch.name), **_attention_layers(dims)},
             "dtypes": {k: {"tensors": n, "bytes": b} for k, (n, b) in dtypes.items()},
             "size": {**_sizes(dtypes), "files": len({i.file for i in ckpt.tensors.values()})},
             "trainer_flags": trainer_flags(args, layout=False),
@@ -182,15 +194,20 @@ def _describe_hf(path: Path, shown: str) -> dict:
 
 def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision: str | None = None,
                  progress: bool = True) -> dict:
-    """Describe an HF model (a directory or a hub name at `revision`) or a Megatron checkpoint
-    (legacy `torch` or `torch_dist`, from mconv or any other tool). Returns a JSON-ready dict of
-    groups: `checkpoint` (format, iteration, writer, files), `model` (architecture, from the HF
+    """Describe an HF model (a directory or a hub name at `revision`), a Megatron checkpoint
+    (legacy `torch` or `torch_dist`, from mconv or any other tool) or a local PEFT adapter directory
+    (adapter_dir.describe_adapter). Returns a JSON-ready dict of groups: `checkpoint` (format, iteration, writer, files), `model` (architecture, from the HF
     config and the saved args), `layout`, `dtypes` ({dtype: {tensors, bytes}}), `size`
     (`tensors` counted as hf2mcore counts them, `stored tensors` for torch_dist's stacked keys)
     and `trainer flags` (the Megatron-LM flags the training job must pass). `hf_config` (a
     directory or hub name) names the HF model of a checkpoint that stores none; `progress` shows
     huggingface_hub's download bars for a hub name. Raises MconvError for what is neither."""
     local = Path(path)
+    if is_adapter(local):
+        if hf_config or revision:
+            raise MconvError(f"{path} is a PEFT adapter, described by its own adapter_config.json; --hf-config and "
+                             "--revision do not apply")
+        return describe_adapter(local)
     if not local.is_dir() or ((local / "config.json").is_file() and not (local / mio.TRACKER).is_file()):
         if hf_config:
             raise MconvError(f"{path} is an HF model, which has its own config.json; --hf-config is for Megatron "
@@ -200,6 +217,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
         raise MconvError(f"{path} is neither an HF model (no config.json) nor a Megatron checkpoint (no "
                          f"{mio.TRACKER}, not an iter_*/release directory)")
     location = mio.locate(local)
+    check_revision(revision, hf_config)
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     dist = location.format == "torch_dist"
@@ -241,7 +259,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     else:
         info["note"] = ("no HF config stored in the checkpoint: the architecture is not checked; pass "
                         "--hf-config (a directory or hub name) to check it and to convert it")
-    info["model"] = _model(args, name)
+    info["model"] = {**_model(args, name), **(_attention_layers(ckpt.plan.dims) if name else {})}
     if dist:
         short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
                  "expert_model_parallel_size": "EP", "expert_tensor_parallel_size": "ETP"}
@@ -265,6 +283,8 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
 
 def render(info: dict) -> list[str]:
     """The text `mconv inspect` prints: one line per group, most wanted first."""
+    if info["kind"] == "peft_adapter":
+        return render_adapter(info)
     lines = []
     if info["kind"] == "huggingface":
         lines.append(f"{info['path']}: Hugging Face model")
@@ -276,8 +296,11 @@ def render(info: dict) -> list[str]:
     m = dict(info["model"])
     text = f"{m.pop('name')}: " + ", ".join(f"{k.replace('_', ' ')} {_text(v)}" for k, v in m.items()
                                              if k not in ("router", "expert_modules", "moe_layers", "experts",
-                                                          "top_k", "expert_ffn"))
+                                                          "top_k", "expert_ffn", *dict(ATTENTION_KINDS)))
     lines.append(("model", text))
+    kinds = [f"{label} {_text(m[key])}" for key, label in ATTENTION_KINDS if key in m]
+    if kinds:
+        lines.append(("layers", "; ".join(kinds)))
     if "experts" in m:
         lines.append(("experts", f"{m['experts']} experts, top {m['top_k']}, expert ffn {m['expert_ffn']}, "
                                  f"MoE layers {_text(m['moe_layers'])}, router {m['router']}"
@@ -293,7 +316,7 @@ def render(info: dict) -> list[str]:
                                       for d, v in info["dtypes"].items())))
     s = info["size"]
     stored = f" (stored as {s['stored_tensors']} torch_dist tensors)" if "stored_tensors" in s else ""
-    lines.append(("size", f"{s['tensors']} tensors{stored}, {s['bytes']:,} bytes, {s['files']} file(s)"))
+    lines.append(("size", f"{s['tensors']} tensors{stored}, {s['bytes']:,} bytes, {count(s['files'], 'file')}"))
     lines.append(("trainer", shell_line(info["trainer_flags"])))
     if info.get("other_settings"):
         lines.append(("also", "model settings beyond these flags: " + ", ".join(

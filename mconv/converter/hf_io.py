@@ -691,3 +691,13 @@ def write_config_dtype(directory: Path, entries: list[tuple[str, torch.dtype, tu
         return  # already right: keep the file as it was
     config[key] = str(dtype).removeprefix("torch.")
     path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def tensor_difference(name: str, x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """How two tensors of one name differ (dtype and shape, else bytes), or None if bit-identical."""
+    if x.dtype != y.dtype or x.shape != y.shape:
+        a, b = (f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in (x, y))
+        return f"{name}: {a} vs {b}"
+    if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+        return f"{name}: values differ"
+    return None

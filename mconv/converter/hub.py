@@ -26,6 +26,20 @@ def _remote_code(folder: Path) -> list[str]:
     return remote_code_files(folder, tuple(p.name for p in folder.glob("*.json")))
 
 
+def is_local(name_or_path: str | Path) -> bool:
+    """Whether a model argument names a local directory (which always wins over a hub name)."""
+    return Path(str(name_or_path)).expanduser().is_dir()
+
+
+def check_revision(revision: str | None, *names: str | Path | None) -> None:
+    """A revision must apply to something: MconvError if one is given but none of the model
+    arguments `names` (None: not given) is a hub name (transformers ignores it silently there)."""
+    given = [name for name in names if name]
+    if revision and all(is_local(name) for name in given):
+        raise MconvError(f"{given[0]} is a local directory; a revision applies only to hub model names" if given else
+                         "a revision applies only to hub model names, and no hub name was given")
+
+
 def _looks_like_path(text: str) -> bool:
     return text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text
 
@@ -34,7 +48,7 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
                   progress: bool = True) -> Path:
     """The local directory of an HF model given as a directory or as a hub name.
 
-    `name_or_path`: an existing directory (returned as is, whatever `revision` says), or a hub
+    `name_or_path`: an existing directory (returned as is; MconvError with a `revision`), or a hub
     repository id such as `Qwen/Qwen3-8B`, resolved with `huggingface_hub.snapshot_download` at
     `revision` (branch, tag or commit; default the repository's default branch). `weights=False`
     fetches only configs and tokenizer files (e.g. for `--hf-config`). Returns the snapshot
@@ -43,6 +57,7 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
     """
     text = str(name_or_path)
     path = Path(text).expanduser()
+    check_revision(revision, text)
     if path.is_dir():
         return path
     if path.exists() or _looks_like_path(text):

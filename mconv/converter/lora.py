@@ -11,6 +11,7 @@ files memory-mapped, or torch_dist boxes) and writes a PEFT directory vLLM and p
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from mconv.converter import megatron_io as mio
 from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config,
                                    write_config_dtype)
-from mconv.converter.hub import resolve_model
+from mconv.converter.hub import check_revision, is_local, resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args
 from mconv.converter.output import check_output_path, staged_directory
@@ -51,7 +52,7 @@ EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 EXPERT_MODULES = {"base_layer.": ("gate_proj", "up_proj"), "": ("down_proj",)}  # 3-D key infix -> per-expert modules
 
 
-@dataclass
+@dataclass(repr=False)
 class PeftAdapter:
     """A HF PEFT LoRA adapter: tensors under their saved keys, one rank for every module.
 
@@ -62,6 +63,10 @@ class PeftAdapter:
     rank: int
     tensors: dict[str, torch.Tensor]
     modules: list[str] | None = None
+
+    def __repr__(self) -> str:  # not the tensors
+        return (f"PeftAdapter({self.arch}, r={self.rank}, {len(self.tensors)} tensors, "
+                f"target_modules {', '.join(self.target_modules)})")
 
     @property
     def target_modules(self) -> list[str]:
@@ -362,7 +367,7 @@ def _run_config_alpha(location: mio.CheckpointLocation) -> float | None:
     return None
 
 
-@dataclass
+@dataclass(repr=False)
 class LoraExport:
     """What export_lora wrote."""
 
@@ -371,6 +376,10 @@ class LoraExport:
     layout: Layout
     format: str
     merged_tensors: int = 0
+
+    def __repr__(self) -> str:
+        merged = f", {self.merged_tensors} weights merged" if self.merged_tensors else ""
+        return f"LoraExport({self.adapter!r}, alpha={self.alpha:g}, from {self.format} at {self.layout.describe()}{merged})"
 
 
 def read_adapter(location: mio.CheckpointLocation,
@@ -390,13 +399,17 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
     """Write the checkpoint's LoRA adapter as a HF PEFT adapter directory, or with `merge_into` a HF
     model: the base model `base_model` (a directory or hub name, at `revision`) with alpha/r * B @ A
     added. `hf_config` may be a hub name too; without `merge_into`, `base_model` is only recorded."""
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):  # as run_config.yaml's is checked
+        raise MconvError(f"--alpha must be a positive number (scale = alpha / r), got {alpha:g}")
     location = mio.locate(ckpt_dir)
     if merge_into and not base_model:
         raise MconvError("--merge needs --base-model, the HF model (directory or hub name) the adapter was trained on")
-    if hf_config:
-        hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
+    check_revision(revision, hf_config, base_model if merge_into else None)
+    if hf_config:  # the revision is for whichever of the two is a hub name
+        hf_config = resolve_model(hf_config, None if is_local(hf_config) else revision, weights=False,
+                                  progress=progress)
     if merge_into:
-        base_model = resolve_model(base_model, revision, progress=progress)
+        base_model = resolve_model(base_model, None if is_local(base_model) else revision, progress=progress)
     check_output_path(Path(out_dir), overwrite, (location.save_dir,))
     adapter, layout, config_dir = read_adapter(location, hf_config)
     if rank is not None and rank != adapter.rank:

@@ -15,7 +15,7 @@ import torch
 from mconv.converter import file_io
 from mconv.converter import megatron_io as mio
 from mconv.converter.hf_io import read_config
-from mconv.converter.layout import Layout, Rank
+from mconv.converter.layout import Layout, Rank, count
 from mconv.converter.planner import ShardSource, make_plan
 from mconv.converter.transforms import VOCAB
 from mconv.errors import MconvError
@@ -131,7 +131,7 @@ class LegacyCheckpoint:
     def _check_rank(self, path: Path, rank_plan, chunks: list[dict]) -> None:
         refuse_adapters((name for chunk in chunks for name in chunk), path)
         if len(chunks) != len(rank_plan.chunks):
-            raise MconvError(f"{path} holds {len(chunks)} model chunk(s), the layout needs {len(rank_plan.chunks)}")
+            raise MconvError(f"{path} holds {count(len(chunks), 'model chunk')}, the layout needs {len(rank_plan.chunks)}")
         for chunk, tasks in zip(chunks, rank_plan.chunks):
             expected = {t.megatron: t for t in tasks}
             for name, task in expected.items():

@@ -84,6 +84,42 @@ class TorchrunTeam:
             raise MconvError(self.store.get(failed).decode())
 
 
+def torchrun_rank() -> tuple[int, int]:
+    """This process's (rank, world size) under torchrun; (0, 1) otherwise."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return (int(os.environ.get("RANK", "0")), size) if size > 1 and "RANK" in os.environ else (0, 1)
+
+
+SAME_ERROR_WAIT_SECONDS = 5.0  # how long a rank waits to learn whether rank 0 reports the same error
+
+
+def speaks_for_itself(message: str) -> bool:
+    """Whether this process should print the error `message`: rank 0 of a torchrun job speaks for
+    the job, so another rank prints only what rank 0 does not (a failure of its own). Every rank
+    meets the same bad input, and a failed step is reported to all ranks in the same words
+    (`TorchrunTeam.step`); so rank 0 posts its message in torchrun's store and the others stay
+    quiet when it matches. Outside torchrun, or if the store cannot be reached, always True."""
+    rank, size = torchrun_rank()
+    if size == 1:
+        return True
+    try:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=SAME_ERROR_WAIT_SECONDS))
+        key = (f"mconv/error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        if rank == 0:
+            store.set(key, message)
+            return True
+        deadline = time.monotonic() + SAME_ERROR_WAIT_SECONDS
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+        return not store.check([key]) or store.get(key).decode() != message
+    except Exception:  # no store to ask (a rank started by hand): better twice than never
+        return True
+
+
 def run_ordered(jobs: Iterable[Callable[[], T]], threads: int) -> Iterator[T]:
     """Run `jobs` on `threads` threads and yield their results in order, at most 2 x `threads` jobs
     ahead of the consumer (so memory holds a few jobs' results, not all of them).

@@ -8,7 +8,6 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -18,9 +17,10 @@ from tqdm import tqdm
 from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist, torch_dist_io, torch_save
+from mconv.converter.adapter_dir import compare_adapters, is_adapter
 from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, StagingBuffer, copy_side_files,
-                                   expert_orientation_for, write_config_dtype, write_hf_config)
-from mconv.converter.hub import resolve_model
+                                   expert_orientation_for, tensor_difference, write_config_dtype, write_hf_config)
+from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.converter.output import (check_output_path, commit, output_path, remove_staging, staged_directory,
@@ -28,6 +28,8 @@ from mconv.converter.output import (check_output_path, commit, output_path, remo
 from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, ShardSource, TensorTask, make_plan
+from mconv.converter.summary import Summary, describe_files
+from mconv.converter.summary import nbytes as _nbytes
 from mconv.converter.transforms import Piece, ShardLayout, merge, split
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
@@ -35,30 +37,12 @@ from mconv.mappings import architecture_for
 LOAD_BATCH_BYTES = 32 * 2**20  # Megatron tensors loaded together when exporting (bounds memory)
 
 
-@dataclass
-class Summary:
-    """What a conversion did (or, for a dry run, would do)."""
-
-    plan: Plan
-    files: int = 0
-    tensors: int = 0
-    bytes: int = 0
-    lines: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # what the user must know (HF tensors left out)
-
-
 def _bar(total: int, description: str, progress: bool) -> tqdm:
     """A bytes progress bar on stderr, shown only when `progress` and stderr is a terminal (tqdm's
-    disable=None: a bar written to a log file leaves carriage-return fragments in it)."""
-    return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
+    disable=None: a bar written to a log file leaves carriage-return fragments in it). Decimal
+    units: tqdm names its prefixes k, M, G whatever the divisor, so 1000 makes `MB` mean MB."""
+    return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1000,
                 disable=None if progress else True, leave=False)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= s
-    return n
 
 
 COMPARE_BYTES = 64 * 2**20  # rows of the tied head compared at a time
@@ -253,19 +237,6 @@ def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict) -> l
     return torch_dist.entries(flat, args, common, windows, dtypes)
 
 
-def _rank_summary(plan: Plan, ckpt: HFCheckpoint, label) -> Summary:
-    summary = Summary(plan)
-    for rank_plan in plan.ranks:
-        tensors = [t for chunk in rank_plan.chunks for t in chunk if t.shape is not None]
-        nbytes = sum(_nbytes(t.shape, ckpt.tensors[t.hf[0]].dtype) for t in tensors)
-        summary.files += 1
-        summary.tensors += len(tensors)
-        summary.bytes += nbytes
-        summary.lines.append(f"{label(rank_plan)}: {len(rank_plan.chunks)} chunk(s), {len(tensors)} tensors, "
-                             f"{nbytes:,} bytes")
-    return summary
-
-
 def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
              progress: bool = True, workers: int = 1, revision: str | None = None, mtp: bool = False) -> Summary:
@@ -292,11 +263,13 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     if fmt == "torch_dist":
         torch_dist.check_model(plan)
     dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
+    def dtype_of(task: TensorTask) -> torch.dtype:
+        return ckpt.tensors[task.hf[0]].dtype
     if fmt == "torch_dist":
-        summary = _rank_summary(_flat_plan(plan), ckpt, lambda r: "global tensors (any layout)")
+        summary = describe_files(_flat_plan(plan), dtype_of, lambda r: "global tensors (any layout)", rank=False)
         summary.plan = plan
     else:
-        summary = _rank_summary(plan, ckpt, lambda r: layout.rank_dir(r.rank))
+        summary = describe_files(plan, dtype_of, lambda r: layout.rank_dir(r.rank))
     summary.notes = notes
     if dry_run:
         check_output_path(out_dir, overwrite, (Path(hf_dir),))
@@ -489,6 +462,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
     `expert_orientation` ("4.x", the default, or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see
     hf_io.ORIENTATIONS; MconvError if given for a model whose HF checkpoints keep experts per expert."""
+    check_revision(revision, hf_config)
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     ckpt = open_checkpoint(ckpt_dir, hf_config)
@@ -576,10 +550,19 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
 
 def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[int, int, list[str]]:
     """Compare two HF models (directories or hub names) tensor by tensor (names, dtypes, shapes,
-    bytes), one tensor in memory at a time. Returns (tensors, bytes, differences)."""
+    bytes), one tensor in memory at a time; or two PEFT adapters (adapter_dir.compare_adapters).
+    Returns (tensors, bytes, differences). MconvError for a Megatron checkpoint, or an adapter
+    compared with a model."""
     for path in (a, b):
         refuse_megatron(path, "verify compares HF models (convert it with `mconv mcore2hf` first)")
-    left, right = (HFCheckpoint(resolve_model(x, progress=progress)) for x in (a, b))
+    dirs = [resolve_model(x, progress=progress) for x in (a, b)]
+    adapters = [is_adapter(d) for d in dirs]
+    if all(adapters):
+        return compare_adapters(*dirs)
+    if any(adapters):
+        adapter, model = (a, b) if adapters[0] else (b, a)
+        raise MconvError(f"{adapter} is a PEFT adapter and {model} is not; verify compares two models or two adapters")
+    left, right = (HFCheckpoint(d) for d in dirs)
     differences = [f"{name}: only in {left.dir}" for name in sorted(left.tensors.keys() - right.tensors.keys())]
     differences += [f"{name}: only in {right.dir}" for name in sorted(right.tensors.keys() - left.tensors.keys())]
     for name in sorted(left.stacked.keys() | right.stacked.keys()):  # the per-expert view hides how they are stored
@@ -593,11 +576,7 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
     with _bar(sum(left.tensors[n].nbytes for n in common), "verify", progress) as bar:
         for name in common:
             x, y = left.read(name), right.read(name)
-            if x.dtype != y.dtype or x.shape != y.shape:
-                a, b = (f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in (x, y))
-                differences.append(f"{name}: {a} vs {b}")
-            elif not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
-                differences.append(f"{name}: values differ")
+            differences += filter(None, [tensor_difference(name, x, y)])
             total += x.nbytes
             bar.update(x.nbytes)
     return len(common), total, differences

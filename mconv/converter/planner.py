@@ -61,7 +61,7 @@ class ExportTask:
     order: tuple = ()
 
 
-@dataclass
+@dataclass(repr=False)
 class Plan:
     arch: Architecture
     config: dict
@@ -69,6 +69,9 @@ class Plan:
     layout: Layout
     spec: str
     ranks: list[RankPlan]
+
+    def __repr__(self) -> str:  # the fields hold the whole config and every tensor of every rank
+        return f"Plan({self.arch.name}, {self.layout.describe()}, spec {self.spec}, {len(self.ranks)} rank files)"
 
     @property
     def padded_vocab(self) -> int:

@@ -16,6 +16,7 @@ the MLP is not gated; norms are LayerNorms (weight and bias); the merger's norm 
 from dataclasses import replace
 from types import SimpleNamespace
 
+from mconv.converter.layout import count
 from mconv.converter.transforms import COLUMN, QKV, REPLICATED, ROW
 from mconv.errors import MconvError
 from mconv.mappings import qwen3, qwen3_moe
@@ -137,7 +138,7 @@ def check_layout(d: SimpleNamespace, layout) -> None:
     first = len(layout.chunk_layers(d.layers)[0][0])
     if d.deepstack > first:
         raise MconvError(f"the {d.deepstack} deepstack_visual_indexes feed language layers 0..{d.deepstack - 1}, "
-                         f"but the first pipeline stage (chunk) holds only {first} layer(s); they must be on the "
+                         f"but the first pipeline stage (chunk) holds only {count(first, 'layer')}; they must be on the "
                          "first stage, with the vision tower: give it more layers (--first-stage-layers)")
 
 
