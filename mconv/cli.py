@@ -11,10 +11,12 @@ import time
 
 import click
 
+from mconv import __version__
 from mconv.converter.layout import Layout, count, parse_layout_string
 from mconv.converter.options import FORMATS, SPECS, parse_size
-from mconv import __version__
+from mconv.converter.parallel import speaks_for_itself, torchrun_rank
 from mconv.errors import MconvError
+
 
 class Size(click.ParamType):
     """A byte size as transformers reads max_shard_size: 3GB, 500MB, 1GiB (`options.parse_size`;
@@ -67,8 +69,6 @@ WORKERS_HELP = ("Threads that convert disjoint tensors of the output (default: h
 def report(summary, started: float, as_json: bool, text: str) -> None:
     """The closing line, or a JSON summary for scripts (tensors, bytes, seconds, peak RSS); under
     torchrun from rank 0 only, which speaks for the job."""
-    from mconv.converter.parallel import torchrun_rank
-
     if torchrun_rank()[0]:
         return
     if as_json:
@@ -87,8 +87,6 @@ def one_line(message: str) -> str:
 
 def fail(message: str):
     """Print the error (under torchrun: once for the job, see parallel.speaks_for_itself); exit 1."""
-    from mconv.converter.parallel import speaks_for_itself
-
     if speaks_for_itself(one_line(message)):
         click.echo(one_line(message), err=True)
     sys.exit(1)
@@ -177,8 +175,6 @@ class UsageLine(click.ClickException):
         self.command = error.ctx.command_path if error.ctx else None
 
     def show(self, file=None) -> None:
-        from mconv.converter.parallel import speaks_for_itself
-
         see = f" (see '{self.command} --help')" if self.command else ""
         if speaks_for_itself(one_line(self.format_message() + see)):
             click.echo(one_line(self.format_message() + see), err=True)
@@ -302,7 +298,6 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
         sizes = run(lambda: parse_layout_string(layout_string))
     layout = run(lambda: Layout(vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
                                 vocab_divisor=vocab_divisor, **sizes))
-    from mconv.converter.parallel import torchrun_rank
     from mconv.converter.pipelines import hf2mcore  # imports torch: not needed for --help
 
     started = time.perf_counter()

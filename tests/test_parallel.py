@@ -90,3 +90,50 @@ def test_sigkill_leaves_no_output_and_rerun_succeeds(tmp_path, command):
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("*")}
     kill_midway(args + ["--overwrite"], tmp_path)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("*")} == before
+
+
+def torchrun_output(*args) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(29000 + os.getpid() % 1000 + 250), "-m", "mconv.cli", *map(str, args)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_rank_0_speaks_for_a_torchrun_job(tmp_path):
+    """One `wrote` line for the job (not one per rank, rank 1's saying `0 safetensors shards`), and
+    an error every rank meets (the output exists) printed once."""
+    result = torchrun_output("hf2mcore", MOE, tmp_path / "ckpt", "--tp", "2", "--format", "torch")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("wrote")] == [
+        line for line in result.stdout.splitlines() if line.startswith(f"wrote {tmp_path / 'ckpt'} (torch): ")]
+    assert result.stdout.count("wrote ") == 1
+    result = torchrun_output("mcore2hf", tmp_path / "ckpt", tmp_path / "back", "--max-shard-size", "100KB")
+    assert result.returncode == 0 and result.stdout.count("wrote ") == 1 and " 0 safetensors" not in result.stdout
+    result = torchrun_output("mcore2hf", tmp_path / "ckpt", tmp_path / "back")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mconv: error: ")]
+    assert errors == [f"mconv: error: {tmp_path / 'back'} already exists; pass --overwrite to replace it"], result.stderr
+
+
+def test_only_what_rank_0_does_not_say_is_said_again(monkeypatch):
+    """Another rank prints its error only if rank 0 posted a different one (through the job's store)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mconv.converter import parallel
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setattr(parallel, "SAME_ERROR_WAIT_SECONDS", 0.5)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "t"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("RANK", "1")
+    assert parallel.speaks_for_itself("mconv: error: rank 1 alone")  # rank 0 said nothing
+    monkeypatch.setenv("RANK", "0")
+    assert parallel.speaks_for_itself("mconv: error: the same for all")
+    monkeypatch.setenv("RANK", "1")
+    assert not parallel.speaks_for_itself("mconv: error: the same for all")
+    assert parallel.speaks_for_itself("mconv: error: something of its own")
+    monkeypatch.delenv("RANK")
+    assert parallel.speaks_for_itself("mconv: error: not under torchrun")
