@@ -14,7 +14,7 @@ import time
 import click
 
 from mconv.converter.layout import Layout, parse_layout_string
-from mconv.converter.options import FORMATS, SPECS
+from mconv.converter.options import FORMATS, SPECS, command_line_names
 from mconv.errors import MconvError
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -213,7 +213,8 @@ class Group(click.Group):
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="mconv")
-def main():
+@click.pass_context
+def main(ctx: click.Context):
     """Convert model weights between Hugging Face and Megatron-Core, exactly.
 
     \b
@@ -233,6 +234,7 @@ def main():
       MCONV_WRITEBACK=1|0        start each large write's write-back to disk at once (default 1),
                                  so the closing fsync has little left, or leave it all to fsync
     """
+    ctx.with_resource(command_line_names())  # messages name this command's flags, not library parameters
 
 
 @main.command("hf2mcore", short_help="HF safetensors -> Megatron checkpoint.")

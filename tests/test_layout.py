@@ -56,8 +56,8 @@ def test_uniform_chunks_follow_interleaved_formula():
 
 @pytest.mark.parametrize("layout,layers,message", [
     (Layout(pp=3), 4, "cannot be split evenly"),
-    (Layout(pp=2, vpp=3), 4, "not divisible by --vpp"),
-    (Layout(vpp=2), 4, "needs --pp > 1"),
+    (Layout(pp=2, vpp=3), 4, "not divisible by vpp=3"),
+    (Layout(vpp=2), 4, "vpp needs pp > 1"),
     (Layout(pp=2, first_stage_layers=5), 4, "leave -1 of 4"),
     (Layout(pp=3, first_stage_layers=2, last_stage_layers=2), 4, "leave 0 of 4"),
     (Layout(tp=0), 4, "positive"),

@@ -16,6 +16,7 @@ from mconv.converter import megatron_io as mio
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hub import resolve_model
 from mconv.converter.megatron_checkpoint import open_checkpoint
+from mconv.converter.options import option
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
@@ -193,8 +194,8 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     local = Path(path)
     if not local.is_dir() or ((local / "config.json").is_file() and not (local / mio.TRACKER).is_file()):
         if hf_config:
-            raise MconvError(f"{path} is an HF model, which has its own config.json; --hf-config is for Megatron "
-                             "checkpoints that store none")
+            raise MconvError(f"{path} is an HF model, which has its own config.json; {option('hf_config')} is for "
+                             "Megatron checkpoints that store none")
         return _describe_hf(resolve_model(path, revision, progress=progress), str(path))
     if not (local / mio.TRACKER).is_file() and local.name != "release" and not local.name.startswith("iter_"):
         raise MconvError(f"{path} is neither an HF model (no config.json) nor a Megatron checkpoint (no "
@@ -240,7 +241,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
             size["tensors"] = sum(1 for task in ckpt.plan.ranks[0].chunks[0] if task.shape is not None)
     else:
         info["note"] = ("no HF config stored in the checkpoint: the architecture is not checked; pass "
-                        "--hf-config (a directory or hub name) to check it and to convert it")
+                        f"{option('hf_config')} (a directory or hub name) to check it and to convert it")
     info["model"] = _model(args, name)
     if dist:
         short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 
 from mconv.converter.layout import Layout, Rank
-from mconv.converter.options import SPECS
+from mconv.converter.options import SPECS, option
 from mconv.converter.transforms import EXTRA_STATE, ShardLayout, padded_vocab_size
 from mconv.errors import MconvError
 from mconv.mappings.schema import FIRST, LAST, Architecture, Rule
@@ -122,19 +122,19 @@ def _shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
 def validate_layout(dims: SimpleNamespace, layout: Layout, arch_check=None) -> None:
     experts = getattr(dims, "experts", 0)
     if not experts and (layout.ep > 1 or layout.etp > 1):  # before the layout's own ETP rules
-        raise MconvError("--ep/--etp need a model with experts")
+        raise MconvError(f"{option('ep')}/{option('etp')} need a model with experts")
     layout.validate(dims.layers)
     for what, value in (("num_attention_heads", getattr(dims, "heads", None)),
                         ("num_key_value_heads (query groups)", getattr(dims, "groups", None))):
         if value is not None and value % layout.tp:
-            raise MconvError(f"{what}={value} is not divisible by --tp {layout.tp}")
+            raise MconvError(f"{what}={value} is not divisible by {option('tp', layout.tp)}")
     if arch_check is not None:
         arch_check(dims, layout)
     if experts and experts % layout.ep:
-        raise MconvError(f"{experts} experts are not divisible by --ep {layout.ep}")
+        raise MconvError(f"{experts} experts are not divisible by {option('ep', layout.ep)}")
     if experts and dims.moe_ffn % layout.etp:
         raise MconvError(f"the expert MLP size (moe_intermediate_size={dims.moe_ffn}) is not divisible "
-                         f"by --etp {layout.etp}")
+                         f"by {option('etp', layout.etp)}")
 
 
 def model_dims(arch: Architecture, config: dict, mtp: bool = False) -> SimpleNamespace:
@@ -144,7 +144,7 @@ def model_dims(arch: Architecture, config: dict, mtp: bool = False) -> SimpleNam
     dims = arch.dims(config)
     available = getattr(dims, "hf_mtp_layers", 0)
     if mtp and not available:
-        raise MconvError(f"--mtp: {arch.name} as config.json describes it has no multi-token-prediction layers "
+        raise MconvError(f"{option('mtp', True)}: {arch.name} as config.json describes it has no multi-token-prediction layers "
                          "(num_nextn_predict_layers is 0 or absent, or mconv's table has no MTP rules for it)")
     dims.mtp_layers = available if mtp else 0
     return dims
@@ -154,7 +154,7 @@ def make_plan(arch: Architecture, config: dict, layout: Layout, spec: str, mtp: 
     """Every rank file of the layout (see Layout.ranks); with `mtp`, the model's multi-token-prediction
     layers too (see model_dims)."""
     if spec not in SPECS:
-        raise MconvError(f"--spec must be one of {', '.join(SPECS)}, got {spec!r}")
+        raise MconvError(f"{option('spec')} must be one of {', '.join(SPECS)}, got {spec!r}")
     dims = model_dims(arch, config, mtp)
     validate_layout(dims, layout, arch.check_layout)
     ranks = [plan_rank(arch, dims, layout, spec, rank) for rank in layout.ranks()]
