@@ -13,7 +13,7 @@ import click
 
 from mconv import __version__
 from mconv.converter.layout import Layout, count, parse_layout_string
-from mconv.converter.options import FORMATS, SPECS, parse_size
+from mconv.converter.options import FORMATS, SPECS, command_line_names, parse_size
 from mconv.converter.parallel import speaks_for_itself, torchrun_rank
 from mconv.errors import MconvError
 
@@ -218,7 +218,8 @@ class Group(click.Group):
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="mconv", message="%(prog)s %(version)s")
-def main():
+@click.pass_context
+def main(ctx: click.Context):
     """Convert model weights between Hugging Face and Megatron-Core, exactly.
 
     \b
@@ -238,6 +239,7 @@ def main():
       MCONV_WRITEBACK=1|0        start each large write's write-back to disk at once (default 1),
                                  so the closing fsync has little left, or leave it all to fsync
     """
+    ctx.with_resource(command_line_names())  # messages name this command's flags, not library parameters
 
 
 @main.command("hf2mcore", short_help="HF safetensors -> Megatron checkpoint.")

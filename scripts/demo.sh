@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Convert the bundled tiny Qwen3 to Megatron (TP2 PP2 rank files, and torch_dist) and back, and
-# check each round trip is exact.
+# The light install (what the command line needs, no test stack) in .venv-demo, then convert the
+# bundled tiny Qwen3 to Megatron (TP2 PP2 rank files, and torch_dist) and back, and check each round
+# trip is exact. tests/test_install.py runs the same mconv commands with megatron-core,
+# transformers and peft unimportable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install.sh
-export PATH="$PWD/.venv/bin:$PATH"
+source scripts/python.sh
+VENV=.venv-demo
+[ -x "$VENV/bin/python" ] || "$(find_python)" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet -c constraints.txt .
+export PATH="$PWD/$VENV/bin:$PATH"
 OUT="${1:-demo-out}"
 rm -rf "$OUT"
 mconv inspect fixtures/qwen3-tiny

@@ -3,27 +3,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-find_python() {
-    for candidate in "${MCONV_PYTHON:-}" python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
-        [ -n "$candidate" ] || continue
-        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-            echo "$candidate"; return 0
-        fi
-    done
-    echo "mconv: error: Python 3.12 not found (set MCONV_PYTHON=/path/to/python3.12)" >&2
-    return 1
-}
+source scripts/python.sh
 
 # mbridge with Qwen3-VL (mbridge/models/qwen3_vl, the Megatron Qwen3VLModel the Qwen3-VL tests build):
 # only in mbridge's git history after 0.15.1, so it is carried here as a wheel (see wheels/README.md).
 MBRIDGE_WHEEL=wheels/mbridge-0.15.1+git.10cb17f-py3-none-any.whl
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c '
-import importlib.metadata as m, mconv, megatron.core, transformers, hypothesis, einops, omegaconf, isal
+import importlib.metadata as m, mconv, megatron.core, transformers, peft, hypothesis, einops, omegaconf, isal
 assert m.version("mbridge") == "0.15.1+git.10cb17f" and m.version("megatron-bridge") == "0.6.2"' 2>/dev/null; then
     PYTHON="$(find_python)"
     [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test,mbridge]'
+    .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[live,test,mbridge]'
     .venv/bin/python -m pip install --quiet --no-deps --force-reinstall "$MBRIDGE_WHEEL"
     # Megatron-Bridge without its dependency set (Transformer Engine, modelopt, ...): the tests build
     # local-spec models with its conversion modules only (tests/test_bridges.py says how); omegaconf

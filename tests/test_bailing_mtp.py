@@ -180,7 +180,7 @@ def test_mtp_is_refused_for_a_model_without_mtp_layers(tmp_path):
 def test_mtp_is_refused_when_megatron_core_would_build_another_layer_kind(tmp_path):
     # All 4 decoder layers dense: megatron-core would build the MTP layer dense, the HF one is MoE.
     hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, num_nextn_predict_layers=1, first_k_dense_replace=4)
-    with pytest.raises(MconvError, match="--mtp: config.json first_k_dense_replace gives MTP layer model.layers.4 MoE"):
+    with pytest.raises(MconvError, match="mtp=True: config.json first_k_dense_replace gives MTP layer model.layers.4 MoE"):
         hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch", progress=False, mtp=True)
     assert not (tmp_path / "m").exists()
 

@@ -56,13 +56,13 @@ def test_uniform_chunks_follow_interleaved_formula():
 
 @pytest.mark.parametrize("layout,layers,message", [
     (Layout(pp=3), 4, "cannot be split evenly"),
-    (Layout(pp=2, vpp=3), 4, "not divisible by --vpp"),
-    (Layout(vpp=2), 4, "needs --pp > 1"),
+    (Layout(pp=2, vpp=3), 4, "not divisible by vpp=3"),
+    (Layout(vpp=2), 4, "vpp needs pp > 1"),
     (Layout(pp=2, first_stage_layers=5), 4,
-     r"^--first-stage-layers 5: 5 layers on the first/last pipeline stages, more than the model's 4$"),
-    (Layout(pp=3, first_stage_layers=2, last_stage_layers=2), 4, r"^--first-stage-layers 2 and --last-stage-layers 2: "
-     r"all 4 layers of the model on the first/last pipeline stages, none left for the 1 other stage of --pp 3$"),
-    (Layout(pp=2, vpp=2, first_stage_layers=1), 4, r"^pipeline stage 0 holds 1 layer, not divisible by --vpp 2$"),
+     r"^first_stage_layers=5: 5 layers on the first/last pipeline stages, more than the model's 4$"),
+    (Layout(pp=3, first_stage_layers=2, last_stage_layers=2), 4, r"^first_stage_layers=2 and last_stage_layers=2: "
+     r"all 4 layers of the model on the first/last pipeline stages, none left for the 1 other stage of pp=3$"),
+    (Layout(pp=2, vpp=2, first_stage_layers=1), 4, r"^pipeline stage 0 holds 1 layer, not divisible by vpp=2$"),
     (Layout(pp=3, first_stage_layers=3), 4, r"^1 layer cannot be split evenly over 2 pipeline stages "),
     (Layout(tp=0), 4, "positive"),
 ])

@@ -18,6 +18,7 @@ from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import count
 from mconv.converter.megatron_checkpoint import open_checkpoint
+from mconv.converter.options import option
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
@@ -210,8 +211,8 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
         return describe_adapter(local)
     if not local.is_dir() or ((local / "config.json").is_file() and not (local / mio.TRACKER).is_file()):
         if hf_config:
-            raise MconvError(f"{path} is an HF model, which has its own config.json; --hf-config is for Megatron "
-                             "checkpoints that store none")
+            raise MconvError(f"{path} is an HF model, which has its own config.json; {option('hf_config')} is for "
+                             "Megatron checkpoints that store none")
         return _describe_hf(resolve_model(path, revision, progress=progress), str(path))
     if not (local / mio.TRACKER).is_file() and local.name != "release" and not local.name.startswith("iter_"):
         raise MconvError(f"{path} is neither an HF model (no config.json) nor a Megatron checkpoint (no "
@@ -258,7 +259,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
             size["tensors"] = sum(1 for task in ckpt.plan.ranks[0].chunks[0] if task.shape is not None)
     else:
         info["note"] = ("no HF config stored in the checkpoint: the architecture is not checked; pass "
-                        "--hf-config (a directory or hub name) to check it and to convert it")
+                        f"{option('hf_config')} (a directory or hub name) to check it and to convert it")
     info["model"] = {**_model(args, name), **(_attention_layers(ckpt.plan.dims) if name else {})}
     if dist:
         short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",

@@ -5,6 +5,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
+from mconv.converter.options import option
 from mconv.errors import MconvError
 
 
@@ -85,24 +86,24 @@ class Layout:
         return name
 
     def check_sizes(self) -> None:
-        for option, value in (("--tp", self.tp), ("--pp", self.pp), ("--vpp", self.vpp), ("--ep", self.ep),
-                              ("--etp", self.etp), ("--vocab-divisor", self.vocab_divisor)):
-            if value < 1:
-                raise MconvError(f"{option} must be a positive integer, got {value}")
+        for name in ("tp", "pp", "vpp", "ep", "etp", "vocab_divisor"):
+            if getattr(self, name) < 1:
+                raise MconvError(f"{option(name)} must be a positive integer, got {getattr(self, name)}")
 
     def check_legacy(self) -> None:
         """The legacy (`torch`) format's own rule; megatron-core and torch_dist take any ETP."""
         if self.tp % self.etp:
-            raise MconvError(f"--etp {self.etp} does not divide --tp {self.tp}: Megatron-LM's legacy format (--format "
-                             "torch) keeps one expert shard per (tp, ep) rank file, which needs tp % etp == 0; "
-                             "--format torch_dist takes any --etp")
+            raise MconvError(f"{option('etp', self.etp)} does not divide {option('tp', self.tp)}: Megatron-LM's "
+                             f"legacy format ({option('fmt', 'torch')}) keeps one expert shard per (tp, ep) rank "
+                             f"file, which needs tp % etp == 0; {option('fmt', 'torch_dist')} takes any etp")
 
     def validate(self, num_layers: int) -> None:
         self.check_sizes()
         if self.vpp > 1 and self.pp == 1:
-            raise MconvError("--vpp needs --pp > 1: virtual pipeline chunks interleave pipeline stages")
+            raise MconvError(f"{option('vpp')} needs {option('pp')} > 1: virtual pipeline chunks interleave "
+                             "pipeline stages")
         if self.pp == 1 and (self.first_stage_layers is not None or self.last_stage_layers is not None):
-            raise MconvError("--first-stage-layers/--last-stage-layers need --pp > 1")
+            raise MconvError(f"{option('first_stage_layers')}/{option('last_stage_layers')} need {option('pp')} > 1")
         self.stage_layer_counts(num_layers)
 
     def stage_layer_counts(self, num_layers: int) -> list[int]:
@@ -114,22 +115,23 @@ class Layout:
         middle = [s for s in range(self.pp) if s not in fixed]
         remaining = num_layers - sum(fixed.values())
         if any(n < 1 for n in fixed.values()):
-            raise MconvError("--first-stage-layers/--last-stage-layers must be at least 1")
-        given = " and ".join(f"--{'first' if stage == 0 else 'last'}-stage-layers {n}" for stage, n in fixed.items())
+            raise MconvError(f"{option('first_stage_layers')}/{option('last_stage_layers')} must be at least 1")
+        given = " and ".join(option(f"{'first' if stage == 0 else 'last'}_stage_layers", n) for stage, n in fixed.items())
         if remaining < 0:
             raise MconvError(f"{given}: {count(sum(fixed.values()), 'layer')} on the first/last pipeline stages, "
                              f"more than the model's {num_layers}")
         if middle and remaining == 0:
             raise MconvError(f"{given}: all {count(num_layers, 'layer')} of the model on the first/last pipeline "
-                             f"stages, none left for the {count(len(middle), 'other stage')} of --pp {self.pp}")
+                             f"stages, none left for the {count(len(middle), 'other stage')} of {option('pp', self.pp)}")
         if middle and remaining % len(middle):
             raise MconvError(f"{count(remaining, 'layer')} cannot be split evenly over "
-                             f"{count(len(middle), 'pipeline stage')} (num_layers={num_layers}, --pp {self.pp})")
+                             f"{count(len(middle), 'pipeline stage')} (num_layers={num_layers}, {option('pp', self.pp)})")
         if not middle and self.vpp > 1:
             # get_transformer_layer_offset divides by the number of middle stages under VPP
             # (ZeroDivisionError in megatron-core 0.19.2), so no trainer can build this layout.
-            raise MconvError(f"--vpp with both --first-stage-layers and --last-stage-layers needs a middle "
-                             f"pipeline stage (--pp 3 or more, got --pp {self.pp}): megatron-core cannot place it")
+            raise MconvError(f"{option('vpp')} with both {option('first_stage_layers')} and {option('last_stage_layers')} "
+                             f"needs a middle pipeline stage ({option('pp', 3)} or more, got {option('pp', self.pp)}): "
+                             "megatron-core cannot place it")
         if not middle and remaining:
             raise MconvError(f"the first and last stages hold {count(sum(fixed.values()), 'layer')}, "
                              f"but the model has {num_layers}")
@@ -137,7 +139,7 @@ class Layout:
         for stage, layers in enumerate(counts):
             if layers % self.vpp:
                 raise MconvError(f"pipeline stage {stage} holds {count(layers, 'layer')}, "
-                                 f"not divisible by --vpp {self.vpp}")
+                                 f"not divisible by {option('vpp', self.vpp)}")
         return counts
 
     def chunk_layers(self, num_layers: int) -> list[list[range]]:

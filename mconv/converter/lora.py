@@ -28,6 +28,7 @@ from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
 from mconv.converter.transforms import merge, padded_vocab_size
+from mconv.converter.options import option
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 from mconv.mappings.lora import Target, lora_architecture, targets
@@ -358,12 +359,12 @@ def _run_config_alpha(location: mio.CheckpointLocation) -> float | None:
             try:
                 peft = (yaml.safe_load(path.read_bytes().decode("utf-8")) or {}).get("peft") or {}
             except (yaml.YAMLError, AttributeError, UnicodeDecodeError) as e:
-                raise MconvError(f"{path} is not readable YAML ({str(e).splitlines()[0]}); pass --alpha") from None
+                raise MconvError(f"{path} is not readable YAML ({str(e).splitlines()[0]}); pass {option('alpha')}") from None
             alpha = peft.get("alpha") if isinstance(peft, dict) else None
             if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < float("inf"):
                 return float(alpha)
             if alpha is not None or not isinstance(peft, dict):
-                raise MconvError(f"{path}: peft.alpha is {alpha!r}, not a positive number; pass --alpha")
+                raise MconvError(f"{path}: peft.alpha is {alpha!r}, not a positive number; pass {option('alpha')}")
     return None
 
 
@@ -400,10 +401,11 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
     model: the base model `base_model` (a directory or hub name, at `revision`) with alpha/r * B @ A
     added. `hf_config` may be a hub name too; without `merge_into`, `base_model` is only recorded."""
     if alpha is not None and not (math.isfinite(alpha) and alpha > 0):  # as run_config.yaml's is checked
-        raise MconvError(f"--alpha must be a positive number (scale = alpha / r), got {alpha:g}")
+        raise MconvError(f"{option('alpha')} must be a positive number (scale = alpha / r), got {alpha:g}")
     location = mio.locate(ckpt_dir)
     if merge_into and not base_model:
-        raise MconvError("--merge needs --base-model, the HF model (directory or hub name) the adapter was trained on")
+        raise MconvError(f"{option('merge_into', True)} needs {option('base_model')}, the HF model (directory or hub "
+                         "name) the adapter was trained on")
     check_revision(revision, hf_config, base_model if merge_into else None)
     if hf_config:  # the revision is for whichever of the two is a hub name
         hf_config = resolve_model(hf_config, None if is_local(hf_config) else revision, weights=False,
@@ -413,11 +415,11 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
     check_output_path(Path(out_dir), overwrite, (location.save_dir,))
     adapter, layout, config_dir = read_adapter(location, hf_config)
     if rank is not None and rank != adapter.rank:
-        raise MconvError(f"{location.iter_dir}: the adapters have rank {adapter.rank}, not --rank {rank}")
+        raise MconvError(f"{location.iter_dir}: the adapters have rank {adapter.rank}, not {option('rank', rank)}")
     alpha = alpha if alpha is not None else _run_config_alpha(location)
     if alpha is None:
         raise MconvError(f"{location.iter_dir}: LoRA's alpha is not stored with the weights (no run_config.yaml "
-                         "with peft.alpha); pass --alpha (scale = alpha / r)")
+                         f"with peft.alpha); pass {option('alpha')} (scale = alpha / r)")
     result = LoraExport(adapter, alpha, layout, location.format)
     inputs = (location.save_dir, config_dir) + ((Path(base_model),) if merge_into else ())
     with staged_directory(Path(out_dir), overwrite, inputs=inputs) as staging:

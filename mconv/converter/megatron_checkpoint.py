@@ -18,6 +18,7 @@ from mconv.converter.hf_io import read_config
 from mconv.converter.layout import Layout, Rank, count
 from mconv.converter.planner import ShardSource, make_plan
 from mconv.converter.transforms import VOCAB
+from mconv.converter.options import option
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 from mconv.mappings.schema import FIRST, Architecture
@@ -44,13 +45,13 @@ class Session(NamedTuple):
 def _config_dir(location: mio.CheckpointLocation, hf_config: str | Path | None) -> Path:
     config_dir = Path(hf_config) if hf_config else location.save_dir / mio.HF_CONFIG_DIR
     if hf_config and not (config_dir / "config.json").is_file():
-        raise MconvError(f"--hf-config {hf_config} has no config.json; it must be the HF model's directory "
+        raise MconvError(f"{option('hf_config', hf_config)} has no config.json; it must be the HF model's directory "
                          "(or hub name)")
     if not (config_dir / "config.json").is_file():
         why = (f"its {mio.HF_CONFIG_DIR}/config.json is missing" if (location.save_dir / mio.METADATA).is_file()
                else "it was not written by mconv")
         raise MconvError(f"{location.save_dir} stores no HF config ({why}); "
-                         "pass --hf-config DIR with the model's config.json")
+                         f"pass {option('hf_config', 'DIR')} with the model's config.json")
     return config_dir
 
 
@@ -85,7 +86,7 @@ def check_args(args, arch: Architecture, dims, path: Path) -> None:
         found = saved.get(name)
         if found != value and (name == "num_experts" or None not in (found, value)):
             raise MconvError(f"{path}: the checkpoint's args say {name}={_arg_text(name, found)}, but the HF config "
-                             f"implies {_arg_text(name, value)}; pass the --hf-config of the model this checkpoint "
+                             f"implies {_arg_text(name, value)}; pass the {option('hf_config')} of the model this checkpoint "
                              "was made from")
 
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from mconv.converter.options import option
 from mconv.errors import MconvError
 
 # errnos that only a write can raise: whatever file they name, the output is at fault.
@@ -41,12 +42,12 @@ def check_output_path(out: str | Path, overwrite: bool, inputs: tuple[str | Path
         if real == source or source.is_relative_to(real) or real.is_relative_to(source):
             raise MconvError(f"output {out} overlaps the input {source}; choose another output directory")
     if os.path.lexists(out) and not overwrite:
-        raise MconvError(f"{out} already exists; pass --overwrite to replace it")
+        raise MconvError(f"{out} already exists; pass {option('overwrite', True)} to replace it")
     if os.path.lexists(out) and not out.is_dir():
         raise MconvError(f"{out} exists and is not a directory")
     if os.path.lexists(out) and not _replaceable(out):
-        raise MconvError(f"{out} holds neither a model, an adapter nor a Megatron checkpoint; --overwrite "
-                         "replaces only those (or an empty directory), so remove it yourself if it must go")
+        raise MconvError(f"{out} holds neither a model, an adapter nor a Megatron checkpoint; "
+                         f"{option('overwrite', True)} replaces only those (or an empty directory), so remove it yourself if it must go")
 
 
 # What --overwrite may replace: a directory that an mconv command could have written.

@@ -25,7 +25,7 @@ from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.converter.output import (check_output_path, commit, output_path, remove_staging, staged_directory,
                                     uninterrupted, write_errors)
-from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS
+from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS, option
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, ShardSource, TensorTask, make_plan
 from mconv.converter.summary import Summary, describe_files
@@ -246,11 +246,12 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     rank files, or its own `.distcp` file; rank 0 writes `.metadata`). `mtp`: keep the
     multi-token-prediction layers in megatron-core's MTP block (planner.model_dims)."""
     if fmt not in FORMATS:
-        raise MconvError(f"--format {fmt!r} is not supported; available: {', '.join(FORMATS)}")
+        raise MconvError(f"{option('fmt')} {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
-        raise MconvError("--format torch_dist is written in megatron-core's local-spec layout; the extra "
-                         "_extra_state objects a Transformer Engine model also asks for cannot be derived "
-                         "without Transformer Engine. Use --spec local (same tensor keys) or --format torch")
+        raise MconvError(f"{option('fmt', 'torch_dist')} is written in megatron-core's local-spec layout; the "
+                         "extra _extra_state objects a Transformer Engine model also asks for cannot be derived "
+                         f"without Transformer Engine. Use {option('spec', 'local')} (same tensor keys) or "
+                         f"{option('fmt', 'torch')}")
     if fmt == "torch":
         layout.check_legacy()
     hf_dir = resolve_model(hf_dir, revision, progress=progress)
@@ -467,7 +468,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
     ckpt = open_checkpoint(ckpt_dir, hf_config)
     arch = ckpt.plan.arch
-    stack = expert_orientation_for(arch, expert_orientation, "--expert-orientation")
+    stack = expert_orientation_for(arch, expert_orientation, option("expert_orientation"))
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
     out = output_path(out_dir)
@@ -527,7 +528,7 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
         if team.rank == 0:
             finish(prepared["writer"], staging)
             if out.exists() and not overwrite:
-                raise MconvError(f"{out} already exists; pass --overwrite to replace it")
+                raise MconvError(f"{out} already exists; pass {option('overwrite', True)} to replace it")
             with uninterrupted(deliver=False):
                 commit(staging, out)
 

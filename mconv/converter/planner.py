@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 
 from mconv.converter.layout import Layout, Rank
-from mconv.converter.options import SPECS
+from mconv.converter.options import SPECS, option
 from mconv.converter.transforms import EXTRA_STATE, ShardLayout, padded_vocab_size
 from mconv.errors import MconvError
 from mconv.mappings.schema import FIRST, LAST, Architecture, Rule
@@ -127,20 +127,21 @@ def validate_layout(dims: SimpleNamespace, layout: Layout, arch_check=None) -> N
     # A dense model's MLP is split as attention is: an expert layout of EP 1 and ETP 1 or TP (the
     # ffn part of --layout, which defaults to the attention part) says nothing more.
     if not experts and (layout.ep > 1 or layout.etp not in (1, layout.tp)):
-        raise MconvError(f"the model has no experts, so the expert layout EP {layout.ep} ETP {layout.etp} (--ep/--etp, "
-                         "or e and t of --layout's ffn part) does not apply: leave them out")
+        raise MconvError(f"the model has no experts, so the expert layout EP {layout.ep} ETP {layout.etp} "
+                         f"({option('ep')}/{option('etp')}, or e and t of --layout's ffn part) does not apply: "
+                         "leave them out")
     layout.validate(dims.layers)
     for what, value in (("num_attention_heads", getattr(dims, "heads", None)),
                         ("num_key_value_heads (query groups)", getattr(dims, "groups", None))):
         if value is not None and value % layout.tp:
-            raise MconvError(f"{what}={value} is not divisible by --tp {layout.tp}")
+            raise MconvError(f"{what}={value} is not divisible by {option('tp', layout.tp)}")
     if arch_check is not None:
         arch_check(dims, layout)
     if experts and experts % layout.ep:
-        raise MconvError(f"{experts} experts are not divisible by --ep {layout.ep}")
+        raise MconvError(f"{experts} experts are not divisible by {option('ep', layout.ep)}")
     if experts and dims.moe_ffn % layout.etp:
         raise MconvError(f"the expert MLP size (moe_intermediate_size={dims.moe_ffn}) is not divisible "
-                         f"by --etp {layout.etp}")
+                         f"by {option('etp', layout.etp)}")
 
 
 def model_dims(arch: Architecture, config: dict, mtp: bool = False) -> SimpleNamespace:
@@ -150,7 +151,7 @@ def model_dims(arch: Architecture, config: dict, mtp: bool = False) -> SimpleNam
     dims = arch.dims(config)
     available = getattr(dims, "hf_mtp_layers", 0)
     if mtp and not available:
-        raise MconvError(f"--mtp: {arch.name} as config.json describes it has no multi-token-prediction layers "
+        raise MconvError(f"{option('mtp', True)}: {arch.name} as config.json describes it has no multi-token-prediction layers "
                          "(num_nextn_predict_layers is 0 or absent, or mconv's table has no MTP rules for it)")
     dims.mtp_layers = available if mtp else 0
     return dims
@@ -160,7 +161,7 @@ def make_plan(arch: Architecture, config: dict, layout: Layout, spec: str, mtp: 
     """Every rank file of the layout (see Layout.ranks); with `mtp`, the model's multi-token-prediction
     layers too (see model_dims)."""
     if spec not in SPECS:
-        raise MconvError(f"--spec must be one of {', '.join(SPECS)}, got {spec!r}")
+        raise MconvError(f"{option('spec')} must be one of {', '.join(SPECS)}, got {spec!r}")
     dims = model_dims(arch, config, mtp)
     validate_layout(dims, layout, arch.check_layout)
     ranks = [plan_rank(arch, dims, layout, spec, rank) for rank in layout.ranks()]

@@ -43,6 +43,7 @@ from mconv.converter import torch_dist_io
 from mconv.converter.planner import Plan, TensorTask
 from mconv.converter.torch_dist_io import COMMON_KEY, DistEntry
 from mconv.converter.transforms import EXTRA_STATE, GLU, VOCAB
+from mconv.converter.options import option
 from mconv.errors import MconvError
 from mconv.mappings.schema import LAST, MTP_LAYER
 
@@ -75,7 +76,7 @@ def check_model(plan: Plan) -> None:
     """Raises MconvError, naming the reason, if this model has no torch_dist checkpoint: its table
     says no torch_dist keys, or the trainer's model class cannot build it (`DistKeys.check`)."""
     if plan.arch.torch_dist is None:
-        raise MconvError(f"--format torch_dist is not available for {plan.arch.name}; use --format torch")
+        raise MconvError(f"{option('fmt', 'torch_dist')} is not available for {plan.arch.name}; use {option('fmt', 'torch')}")
     if plan.arch.torch_dist.check is not None:
         plan.arch.torch_dist.check(plan.dims)
 

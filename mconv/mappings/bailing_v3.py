@@ -23,6 +23,7 @@ MoE when `i >= first_k_dense_replace`, else dense (HF `modeling_bailing_moe_v3.p
 """
 from types import SimpleNamespace
 
+from mconv.converter.options import option
 from mconv.converter.transforms import COLUMN, DUPLICATED, GLU, REPLICATED, ROW, SECTIONED, VOCAB
 from mconv.errors import MconvError
 from mconv.mappings.common import config_value, rope_parameters, rope_theta
@@ -130,7 +131,7 @@ def megatron_args(d: SimpleNamespace) -> dict:
         for layer in range(d.layers, d.layers + d.mtp_layers):
             if (layer in d.moe_layers) != (last in d.moe_layers):
                 kind = {True: "MoE", False: "a dense MLP"}
-                raise MconvError(f"--mtp: config.json first_k_dense_replace gives MTP layer model.layers.{layer} "
+                raise MconvError(f"{option('mtp', True)}: config.json first_k_dense_replace gives MTP layer model.layers.{layer} "
                                  f"{kind[layer in d.moe_layers]} and the last decoder layer "
                                  f"{kind[last in d.moe_layers]}; megatron-core builds its MTP layers with the last "
                                  "decoder layer's spec")

@@ -17,6 +17,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from mconv.converter.layout import count
+from mconv.converter.options import option
 from mconv.converter.transforms import COLUMN, QKV, REPLICATED, ROW
 from mconv.errors import MconvError
 from mconv.mappings import qwen3, qwen3_moe
@@ -133,13 +134,13 @@ def check_layout(d: SimpleNamespace, layout) -> None:
     vision tower is (Megatron-Bridge asserts k <= its layers; mbridge asserts k < the layers of
     every stage)."""
     if d.vision_heads % layout.tp:
-        raise MconvError(f"vision_config.num_heads={d.vision_heads} is not divisible by --tp {layout.tp} "
+        raise MconvError(f"vision_config.num_heads={d.vision_heads} is not divisible by {option('tp', layout.tp)} "
                          "(the vision tower is split at the language model's tensor parallel size)")
     first = len(layout.chunk_layers(d.layers)[0][0])
     if d.deepstack > first:
         raise MconvError(f"the {d.deepstack} deepstack_visual_indexes feed language layers 0..{d.deepstack - 1}, "
                          f"but the first pipeline stage (chunk) holds only {count(first, 'layer')}; they must be on the "
-                         "first stage, with the vision tower: give it more layers (--first-stage-layers)")
+                         f"first stage, with the vision tower: give it more layers ({option('first_stage_layers')})")
 
 
 def megatron_args(d: SimpleNamespace, language=qwen3.megatron_args) -> dict:
@@ -156,7 +157,7 @@ def check_torch_dist(d: SimpleNamespace) -> None:
     """mbridge's Qwen3VLModel asserts fewer deepstack targets than language layers."""
     if d.deepstack >= d.layers:
         raise MconvError(f"mbridge's Qwen3VLModel needs more language layers ({d.layers}) than deepstack "
-                         f"targets ({d.deepstack}); use --format torch")
+                         f"targets ({d.deepstack}); use {option('fmt', 'torch')}")
 
 
 DIST_KEYS = replace(GPT_LOCAL_KEYS, check=check_torch_dist)
