@@ -143,11 +143,12 @@ def test_library_errors_name_the_functions_parameters(tmp_path):
         return str(caught.value)
 
     assert "Use spec='local' (same tensor keys) or fmt='torch'" in refusal(tmp_path / "a", Layout(tp=2), spec="te")
-    assert refusal(tmp_path / "b", Layout(tp=2, etp=4), model=FIXTURES / "qwen3-moe-tiny").startswith("etp=4 does not divide tp=2")
+    assert refusal(tmp_path / "b", Layout(tp=2, etp=4), model=FIXTURES / "qwen3-moe-tiny", fmt="torch").startswith(
+        "etp=4 does not divide tp=2")
     assert refusal(tmp_path / "c", Layout(vpp=2)).startswith("vpp needs pp > 1")
     assert refusal(tmp_path / "d", Layout(tp=3)).endswith("is not divisible by tp=3")
     assert refusal(tmp_path / "e", Layout(), spec="tee").startswith("spec must be one of")
-    assert refusal(tmp_path / "f", Layout(ep=2)).startswith("ep/etp need a model with experts")
+    assert refusal(tmp_path / "f", Layout(ep=2)).startswith("the model has no experts, so the expert layout EP 2 ETP 1 (ep/etp")
     (tmp_path / "g").mkdir()
     (tmp_path / "g" / "notes.txt").write_text("")
     assert refusal(tmp_path / "g", Layout()).endswith("already exists; pass overwrite=True to replace it")

@@ -128,7 +128,7 @@ def validate_layout(dims: SimpleNamespace, layout: Layout, arch_check=None) -> N
     # ffn part of --layout, which defaults to the attention part) says nothing more.
     if not experts and (layout.ep > 1 or layout.etp not in (1, layout.tp)):
         raise MconvError(f"the model has no experts, so the expert layout EP {layout.ep} ETP {layout.etp} "
-                         f"({option('ep')}/{option('etp')}, or e and t of --layout's ffn part) does not apply: "
+                         f"({option('ep')}/{option('etp')}, or the e and t of {option('layout')}'s ffn part) does not apply: "
                          "leave them out")
     layout.validate(dims.layers)
     for what, value in (("num_attention_heads", getattr(dims, "heads", None)),
