@@ -268,6 +268,22 @@ def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[s
     return plain
 
 
+def refuse_quantized(config: dict, tensors, where: Path) -> None:
+    """A quantized checkpoint (config.json's `quantization_config`, or the `weight_scale_inv` block
+    scales of an FP8 checkpoint) is refused by name: its tensors are not the model's weights.
+    Raises MconvError."""
+    quantization = config.get("quantization_config")
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    scale = next((name for name in tensors if name.endswith(".weight_scale_inv")), None)
+    if method == "fp8" or (method is None and scale is not None):
+        why = "quantization_config.quant_method is fp8" if method == "fp8" else f"it holds block scales ({scale})"
+        raise MconvError(f"{where} is an FP8 block-quantized checkpoint ({why}): FP8 checkpoints are not supported "
+                         "yet; convert the model's bfloat16 release")
+    if method is not None:
+        raise MconvError(f"{where} is a quantized checkpoint (quantization_config.quant_method is {method!r}), "
+                         "which mconv does not convert")
+
+
 class HFCheckpoint:
     """A HF model directory, read lazily: headers up front, tensor bytes only when sliced.
     Stacked experts appear as per-expert tensors (see expand_stacked_experts)."""

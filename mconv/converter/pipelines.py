@@ -19,7 +19,8 @@ from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist, torch_dist_io, torch_save
 from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, StagingBuffer, copy_side_files,
-                                   expert_orientation_for, write_config_dtype, write_hf_config)
+                                   expert_orientation_for, refuse_quantized, write_config_dtype,
+                                   write_hf_config)
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -283,6 +284,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     hf_dir = resolve_model(hf_dir, revision, progress=progress)
     refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
     ckpt = HFCheckpoint(hf_dir)
+    refuse_quantized(ckpt.config, ckpt.tensors, ckpt.dir)
     arch = architecture_for(ckpt.config)
     plan = make_plan(arch, ckpt.config, layout, spec, mtp)
     notes = check_hf_tensors(plan, ckpt)
