@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: a lazy slice reader and a streaming sharded safetensors writer."""
+"""Hugging Face checkpoints: a lazy slice reader (safetensors, or `.bin` pickles through `hf_bin`)
+and a streaming sharded safetensors writer."""
 from __future__ import annotations
 
 import bisect
@@ -6,12 +7,13 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mconv.converter import file_io
+from mconv.converter.hf_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME, read_bin
 from mconv.converter.output import copy_file
 from mconv.errors import MconvError
 
@@ -62,6 +64,8 @@ class TensorInfo:
     # Nonzero for one expert's module inside a transposed (4.x) stacked tensor: the [out, in] matrix
     # is stored as `in` rows of this many elements, of which it owns the first `out`.
     transposed_stride: int = 0
+    # A tensor of a `.bin` file: its memory-mapped tensor (or view), read from instead of `offset`.
+    mapped: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -261,6 +265,13 @@ def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[s
             for e in range(experts):
                 base = info.offset + e * rows * cols * size
                 for i, part in enumerate(parts):
+                    if info.mapped is not None:
+                        expert = info.mapped[e]
+                        view = (expert.narrow(1, i * section, section).T if transposed
+                                else expert.narrow(0, i * section, section))
+                        plain[f"{prefix}.{e}.{part}.weight"] = TensorInfo(
+                            info.file, info.dtype, (section, fan_in), 0, out if transposed else 0, view)
+                        continue
                     plain[f"{prefix}.{e}.{part}.weight"] = (
                         TensorInfo(info.file, info.dtype, (section, fan_in), base + i * section * size, out)
                         if transposed else
@@ -286,7 +297,8 @@ def refuse_quantized(config: dict, tensors, where: Path) -> None:
 
 class HFCheckpoint:
     """A HF model directory, read lazily: headers up front, tensor bytes only when sliced.
-    Stacked experts appear as per-expert tensors (see expand_stacked_experts)."""
+    Stacked experts appear as per-expert tensors (see expand_stacked_experts). Safetensors files
+    are preferred, as transformers prefers them; without them, `.bin` pickles (hf_bin)."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
@@ -294,32 +306,42 @@ class HFCheckpoint:
             raise MconvError(f"{self.dir} is not a directory")
         self.config = read_config(self.dir)
         self.tensors: dict[str, TensorInfo] = {}
-        weight_map = self._weight_map()
-        for file in [SINGLE_NAME] if weight_map is None else sorted(set(weight_map.values())):
-            for name, info in read_safetensors_header(self.dir / file).items():
+        index_name, weight_map = self._weight_map()
+        for file in [index_name] if weight_map is None else sorted(set(weight_map.values())):
+            if file.endswith(".safetensors"):
+                infos = read_safetensors_header(self.dir / file)
+            else:
+                infos = {name: TensorInfo(file, t.dtype, tuple(t.shape), mapped=t)
+                         for name, t in read_bin(self.dir / file, DTYPE_CODES).items()}
+            for name, info in infos.items():
                 if name in self.tensors:
                     raise MconvError(f"{self.dir}: tensor {name} is in both {self.tensors[name].file} and {file}")
                 self.tensors[name] = info
         for name, file in (weight_map or {}).items():
             if name not in self.tensors or self.tensors[name].file != file:
-                raise MconvError(f"{self.dir / INDEX_NAME} says tensor {name} is in {file}, but it is not there")
+                raise MconvError(f"{self.dir / index_name} says tensor {name} is in {file}, but it is not there")
         stored = self.tensors
         self.tensors = expand_stacked_experts(stored, str(self.dir))
         # the stacked expert tensors as stored (name -> shape), which `tensors` presents per expert
         self.stacked = {name: info.shape for name, info in stored.items() if name not in self.tensors}
         self._handles: dict[str, int] = {}
-        for file in {info.file for info in self.tensors.values()}:  # opened up front: readers may be threads
+        for file in {info.file for info in self.tensors.values() if info.mapped is None}:  # up front: readers may be threads
             self._fd(file)
 
-    def _weight_map(self) -> dict[str, str] | None:
-        """The index's tensor -> file map, or None for a single model.safetensors (which transformers
-        prefers when both are present)."""
-        index, single = self.dir / INDEX_NAME, self.dir / SINGLE_NAME
-        if os.path.lexists(single) and (single.is_file() or not os.path.lexists(index)):
-            return None
-        if not os.path.lexists(index):
-            raise MconvError(f"{self.dir} has no {SINGLE_NAME} or {INDEX_NAME}")
-        weight_map = read_json(index, "the index of a sharded safetensors model").get("weight_map")
+    def _weight_map(self) -> tuple[str, dict[str, str] | None]:
+        """(the index's name, its tensor -> file map), or (the single file's name, None): transformers'
+        order, model.safetensors, its index, pytorch_model.bin, its index (a single file is preferred
+        to an index beside it)."""
+        for single_name, index_name in ((SINGLE_NAME, INDEX_NAME), (BIN_SINGLE_NAME, BIN_INDEX_NAME)):
+            index, single = self.dir / index_name, self.dir / single_name
+            if os.path.lexists(single) and (single.is_file() or not os.path.lexists(index)):
+                return single_name, None
+            if os.path.lexists(index):
+                break
+        else:
+            raise MconvError(f"{self.dir} has no {SINGLE_NAME} or {INDEX_NAME} (nor {BIN_SINGLE_NAME} or "
+                             f"{BIN_INDEX_NAME})")
+        weight_map = read_json(index, "the index of a sharded model").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise MconvError(f"{index} has no 'weight_map' object of tensor names and file names")
         for file in sorted(set(weight_map.values())):
@@ -328,7 +350,7 @@ class HFCheckpoint:
             if not (self.dir / file).is_file():
                 raise MconvError(f"{self.dir / file} is listed in {INDEX_NAME} but "
                                  f"{'is not a regular file' if os.path.lexists(self.dir / file) else 'does not exist'}")
-        return weight_map
+        return index_name, weight_map
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None,
              pin: bool = False) -> torch.Tensor:
@@ -348,8 +370,16 @@ class HFCheckpoint:
         return out
 
     def read_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
-        """`read` into an existing contiguous CPU tensor of the slice's shape and dtype."""
+        """`read` into an existing contiguous CPU tensor of the slice's shape (and of the tensor's
+        dtype, or another: then the slice is read and cast, torch's cast, as hf2mcore --dtype asks)."""
         info = self.tensors[name]
+        if out.dtype != info.dtype:
+            out.copy_(self.read(name, dim, start, stop))
+            return
+        if info.mapped is not None:  # a .bin tensor: copied from its mapping
+            whole = not info.shape or (start == 0 and stop == info.shape[dim])
+            out.copy_(info.mapped if whole else info.mapped.narrow(dim, start, stop - start))
+            return
         if info.transposed_stride:
             return self._read_transposed(info, dim, start, stop, out)
         shape = list(info.shape)
@@ -365,9 +395,10 @@ class HFCheckpoint:
 
     def byte_range(self, name: str, start: int, stop: int) -> tuple[int, int, int, str] | None:
         """(open file descriptor, byte offset, bytes, path) of rows [start, stop) of tensor `name`,
-        which are one contiguous range of its file; None for an expert of transposed stacked experts."""
+        which are one contiguous range of its file; None for an expert of transposed stacked experts
+        and for a `.bin` tensor."""
         info = self.tensors[name]
-        if info.transposed_stride:
+        if info.transposed_stride or info.mapped is not None:
             return None
         inner = _numel(info.shape[1:]) * _itemsize(info.dtype)
         return self._fd(info.file), info.offset + start * inner, (stop - start) * inner, str(self.dir / info.file)
