@@ -20,9 +20,10 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, expert_orientation_for,
-                                   read_config, refuse_quantized, stack_experts, stacked_expert,
-                                   write_config_dtype, write_hf_config)
+from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for, read_config,
+                                   refuse_quantized, stack_experts, stacked_expert, write_config_dtype,
+                                   write_hf_config)
+from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.output import commit, output_path, remove_staging, write_failure

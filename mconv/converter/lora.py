@@ -19,8 +19,8 @@ from typing import Mapping, Sequence
 import torch
 
 from mconv.converter import megatron_io as mio
-from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config,
-                                   write_config_dtype)
+from mconv.converter.hf_io import HFCheckpoint, copy_side_files, read_config, write_config_dtype
+from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args, embedding_key, legacy_padded_vocab

@@ -18,9 +18,9 @@ from tqdm import tqdm
 from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist, torch_dist_io, torch_save
-from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, StagingBuffer, copy_side_files,
-                                   expert_orientation_for, refuse_quantized, write_config_dtype,
-                                   write_hf_config)
+from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for, refuse_quantized,
+                                   write_config_dtype, write_hf_config)
+from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
