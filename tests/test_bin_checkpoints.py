@@ -140,3 +140,26 @@ def test_a_bin_that_would_execute_is_refused(tmp_path):
     result = mconv("inspect", hf)
     assert result.exit_code == 1 and "refused to unpickle" in result.stderr
     assert not marker.exists()
+
+
+def test_a_hub_name_of_a_bin_only_model(tmp_path, monkeypatch):
+    """A hub repository with only `.bin` weights (in an offline cache laid out as huggingface_hub
+    leaves it): hf2mcore of the name writes what hf2mcore of the directory writes."""
+    import huggingface_hub.constants as constants
+    from safetensors.torch import load_file
+
+    from tests.test_hub import add_snapshot
+
+    source = tmp_path / "bin-only"
+    source.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (source / name).write_bytes((FIXTURES / "qwen3-tiny" / name).read_bytes())
+    torch.save(load_file(FIXTURES / "qwen3-tiny" / "model.safetensors"), source / "pytorch_model.bin")
+    cache = tmp_path / "home" / "hub"
+    add_snapshot(cache, "tiny-org/bin-only", source, "c" * 40, "main")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for name, model in (("hub", "tiny-org/bin-only"), ("dir", FIXTURES / "qwen3-tiny")):
+        result = mconv("hf2mcore", model, tmp_path / name, "--format", "torch", "-q")
+        assert result.exit_code == 0, result.output
+    same_files(tmp_path / "hub" / "release", tmp_path / "dir" / "release")
