@@ -271,6 +271,9 @@ def main(ctx: click.Context):
                    "the trainer reshards on load) or 'torch' (legacy, one file per rank).")
 @click.option("--iteration", type=click.IntRange(0, 10**9), default=None,
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
+              help="Cast every tensor to this dtype (torch's cast), recorded in the checkpoint's args as "
+                   "Megatron-LM's --bf16/--fp16 record it. Default: each tensor keeps its HF dtype.")
 @click.option("--mtp", is_flag=True,
               help="Keep the multi-token-prediction layers (config.json num_nextn_predict_layers) in "
                    "megatron-core's MTP block (mtp.layers.N., last pipeline stage; stored args mtp_num_layers); "
@@ -283,7 +286,7 @@ def main(ctx: click.Context):
                    "plan).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_string, first_stage_layers, last_stage_layers,
-                     vocab_divisor, spec, fmt, iteration, mtp, dry_run, overwrite, workers, as_json, quiet):
+                     vocab_divisor, spec, fmt, iteration, dtype, mtp, dry_run, overwrite, workers, as_json, quiet):
     """Convert the HF model HF_DIR (a directory, or a hub name such as Qwen/Qwen3-8B) into a
     Megatron checkpoint in OUT_DIR.
 
@@ -305,7 +308,8 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
     started = time.perf_counter()
     summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration, mtp=mtp,
                                    overwrite=overwrite, dry_run=dry_run, progress=show_progress(quiet, as_json),
-                                   workers=workers or default_workers(), revision=revision))
+                                   workers=workers or default_workers(), revision=revision,
+                                   dtype=torch_dtype(dtype)))
     plan = summary.plan
     for note in summary.notes if not quiet and not torchrun_rank()[0] else ():
         click.echo(f"mconv: note: {note}", err=True)

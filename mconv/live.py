@@ -20,9 +20,10 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, expert_orientation_for,
-                                   read_config, stack_experts, stacked_expert, write_config_dtype,
+from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for, read_config,
+                                   refuse_quantized, stack_experts, stacked_expert, write_config_dtype,
                                    write_hf_config)
+from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.output import commit, output_path, remove_staging, write_failure
@@ -136,6 +137,7 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path,
     staging buffer that reaches the device in large copies. `hf_dir` is a directory or a hub name
     (`Qwen/Qwen3-8B` at `revision`, fetched into the hub cache as transformers does)."""
     ckpt = HFCheckpoint(_model_dir(str(hf_dir), revision, True))
+    refuse_quantized(ckpt.config, ckpt.tensors, ckpt.dir)
     live = LiveModel.of(model_chunks, ckpt.config)
     jobs = []
     for tasks, tensors in zip(live.plan.chunks, live.tensors):

@@ -50,3 +50,97 @@ def test_dtype_on_export(fp32_checkpoint, tmp_path, dtype, workers):
     for name, tensor in loaded.state_dict().items():
         assert tensor.dtype == expected, name
         assert torch.equal(tensor, original[name].to(expected)), name
+
+
+# ----------------------------------------------------------------------------- every safetensors dtype
+
+def _cast_fixture(tmp_path, dtype):
+    """The fixture with every tensor cast to `dtype`, written by safetensors itself."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "qwen3-tiny", hf)
+    tensors = {k: (v * 64).to(dtype) for k, v in load_file(hf / "model.safetensors").items()}
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    return hf, tensors
+
+
+def _safetensors_dtypes():
+    from safetensors.torch import _TYPES
+
+    return sorted(_TYPES.items())
+
+
+@pytest.mark.parametrize("code,dtype", _safetensors_dtypes(), ids=[code for code, _ in _safetensors_dtypes()])
+def test_every_safetensors_dtype_round_trips_or_is_refused_up_front(tmp_path, code, dtype):
+    """Each dtype the safetensors format has (safetensors' own list), through both formats: a round
+    trip bit for bit (safetensors reads the result), or one line at hf2mcore time naming a tensor
+    and the dtype, never a failure when the checkpoint is read back."""
+    from tests.conftest import assert_hf_bits_equal
+    from tests.test_errors import assert_refused, mconv
+
+    hf, tensors = _cast_fixture(tmp_path, dtype)
+    for fmt in ("torch_dist", "torch"):
+        ckpt, out = tmp_path / f"ckpt-{fmt}", tmp_path / f"out-{fmt}"
+        result = mconv("hf2mcore", hf, ckpt, "--tp", "2", "--format", fmt, "-q")
+        if result.exit_code:
+            assert_refused(result, ckpt, ": tensor ", f"dtype {code}")
+            continue
+        result = mconv("mcore2hf", ckpt, out, "-q")
+        assert result.exit_code == 0, result.output
+        assert_hf_bits_equal(tensors, out)
+
+
+def test_fp8_block_quantized_checkpoints_are_refused_by_name(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.test_errors import assert_refused, mconv
+
+    hf, tensors = _cast_fixture(tmp_path, torch.float8_e4m3fn)
+    scale = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    save_file({**tensors, scale: torch.ones(1, 1)}, hf / "model.safetensors", metadata={"format": "pt"})
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", "FP8 checkpoints are not supported yet",
+                   scale)
+    config = json.loads((hf / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (hf / "config.json").write_text(json.dumps(config))
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", "FP8 checkpoints are not supported yet",
+                   "quant_method is fp8")
+
+
+# ----------------------------------------------------------------------------- hf2mcore --dtype
+
+# What Megatron-LM's args hold for a job run with --bf16, --fp16 or neither (its validate_args sets
+# params_dtype from the flags): params_dtype, bf16, fp16.
+MEGATRON_FLAGS = {torch.float32: (torch.float32, False, False), torch.bfloat16: (torch.bfloat16, True, False),
+                  torch.float16: (torch.float16, False, True)}
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_dtype_on_import(fp32_checkpoint, tmp_path, fmt, dtype):
+    """hf2mcore --dtype: every stored tensor is torch's cast of the HF tensor (read back by
+    safetensors after mcore2hf, and by torch.load from the legacy rank files), the args record the
+    dtype as Megatron-LM does, and mcore2hf gives the cast tensors back."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import assert_hf_bits_equal, load_rank_file
+
+    fp32, _ = fp32_checkpoint
+    target = getattr(torch, dtype)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    result = CliRunner().invoke(main, ["hf2mcore", str(fp32), str(ckpt), "--tp", "2", "--format", fmt,
+                                       "--dtype", dtype, "-q"])
+    assert result.exit_code == 0, result.output
+    if fmt == "torch":
+        states = [load_rank_file(path) for path in sorted(ckpt.glob("release/mp_rank_*/model_optim_rng.pt"))]
+        assert {t.dtype for state in states for t in state["model"].values() if isinstance(t, torch.Tensor)} == {target}
+    else:
+        states = [load_rank_file(ckpt / "release" / "common.pt")]
+    for state in states:
+        args = state["args"]
+        assert (args.params_dtype, args.bf16, args.fp16) == MEGATRON_FLAGS[target]
+    assert json.loads((ckpt / "mconv.json").read_text())["dtype"] == dtype
+    assert CliRunner().invoke(main, ["mcore2hf", str(ckpt), str(out), "-q"]).exit_code == 0
+    assert_hf_bits_equal({k: v.to(target) for k, v in load_file(fp32 / "model.safetensors").items()}, out)

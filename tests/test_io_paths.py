@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from mconv.converter import torch_dist_io, torch_save
-from mconv.converter.hf_io import ShardedSafetensorsWriter, StagingBuffer
+from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.torch_dist_io import DistEntry
 
 

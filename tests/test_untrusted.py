@@ -86,6 +86,14 @@ def poison_tensor_chunk(iter_dir: Path, marker: Path) -> None:
     _append_object(iter_dir, _dcp_metadata(iter_dir), "embedding.word_embeddings.weight", Payload(marker))
 
 
+def poison_float8_chunk(iter_dir: Path, marker: Path) -> None:
+    """A float8 chunk (torch.save's v3 rebuild, which the chunk reader allows) carrying the payload
+    as a Python attribute."""
+    tensor = torch.zeros(1, dtype=torch.float8_e4m3fn)
+    tensor.payload = Payload(marker)
+    _append_object(iter_dir, _dcp_metadata(iter_dir), "embedding.word_embeddings.weight", tensor)
+
+
 def poison_rank_file(iter_dir: Path, marker: Path) -> None:
     path = iter_dir / "mp_rank_01" / "model_optim_rng.pt"
     state = load_rank_file(path)
@@ -98,11 +106,13 @@ KINDS = {
     "common.pt": ("torch_dist", poison_common_pt, "posix.system"),
     "common_state in .distcp": ("torch_dist", poison_common_state, "posix.system"),
     "tensor chunk in .distcp": ("torch_dist", poison_tensor_chunk, "posix.system"),
+    "float8 tensor chunk in .distcp": ("torch_dist", poison_float8_chunk, "torch._tensor._rebuild_from_type_v2"),
     "model_optim_rng.pt": ("torch", poison_rank_file, "posix.system"),
 }
 # A tensor chunk is unpickled only when its tensor is read: inspect reads no tensor data, and
 # export-lora reads only adapter tensors (these checkpoints have none: it stops, saying so).
 READS_CHUNKS = {"mcore2hf"}
+CHUNKS = {"tensor chunk in .distcp", "float8 tensor chunk in .distcp"}
 
 
 def poisoned(checkpoints: Path, tmp_path: Path, kind: str) -> tuple[Path, Path]:
@@ -125,7 +135,7 @@ def test_payload_is_refused_by_the_cli(checkpoints, tmp_path, kind, command):
     out = tmp_path / "out"
     args = {"inspect": [ckpt], "mcore2hf": [ckpt, out, "-q"], "export-lora": [ckpt, out, "--alpha", 1, "-q"]}[command]
     result = mconv(command, *args)
-    if kind == "tensor chunk in .distcp" and command not in READS_CHUNKS:
+    if kind in CHUNKS and command not in READS_CHUNKS:
         assert result.exit_code == (0 if command == "inspect" else 1), result.output
     else:
         assert_refused(result, out, "refused to unpickle", KINDS[kind][2], str(ckpt))
@@ -137,10 +147,10 @@ def test_payload_is_refused_by_the_cli(checkpoints, tmp_path, kind, command):
 def test_payload_is_refused_by_the_library(checkpoints, tmp_path, kind):
     ckpt, marker = poisoned(checkpoints, tmp_path, kind)
     calls = [lambda: mcore2hf(ckpt, tmp_path / "hf", progress=False)]
-    if kind != "tensor chunk in .distcp":
+    if kind not in CHUNKS:
         calls += [lambda: inspect_path(ckpt), lambda: export_lora(ckpt, tmp_path / "adapter", alpha=1.0)]
     for call in calls:
-        with pytest.raises(MconvError, match="refused to unpickle posix.system"):
+        with pytest.raises(MconvError, match=f"refused to unpickle {KINDS[kind][2]}"):
             call()
     assert not marker.exists() and not (tmp_path / "hf").exists() and not (tmp_path / "adapter").exists()
 

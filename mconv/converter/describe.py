@@ -19,6 +19,7 @@ from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import count
 from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.converter.options import option
+from mconv.converter.transforms import tp_sizes_for_padded_vocab
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
@@ -248,11 +249,11 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
                            "iteration": location.iteration if location.iteration is not None else "release",
                            "written_by": f"mconv {metadata['mconv_version']}" if metadata else "another tool",
                            "files": len(list(location.iter_dir.glob("*.distcp" if dist else "mp_rank_*")))}}
-    name = None
+    name, vocab = None, args.get("vocab_size")
     size = _sizes(dtypes)
     if hf_config or stored_config:
         ckpt = open_checkpoint(location.iter_dir, hf_config)  # checks the tensors against the HF config
-        name = ckpt.plan.arch.name
+        name, vocab = ckpt.plan.arch.name, ckpt.plan.dims.vocab
         args.setdefault("padded_vocab_size", ckpt.plan.padded_vocab)
         info["other_settings"] = other_settings(ckpt.plan.arch, ckpt.plan.dims)
         if dist:  # hf2mcore counts megatron-core's parameters, which torch_dist stores stacked by layer
@@ -265,7 +266,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
         short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
                  "expert_model_parallel_size": "EP", "expert_tensor_parallel_size": "ETP"}
         saved = " ".join(f"{label}{args[dest]}" for dest, label in short.items() if args.get(dest))
-        info["layout"] = {"any": "torch_dist reshards on load to the trainer's layout",
+        info["layout"] = {**_dist_tp_sizes(args, vocab),
                           "saved_by": saved or "unknown (no args)"}
     else:
         info["layout"] = {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep, "etp": layout.etp,
@@ -280,6 +281,23 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     info["size"] = {**size, **({"stored_tensors": stored} if dist else {}), "files": info["checkpoint"]["files"]}
     info["trainer_flags"] = trainer_flags(args, layout=not dist)
     return info
+
+
+def _dist_tp_sizes(args: dict, vocab: int | None) -> dict:
+    """The TP sizes a torch_dist checkpoint loads at: those at which Megatron pads the vocabulary
+    (`vocab`, None if unknown) to the padded vocabulary stored (`padded_vocab_size`) with the args'
+    make_vocab_size_divisible_by (transforms.tp_sizes_for_padded_vocab). JSON fields `tp_sizes`
+    (None where the padded vocabulary is unknown) and `tp_text`."""
+    padded = args.get("padded_vocab_size")
+    divisor = args.get("make_vocab_size_divisible_by") or 128
+    if not isinstance(padded, int):
+        return {"tp_sizes": None, "tp_text": "TP unknown (no padded vocabulary in the args)"}
+    sizes = tp_sizes_for_padded_vocab(padded, vocab, divisor)
+    listed = " or ".join(filter(None, (", ".join(map(str, sizes[:-1])), str(sizes[-1])))) if sizes else ""
+    why = f"{'vocab ' + str(vocab) if vocab else 'a vocabulary'} to the stored {padded} rows with " \
+          f"make_vocab_size_divisible_by {divisor}"
+    text = f"TP {listed} (only these pad {why})" if sizes else f"no TP size (none pads {why})"
+    return {"tp_sizes": sizes, "tp_text": text}
 
 
 def render(info: dict) -> list[str]:
@@ -308,8 +326,8 @@ def render(info: dict) -> list[str]:
                                  + (f", {m['expert_modules']}" if "expert_modules" in m else "")))
     if "layout" in info:
         layout = info["layout"]
-        if "any" in layout:
-            text = f"any ({layout['any']}); saved by {layout['saved_by']}"
+        if "saved_by" in layout:
+            text = f"{layout['tp_text']}, any PP, VPP, EP (torch_dist reshards on load); saved by {layout['saved_by']}"
         else:
             text = layout["text"]
         lines.append(("layout", text + (f", spec {layout['spec']}" if "spec" in layout else "")))

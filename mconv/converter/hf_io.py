@@ -1,17 +1,17 @@
-"""Hugging Face checkpoints: a lazy slice reader and a streaming sharded safetensors writer."""
+"""Hugging Face checkpoints, read: a lazy slice reader (safetensors, or `.bin` pickles through
+`hf_bin`), config.json, and the files beside the weights. The writer is `hf_write`."""
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from mconv.converter import file_io
+from mconv.converter.hf_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME, read_bin
 from mconv.converter.output import copy_file
 from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
@@ -63,6 +63,8 @@ class TensorInfo:
     # Nonzero for one expert's module inside a transposed (4.x) stacked tensor: the [out, in] matrix
     # is stored as `in` rows of this many elements, of which it owns the first `out`.
     transposed_stride: int = 0
+    # A tensor of a `.bin` file: its memory-mapped tensor (or view), read from instead of `offset`.
+    mapped: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -262,6 +264,13 @@ def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[s
             for e in range(experts):
                 base = info.offset + e * rows * cols * size
                 for i, part in enumerate(parts):
+                    if info.mapped is not None:
+                        expert = info.mapped[e]
+                        view = (expert.narrow(1, i * section, section).T if transposed
+                                else expert.narrow(0, i * section, section))
+                        plain[f"{prefix}.{e}.{part}.weight"] = TensorInfo(
+                            info.file, info.dtype, (section, fan_in), 0, out if transposed else 0, view)
+                        continue
                     plain[f"{prefix}.{e}.{part}.weight"] = (
                         TensorInfo(info.file, info.dtype, (section, fan_in), base + i * section * size, out)
                         if transposed else
@@ -269,9 +278,26 @@ def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[s
     return plain
 
 
+def refuse_quantized(config: dict, tensors, where: Path) -> None:
+    """A quantized checkpoint (config.json's `quantization_config`, or the `weight_scale_inv` block
+    scales of an FP8 checkpoint) is refused by name: its tensors are not the model's weights.
+    Raises MconvError."""
+    quantization = config.get("quantization_config")
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    scale = next((name for name in tensors if name.endswith(".weight_scale_inv")), None)
+    if method == "fp8" or (method is None and scale is not None):
+        why = "quantization_config.quant_method is fp8" if method == "fp8" else f"it holds block scales ({scale})"
+        raise MconvError(f"{where} is an FP8 block-quantized checkpoint ({why}): FP8 checkpoints are not supported "
+                         "yet; convert the model's bfloat16 release")
+    if method is not None:
+        raise MconvError(f"{where} is a quantized checkpoint (quantization_config.quant_method is {method!r}), "
+                         "which mconv does not convert")
+
+
 class HFCheckpoint:
     """A HF model directory, read lazily: headers up front, tensor bytes only when sliced.
-    Stacked experts appear as per-expert tensors (see expand_stacked_experts)."""
+    Stacked experts appear as per-expert tensors (see expand_stacked_experts). Safetensors files
+    are preferred, as transformers prefers them; without them, `.bin` pickles (hf_bin)."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
@@ -279,32 +305,42 @@ class HFCheckpoint:
             raise MconvError(f"{self.dir} is not a directory")
         self.config = read_config(self.dir)
         self.tensors: dict[str, TensorInfo] = {}
-        weight_map = self._weight_map()
-        for file in [SINGLE_NAME] if weight_map is None else sorted(set(weight_map.values())):
-            for name, info in read_safetensors_header(self.dir / file).items():
+        index_name, weight_map = self._weight_map()
+        for file in [index_name] if weight_map is None else sorted(set(weight_map.values())):
+            if file.endswith(".safetensors"):
+                infos = read_safetensors_header(self.dir / file)
+            else:
+                infos = {name: TensorInfo(file, t.dtype, tuple(t.shape), mapped=t)
+                         for name, t in read_bin(self.dir / file, DTYPE_CODES).items()}
+            for name, info in infos.items():
                 if name in self.tensors:
                     raise MconvError(f"{self.dir}: tensor {name} is in both {self.tensors[name].file} and {file}")
                 self.tensors[name] = info
         for name, file in (weight_map or {}).items():
             if name not in self.tensors or self.tensors[name].file != file:
-                raise MconvError(f"{self.dir / INDEX_NAME} says tensor {name} is in {file}, but it is not there")
+                raise MconvError(f"{self.dir / index_name} says tensor {name} is in {file}, but it is not there")
         stored = self.tensors
         self.tensors = expand_stacked_experts(stored, str(self.dir))
         # the stacked expert tensors as stored (name -> shape), which `tensors` presents per expert
         self.stacked = {name: info.shape for name, info in stored.items() if name not in self.tensors}
         self._handles: dict[str, int] = {}
-        for file in {info.file for info in self.tensors.values()}:  # opened up front: readers may be threads
+        for file in {info.file for info in self.tensors.values() if info.mapped is None}:  # up front: readers may be threads
             self._fd(file)
 
-    def _weight_map(self) -> dict[str, str] | None:
-        """The index's tensor -> file map, or None for a single model.safetensors (which transformers
-        prefers when both are present)."""
-        index, single = self.dir / INDEX_NAME, self.dir / SINGLE_NAME
-        if os.path.lexists(single) and (single.is_file() or not os.path.lexists(index)):
-            return None
-        if not os.path.lexists(index):
-            raise MconvError(f"{self.dir} has no {SINGLE_NAME} or {INDEX_NAME}")
-        weight_map = read_json(index, "the index of a sharded safetensors model").get("weight_map")
+    def _weight_map(self) -> tuple[str, dict[str, str] | None]:
+        """(the index's name, its tensor -> file map), or (the single file's name, None): transformers'
+        order, model.safetensors, its index, pytorch_model.bin, its index (a single file is preferred
+        to an index beside it)."""
+        for single_name, index_name in ((SINGLE_NAME, INDEX_NAME), (BIN_SINGLE_NAME, BIN_INDEX_NAME)):
+            index, single = self.dir / index_name, self.dir / single_name
+            if os.path.lexists(single) and (single.is_file() or not os.path.lexists(index)):
+                return single_name, None
+            if os.path.lexists(index):
+                break
+        else:
+            raise MconvError(f"{self.dir} has no {SINGLE_NAME} or {INDEX_NAME} (nor {BIN_SINGLE_NAME} or "
+                             f"{BIN_INDEX_NAME})")
+        weight_map = read_json(index, "the index of a sharded model").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise MconvError(f"{index} has no 'weight_map' object of tensor names and file names")
         for file in sorted(set(weight_map.values())):
@@ -313,7 +349,7 @@ class HFCheckpoint:
             if not (self.dir / file).is_file():
                 raise MconvError(f"{self.dir / file} is listed in {INDEX_NAME} but "
                                  f"{'is not a regular file' if os.path.lexists(self.dir / file) else 'does not exist'}")
-        return weight_map
+        return index_name, weight_map
 
     def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None,
              pin: bool = False) -> torch.Tensor:
@@ -333,8 +369,16 @@ class HFCheckpoint:
         return out
 
     def read_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
-        """`read` into an existing contiguous CPU tensor of the slice's shape and dtype."""
+        """`read` into an existing contiguous CPU tensor of the slice's shape (and of the tensor's
+        dtype, or another: then the slice is read and cast, torch's cast, as hf2mcore --dtype asks)."""
         info = self.tensors[name]
+        if out.dtype != info.dtype:
+            out.copy_(self.read(name, dim, start, stop))
+            return
+        if info.mapped is not None:  # a .bin tensor: copied from its mapping
+            whole = not info.shape or (start == 0 and stop == info.shape[dim])
+            out.copy_(info.mapped if whole else info.mapped.narrow(dim, start, stop - start))
+            return
         if info.transposed_stride:
             return self._read_transposed(info, dim, start, stop, out)
         shape = list(info.shape)
@@ -350,9 +394,10 @@ class HFCheckpoint:
 
     def byte_range(self, name: str, start: int, stop: int) -> tuple[int, int, int, str] | None:
         """(open file descriptor, byte offset, bytes, path) of rows [start, stop) of tensor `name`,
-        which are one contiguous range of its file; None for an expert of transposed stacked experts."""
+        which are one contiguous range of its file; None for an expert of transposed stacked experts
+        and for a `.bin` tensor."""
         info = self.tensors[name]
-        if info.transposed_stride:
+        if info.transposed_stride or info.mapped is not None:
             return None
         inner = _numel(info.shape[1:]) * _itemsize(info.dtype)
         return self._fd(info.file), info.offset + start * inner, (stop - start) * inner, str(self.dir / info.file)
@@ -385,277 +430,6 @@ class HFCheckpoint:
         for fd in self._handles.values():
             os.close(fd)
         self._handles.clear()
-
-
-ALIGN = 64  # bytes: staged tensors keep their file offset's alignment up to this
-
-
-class StagingBuffer:
-    """A reusable block of host memory for one thread's batches. Fresh memory costs a page fault
-    per 4 KiB page on first touch (measured on the 2-core VM: 4.2 s per GB, against 0.3 s to copy
-    into memory already touched), so batch after batch goes through the same pages; a request
-    larger than `keep` bytes (one huge tensor) gets memory of its own, released after the batch."""
-
-    def __init__(self, keep: int = 256 * 2**20):
-        self.keep, self.memory = keep, torch.empty(0, dtype=torch.uint8)
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        if nbytes > self.keep:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes > self.memory.numel():
-            self.memory = torch.empty(max(nbytes, min(self.keep, 2 * self.memory.numel())), dtype=torch.uint8)
-        return self.memory[:nbytes]
-
-
-def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_bytes: int) -> list[list[int]]:
-    """Group tensors (in order) into shards of at most max_shard_bytes; a larger tensor gets its own."""
-    shards, current, size = [], [], 0
-    for i, (_, dtype, shape) in enumerate(entries):
-        nbytes = _numel(shape) * _itemsize(dtype)
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += nbytes
-    if current:
-        shards.append(current)
-    return shards
-
-
-class ShardedSafetensorsWriter:
-    """Writes HF safetensors shards whose headers are known in advance.
-
-    Every tensor's file and byte offset is fixed before any data is written, so tensors can be
-    written in any order, by any process, one at a time: memory holds one tensor, not a shard.
-    """
-
-    def __init__(self, directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 max_shard_bytes: int, stack_experts: str | None = None):
-        """`stack_experts` ("4.x" or "5.x", see ORIENTATIONS): per-expert tensors
-        `<p>.mlp.experts.{e}.gate_proj.weight` ... are written into stacked `<p>.mlp.experts.gate_up_proj`
-        / `down_proj` tensors of that orientation."""
-        self.dir = Path(directory)
-        self.views: dict[str, tuple[str, int, int, int]] = {}  # per-expert name -> (stacked, expert, part, parts)
-        self.experts: dict[str, int] = {}  # stacked name -> experts
-        if stack_experts is not None:
-            entries = self._stack(entries, stack_experts == "4.x")
-        self.transposed = stack_experts == "4.x"
-        self._pending: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
-        self.entries = entries
-        shards = plan_shards(entries, max_shard_bytes)
-        # transformers' names: model.safetensors alone, or numbered shards and an index.
-        self.files = ([SINGLE_NAME] if len(shards) == 1 else
-                      [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-        self.location: dict[str, tuple[str, int, int]] = {}  # name -> (file, absolute offset, nbytes)
-        self.headers: list[bytes] = []
-        for file, members in zip(self.files, shards):
-            header, offset = {"__metadata__": {"format": "pt"}}, 0
-            for i in members:
-                name, dtype, shape = entries[i]
-                nbytes = _numel(shape) * _itemsize(dtype)
-                header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape),
-                                "data_offsets": [offset, offset + nbytes]}
-                offset += nbytes
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
-            self.headers.append(struct.pack("<Q", len(raw)) + raw)
-            base = 8 + len(raw)
-            for i in members:
-                name = entries[i][0]
-                start, stop = header[name]["data_offsets"]
-                self.location[name] = (file, base + start, stop - start)
-        self.total_size = sum(nbytes for _, _, nbytes in self.location.values())
-        self._fds: dict[str, int] = {}
-
-    def _stack(self, entries: list, transposed: bool) -> list:
-        """The entries with per-expert tensors replaced by their stacked tensors (placed where the
-        first expert's first module was)."""
-        grouped: dict[str, list] = {}
-        for name, dtype, shape in entries:
-            view = stacked_expert(name)
-            if view is not None:
-                self.views[name] = view
-                grouped.setdefault(view[0], []).append((dtype, shape))
-        stacked_entries, done = [], set()
-        for name, dtype, shape in entries:
-            if name not in self.views:
-                stacked_entries.append((name, dtype, shape))
-                continue
-            stacked, _, _, parts = self.views[name]
-            if stacked not in done:
-                done.add(stacked)
-                (section, fan_in), experts = shape, len(grouped[stacked]) // parts
-                self.experts[stacked] = experts
-                stacked_entries.append((stacked, dtype, (experts, fan_in, section * parts) if transposed
-                                        else (experts, section * parts, fan_in)))
-        return stacked_entries
-
-    def create(self) -> None:
-        for file, header in zip(self.files, self.headers):
-            fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-            file_io.pwrite_all(fd, memoryview(header), 0)
-            self._fds[file] = fd
-
-    def open_existing(self) -> None:
-        """Attach to shard files another process created (parallel writers)."""
-        for file in self.files:
-            self._fds[file] = os.open(self.dir / file, os.O_RDWR)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one tensor (any order). A per-expert tensor of stacked experts goes into its stacked
-        tensor; in the transposed orientation the modules of one expert (gate and up) are held until
-        all have come (the exporter writes them together) and written as the expert's one range."""
-        if name not in self.views:
-            return self._write_at(name, tensor, *self.location[name])
-        stacked, expert, part, parts = self.views[name]
-        file, offset, _ = self.location[stacked]
-        slice_bytes = tensor.numel() * tensor.element_size() * parts
-        if not self.transposed:
-            section = slice_bytes // parts
-            return self._write_at(name, tensor, file, offset + expert * slice_bytes + part * section, section)
-        pending = self._pending.setdefault((stacked, expert), {})
-        pending[part] = tensor
-        if len(pending) == parts:
-            del self._pending[(stacked, expert)]
-            whole = torch.cat([pending[i] for i in range(parts)]).T
-            self._write_at(stacked, whole, file, offset + expert * slice_bytes, slice_bytes)
-
-    def _write_at(self, name: str, tensor: torch.Tensor, file: str, offset: int, nbytes: int) -> None:
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        if data.nbytes != nbytes:
-            raise MconvError(f"internal: {name} has {data.nbytes} bytes, its header promised {nbytes}")
-        self._pwrite(file, memoryview(data), offset)
-
-    def _pwrite(self, file: str, view: memoryview, offset: int) -> None:
-        file_io.pwrite_all(self._fds[file], view, offset)
-
-    def place(self, name: str) -> tuple[str, int] | None:
-        """(file, byte offset) where tensor `name` is one contiguous byte range of the output, or
-        None where the writer rearranges it (an expert of transposed stacked experts)."""
-        if name not in self.views:
-            return self.location[name][:2]
-        if self.transposed:
-            return None
-        stacked, expert, part, parts = self.views[name]
-        file, offset, nbytes = self.location[stacked]
-        slice_bytes = nbytes // self.experts[stacked]
-        return file, offset + expert * slice_bytes + part * (slice_bytes // parts)
-
-    def stage(self, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], buffer: "StagingBuffer",
-              first_row: int = 0) -> "StagedBatch":
-        """Memory laid out as the output files' bytes for `tensors` (name, dtype, shape), in
-        `buffer` (reused from batch to batch, so its pages are not faulted in again): see
-        StagedBatch. A tensor that is not one aligned byte range of the output (transposed stacked
-        experts) gets its own tensor, which `flush` hands to `write`. With `first_row`, `tensors`
-        is one tensor's rows from that row on (`shape` those rows'), a window of a large tensor."""
-        placed, loose = [], {}
-        for name, dtype, shape in tensors:
-            where = self.place(name)
-            if where is not None and first_row:
-                where = (where[0], where[1] + first_row * _numel(shape[1:]) * dtype.itemsize)
-            if where is None or where[1] % dtype.itemsize:
-                if first_row:
-                    raise MconvError(f"internal: {name} is staged by rows but is not one byte range of the output")
-                loose[name] = torch.empty(shape, dtype=dtype)
-            else:
-                placed.append((*where, _numel(shape) * dtype.itemsize, name, dtype, shape))
-        placed.sort(key=lambda p: p[:2])
-        runs: list[list] = []  # [file, first offset, end, members]
-        for file, offset, nbytes, *member in placed:
-            if runs and runs[-1][0] == file and runs[-1][2] == offset:
-                runs[-1][2] += nbytes
-                runs[-1][3].append((offset, nbytes, *member))
-            else:
-                runs.append([file, offset, offset + nbytes, [(offset, nbytes, *member)]])
-        # Each run starts at its file offset modulo ALIGN, so a tensor aligned in the file is aligned in memory.
-        starts, total = [], 0
-        for _, first, end, _ in runs:
-            total += (first - total) % ALIGN
-            starts.append(total)
-            total += end - first
-        memory = buffer.take(total)
-        views = dict(loose)
-        for (file, first, end, members), start in zip(runs, starts):
-            for offset, nbytes, name, dtype, shape in members:
-                at = start + offset - first
-                views[name] = memory[at:at + nbytes].view(dtype).view(shape)
-        return StagedBatch(self, memory, [(start, start + end - first, file, first)
-                                          for (file, first, end, _), start in zip(runs, starts)], views, loose)
-
-    def copy_range(self, source: int, file: str, offset: int, at: int, nbytes: int) -> bool:
-        """Copy `nbytes` bytes at `offset` of the open input file `source` to byte `at` of output
-        `file`, file to file in the kernel (`file_io.copy_range`). False where the kernel does not
-        copy between these files or the input ends early: the caller writes the bytes itself."""
-        return file_io.copy_range(source, offset, self._fds[file], at, nbytes)
-
-    def close(self) -> None:
-        if self._pending:
-            raise MconvError(f"internal: stacked experts left incomplete: {sorted(self._pending)[:2]}")
-        for fd in self._fds.values():
-            os.fsync(fd)
-            os.close(fd)
-        self._fds.clear()
-
-    def write_index(self) -> None:
-        """The index of a sharded output, as transformers' save_pretrained writes it (a single
-        model.safetensors has none)."""
-        if len(self.files) == 1:
-            return
-        weight_map = {name: self.location[name][0] for name, _, _ in self.entries}
-        parameters = sum(_numel(shape) for _, _, shape in self.entries)
-        index = {"metadata": {"total_parameters": parameters, "total_size": self.total_size}, "weight_map": weight_map}
-        (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-class StagedBatch:
-    """A batch of output tensors staged by `ShardedSafetensorsWriter.stage`. `views`: each tensor's
-    view into memory laid out as its range of the output files. Each view's bytes get to the
-    output either through memory (fill the view; `flush` writes runs of adjacent tensors with one
-    pwrite each) or, where they are bytes of an input file, by `copy`, file to file (those bytes
-    are then left out of `flush`)."""
-
-    def __init__(self, writer: ShardedSafetensorsWriter, memory: torch.Tensor, runs: list[tuple[int, int, str, int]],
-                 views: dict[str, torch.Tensor], loose: dict[str, torch.Tensor]):
-        self.writer, self.memory, self.views, self.loose = writer, memory, views, loose
-        self.runs = runs  # (memory start, memory end, file, file offset), by memory start
-        self.starts = [run[0] for run in runs]
-        self.copied: list[tuple[int, int]] = []  # memory ranges whose bytes `copy` put in the output
-
-    def copy(self, dest: torch.Tensor, ranges: list[tuple[int, int, int, int]]) -> bool:
-        """Copy into the output, where `dest` (a contiguous part of a view) lands, the input file
-        ranges `ranges` (file descriptor, file offset, byte offset in `dest`, bytes) that make up
-        `dest`, file to file (`ShardedSafetensorsWriter.copy_range`). False where `dest` is not in
-        the staged memory or the kernel does not copy: the caller fills `dest` instead."""
-        lo = dest.data_ptr() - self.memory.data_ptr()
-        hi = lo + dest.nbytes
-        run = bisect.bisect_right(self.starts, lo) - 1
-        if (not dest.is_contiguous() or run < 0 or hi > self.runs[run][1] or lo >= hi
-                or sum(r[3] for r in ranges) != dest.nbytes):
-            return False
-        start, _, file, first = self.runs[run]
-        for source, offset, at, nbytes in ranges:
-            if not self.writer.copy_range(source, file, offset, first + lo - start + at, nbytes):
-                return False
-        self.copied.append((lo, hi))
-        return True
-
-    def flush(self) -> None:
-        """Write what `copy` did not put in the output: the staged memory around the copied
-        ranges, one pwrite per stretch, then the loose tensors."""
-        copied = sorted(self.copied)
-        for start, end, file, first in self.runs:
-            at = start
-            for lo, hi in copied[bisect.bisect_left(copied, (start,)):bisect.bisect_left(copied, (end,))]:
-                self._write(file, first - start, at, lo)
-                at = hi
-            self._write(file, first - start, at, end)
-        for name, tensor in self.loose.items():
-            self.writer.write(name, tensor)
-
-    def _write(self, file: str, shift: int, lo: int, hi: int) -> None:
-        """pwrite memory [lo, hi) at file offset lo + shift."""
-        if hi > lo:
-            self.writer._pwrite(file, memoryview(self.memory[lo:hi].numpy()), lo + shift)
 
 
 def copy_side_files(source: Path, destination: Path) -> list[str]:

@@ -6,8 +6,9 @@ an existing local directory always wins; otherwise the name is a hub repository 
 by default `$HF_HOME/hub`, laid out as `models--ORG--NAME/{blobs,refs,snapshots/COMMIT}`),
 downloading what is missing unless `HF_HUB_OFFLINE=1`, with huggingface_hub's own progress bars
 and token. Only the files mconv reads or carries are fetched: safetensors weights and their index
-(when weights are needed), JSON configs, tokenizer files, and the remote code (`*.py`) the configs'
-`auto_map` names (see remote_code).
+(when weights are needed; `pytorch_model*.bin` pickles only where a repository has no safetensors,
+as transformers falls back to them), JSON configs, tokenizer files, and the remote code (`*.py`) the
+configs' `auto_map` names (see remote_code).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from mconv.errors import MconvError
 # What transformers reads of a model besides its weights: configs, tokenizer, chat template.
 CONFIG_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "merges.txt", "*.tiktoken"]
 WEIGHT_PATTERNS = ["*.safetensors"]
+BIN_PATTERNS = ["pytorch_model*.bin"]  # read by hf_bin
 
 
 def _remote_code(folder: Path) -> list[str]:
@@ -72,10 +74,15 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
     quiet = not progress and not are_progress_bars_disabled()
     if quiet:
         disable_progress_bars()
-    try:
+    def download(patterns: list[str]) -> Path:
         # Offline, transformers asks for local files only (a commit hash would otherwise still be fetched).
-        folder = Path(snapshot_download(text, revision=revision, local_files_only=constants.HF_HUB_OFFLINE,
-                                        allow_patterns=CONFIG_PATTERNS + (WEIGHT_PATTERNS if weights else [])))
+        return Path(snapshot_download(text, revision=revision, local_files_only=constants.HF_HUB_OFFLINE,
+                                      allow_patterns=CONFIG_PATTERNS + patterns))
+
+    try:
+        folder = download(WEIGHT_PATTERNS if weights else [])
+        if weights and not any(folder.glob("*.safetensors")):
+            folder = download(BIN_PATTERNS)
         # The remote code the configs name, and what it imports, are known only once they are here:
         # fetched from the same commit until the files named stop growing (remote_code_files).
         fetched: list[str] = []
@@ -100,7 +107,7 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
     finally:
         if quiet:
             enable_progress_bars()
-    if weights and not any(folder.glob("*.safetensors")):
-        raise MconvError(f"{text}{at} (in {folder}) has no safetensors weights; mconv reads only safetensors")
+    if weights and not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        raise MconvError(f"{text}{at} (in {folder}) has no safetensors or pytorch_model*.bin weights")
     return folder
 

@@ -20,11 +20,11 @@ from typing import Mapping, Sequence
 import torch
 
 from mconv.converter import megatron_io as mio
-from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, copy_side_files, read_config,
-                                   write_config_dtype)
+from mconv.converter.hf_io import HFCheckpoint, copy_side_files, read_config, write_config_dtype
+from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.hub import check_revision, is_local, resolve_model
 from mconv.converter.layout import Layout, Rank
-from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args
+from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args, embedding_key, legacy_padded_vocab
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
 from mconv.converter.transforms import merge, padded_vocab_size
@@ -300,7 +300,7 @@ def _legacy_states(location: mio.CheckpointLocation, config: dict) -> tuple[Rank
     """Every rank file of a legacy checkpoint, memory-mapped (only the adapter bytes are read)."""
     args, layout, states, first = mio.read_legacy_ranks(location)
     arch = architecture_for(config)
-    check_args(args, arch, arch.dims(config), first)
+    check_args(args, arch, arch.dims(config), first, legacy_padded_vocab(arch, states[Rank(0, 0)], layout))
     return states, layout
 
 
@@ -324,7 +324,8 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     args = mio.megatron_lm_args(layout, dims, arch.megatron_args(dims), "local", padded_vocab_size(dims.vocab, 128, 1),
                                 torch.bfloat16, "torch_dist")
     if reader.args is not None:
-        check_args(reader.args, arch, dims, location.iter_dir)
+        embedding = reader.global_shape(embedding_key(arch))
+        check_args(reader.args, arch, dims, location.iter_dir, embedding[0] if embedding else None)
     rank = _one_rank({key: md.shape[-1] for key, md in stored.items() if key.endswith(".linear_out.weight")}, where)
     names = {t.megatron for canonical in (False, True)
              for t in make_plan(lora_architecture(arch, rank, canonical), config, layout, "local").ranks[0].chunks[0]}
@@ -441,9 +442,9 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     deltas = adapter.deltas()
     for name, (a, b) in deltas.items():
         if name not in base.tensors or base.tensors[name].shape != (b.shape[0], a.shape[1]):
-            found = list(base.tensors[name].shape) if name in base.tensors else "missing"
+            found = f"has it as {list(base.tensors[name].shape)}" if name in base.tensors else "lacks it"
             raise MconvError(f"{base.dir}: the adapter changes {name} [{b.shape[0]}, {a.shape[1]}], the base model "
-                             f"has {found}; is it the model the adapter was trained on?")
+                             f"{found}; is it the model the adapter was trained on?")
     entries = [(name, dtype or info.dtype, info.shape) for name, info in base.tensors.items()]
     stack = None  # stacked experts are written back stacked, in the base model's orientation
     if arch.stacked_experts:

@@ -17,8 +17,8 @@ from mconv.converter import megatron_io as mio
 from mconv.converter.hf_io import read_config
 from mconv.converter.layout import Layout, Rank, count
 from mconv.converter.planner import ShardSource, make_plan
-from mconv.converter.transforms import VOCAB
 from mconv.converter.options import option
+from mconv.converter.transforms import VOCAB, padded_vocab_size
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 from mconv.mappings.schema import FIRST, Architecture
@@ -61,17 +61,21 @@ _ROTARY = {"rope": ("rotary_base",),
                     "yarn_beta_slow", "mscale", "mscale_all_dim", "yarn_correction_range_round_to_int")}
 
 
-def check_args(args, arch: Architecture, dims, path: Path) -> None:
-    """The saved Megatron-LM args must describe the model the HF config describes: its shapes and,
-    where the args use rotary embeddings, its rope settings (a model trained with other ones is
-    another model). Only values both sides state are compared, as older Megatron-LM versions lack
-    fields, except experts: a MoE checkpoint is not a dense model. Megatron-LM stores
+def check_args(args, arch: Architecture, dims, path: Path, padded_vocab: int | None = None) -> None:
+    """The saved Megatron-LM args must describe the model the HF config describes: its shapes, its
+    vocabulary and, where the args use rotary embeddings, its rope settings (a model trained with
+    other ones is another model). Only values both sides state are compared, as older Megatron-LM
+    versions lack fields, except experts: a MoE checkpoint is not a dense model. Megatron-LM stores
     `num_query_groups` (default 1) even without `group_query_attention`, where each head is its own
-    group. Raises MconvError naming the first arg that differs."""
+    group. `padded_vocab`: the rows of the word embedding the checkpoint stores (all TP ranks'), if
+    it stores one; it must be `padded_vocab_size` and Megatron's padding of the HF `vocab_size`
+    for the saved `make_vocab_size_divisible_by` and TP (a larger trained vocabulary would be cut).
+    Raises MconvError naming the first arg that differs."""
     saved = dict(vars(args))
     if saved.get("group_query_attention") is False:
         saved["num_query_groups"] = saved.get("num_attention_heads")
     expected = {"num_layers": dims.layers, "hidden_size": dims.hidden, "num_attention_heads": dims.heads,
+                "vocab_size": dims.vocab,
                 "num_query_groups": getattr(dims, "groups", None), "kv_channels": getattr(dims, "head_dim", None),
                 "ffn_hidden_size": getattr(dims, "ffn", None), "untie_embeddings_and_output_weights": not dims.tied,
                 "num_experts": getattr(dims, "experts", 0) or None, "moe_ffn_hidden_size": getattr(dims, "moe_ffn", None)}
@@ -88,6 +92,25 @@ def check_args(args, arch: Architecture, dims, path: Path) -> None:
             raise MconvError(f"{path}: the checkpoint's args say {name}={_arg_text(name, found)}, but the HF config "
                              f"implies {_arg_text(name, value)}; pass the {option('hf_config')} of the model this checkpoint "
                              "was made from")
+    if padded_vocab is not None:
+        check_padded_vocab(saved, dims.vocab, padded_vocab, path)
+
+
+def check_padded_vocab(saved: dict, vocab: int, padded_vocab: int, path: Path) -> None:
+    """The stored word embedding's `padded_vocab` rows against the saved args (`saved`) and the HF
+    config's `vocab`: see check_args. Raises MconvError naming the arg or the padding that differs."""
+    stated = saved.get("padded_vocab_size")
+    if stated is not None and stated != padded_vocab:
+        raise MconvError(f"{path}: the checkpoint's args say padded_vocab_size={stated}, but its word embedding "
+                         f"has {padded_vocab} rows")
+    divisor, tp = saved.get("make_vocab_size_divisible_by"), saved.get("tensor_model_parallel_size")
+    if isinstance(divisor, int) and isinstance(tp, int) and divisor > 0 and tp > 0:
+        expected = padded_vocab_size(vocab, divisor, tp)
+        if expected != padded_vocab:
+            raise MconvError(f"{path}: the checkpoint's padded vocabulary has {padded_vocab} rows, but the HF config's "
+                             f"vocab_size={vocab} pads to {expected} (make_vocab_size_divisible_by={divisor} x "
+                             f"tensor_model_parallel_size={tp}); pass the {option('hf_config')} of the model this checkpoint "
+                             "was made from")
 
 
 def _arg_text(name: str, value) -> str:
@@ -97,6 +120,19 @@ def _arg_text(name: str, value) -> str:
 def _detect_spec(chunks: list[dict]) -> str:
     # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
     return "te" if any(k.endswith(".layer_norm_weight") for chunk in chunks for k in chunk) else "local"
+
+
+def embedding_key(arch: Architecture) -> str:
+    """The word embedding's parameter name (`language_model.`-prefixed in a vision-language model):
+    its rows are the padded vocabulary."""
+    return next(r.megatron for r in arch.rules if r.kind is VOCAB and r.stage == FIRST)
+
+
+def legacy_padded_vocab(arch: Architecture, first_rank: list[dict], layout: Layout) -> int | None:
+    """The padded vocabulary a legacy checkpoint stores (the first rank's embedding rows x TP),
+    None where it stores no embedding (adapters only). `first_rank`: rank (0, 0)'s model chunks."""
+    found = first_rank[0].get(embedding_key(arch)) if first_rank else None
+    return found.shape[0] * layout.tp if isinstance(found, torch.Tensor) and found.dim() else None
 
 
 ADAPTER = ".adapter."  # every Megatron-Bridge adapter tensor's name has it
@@ -122,7 +158,8 @@ class LegacyCheckpoint:
         self.args, self.layout, self.chunks, first = mio.read_legacy_ranks(loc)
         spec = self.metadata.get("spec") or _detect_spec(self.chunks[Rank(0, 0)])
         arch = architecture_for(self.config)
-        check_args(self.args, arch, arch.dims(self.config), first)
+        check_args(self.args, arch, arch.dims(self.config), first,
+                   legacy_padded_vocab(arch, self.chunks[Rank(0, 0)], self.layout))
         mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
         self.plan = make_plan(arch, self.config, self.layout, spec, mtp)
         for rank_plan in self.plan.ranks:
@@ -194,6 +231,7 @@ class DistCheckpoint:
     TP1/PP1/EP1 checkpoint; only the vocabulary padding is taken from the stored embedding."""
 
     def __init__(self, location: mio.CheckpointLocation, hf_config: str | Path | None = None):
+        from mconv.converter.torch_dist import check_stored
         from mconv.converter.torch_dist_io import TorchDistReader
 
         self.location = location
@@ -205,8 +243,7 @@ class DistCheckpoint:
         self.args = self.reader.args
         arch = architecture_for(self.config)
         dims = arch.dims(self.config)
-        # The word embedding (`language_model.`-prefixed in a vision-language model) gives the padded vocabulary.
-        key = next(r.megatron for r in arch.rules if r.kind is VOCAB and r.stage == FIRST)
+        key = embedding_key(arch)
         embedding = self.reader.global_shape(key)
         if embedding is None or embedding[0] < dims.vocab:
             found = "there is none" if embedding is None else f"it has {embedding[0]} rows"
@@ -215,7 +252,7 @@ class DistCheckpoint:
         self.padded_vocab = embedding[0]
         self.layout = Layout(vocab_divisor=self.padded_vocab)
         if self.args is not None:  # before the plan, which needs what they are checked against
-            check_args(self.args, arch, dims, location.iter_dir)
+            check_args(self.args, arch, dims, location.iter_dir, self.padded_vocab)
         mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
         self.plan = make_plan(arch, self.config, self.layout, "local", mtp)
         self.load_args = mio.megatron_lm_args(self.layout, dims, arch.megatron_args(dims), "local",
@@ -224,6 +261,7 @@ class DistCheckpoint:
                 key.startswith("decoder.layers.0.") for key in self.reader.tensors):
             # An all-MoE model trained with --moe-layer-freq given as a list stores per-layer keys.
             self.load_args.moe_layer_freq = [1] * dims.layers
+        check_stored(self.reader, self.plan, self.load_args)
 
     def tensor_bytes(self) -> tuple[int, int]:
         return len(self.reader.tensors), self.reader.nbytes()

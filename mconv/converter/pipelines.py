@@ -18,8 +18,9 @@ from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist, torch_dist_io, torch_save
 from mconv.converter.adapter_dir import compare_adapters, is_adapter
-from mconv.converter.hf_io import (HFCheckpoint, ShardedSafetensorsWriter, StagingBuffer, copy_side_files,
-                                   expert_orientation_for, tensor_difference, write_config_dtype, write_hf_config)
+from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for, refuse_quantized,
+                                   tensor_difference, write_config_dtype, write_hf_config)
+from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -114,8 +115,11 @@ def refuse_megatron(path: str | Path, why: str) -> None:
 WINDOW_BYTES = 32 * 2**20  # bytes of a Megatron tensor built and written at a time (per thread)
 
 
-def _shard_dtype(task: TensorTask, ckpt: HFCheckpoint) -> torch.dtype:
-    """The dtype of a Megatron shard: that of its HF tensors, which must agree (no silent cast)."""
+def _shard_dtype(task: TensorTask, ckpt: HFCheckpoint, cast: torch.dtype | None = None) -> torch.dtype:
+    """The dtype of a Megatron shard: `cast` (hf2mcore --dtype), else that of its HF tensors, which
+    must agree (no silent cast)."""
+    if cast is not None:
+        return cast
     dtypes = {ckpt.tensors[name].dtype for name in task.hf}
     if len(dtypes) > 1:
         found = ", ".join(f"{name} {str(ckpt.tensors[name].dtype).removeprefix('torch.')}" for name in task.hf)
@@ -124,21 +128,22 @@ def _shard_dtype(task: TensorTask, ckpt: HFCheckpoint) -> torch.dtype:
     return dtypes.pop()
 
 
-def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer,
-                   rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor | torch_save.FileRange]:
+def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer, rows: tuple[int, int] | None = None,
+                   cast: torch.dtype | None = None) -> Iterator[torch.Tensor | torch_save.FileRange]:
     """One Megatron shard (or its rows [start, stop) along dim 0) from the HF slices, as consecutive
     windows of its bytes for `torch_save.fill`: the ranges of the HF files its pieces are (fused
     QKV, GLU fc1, whole tensors), as `torch_save.FileRange`s, else rows read into `memory` about
     WINDOW_BYTES at a time (each valid until the next is asked for: reused memory, no fresh pages,
     never a whole large tensor), the vocabulary padding as zeros. A shard split along another
-    dimension (row-parallel at TP > 1) is built whole, in one window."""
+    dimension (row-parallel at TP > 1) is built whole, in one window. With `cast`, every window is
+    torch's cast of the HF rows to that dtype (no file ranges then, but for tensors already in it)."""
     layout, shapes = task.shard, [ckpt.tensors[name].shape for name in task.hf]
-    dtype, shape = _shard_dtype(task, ckpt), layout.shape(shapes)
+    dtype, shape = _shard_dtype(task, ckpt, cast), layout.shape(shapes)
     first = layout.pieces[0]
     start, stop = rows or (0, shape[0] if shape else 1)
     if layout.dim != 0:
         if len(layout.pieces) > 1 or layout.pad or first.start or first.stop != shapes[first.source][layout.dim]:
-            yield split(layout, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b)).narrow(0, start, stop - start)
+            yield split(layout, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b)).narrow(0, start, stop - start).to(dtype)
             return
         layout = ShardLayout(0, (Piece(first.source, 0, shape[0]),))  # the whole tensor, read by rows
     row = _nbytes(shape[1:], dtype)
@@ -146,13 +151,15 @@ def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer,
     offset = 0
     for p in layout.pieces:
         a, b = max(start, offset), min(stop, offset + p.length)
-        source = ckpt.byte_range(task.hf[p.source], p.start + a - offset, p.start + b - offset) if a < b else None
+        name = task.hf[p.source]
+        source = (ckpt.byte_range(name, p.start + a - offset, p.start + b - offset)
+                  if a < b and ckpt.tensors[name].dtype == dtype else None)
         if source is not None:
             yield torch_save.FileRange(*source)
         for lo in range(a, b, step) if source is None else ():
             hi = min(b, lo + step)
             out = memory.take((hi - lo) * row).view(dtype).view((hi - lo, *shape[1:]))
-            ckpt.read_into(task.hf[p.source], 0, p.start + lo - offset, p.start + hi - offset, out)
+            ckpt.read_into(name, 0, p.start + lo - offset, p.start + hi - offset, out)
             yield out
         offset += p.length
     for lo in range(max(start, offset), stop, step):  # the vocabulary padding
@@ -166,14 +173,15 @@ def _window_memory(local: threading.local) -> StagingBuffer:
     return local.memory
 
 
-def _rank_archive(plan: Plan, ckpt: HFCheckpoint, i: int, args, iteration: int | None):
+def _rank_archive(plan: Plan, ckpt: HFCheckpoint, i: int, args, iteration: int | None, cast: torch.dtype | None):
     """Rank `i`'s file as torch.save lays it out (torch_save.plan_archive), with the placeholder
     tensor standing for each task's shard."""
     chunks, placeholders = [], []
     for chunk in plan.ranks[i].chunks:
         state = {}
         for task in chunk:
-            state[task.megatron] = None if task.shard is None else torch.empty(task.shape, dtype=_shard_dtype(task, ckpt))
+            state[task.megatron] = (None if task.shard is None else
+                                    torch.empty(task.shape, dtype=_shard_dtype(task, ckpt, cast)))
             if task.shard is not None:
                 placeholders.append((task, state[task.megatron]))
         chunks.append(state)
@@ -181,7 +189,8 @@ def _rank_archive(plan: Plan, ckpt: HFCheckpoint, i: int, args, iteration: int |
 
 
 def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, progress: Callable[[int], None],
-                      iter_dir: Path, args, iteration: int | None, threads: int = 1) -> None:
+                      iter_dir: Path, args, iteration: int | None, threads: int = 1,
+                      cast: torch.dtype | None = None) -> None:
     """Write member `index`'s share of the rank files. Each file is laid out by torch.save itself
     (`torch_save.plan_archive`: its pickle, records and directory, the tensors' bytes left out); then
     `threads` threads fill in its tensors, window by window from the HF files (split by tensor, so
@@ -193,7 +202,7 @@ def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, pro
     try:
         jobs = []
         for i in share(costs, index, size):
-            layout, placeholders = _rank_archive(plan, ckpt, i, args, iteration)
+            layout, placeholders = _rank_archive(plan, ckpt, i, args, iteration, cast)
             path = mio.rank_file(iter_dir, plan.layout, plan.ranks[i].rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
@@ -202,7 +211,8 @@ def _write_rank_files(plan: Plan, ckpt: HFCheckpoint, index: int, size: int, pro
             jobs += [(fd, layout, task, placeholder) for task, placeholder in placeholders]
 
         def fill(fd: int, layout, task: TensorTask, placeholder: torch.Tensor) -> int:
-            torch_save.fill(fd, 0, layout, layout.record(placeholder), _shard_windows(task, ckpt, _window_memory(local)))
+            torch_save.fill(fd, 0, layout, layout.record(placeholder),
+                            _shard_windows(task, ckpt, _window_memory(local), cast=cast))
             return placeholder.nbytes
 
         jobs.sort(key=lambda job: -job[3].nbytes)  # largest first: the threads end together
@@ -225,26 +235,30 @@ def _flat_plan(plan: Plan) -> Plan:
                      bool(plan.dims.mtp_layers))
 
 
-def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict) -> list:
+def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict, cast: torch.dtype | None) -> list:
     """What the torch_dist checkpoint holds (torch_dist.plan_boxes), each box built from the HF slices
     when written."""
     flat = _flat_plan(plan)
-    dtypes = {task.megatron: _shard_dtype(task, ckpt) for task in flat.ranks[0].chunks[0] if task.shard}
+    dtypes = {task.megatron: _shard_dtype(task, ckpt, cast) for task in flat.ranks[0].chunks[0] if task.shard}
     local = threading.local()  # each writer thread's StagingBuffer
 
     def windows(task: TensorTask, start: int, stop: int) -> Iterator[torch.Tensor]:
-        return _shard_windows(task, ckpt, _window_memory(local), (start, stop))
+        return _shard_windows(task, ckpt, _window_memory(local), (start, stop), cast)
     return torch_dist.entries(flat, args, common, windows, dtypes)
 
 
 def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
-             progress: bool = True, workers: int = 1, revision: str | None = None, mtp: bool = False) -> Summary:
+             progress: bool = True, workers: int = 1, revision: str | None = None, mtp: bool = False,
+             dtype: torch.dtype | None = None) -> Summary:
     """HF -> Megatron. `hf_dir` is a local directory or a hub name (`Qwen/Qwen3-8B`, at `revision`;
     see `hub.resolve_model`). `workers` threads read the tensors of the rank files (legacy format)
     or write their own `.distcp` files (torch_dist); under torchrun every rank writes its share (its
     rank files, or its own `.distcp` file; rank 0 writes `.metadata`). `mtp`: keep the
-    multi-token-prediction layers in megatron-core's MTP block (planner.model_dims)."""
+    multi-token-prediction layers in megatron-core's MTP block (planner.model_dims). `dtype`: cast
+    every tensor to it (torch's cast; float32, bfloat16 or float16), recorded in the args as
+    Megatron-LM records its --bf16/--fp16 (`params_dtype`, `bf16`, `fp16`) and in mconv.json; by
+    default each tensor keeps its HF dtype (MconvError where the tensors of one shard differ)."""
     if fmt not in FORMATS:
         raise MconvError(f"{option('fmt')} {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
@@ -257,15 +271,17 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     hf_dir = resolve_model(hf_dir, revision, progress=progress)
     refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
     ckpt = HFCheckpoint(hf_dir)
+    refuse_quantized(ckpt.config, ckpt.tensors, ckpt.dir)
     arch = architecture_for(ckpt.config)
     plan = make_plan(arch, ckpt.config, layout, spec, mtp)
     notes = check_hf_tensors(plan, ckpt)
     arch_args = arch.megatron_args(plan.dims)
     if fmt == "torch_dist":
         torch_dist.check_model(plan)
-    dtype = Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
+    cast, dtype = dtype, dtype or Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
+
     def dtype_of(task: TensorTask) -> torch.dtype:
-        return ckpt.tensors[task.hf[0]].dtype
+        return _shard_dtype(task, ckpt, cast)
     if fmt == "torch_dist":
         summary = describe_files(_flat_plan(plan), dtype_of, lambda r: "global tensors (any layout)", rank=False)
         summary.plan = plan
@@ -280,12 +296,12 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
                                 dtype, fmt)
 
     common = {"args": args, "checkpoint_version": mio.CHECKPOINT_VERSION, "iteration": iteration or 0}
-    dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, common))
+    dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, common, cast))
 
     def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
         iter_dir = staging / mio.iteration_dir_name(iteration)
         if fmt == "torch":
-            _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration, workers)
+            _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration, workers, cast)
         else:  # a torchrun rank: its own .distcp file
             iter_dir.mkdir(parents=True, exist_ok=True)
             torch_dist_io.write_share(iter_dir, dist_entries(), index, size, report)

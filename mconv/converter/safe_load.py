@@ -61,6 +61,15 @@ def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, 
     return torch._utils._rebuild_tensor(storage, storage_offset, size, stride)
 
 
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+    """torch._utils._rebuild_tensor_v3 (what torch.save writes for dtypes without a legacy typed
+    storage: float8, uint16/32/64) without backward hooks or Python attributes (a bare tensor)."""
+    if hooks or metadata or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError("Unsupported global: GLOBAL torch._utils._rebuild_tensor_v3 with hooks")
+    untyped = storage._untyped_storage
+    return torch.empty((0,), dtype=dtype, device=untyped.device).set_(untyped, storage_offset, size, stride)
+
+
 def _stand_in(path: str) -> tuple[type, str]:
     module, _, name = path.rpartition(".")
     return type(name, (StoredObject,), {"__module__": module, "__qualname__": name}), path
@@ -127,11 +136,19 @@ def _allow_list() -> dict[str, object]:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
+    extra: dict[str, object] = {}
+
     def find_class(self, module: str, name: str):
-        found = _allow_list().get(f"{module}.{name}")
+        found = self.extra.get(f"{module}.{name}") or _allow_list().get(f"{module}.{name}")
         if found is None:
             raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
         return found
+
+
+class _TensorHeaderUnpickler(_RestrictedUnpickler):
+    # A tensor of a dtype without a legacy typed storage names an untyped one (its persistent id,
+    # which `load_tensor_header` allocates on the meta device) and the v3 rebuild.
+    extra = {"torch.storage.UntypedStorage": torch.UntypedStorage, "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3}
 
 
 def _refusal(path: Path, error: Exception, what: str) -> MconvError:
@@ -174,16 +191,17 @@ def load_tensor_header(path: Path, data: bytes) -> tuple[torch.Tensor, str]:
 
     def persistent_load(pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str)
-                and isinstance(pid[4], int) and isinstance(pid[1], type)
-                and issubclass(pid[1], torch.storage._LegacyStorage)):
+                and isinstance(pid[4], int) and (pid[1] is torch.UntypedStorage or isinstance(pid[1], type)
+                                                 and issubclass(pid[1], torch.storage._LegacyStorage))):
             raise pickle.UnpicklingError(f"a persistent id that is not a tensor storage: {str(pid)[:80]}")
         records.append(pid[2])
-        dtype = torch.storage._get_dtype_from_pickle_storage_type(pid[1].__name__)
+        dtype = (torch.uint8 if pid[1] is torch.UntypedStorage  # its size is in bytes
+                 else torch.storage._get_dtype_from_pickle_storage_type(pid[1].__name__))
         storage = torch.UntypedStorage(pid[4] * dtype.itemsize, device="meta")
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
     try:
-        unpickler = _RestrictedUnpickler(io.BytesIO(data))
+        unpickler = _TensorHeaderUnpickler(io.BytesIO(data))
         unpickler.persistent_load = persistent_load
         tensor = unpickler.load()
         if not isinstance(tensor, torch.Tensor) or len(records) != 1:

@@ -190,6 +190,22 @@ def entries(plan: Plan, args: Namespace, common: dict,
     return out
 
 
+def check_stored(reader: torch_dist_io.TorchDistReader, plan: Plan, args: Namespace) -> None:
+    """Every global tensor `plan` (TP1 local-spec, see plan_boxes) needs is in the checkpoint with
+    the global shape the HF config implies. Raises MconvError naming the first key missing or of
+    another shape."""
+    for box in plan_boxes(plan, args):
+        if box.global_shape is None:
+            continue
+        stored = reader.tensors.get(box.key)
+        if stored is None:
+            raise MconvError(f"{reader.iter_dir}: tensor {box.key} (for {box.task.megatron}) is missing from the "
+                             "checkpoint")
+        if stored.shape != box.global_shape:
+            raise MconvError(f"{reader.iter_dir}: tensor {box.key} has shape {list(stored.shape)}, "
+                             f"the HF config implies {list(box.global_shape)}")
+
+
 def parameter_session(reader: torch_dist_io.TorchDistReader, plan: Plan, args: Namespace):
     """(load, dtype_of, load_rows, file_rows) for a torch_dist checkpoint read by the TP1 local-spec
     parameter names of `plan`: load(names) -> {name: tensor}; dtype_of(name) is the stored dtype of
@@ -199,7 +215,7 @@ def parameter_session(reader: torch_dist_io.TorchDistReader, plan: Plan, args: N
     offset, byte offset in dest, bytes) ranges making up `dest`, or None where they are not
     contiguous bytes of the stored chunks (TorchDistReader.file_ranges).
     The reader reads each parameter's boxes (ranges of its rows), whatever chunking was written.
-    Errors (MconvError): a key missing from the checkpoint, a global shape other than the HF config implies."""
+    The stored keys and shapes are those `check_stored` accepts (MconvError for a missing key)."""
     boxes: dict[str, list[DistBox]] = {}
     for box in plan_boxes(plan, args):
         if box.global_shape is not None:
@@ -222,10 +238,6 @@ def parameter_session(reader: torch_dist_io.TorchDistReader, plan: Plan, args: N
             lo, hi = max(start, box.start), min(stop, box.start + box.length)
             if lo >= hi:
                 continue
-            stored = reader.tensors[box.key].shape
-            if stored != box.global_shape:
-                raise MconvError(f"{where}: tensor {box.key} has shape {list(stored)}, "
-                                 f"the HF config implies {list(box.global_shape)}")
             offsets, sizes = list(box.offsets), list(box.sizes)
             offsets[box.axes] += lo - box.start  # the parameter's rows are axis `axes` of the box
             sizes[box.axes] = hi - lo

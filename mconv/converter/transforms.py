@@ -77,6 +77,17 @@ def padded_vocab_size(vocab: int, divisor: int, tp: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
+def tp_sizes_for_padded_vocab(padded: int, vocab: int | None, divisor: int) -> list[int]:
+    """The TP sizes at which Megatron pads `vocab` (with make_vocab_size_divisible_by `divisor`) to
+    exactly `padded` rows (`padded_vocab_size`), ascending; with `vocab` None (unknown), every TP
+    size whose multiple divides `padded`. Empty where none does."""
+    if padded % divisor:
+        return []
+    steps = padded // divisor
+    return [tp for tp in range(1, steps + 1)
+            if steps % tp == 0 and (vocab is None or padded_vocab_size(vocab, divisor, tp) == padded)]
+
+
 def _vocab(shapes, rank, size, params) -> ShardLayout:
     vocab = shapes[0][0]
     per_rank = padded_vocab_size(vocab, params["vocab_divisor"], size) // size
