@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from mconv import Layout
 from mconv.cli import main
+from mconv.errors import MconvError
 from tests.conftest import FIXTURES, load_rank_file
 
 TINY = FIXTURES / "qwen3-tiny"
@@ -140,6 +141,133 @@ def test_overwrite_replaces_only_what_mconv_could_have_written(tmp_path):
     assert_refused(mconv("hf2mcore", TINY, precious, "--overwrite", "-q"), precious / "release",
                    "holds neither a model")
     assert (precious / "thesis.txt").read_text() == "x"
+
+
+def test_an_empty_output_directory_is_taken_without_overwrite(tmp_path):
+    """A freshly made empty OUT is not data: no --overwrite needed (a directory with a file still needs it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert mconv("hf2mcore", TINY, out, "-q").exit_code == 0
+    assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "character device", "dangling symlink"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_output_that_is_not_a_directory_is_named_at_once(tmp_path, kind, overwrite):
+    """A FIFO, a device or a dangling symlink as OUT: the sentence says what it is (not "already
+    exists; pass --overwrite", which then only led to "exists and is not a directory")."""
+    import os
+
+    out = tmp_path / "out"
+    if kind == "FIFO":
+        os.mkfifo(out)
+    elif kind == "character device":
+        out = Path("/dev/null")
+    else:
+        out.symlink_to(tmp_path / "gone")
+    result = mconv("hf2mcore", TINY, out, "-q", *(["--overwrite"] if overwrite else []))
+    what = {"FIFO": "a FIFO", "character device": "a character device",
+            "dangling symlink": f"a symlink to {tmp_path / 'gone'}, which does not exist"}[kind]
+    assert result.exit_code == 1 and result.stderr == f"mconv: error: {out} is {what}, not a directory; remove " \
+                                                      "it or choose another output directory\n", result.stderr
+    assert os.path.lexists(out) and leftovers(tmp_path) == []
+
+
+WRITERS = {"hf2mcore torch_dist": lambda tmp, out: ["hf2mcore", TINY, out, "--workers", 2],
+           "hf2mcore torch": lambda tmp, out: ["hf2mcore", TINY, out, "--format", "torch", "--tp", 2],
+           "mcore2hf": lambda tmp, out: ["mcore2hf", legacy_checkpoint(tmp), out, "--workers", 2],
+           "export-lora": lambda tmp, out: ["export-lora", lora_checkpoint(tmp), out, "--alpha", 8],
+           "export-lora --merge": lambda tmp, out: ["export-lora", lora_checkpoint(tmp), out, "--alpha", 8,
+                                                    "--merge", "--base-model", TINY]}
+
+
+def legacy_checkpoint(tmp_path: Path) -> Path:
+    assert legacy(TINY, tmp_path / "m", "--tp", 2).exit_code == 0
+    return tmp_path / "m"
+
+
+def lora_checkpoint(tmp_path: Path) -> Path:
+    from tests.test_lora import lora_checkpoint
+
+    return lora_checkpoint(tmp_path / "lora-source", TINY, Layout(tp=2))[0]
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_an_output_that_appears_while_mconv_writes_is_left_alone(tmp_path, monkeypatch, writer):
+    """OUT made by someone else once mconv has checked it (right after the staging directory is
+    made): mconv refuses to replace it, one line, status 1, its file intact and nothing left of the
+    new output (mconv used to check OUT at the start only and replaced it at the end)."""
+    from mconv.converter import output
+
+    out = tmp_path / "out"
+    args = WRITERS[writer](tmp_path, out)
+    real = output.tempfile.mkdtemp
+
+    def mkdtemp(*a, **k):
+        made = real(*a, **k)
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        return made
+
+    monkeypatch.setattr(output.tempfile, "mkdtemp", mkdtemp)
+    result = mconv(*args, "-q")
+    assert result.exit_code == 1 and result.stderr == (f"mconv: error: {out} appeared while mconv was writing it; it "
+                                                       "was left as it is and the new output was removed\n"), result.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert leftovers(tmp_path) == []
+
+
+def test_overwrite_replaces_only_the_output_found_at_the_start(tmp_path, monkeypatch):
+    """With --overwrite, an output replaced by another directory while mconv ran is left alone."""
+    from mconv.converter import output
+
+    out = tmp_path / "out"
+    assert mconv("hf2mcore", TINY, out, "-q").exit_code == 0
+    real = output.tempfile.mkdtemp
+
+    def mkdtemp(*a, **k):
+        shutil.rmtree(out)
+        out.mkdir()
+        (out / "config.json").write_text("theirs")
+        return real(*a, **k)
+
+    monkeypatch.setattr(output.tempfile, "mkdtemp", mkdtemp)
+    result = mconv("hf2mcore", TINY, out, "-q", "--overwrite")
+    assert result.exit_code == 1 and "changed while mconv was writing it; it was left as it is" in result.stderr
+    assert [p.name for p in out.iterdir()] == ["config.json"] and leftovers(tmp_path) == []
+
+
+def test_a_torchrun_job_to_an_output_another_job_writes_is_refused(tmp_path):
+    """Two torchrun jobs to one OUT (their ranks meet in fixed-name staging directories): the second
+    one's rank 0 is refused at once and leaves the first one's staging directory alone (it used
+    to empty it and write its own files there); the first job's output is the one in place."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mconv.converter.parallel import TorchrunTeam
+    from mconv.converter.pipelines import _run_team
+
+    out = tmp_path / "out"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(minutes=5))
+    errors = []
+
+    def write(staging: Path, job: str) -> None:
+        (staging / "config.json").write_text(job)
+        if job == "first":
+            try:
+                run("second")
+            except MconvError as e:
+                errors.append(str(e))
+
+    def run(job: str) -> None:
+        _run_team(TorchrunTeam(0, 1, store, job), out, False, lambda staging: None, lambda _, staging: None,
+                  lambda staging, report: write(staging, job), 0, job, False)
+
+    run("first")
+    assert errors == [f"rank 0: another mconv run is writing {out}; wait for it to end or choose another output "
+                      "directory"]
+    assert (out / "config.json").read_text() == "first" and leftovers(tmp_path) == []
 
 
 def test_checkpoint_args_disagree_with_hf_config(tmp_path):
@@ -321,19 +449,23 @@ def modes_made_by_the_shell(where: Path, mask: int, side_files: Path) -> dict[st
 
 @pytest.mark.parametrize("mask", [0o022, 0o077, 0o002, 0o027])
 def test_outputs_get_the_permissions_of_the_callers_umask(tmp_path, mask):
+    """Every file every writing command makes (safetensors' save_file made export-lora's adapter 0600)."""
     import os
 
     hf = copy_model(tmp_path)
     (hf / "tokenizer.json").chmod(0o640)  # cp keeps a side file's own bits, less the umask
     shell = modes_made_by_the_shell(tmp_path / "shell", mask, hf)
+    lora = lora_checkpoint(tmp_path)
     previous = os.umask(mask)
     try:
         for args in (["hf2mcore", hf, tmp_path / "dist"], ["hf2mcore", hf, tmp_path / "torch", "--format", "torch"],
-                     ["mcore2hf", tmp_path / "torch", tmp_path / "back"]):
+                     ["mcore2hf", tmp_path / "torch", tmp_path / "back"],
+                     ["export-lora", lora, tmp_path / "adapter", "--alpha", 8],
+                     ["export-lora", lora, tmp_path / "merged", "--alpha", 8, "--merge", "--base-model", hf]):
             assert mconv(*args, "-q").exit_code == 0
     finally:
         os.umask(previous)
-    for out in ("dist", "torch", "back"):
+    for out in ("dist", "torch", "back", "adapter", "merged"):
         for path in [tmp_path / out, *(tmp_path / out).rglob("*")]:
             expected = shell["dir"] if path.is_dir() else shell.get(path.name, shell["file"])
             assert path.stat().st_mode & 0o7777 == expected, (path, oct(path.stat().st_mode), oct(expected))
