@@ -119,7 +119,8 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
-_command: dict = {}  # the running command's output directory ("out") and whether it has done its work ("done")
+# the running command's output directory ("out"), whether it has done its work ("done"), the first signal ("signal")
+_command: dict = {}
 
 
 def _on_signal(signum, frame):
@@ -128,11 +129,11 @@ def _on_signal(signum, frame):
     the staging directory removed) or the exit that follows: before the output is in place it
     stops the command (raised as Ctrl-C is, see `Command`); once it is, it says so and the command
     carries on to status 0; once a command that writes nothing has done its work, it is ignored."""
-    from mconv.converter.output import HELD_SIGNALS, finished
+    if "signal" in _command:  # a later one, landing even while this handler runs (Python re-enters it)
+        return
+    _command["signal"] = signum  # (not SIG_IGN: CPython reports a signal pending meanwhile as a "race condition")
+    from mconv.converter.output import finished
 
-    for held in HELD_SIGNALS:
-        if signal.getsignal(held) is _on_signal:
-            signal.signal(held, signal.SIG_IGN)
     out = _command.get("out")
     if out and finished(out):  # os.write: the handler may run while sys.stderr is being written
         os.write(2, f"mconv: {_stopped(signum)} after {out} was complete; it is in place\n".encode())
