@@ -816,6 +816,35 @@ def test_interrupt_while_writing_leaves_nothing(tmp_path, command, signame):
     assert leftovers(tmp_path) == []
 
 
+def test_of_two_runs_to_one_output_one_wins_and_the_other_says_so(tmp_path):
+    """A second run to an OUT that a real mconv process is writing (stopped while its staging
+    directory exists) is refused at once, with or without --overwrite; the first one's output is
+    the one in place. Both used to print `wrote`, and the first output silently disappeared."""
+    import signal
+
+    out = tmp_path / "out"
+    for _ in range(5):  # until the first run is stopped while it writes (not after)
+        process = start_mconv("hf2mcore", TINY, out, "-q", cwd=tmp_path)
+        staging = lambda: any(".mconv-partial-" in p.name for p in tmp_path.iterdir())  # noqa: E731
+        if not wait_for(staging, process):
+            pytest.fail(process.communicate()[1])
+        process.send_signal(signal.SIGSTOP)
+        if staging() and not out.exists():
+            break
+        process.send_signal(signal.SIGCONT)
+        process.communicate()
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        second = [mconv("hf2mcore", TINY, out, "-q", *overwrite) for overwrite in ([], ["--overwrite"])]
+    finally:
+        process.send_signal(signal.SIGCONT)
+    stdout, stderr = process.communicate(timeout=300)
+    refusal = f"mconv: error: another mconv run is writing {out}; wait for it to end or choose another output directory\n"
+    assert [(r.exit_code, r.stderr) for r in second] == [(1, refusal)] * 2
+    assert (process.returncode, stdout, stderr) == (0, "", "")
+    assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
+
+
 def test_an_interrupt_during_the_final_rename_is_held_back(tmp_path, monkeypatch):
     """Ctrl-C arriving while the finished output is renamed into place (or a failed run's staging
     directory removed) cannot stop either halfway: the output is complete, or nothing is left."""
@@ -884,15 +913,17 @@ def test_an_interrupt_once_the_output_is_in_place_says_so_and_exits_0(tmp_path):
     assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
 
 
-# The mconv program, stopping itself (SIGSTOP) at the 1st, 2nd, 4th, 8th... Python call or return
-# after the closing line is out, down to the end of the process.
+# The mconv program, stopping itself (SIGSTOP) at the 1st, 2nd, 4th, 8th... Python function start or
+# return after the closing line is out, down to the end of the process (sys.monitoring: it keeps
+# counting where a signal handler raises in its callback; sys.setprofile would stop there).
 STOPS_AFTER_THE_CLOSING_LINE = """
 import os, signal, sys
 import mconv.cli as cli
 
 count = {"events": 0, "next": 1}
+monitoring = sys.monitoring
 
-def stop(frame, event, arg):
+def stop(*args):
     count["events"] += 1
     if count["events"] == count["next"]:
         count["next"] *= 2
@@ -903,7 +934,10 @@ report = cli.report
 def reported(*args, **kwargs):
     report(*args, **kwargs)
     sys.stdout.flush()
-    sys.setprofile(stop)
+    monitoring.use_tool_id(monitoring.PROFILER_ID, "stops")
+    for event in (monitoring.events.PY_START, monitoring.events.PY_RETURN):
+        monitoring.register_callback(monitoring.PROFILER_ID, event, stop)
+    monitoring.set_events(monitoring.PROFILER_ID, monitoring.events.PY_START | monitoring.events.PY_RETURN)
 
 cli.report = reported
 cli.entry()
@@ -1069,7 +1103,8 @@ def test_live_save_failures_are_one_sentence_and_leave_nothing(tmp_path):
     """save_hf_weights on a megatron-core GPTModel (one gloo process) with the failure injected as the
     system raises it: ENOSPC at os.pwrite, EROFS at os.mkdir, EACCES at os.open. Each raises
     MconvError `cannot write OUT: <cause>; nothing was written`, leaves no `.OUT.mconv-partial-live`,
-    and an existing output stays as it was."""
+    and an existing output stays as it was. An output that appears while the model is saved, and a
+    directory no mconv command wrote, are refused and left as they are."""
     import torch.multiprocessing as mp
 
     from tests.megatron_oracle import MegatronRun, read_config
@@ -1085,6 +1120,13 @@ def test_live_save_failures_are_one_sentence_and_leave_nothing(tmp_path):
     assert results["existing"][0] == "MconvError" and results["existing"][1].startswith(f"cannot write {tmp_path / 'saved'}")
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == results["saved files"]
     assert mconv("verify", tmp_path / "saved", TINY, "-q").exit_code == 0  # the earlier save, intact
+    appeared, foreign = tmp_path / "appeared", tmp_path / "foreign"  # nor is any other directory replaced
+    assert results["appeared"] == ["MconvError", f"{appeared} appeared while mconv was writing it; it was left as it "
+                                                 "is and the new output was removed"]
+    assert results["foreign"][0] == "MconvError" and "holds neither a model" in results["foreign"][1]
+    assert [(p / "notes.txt" if p == appeared else p / "thesis.txt").read_text() for p in (appeared, foreign)] == \
+        ["mine", "mine"] and len(list(appeared.iterdir())) == len(list(foreign.iterdir())) == 1
+    assert leftovers(tmp_path) == []
 
 
 def _live_save_worker(rank, run, where: Path):
@@ -1126,6 +1168,22 @@ def _live_save_worker(rank, run, where: Path):
                 results["existing"] = ["saved"]
             except Exception as e:
                 results["existing"] = [type(e).__name__, str(e)]
+        real_copy = mconv.live.copy_side_files
+
+        def appearing(*args):  # another program makes the output while the model is saved
+            (where / "appeared").mkdir()
+            (where / "appeared" / "notes.txt").write_text("mine")
+            return real_copy(*args)
+
+        (where / "foreign").mkdir()
+        (where / "foreign" / "thesis.txt").write_text("mine")
+        for case in ("appeared", "foreign"):
+            with mock.patch.object(mconv.live, "copy_side_files", appearing if case == "appeared" else real_copy):
+                try:
+                    mconv.live.save_hf_weights([model], where / case, TINY)
+                    results[case] = ["saved"]
+                except Exception as e:
+                    results[case] = [type(e).__name__, str(e)]
         (where / "results.json").write_text(json.dumps(results))
 
 
