@@ -123,20 +123,43 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
-_program = False  # set by `entry`: this process is the mconv program, not a caller of `main`
+# the running command's output directory ("out"), whether it has done its work ("done"), the first signal ("signal")
+_command: dict = {}
+
+
+def _on_signal(signum, frame):
+    """The mconv program's SIGINT and SIGTERM handler. The first signal decides and later ones are
+    ignored, so that none cuts short the clean-up the first one started (worker threads joined,
+    the staging directory removed) or the exit that follows: before the output is in place it
+    stops the command (raised as Ctrl-C is, see `Command`); once it is, it says so and the command
+    carries on to status 0; once a command that writes nothing has done its work, it is ignored."""
+    if "signal" in _command:  # a later one, landing even while this handler runs (Python re-enters it)
+        return
+    _command["signal"] = signum  # (not SIG_IGN: CPython reports a signal pending meanwhile as a "race condition")
+    from mconv.converter.output import finished
+
+    out = _command.get("out")
+    if out and finished(out):  # os.write: the handler may run while sys.stderr is being written
+        os.write(2, f"mconv: {_stopped(signum)} after {out} was complete; it is in place\n".encode())
+    elif not _command.get("done"):
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _stopped(signum: int) -> str:
+    return "terminated" if signum == signal.SIGTERM else "interrupted"
 
 
 class Command(click.Command):
     """An mconv command: an interrupt (Ctrl-C, SIGTERM) at any point, the imports included, is one
     line and exit status 128 + the signal; the output being written has been removed by then
     (`output.staged_directory`), so nothing was written. Once the output is in place the command
-    has done its work: an interrupt then says so and the status is 0, and the mconv program
-    (`entry`) ignores later ones, which would otherwise surface from click or the interpreter's
-    exit as "Aborted!" or a traceback. Bad MCONV_* settings are refused before any work."""
+    has done its work: an interrupt then says so and the status is 0 (in the mconv program the
+    command carries on, see `_on_signal`). Bad MCONV_* settings are refused before any work."""
 
     def invoke(self, ctx):
         from mconv.converter.output import uninterrupted
 
+        _command.update(out=ctx.params.get("out_dir"), done=False)
         try:
             # torch's C module imports numpy and carries on without it if that import fails, so a
             # KeyboardInterrupt raised in there is swallowed and the command would run on: held
@@ -147,9 +170,7 @@ class Command(click.Command):
 
             run(file_io.check_settings)
             result = super().invoke(ctx)
-            if _program and threading.current_thread() is threading.main_thread():
-                for signum in (signal.SIGINT, signal.SIGTERM):
-                    signal.signal(signum, signal.SIG_IGN)
+            _command["done"] = True
             return result
         except KeyboardInterrupt as e:
             interrupted(e, ctx.params.get("out_dir"))
@@ -158,7 +179,7 @@ class Command(click.Command):
 def interrupted(error: KeyboardInterrupt, out: str | None = None):
     from mconv.converter.output import finished
 
-    what = "terminated" if isinstance(error, Terminated) else "interrupted"
+    what = _stopped(signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT)
     if out and finished(out):
         click.echo(f"mconv: {what} after {out} was complete; it is in place", err=True)
         sys.exit(0)
@@ -188,7 +209,8 @@ class Group(click.Group):
     command_class = Command
 
     def main(self, *args, **kwargs):
-        # SIGTERM stops a command as Ctrl-C does (where nobody else handles it; handlers are the main thread's).
+        # SIGTERM stops a command as Ctrl-C does, where nobody else handles it (the mconv program: `entry`)
+        # and only while `main` runs (handlers are the main thread's).
         handle = (threading.current_thread() is threading.main_thread()
                   and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
         if handle:
@@ -479,11 +501,31 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
 
 def entry() -> None:
     """The mconv program (its console script, `python -m mconv`, `python -m mconv.cli`): `main`,
-    ignoring interrupts once a command has done its work (`Command`). Called in-process (click's
-    CliRunner), `main` leaves the caller's signal handlers as they were."""
-    global _program
-    _program = True
-    main(prog_name="mconv")  # however started: `mconv` in usage lines, _MCONV_COMPLETE for shell completion
+    with SIGINT and SIGTERM taken by `_on_signal` from start to end (where they are at their
+    defaults: a SIGINT a shell set to be ignored stays ignored). Called in-process (click's
+    CliRunner), `main` leaves the caller's signal handlers as they were.
+
+    The program ends with os._exit once `main` is done, its output streams flushed: the
+    interpreter's finalization would put a Python signal handler back to the default (a SIGTERM
+    then kills the process, status 143, after the output was complete) and can meet a thread that
+    is still running (a thread woken then is ended in the middle of torch's C++ code: "terminate
+    called without an active exception", status 134). Every worker thread has been joined by
+    then (`parallel.run_ordered`, `torch_dist_io.write`)."""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    for signum, default in defaults.items():
+        if signal.getsignal(signum) is default:
+            signal.signal(signum, _on_signal)
+    try:
+        main(prog_name="mconv")  # however started: `mconv` in usage lines, _MCONV_COMPLETE for shell completion
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: as Python's own exit reports it
+            status = status or 120
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 import weakref
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orienta
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
-from mconv.converter.output import commit, output_path, remove_staging, write_failure
+from mconv.converter.output import SharedStaging, output_path, write_failure
 from mconv.converter.planner import RankPlan, TensorTask, make_plan, model_dims, plan_rank, validate_layout
 from mconv.converter.transforms import merge, merge_single, split_into
 from mconv.errors import MconvError
@@ -497,7 +496,9 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     Rank 0 lays out the shard files (headers are known in advance); one rank per pipeline stage
     (TP, EP and DP rank 0) writes its stage's tensors into them in place; rank 0 then writes the
     index, copies config and tokenizer from `hf_config` (the HF model directory or hub name) and
-    renames the finished directory into place (replacing an existing `out_dir`); config.json's dtype
+    renames the finished directory into place (replacing an existing `out_dir` that an mconv command
+    could have written; MconvError for any other, for one that another mconv run is writing and for
+    one that appears meanwhile: output.Claim); config.json's dtype
     names the dtype written. The output path must be on a filesystem all ranks share. Stacked HF
     experts (Qwen3-VL-MoE) are written in `expert_orientation` ("4.x", the default, or "5.x", as
     mcore2hf's; MconvError when given for another model).
@@ -524,13 +525,13 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     entries = [(name, dtypes[name], shape) for task in full.exports() for name, shape in zip(task.hf, task.hf_shapes)]
 
     out = output_path(out_dir)
-    staging = out.with_name(f".{out.name}.mconv-partial-live")
+    shared = SharedStaging(out, "live", overwrite=True)
+    staging = shared.path
     writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stacked)
     first = dist.get_rank() == 0
     try:
         def prepare():
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
+            shared.make()
             writer.create()
             writer.close()
 
@@ -551,12 +552,12 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
             copy_side_files(source, staging)
             write_hf_config(staging, live.arch.hf_config(config, live.dims), config)
             write_config_dtype(staging, entries)
-            commit(staging, out)
+            shared.commit()
 
         _agree(out, staging, _attempt(finish) if first else None)
     except BaseException:
         if first:
-            remove_staging(staging, [])
+            shared.remove()
         raise
 
 

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from mconv import Layout
 from mconv.cli import main
+from mconv.errors import MconvError
 from tests.conftest import FIXTURES, load_rank_file
 
 TINY = FIXTURES / "qwen3-tiny"
@@ -140,6 +141,133 @@ def test_overwrite_replaces_only_what_mconv_could_have_written(tmp_path):
     assert_refused(mconv("hf2mcore", TINY, precious, "--overwrite", "-q"), precious / "release",
                    "holds neither a model")
     assert (precious / "thesis.txt").read_text() == "x"
+
+
+def test_an_empty_output_directory_is_taken_without_overwrite(tmp_path):
+    """A freshly made empty OUT is not data: no --overwrite needed (a directory with a file still needs it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    assert mconv("hf2mcore", TINY, out, "-q").exit_code == 0
+    assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "character device", "dangling symlink"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_output_that_is_not_a_directory_is_named_at_once(tmp_path, kind, overwrite):
+    """A FIFO, a device or a dangling symlink as OUT: the sentence says what it is (not "already
+    exists; pass --overwrite", which then only led to "exists and is not a directory")."""
+    import os
+
+    out = tmp_path / "out"
+    if kind == "FIFO":
+        os.mkfifo(out)
+    elif kind == "character device":
+        out = Path("/dev/null")
+    else:
+        out.symlink_to(tmp_path / "gone")
+    result = mconv("hf2mcore", TINY, out, "-q", *(["--overwrite"] if overwrite else []))
+    what = {"FIFO": "a FIFO", "character device": "a character device",
+            "dangling symlink": f"a symlink to {tmp_path / 'gone'}, which does not exist"}[kind]
+    assert result.exit_code == 1 and result.stderr == f"mconv: error: {out} is {what}, not a directory; remove " \
+                                                      "it or choose another output directory\n", result.stderr
+    assert os.path.lexists(out) and leftovers(tmp_path) == []
+
+
+WRITERS = {"hf2mcore torch_dist": lambda tmp, out: ["hf2mcore", TINY, out, "--workers", 2],
+           "hf2mcore torch": lambda tmp, out: ["hf2mcore", TINY, out, "--format", "torch", "--tp", 2],
+           "mcore2hf": lambda tmp, out: ["mcore2hf", legacy_checkpoint(tmp), out, "--workers", 2],
+           "export-lora": lambda tmp, out: ["export-lora", lora_checkpoint(tmp), out, "--alpha", 8],
+           "export-lora --merge": lambda tmp, out: ["export-lora", lora_checkpoint(tmp), out, "--alpha", 8,
+                                                    "--merge", "--base-model", TINY]}
+
+
+def legacy_checkpoint(tmp_path: Path) -> Path:
+    assert legacy(TINY, tmp_path / "m", "--tp", 2).exit_code == 0
+    return tmp_path / "m"
+
+
+def lora_checkpoint(tmp_path: Path) -> Path:
+    from tests.test_lora import lora_checkpoint
+
+    return lora_checkpoint(tmp_path / "lora-source", TINY, Layout(tp=2))[0]
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_an_output_that_appears_while_mconv_writes_is_left_alone(tmp_path, monkeypatch, writer):
+    """OUT made by someone else once mconv has checked it (right after the staging directory is
+    made): mconv refuses to replace it, one line, status 1, its file intact and nothing left of the
+    new output (mconv used to check OUT at the start only and replaced it at the end)."""
+    from mconv.converter import output
+
+    out = tmp_path / "out"
+    args = WRITERS[writer](tmp_path, out)
+    real = output.tempfile.mkdtemp
+
+    def mkdtemp(*a, **k):
+        made = real(*a, **k)
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        return made
+
+    monkeypatch.setattr(output.tempfile, "mkdtemp", mkdtemp)
+    result = mconv(*args, "-q")
+    assert result.exit_code == 1 and result.stderr == (f"mconv: error: {out} appeared while mconv was writing it; it "
+                                                       "was left as it is and the new output was removed\n"), result.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert leftovers(tmp_path) == []
+
+
+def test_overwrite_replaces_only_the_output_found_at_the_start(tmp_path, monkeypatch):
+    """With --overwrite, an output replaced by another directory while mconv ran is left alone."""
+    from mconv.converter import output
+
+    out = tmp_path / "out"
+    assert mconv("hf2mcore", TINY, out, "-q").exit_code == 0
+    real = output.tempfile.mkdtemp
+
+    def mkdtemp(*a, **k):
+        shutil.rmtree(out)
+        out.mkdir()
+        (out / "config.json").write_text("theirs")
+        return real(*a, **k)
+
+    monkeypatch.setattr(output.tempfile, "mkdtemp", mkdtemp)
+    result = mconv("hf2mcore", TINY, out, "-q", "--overwrite")
+    assert result.exit_code == 1 and "changed while mconv was writing it; it was left as it is" in result.stderr
+    assert [p.name for p in out.iterdir()] == ["config.json"] and leftovers(tmp_path) == []
+
+
+def test_a_torchrun_job_to_an_output_another_job_writes_is_refused(tmp_path):
+    """Two torchrun jobs to one OUT (their ranks meet in fixed-name staging directories): the second
+    one's rank 0 is refused at once and leaves the first one's staging directory alone (it used
+    to empty it and write its own files there); the first job's output is the one in place."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mconv.converter.parallel import TorchrunTeam
+    from mconv.converter.pipelines import _run_team
+
+    out = tmp_path / "out"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(minutes=5))
+    errors = []
+
+    def write(staging: Path, job: str) -> None:
+        (staging / "config.json").write_text(job)
+        if job == "first":
+            try:
+                run("second")
+            except MconvError as e:
+                errors.append(str(e))
+
+    def run(job: str) -> None:
+        _run_team(TorchrunTeam(0, 1, store, job), out, False, lambda staging: None, lambda _, staging: None,
+                  lambda staging, report: write(staging, job), 0, job, False)
+
+    run("first")
+    assert errors == [f"rank 0: another mconv run is writing {out}; wait for it to end or choose another output "
+                      "directory"]
+    assert (out / "config.json").read_text() == "first" and leftovers(tmp_path) == []
 
 
 def test_checkpoint_args_disagree_with_hf_config(tmp_path):
@@ -321,19 +449,23 @@ def modes_made_by_the_shell(where: Path, mask: int, side_files: Path) -> dict[st
 
 @pytest.mark.parametrize("mask", [0o022, 0o077, 0o002, 0o027])
 def test_outputs_get_the_permissions_of_the_callers_umask(tmp_path, mask):
+    """Every file every writing command makes (safetensors' save_file made export-lora's adapter 0600)."""
     import os
 
     hf = copy_model(tmp_path)
     (hf / "tokenizer.json").chmod(0o640)  # cp keeps a side file's own bits, less the umask
     shell = modes_made_by_the_shell(tmp_path / "shell", mask, hf)
+    lora = lora_checkpoint(tmp_path)
     previous = os.umask(mask)
     try:
         for args in (["hf2mcore", hf, tmp_path / "dist"], ["hf2mcore", hf, tmp_path / "torch", "--format", "torch"],
-                     ["mcore2hf", tmp_path / "torch", tmp_path / "back"]):
+                     ["mcore2hf", tmp_path / "torch", tmp_path / "back"],
+                     ["export-lora", lora, tmp_path / "adapter", "--alpha", 8],
+                     ["export-lora", lora, tmp_path / "merged", "--alpha", 8, "--merge", "--base-model", hf]):
             assert mconv(*args, "-q").exit_code == 0
     finally:
         os.umask(previous)
-    for out in ("dist", "torch", "back"):
+    for out in ("dist", "torch", "back", "adapter", "merged"):
         for path in [tmp_path / out, *(tmp_path / out).rglob("*")]:
             expected = shell["dir"] if path.is_dir() else shell.get(path.name, shell["file"])
             assert path.stat().st_mode & 0o7777 == expected, (path, oct(path.stat().st_mode), oct(expected))
@@ -436,6 +568,7 @@ def test_output_inside_an_input_reached_through_a_symlink_is_refused(tmp_path, d
 
 def test_dry_run_checks_the_output_like_a_run(tmp_path):
     (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
     result = mconv("hf2mcore", TINY, tmp_path / "out", "--dry-run")
     assert result.exit_code == 1 and "already exists; pass --overwrite" in result.stderr
     assert mconv("hf2mcore", TINY, tmp_path / "out", "--dry-run", "--overwrite").exit_code == 0
@@ -683,6 +816,35 @@ def test_interrupt_while_writing_leaves_nothing(tmp_path, command, signame):
     assert leftovers(tmp_path) == []
 
 
+def test_of_two_runs_to_one_output_one_wins_and_the_other_says_so(tmp_path):
+    """A second run to an OUT that a real mconv process is writing (stopped while its staging
+    directory exists) is refused at once, with or without --overwrite; the first one's output is
+    the one in place. Both used to print `wrote`, and the first output silently disappeared."""
+    import signal
+
+    out = tmp_path / "out"
+    for _ in range(5):  # until the first run is stopped while it writes (not after)
+        process = start_mconv("hf2mcore", TINY, out, "-q", cwd=tmp_path)
+        staging = lambda: any(".mconv-partial-" in p.name for p in tmp_path.iterdir())  # noqa: E731
+        if not wait_for(staging, process):
+            pytest.fail(process.communicate()[1])
+        process.send_signal(signal.SIGSTOP)
+        if staging() and not out.exists():
+            break
+        process.send_signal(signal.SIGCONT)
+        process.communicate()
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        second = [mconv("hf2mcore", TINY, out, "-q", *overwrite) for overwrite in ([], ["--overwrite"])]
+    finally:
+        process.send_signal(signal.SIGCONT)
+    stdout, stderr = process.communicate(timeout=300)
+    refusal = f"mconv: error: another mconv run is writing {out}; wait for it to end or choose another output directory\n"
+    assert [(r.exit_code, r.stderr) for r in second] == [(1, refusal)] * 2
+    assert (process.returncode, stdout, stderr) == (0, "", "")
+    assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
+
+
 def test_an_interrupt_during_the_final_rename_is_held_back(tmp_path, monkeypatch):
     """Ctrl-C arriving while the finished output is renamed into place (or a failed run's staging
     directory removed) cannot stop either halfway: the output is complete, or nothing is left."""
@@ -751,28 +913,124 @@ def test_an_interrupt_once_the_output_is_in_place_says_so_and_exits_0(tmp_path):
     assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-def test_ctrl_c_after_the_closing_line_is_no_traceback(tmp_path, fmt):
-    """A real SIGINT as soon as the closing `wrote ...` line is out, while the command returns and
-    the interpreter exits (click would print "Aborted!", torch's exit hooks a traceback): status 0,
-    at most the line saying the output is complete."""
+# The mconv program, stopping itself (SIGSTOP) at the 1st, 2nd, 4th, 8th... Python function start or
+# return after the closing line is out, down to the end of the process (sys.monitoring: it keeps
+# counting where a signal handler raises in its callback; sys.setprofile would stop there).
+STOPS_AFTER_THE_CLOSING_LINE = """
+import os, signal, sys
+import mconv.cli as cli
+
+count = {"events": 0, "next": 1}
+monitoring = sys.monitoring
+
+def stop(*args):
+    count["events"] += 1
+    if count["events"] == count["next"]:
+        count["next"] *= 2
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+report = cli.report
+
+def reported(*args, **kwargs):
+    report(*args, **kwargs)
+    sys.stdout.flush()
+    monitoring.use_tool_id(monitoring.PROFILER_ID, "stops")
+    for event in (monitoring.events.PY_START, monitoring.events.PY_RETURN):
+        monitoring.register_callback(monitoring.PROFILER_ID, event, stop)
+    monitoring.set_events(monitoring.PROFILER_ID, monitoring.events.PY_START | monitoring.events.PY_RETURN)
+
+cli.report = reported
+cli.entry()
+"""
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (T: stopped, Z: exited), None once the process is reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+@pytest.mark.parametrize("signame,fmt", [("SIGINT", "torch_dist"), ("SIGTERM", "torch")])
+def test_a_signal_after_the_closing_line_exits_0_and_says_so(tmp_path, signame, fmt):
+    """A real SIGINT / SIGTERM at each of several points after the closing `wrote ...` line, down
+    to the process's end (the process stopped there): status 0 and one line saying the output is
+    complete (later signals are ignored). The mconv program used to put SIGTERM back to its default
+    as `main` returned (killed: status 143), and a SIGINT then was silent or a traceback."""
     import os
     import signal
     import subprocess
     import sys
+    import time
 
     out = tmp_path / "out"
-    process = subprocess.Popen([sys.executable, "-m", "mconv.cli", "hf2mcore", str(TINY), str(out), "--format", fmt],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                    "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    line = process.stdout.readline()
-    assert line.startswith(f"wrote {out}"), (line, process.communicate())
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0 and stdout == "", (process.returncode, stdout, stderr)
-    assert stderr in ("", f"mconv: interrupted after {out} was complete; it is in place\n"), stderr
+    process = subprocess.Popen([sys.executable, "-c", STOPS_AFTER_THE_CLOSING_LINE, "hf2mcore", str(TINY), str(out),
+                                "--format", fmt], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    signum, sent, deadline = getattr(signal, signame), 0, time.monotonic() + 300
+    while process.poll() is None and time.monotonic() < deadline:
+        if process_state(process.pid) in ("T", "t"):
+            os.kill(process.pid, signum)
+            sent += 1
+            os.kill(process.pid, signal.SIGCONT)
+        time.sleep(0.001)
+    stdout, stderr = process.communicate(timeout=10)
+    what = "interrupted" if signame == "SIGINT" else "terminated"
+    assert (process.returncode, stderr) == (0, f"mconv: {what} after {out} was complete; it is in place\n"), stderr
+    assert stdout.startswith(f"wrote {out} ({fmt})") and sent >= 3, (stdout, sent)
     assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_signals_at_random_times_leave_a_complete_output_or_nothing(tmp_path):
+    """Stress: 8 runs of `hf2mcore --workers 2` (both formats) on a 20 MB model, each sent 1 to 3
+    SIGINT / SIGTERM a few milliseconds apart at a random time: while torch is imported, while the
+    threads write the staging directory, or once the output is in place. Every run ends with
+    status 130 / 143, one line, and nothing left, or status 0, a complete output and at most the
+    line saying so; never a traceback nor a thread alive at exit ("terminate called without an
+    active exception", status 134, once seen after a SIGTERM during a run)."""
+    import random
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fixtures.make_fixtures import make_qwen3
+
+    hf = make_qwen3(tmp_path / "hf", tokenizer=False, hidden_size=256, intermediate_size=1024, vocab_size=8192,
+                    head_dim=64)
+    libtorch = lambda pid: "libtorch" in Path(f"/proc/{pid}/maps").read_text()  # noqa: E731
+
+    def run(i: int) -> None:
+        rng, where = random.Random(i), tmp_path / f"run{i}"
+        where.mkdir()
+        out = where / "out"
+        process = start_mconv("hf2mcore", hf, out, "--workers", 2, "--format", ["torch", "torch_dist"][i % 2],
+                              cwd=where)
+        when = rng.choice(["importing", "writing", "writing", "in place"])
+        condition = {"importing": lambda: libtorch(process.pid), "in place": out.exists,
+                     "writing": lambda: any(".mconv-partial-" in p.name for p in where.iterdir())}[when]
+        wait_for(condition, process)
+        time.sleep(rng.uniform(0, 1.0 if when == "importing" else 0.05))
+        sent = []
+        for _ in range(rng.randint(1, 3)):
+            sent.append(rng.choice([signal.SIGINT, signal.SIGTERM]))
+            process.send_signal(sent[-1])
+            time.sleep(rng.uniform(0, 0.005))
+        stdout, stderr = process.communicate(timeout=240)
+        words = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+        case = (i, when, [words[s] for s in sent], process.returncode, stderr)
+        if process.returncode == 0:
+            assert stderr in {"", *(f"mconv: {words[s]} after {out} was complete; it is in place\n" for s in sent)}, case
+            assert (out / "latest_checkpointed_iteration.txt").is_file(), case
+        else:
+            signum = process.returncode - 128
+            assert signum in sent and stderr == f"mconv: {words[signum]}; nothing was written to {out}\n", case
+            assert not out.exists(), case
+        assert leftovers(where) == [], case
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(run, range(8)))
 
 
 # ----------------------------------------------------------------------------- damaged torch_dist checkpoints
@@ -845,7 +1103,8 @@ def test_live_save_failures_are_one_sentence_and_leave_nothing(tmp_path):
     """save_hf_weights on a megatron-core GPTModel (one gloo process) with the failure injected as the
     system raises it: ENOSPC at os.pwrite, EROFS at os.mkdir, EACCES at os.open. Each raises
     MconvError `cannot write OUT: <cause>; nothing was written`, leaves no `.OUT.mconv-partial-live`,
-    and an existing output stays as it was."""
+    and an existing output stays as it was. An output that appears while the model is saved, and a
+    directory no mconv command wrote, are refused and left as they are."""
     import torch.multiprocessing as mp
 
     from tests.megatron_oracle import MegatronRun, read_config
@@ -861,6 +1120,13 @@ def test_live_save_failures_are_one_sentence_and_leave_nothing(tmp_path):
     assert results["existing"][0] == "MconvError" and results["existing"][1].startswith(f"cannot write {tmp_path / 'saved'}")
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == results["saved files"]
     assert mconv("verify", tmp_path / "saved", TINY, "-q").exit_code == 0  # the earlier save, intact
+    appeared, foreign = tmp_path / "appeared", tmp_path / "foreign"  # nor is any other directory replaced
+    assert results["appeared"] == ["MconvError", f"{appeared} appeared while mconv was writing it; it was left as it "
+                                                 "is and the new output was removed"]
+    assert results["foreign"][0] == "MconvError" and "holds neither a model" in results["foreign"][1]
+    assert [(p / "notes.txt" if p == appeared else p / "thesis.txt").read_text() for p in (appeared, foreign)] == \
+        ["mine", "mine"] and len(list(appeared.iterdir())) == len(list(foreign.iterdir())) == 1
+    assert leftovers(tmp_path) == []
 
 
 def _live_save_worker(rank, run, where: Path):
@@ -902,6 +1168,22 @@ def _live_save_worker(rank, run, where: Path):
                 results["existing"] = ["saved"]
             except Exception as e:
                 results["existing"] = [type(e).__name__, str(e)]
+        real_copy = mconv.live.copy_side_files
+
+        def appearing(*args):  # another program makes the output while the model is saved
+            (where / "appeared").mkdir()
+            (where / "appeared" / "notes.txt").write_text("mine")
+            return real_copy(*args)
+
+        (where / "foreign").mkdir()
+        (where / "foreign" / "thesis.txt").write_text("mine")
+        for case in ("appeared", "foreign"):
+            with mock.patch.object(mconv.live, "copy_side_files", appearing if case == "appeared" else real_copy):
+                try:
+                    mconv.live.save_hf_weights([model], where / case, TINY)
+                    results[case] = ["saved"]
+                except Exception as e:
+                    results[case] = [type(e).__name__, str(e)]
         (where / "results.json").write_text(json.dumps(results))
 
 

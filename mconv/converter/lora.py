@@ -109,10 +109,11 @@ class PeftAdapter:
                 "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}
 
     def save(self, directory: Path, alpha: float, base_model: str | None) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        save_file({k: t.contiguous() for k, t in self.tensors.items()}, Path(directory) / ADAPTER_WEIGHTS,
-                  metadata={"format": "pt"})
+        # written by us, not save_file, which makes its file 0600 whatever the umask
+        data = save({k: t.contiguous() for k, t in self.tensors.items()}, metadata={"format": "pt"})
+        (Path(directory) / ADAPTER_WEIGHTS).write_bytes(data)
         (Path(directory) / ADAPTER_CONFIG).write_text(json.dumps(self.config(alpha, base_model), indent=2) + "\n")
 
 

@@ -3,12 +3,14 @@ umask gives, and a failed write (full disk, read-only or forbidden location) is 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
@@ -28,8 +30,10 @@ def output_path(out: str | Path) -> Path:
 
 def check_output_path(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> None:
     """Refuse an output that overlaps an input (paths compared with every symlink resolved, so an
-    input reached through a link is still the input), that exists without `overwrite`, or whose
-    nearest existing parent is not a directory.
+    input reached through a link is still the input), that is not a directory (a file, a FIFO, a
+    device, a dangling symlink), that exists without `overwrite` (an empty directory is not data:
+    it is taken without), that `overwrite` may not replace (`_refusal`), or whose nearest existing
+    parent is not a directory.
 
     Raises MconvError naming both paths."""
     out = output_path(out)
@@ -41,21 +45,45 @@ def check_output_path(out: str | Path, overwrite: bool, inputs: tuple[str | Path
         source = Path(source).resolve()
         if real == source or source.is_relative_to(real) or real.is_relative_to(source):
             raise MconvError(f"output {out} overlaps the input {source}; choose another output directory")
-    if os.path.lexists(out) and not overwrite:
-        raise MconvError(f"{out} already exists; pass {option('overwrite', True)} to replace it")
-    if os.path.lexists(out) and not out.is_dir():
-        raise MconvError(f"{out} exists and is not a directory")
-    if os.path.lexists(out) and not _replaceable(out):
-        raise MconvError(f"{out} holds neither a model, an adapter nor a Megatron checkpoint; "
-                         f"{option('overwrite', True)} replaces only those (or an empty directory), so remove it yourself if it must go")
+    refusal = _refusal(out, overwrite)
+    if refusal:
+        raise MconvError(refusal)
 
 
 # What --overwrite may replace: a directory that an mconv command could have written.
 _OUTPUT_MARKERS = ("config.json", "adapter_config.json", "latest_checkpointed_iteration.txt", "mconv.json")
 
 
-def _replaceable(out: Path) -> bool:
-    return not any(out.iterdir()) or any((out / marker).is_file() for marker in _OUTPUT_MARKERS)
+def _refusal(out: Path, overwrite: bool) -> str | None:
+    """Why what is at `out` now may not be replaced (None: nothing is there, an empty directory, or
+    with `overwrite` a directory an mconv command could have written, or a link to one)."""
+    if not os.path.lexists(out) or _empty_directory(out):
+        return None
+    if not out.is_dir():
+        return f"{out} is {_kind(out)}, not a directory; remove it or choose another output directory"
+    if not overwrite:
+        return f"{out} already exists; pass {option('overwrite', True)} to replace it"
+    if not any((out / marker).is_file() for marker in _OUTPUT_MARKERS) and any(out.iterdir()):
+        return (f"{out} holds neither a model, an adapter nor a Megatron checkpoint; {option('overwrite', True)} replaces only "
+                "those (or an empty directory), so remove it yourself if it must go")
+    return None
+
+
+def _empty_directory(path: Path) -> bool:
+    try:
+        return not path.is_symlink() and path.is_dir() and not any(path.iterdir())
+    except OSError:  # unreadable: it may hold anything
+        return False
+
+
+def _kind(path: Path) -> str:
+    """What a path that is not a directory is, in words."""
+    if not path.exists():
+        return f"a symlink to {os.readlink(path)}, which does not exist"
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a file")
 
 
 def umask() -> int:
@@ -166,11 +194,120 @@ def uninterrupted(deliver: bool = True) -> Iterator[None]:
             previous[caught[0]](caught[0], None)
 
 
-def remove_staging(staging: Path | None, created: list[Path]) -> None:
-    """Remove a failed run's staging directory and the parent directories it created."""
+class Claim:
+    """This process's hold on an output path, from before its staging directory is made until the
+    finished output is in place (`commit`) or the run has failed (`release`): an exclusive lock on
+    `.NAME.mconv-lock` beside OUT, so that a second mconv run to the same OUT is refused at once
+    (MconvError) instead of one output silently replacing the other; and what was at OUT when the
+    claim was made (checked by `check_output_path` under the lock), the only thing `commit` may
+    replace. OUT's parent directory must exist. An OSError (no permission...) is raised as it is."""
+
+    def __init__(self, out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()):
+        self.out = output_path(out)
+        self.overwrite = overwrite
+        self._lock: int | None = _lock(self.out)
+        try:
+            check_output_path(self.out, overwrite, inputs)
+            self.found = _identity(self.out)
+        except BaseException:
+            self.release()
+            raise
+
+    def commit(self, staging: Path) -> None:
+        """Rename the finished `staging` to OUT and release the claim. Where OUT is absent or an empty
+        directory this is one rename, and the kernel itself refuses to replace anything else (a
+        directory with files, a file, a link); with `overwrite`, the output found when the claim
+        was made is replaced if it is still there and still one --overwrite may replace. Anything
+        else now at OUT (made while mconv ran) is left as it is: MconvError, and the caller
+        removes `staging`. An interrupt meanwhile is dropped (`uninterrupted`)."""
+        with uninterrupted(deliver=False):
+            try:
+                os.rename(staging, self.out)
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                    raise
+                if not self.overwrite or self.found is None or _identity(self.out) != self.found \
+                        or _refusal(self.out, True):
+                    what = "appeared" if self.found is None else "changed"
+                    raise MconvError(f"{self.out} {what} while mconv was writing it; it was left as it is and "
+                                     "the new output was removed") from None
+                _replace(staging, self.out)
+            _finished.add(self.out)
+            self.release()
+
+    def release(self) -> None:
+        """Remove the lock file and unlock (in that order: a run that opened it meanwhile sees that
+        it is gone, see `_lock`)."""
+        if self._lock is not None:
+            with uninterrupted():
+                try:
+                    with suppress(FileNotFoundError):
+                        os.unlink(_lock_path(self.out))
+                finally:
+                    os.close(self._lock)
+                    self._lock = None
+
+
+def _lock_path(out: Path) -> Path:
+    return out.with_name(f".{out.name}.mconv-lock")
+
+
+def _lock(out: Path) -> int:
+    """Take the exclusive lock beside `out`; MconvError if another process holds it."""
+    path = _lock_path(out)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise MconvError(f"another mconv run is writing {out}; wait for it to end or choose another "
+                             "output directory") from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):  # a file system without locks: none to take
+                os.close(fd)
+                raise
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # locked after its holder removed it: take the new one
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """What is at `path`, a link itself not followed (None: nothing): its device and inode, and its
+    ctime, which tells a directory made anew in a freed inode, or one whose entries changed."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino, found.st_ctime_ns
+
+
+def _replace(staging: Path, out: Path) -> None:
+    """Rename `staging` to `out`, replacing (and removing) the output there."""
+    retired = out.with_name(f".{out.name}.mconv-old-{os.getpid()}")
+    out.rename(retired)
+    try:
+        staging.rename(out)
+    except BaseException:
+        retired.rename(out)
+        raise
+    if retired.is_symlink():  # the output was a link to a directory: the link is replaced
+        retired.unlink()
+    else:
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def remove_staging(staging: Path | None, created: list[Path], claim: Claim | None = None) -> None:
+    """Remove a failed run's staging directory, release its claim on the output, and remove the
+    parent directories it created."""
     with uninterrupted():
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+        if claim is not None:
+            claim.release()
         for parent in created:
             try:
                 parent.rmdir()
@@ -183,43 +320,52 @@ def staged_directory(out: str | Path, overwrite: bool, inputs: tuple[str | Path,
     """Yield a temporary sibling of `out`; on success it replaces `out` in one rename.
 
     An interrupted or failed run leaves `out` untouched (an existing one is replaced only after
-    the new one is complete) and removes the staging directory and the parents it created; an
-    interrupt (SIGINT, SIGTERM) during that clean-up or during the final rename is held back until
-    it is done (see `uninterrupted`). The output gets the permissions a plain mkdir would give
-    under the caller's umask (mkdtemp's 0700 is not kept). A failed write raises MconvError naming `out` and the cause.
+    the new one is complete, and only the one found when the run began: `Claim`) and removes the
+    staging directory and the parents it created; an interrupt (SIGINT, SIGTERM) during that
+    clean-up or during the final rename is held back until it is done (see `uninterrupted`). The
+    output gets the permissions a plain mkdir would give under the caller's umask (mkdtemp's 0700
+    is not kept). A failed write raises MconvError naming `out` and the cause; so does another
+    mconv run writing `out`, and an output that appears at `out` meanwhile.
     """
     out = output_path(out)
     check_output_path(out, overwrite, inputs)
     created: list[Path] = []
-    staging = None
+    staging = claim = None
     try:
         with write_errors(out), uninterrupted():  # what is made here is known to the clean-up below
             created = _make_parents(out.parent)
+            claim = Claim(out, overwrite, inputs)
             staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.mconv-partial-", dir=out.parent))
             os.chmod(staging, 0o777 & ~umask())
         with write_errors(out, staging):
             yield staging
-            with uninterrupted(deliver=False):
-                commit(staging, out)
-                _finished.add(out)
+            claim.commit(staging)
     except BaseException:
-        remove_staging(staging, created)
+        remove_staging(staging, created, claim)
         raise
 
 
-def commit(staging: Path, out: Path) -> None:
-    """Rename the finished `staging` to `out`, replacing an existing `out` (and removing it)."""
-    if os.path.lexists(out):
-        retired = out.with_name(f".{out.name}.mconv-old-{os.getpid()}")
-        out.rename(retired)
-        try:
-            staging.rename(out)
-        except BaseException:
-            retired.rename(out)
-            raise
-        if retired.is_symlink():  # the output was a link to a directory: the link is replaced
-            retired.unlink()
-        else:
-            shutil.rmtree(retired, ignore_errors=True)
-    else:
-        staging.rename(out)
+class SharedStaging:
+    """The staging directory of a job whose ranks all write into it (torchrun's ranks, a live
+    model's): its name, `.NAME.mconv-partial-KIND`, is fixed so that every rank knows it without
+    talking. Rank 0 claims OUT and makes it (`make`), then puts it in place (`commit`) or removes
+    it (`remove`); a claim refused (another run writing OUT) leaves that run's directory alone."""
+
+    def __init__(self, out: str | Path, kind: str, overwrite: bool):
+        self.out = output_path(out)
+        self.path = self.out.with_name(f".{self.out.name}.mconv-partial-{kind}")
+        self.overwrite = overwrite
+        self.claim: Claim | None = None
+
+    def make(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.claim = Claim(self.out, self.overwrite)
+        shutil.rmtree(self.path, ignore_errors=True)  # a killed run's: the claim says no run is using it
+        self.path.mkdir()
+
+    def commit(self) -> None:
+        self.claim.commit(self.path)
+
+    def remove(self) -> None:
+        if self.claim is not None:
+            remove_staging(self.path, [], self.claim)

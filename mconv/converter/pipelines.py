@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 from typing import Callable, Iterator
@@ -24,8 +22,7 @@ from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.output import (check_output_path, commit, output_path, remove_staging, staged_directory,
-                                    uninterrupted, write_errors)
+from mconv.converter.output import SharedStaging, check_output_path, output_path, staged_directory, write_errors
 from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS, option
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, ShardSource, TensorTask, make_plan
@@ -531,22 +528,19 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
               label: str, progress: bool) -> None:
     """The torchrun protocol: rank 0 prepares a staging directory every rank can compute the name
     of; all ranks write their shares; rank 0 finishes and renames it into place."""
-    staging = out.with_name(f".{out.name}.mconv-partial-torchrun")
+    shared = SharedStaging(out, "torchrun", overwrite)
+    staging = shared.path
     prepared = {}
 
     def first():
         if team.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
+            shared.make()
             prepared["writer"] = prepare(staging)
 
     def last():
         if team.rank == 0:
             finish(prepared["writer"], staging)
-            if out.exists() and not overwrite:
-                raise MconvError(f"{out} already exists; pass {option('overwrite', True)} to replace it")
-            with uninterrupted(deliver=False):
-                commit(staging, out)
+            shared.commit()
 
     def step(name: str, action) -> None:
         def guarded():  # a failed write (full disk...) stops every rank with one sentence
@@ -561,7 +555,7 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
         step("finished", last)
     except BaseException:
         if team.rank == 0:
-            remove_staging(staging, [])
+            shared.remove()
         raise
 
 
