@@ -60,7 +60,10 @@ def _config_fields(args: argparse.Namespace, config_class) -> dict:
                   rotary_interleaved=args.rotary_interleaved,
                   num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
                   num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-                  num_query_groups=args.num_query_groups if args.group_query_attention else None)
+                  num_query_groups=args.num_query_groups if args.group_query_attention else None,
+                  # validate_args' default: each weight in as many shards as TP (ETP) ranks, no GTP.
+                  tensor_parallel_num_weight_shards=args.tensor_model_parallel_size,
+                  expert_tensor_parallel_num_weight_shards=args.expert_tensor_parallel_size)
     if args.swiglu:
         fields.update(activation_func=F.silu, gated_linear_unit=True)
     if getattr(args, "rope_type", None) is None:

@@ -1,0 +1,106 @@
+"""Run by test_live_build with whichever megatron-core is first on PYTHONPATH (0.19, or the 0.14
+side install): two gloo processes on the CPU build Qwen3 at TP2 and Qwen3-MoE at TP2/EP2/ETP1 with
+`mconv.live.build_model`, each in its own parallel_state, and for each:
+
+- with Megatron-LM's own megatron.training at hand (0.19): the TransformerConfig of
+  `mconv.live.transformer_config`, field by field, against `core_transformer_config_from_args` on
+  the args mconv stored in the rank file (Megatron-LM's parser defaults under them, as a trainer
+  passing exactly those flags: megatron_oracle.trainer_args) with CPU_RUN_ARGS; the trainer's
+  runtime choices those args make (RUNTIME) are passed as overrides, which can set no model fact;
+- `load_hf_weights` from the HF fixture, megatron-core's forward (rank 0 saves the logits);
+- the rank file hf2mcore wrote for this rank loads into the built chunks with `strict=True`.
+
+Usage: live_build_oracle.py OUT DENSE_CKPT MOE_CKPT (checkpoints written by hf2mcore at those layouts);
+writes OUT/<case>.logits.pt, OUT/<case>.config.json (the differing fields) and OUT/version.
+"""
+import dataclasses
+import functools
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mconv import Layout  # noqa: E402
+from mconv.converter.layout import Rank  # noqa: E402
+from tests.conftest import FIXTURES, load_rank_file  # noqa: E402
+from tests.megatron_oracle import (CPU_RUN_ARGS, MegatronRun, _config_from_args, _cpu_shims,  # noqa: E402
+                                   forward_logits, read_config, trainer_args)
+
+TOKENS = list(range(7, 80, 6))
+CASES = {"dense-tp2": ("qwen3-tiny", dict(tp=2)), "moe-tp2-ep2": ("qwen3-moe-tiny", dict(tp=2, ep=2, etp=1))}
+# The runtime choices of the Megatron-LM job the oracle parses (CPU_RUN_ARGS over its parser's defaults)
+# where they differ from TransformerConfig's defaults: not facts of the model, so the trainer's to pass.
+RUNTIME = dict(use_cpu_initialization=True, init_method_std=CPU_RUN_ARGS["init_method_std"],
+               deallocate_pipeline_outputs=True, attention_softmax_in_fp32=False, bias_dropout_fusion=True,
+               cp_comm_type="p2p", inference_sampling_seed=1234)
+
+
+def _comparable(value):
+    """Config values as ==-comparable data: a torch.nn.init partial by its function and arguments."""
+    if isinstance(value, functools.partial):
+        return (value.func, value.args, tuple(sorted(value.keywords.items())))
+    return value
+
+
+def config_differences(ours, theirs) -> dict:
+    """{field: [ours, theirs]} for every field of either config whose values differ."""
+    names = {f.name for f in dataclasses.fields(theirs)} | {f.name for f in dataclasses.fields(ours)}
+    return {name: [repr(getattr(ours, name, "<absent>")), repr(getattr(theirs, name, "<absent>"))]
+            for name in sorted(names) if _comparable(getattr(ours, name, None)) != _comparable(getattr(theirs, name, None))}
+
+
+def _worker(rank: int, out: Path, checkpoints: dict, store: Path) -> None:
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from mconv.live import build_model, load_hf_weights, transformer_config
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        import megatron.training  # noqa: F401  Megatron-LM's, shipped with the 0.19 install only
+        oracle = True
+    except ImportError:
+        oracle = False
+    for case, (fixture, sizes) in CASES.items():
+        hf_dir, layout = FIXTURES / fixture, Layout(**sizes)
+        ps.initialize_model_parallel(layout.tp, expert_model_parallel_size=layout.ep,
+                                     expert_tensor_parallel_size=layout.etp)
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        run = MegatronRun(checkpoints[case], read_config(hf_dir), **sizes, tokens=TOKENS)
+        rank_file = (checkpoints[case] / "release" / layout.rank_dir(
+            Rank(ps.get_tensor_model_parallel_rank(), 0, ps.get_expert_model_parallel_rank() if layout.ep > 1 else 0))
+            / "model_optim_rng.pt")
+        stored = load_rank_file(rank_file, map_location="cpu")
+        if oracle and rank == 0:
+            theirs, _ = _config_from_args(trainer_args(stored["args"], run))
+            ours = transformer_config(hf_dir, layout, dtype=torch.float32, **RUNTIME)
+            (out / f"{case}.config.json").write_text(json.dumps(config_differences(ours, theirs)))
+        chunks = build_model(hf_dir, layout, dtype=torch.float32, parallel_output=False, **RUNTIME)
+        load_hf_weights(chunks, hf_dir)
+        for model in chunks:
+            model.eval()
+        forward_logits(chunks, run, chunks[0].config.hidden_size, out / f"{case}.logits.pt")
+        chunks[0].load_state_dict(stored["model"], strict=True)
+        dist.barrier()
+        ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def main(out: str, dense: str, moe: str) -> None:
+    import megatron.core
+
+    out = Path(out)
+    (out / "version").write_text(f"{megatron.core.__version__} {megatron.core.__file__}")
+    checkpoints = {"dense-tp2": Path(dense), "moe-tp2-ep2": Path(moe)}
+    mp.start_processes(_worker, args=(out, checkpoints, out / "store"), nprocs=2, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
