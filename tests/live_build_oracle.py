@@ -1,5 +1,5 @@
 """Run by test_live_build with whichever megatron-core is first on PYTHONPATH (0.19, or the 0.14
-side install): two gloo processes on the CPU build Qwen3 at TP2 and Qwen3-MoE at TP2/EP2/ETP1 with
+side install): two gloo processes on the CPU build the CASES named on the command line with
 `mconv.live.build_model`, each in its own parallel_state, and for each:
 
 - with Megatron-LM's own megatron.training at hand (0.19): the TransformerConfig of
@@ -10,7 +10,7 @@ side install): two gloo processes on the CPU build Qwen3 at TP2 and Qwen3-MoE at
 - `load_hf_weights` from the HF fixture, megatron-core's forward (rank 0 saves the logits);
 - the rank file hf2mcore wrote for this rank loads into the built chunks with `strict=True`.
 
-Usage: live_build_oracle.py OUT DENSE_CKPT MOE_CKPT (checkpoints written by hf2mcore at those layouts);
+Usage: live_build_oracle.py OUT CASE CKPT [CASE CKPT ...] (CKPT written by hf2mcore at CASE's layout);
 writes OUT/<case>.logits.pt, OUT/<case>.config.json (the differing fields) and OUT/version.
 """
 import dataclasses
@@ -31,7 +31,10 @@ from tests.megatron_oracle import (CPU_RUN_ARGS, MegatronRun, _config_from_args,
                                    forward_logits, read_config, trainer_args)
 
 TOKENS = list(range(7, 80, 6))
-CASES = {"dense-tp2": ("qwen3-tiny", dict(tp=2)), "moe-tp2-ep2": ("qwen3-moe-tiny", dict(tp=2, ep=2, etp=1))}
+# megatron-core 0.14 needs sequence parallelism with EP and TP, which its local spec's torch norms
+# cannot do (Transformer Engine's can): on the CPU, 0.14 runs the MoE model at TP1/EP2.
+CASES = {"dense-tp2": ("qwen3-tiny", dict(tp=2)), "moe-tp2-ep2": ("qwen3-moe-tiny", dict(tp=2, ep=2, etp=1)),
+         "moe-ep2": ("qwen3-moe-tiny", dict(ep=2))}
 # The runtime choices of the Megatron-LM job the oracle parses (CPU_RUN_ARGS over its parser's defaults)
 # where they differ from TransformerConfig's defaults: not facts of the model, so the trainer's to pass.
 RUNTIME = dict(use_cpu_initialization=True, init_method_std=CPU_RUN_ARGS["init_method_std"],
@@ -68,13 +71,14 @@ def _worker(rank: int, out: Path, checkpoints: dict, store: Path) -> None:
         oracle = True
     except ImportError:
         oracle = False
-    for case, (fixture, sizes) in CASES.items():
+    for case, checkpoint in checkpoints.items():
+        fixture, sizes = CASES[case]
         hf_dir, layout = FIXTURES / fixture, Layout(**sizes)
         ps.initialize_model_parallel(layout.tp, expert_model_parallel_size=layout.ep,
                                      expert_tensor_parallel_size=layout.etp)
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-        run = MegatronRun(checkpoints[case], read_config(hf_dir), **sizes, tokens=TOKENS)
-        rank_file = (checkpoints[case] / "release" / layout.rank_dir(
+        run = MegatronRun(checkpoint, read_config(hf_dir), **sizes, tokens=TOKENS)
+        rank_file = (checkpoint / "release" / layout.rank_dir(
             Rank(ps.get_tensor_model_parallel_rank(), 0, ps.get_expert_model_parallel_rank() if layout.ep > 1 else 0))
             / "model_optim_rng.pt")
         stored = load_rank_file(rank_file, map_location="cpu")
@@ -82,7 +86,7 @@ def _worker(rank: int, out: Path, checkpoints: dict, store: Path) -> None:
             theirs, _ = _config_from_args(trainer_args(stored["args"], run))
             ours = transformer_config(hf_dir, layout, dtype=torch.float32, **RUNTIME)
             (out / f"{case}.config.json").write_text(json.dumps(config_differences(ours, theirs)))
-        chunks = build_model(hf_dir, layout, dtype=torch.float32, parallel_output=False, **RUNTIME)
+        chunks = build_model(hf_dir, layout, dtype=torch.float32, parallel_output=False, use_cpu_initialization=True)
         load_hf_weights(chunks, hf_dir)
         for model in chunks:
             model.eval()
@@ -93,12 +97,12 @@ def _worker(rank: int, out: Path, checkpoints: dict, store: Path) -> None:
     dist.destroy_process_group()
 
 
-def main(out: str, dense: str, moe: str) -> None:
+def main(out: str, *cases: str) -> None:
     import megatron.core
 
     out = Path(out)
     (out / "version").write_text(f"{megatron.core.__version__} {megatron.core.__file__}")
-    checkpoints = {"dense-tp2": Path(dense), "moe-tp2-ep2": Path(moe)}
+    checkpoints = {case: Path(checkpoint) for case, checkpoint in zip(cases[::2], cases[1::2])}
     mp.start_processes(_worker, args=(out, checkpoints, out / "store"), nprocs=2, start_method="spawn")
 
 
