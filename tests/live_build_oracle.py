@@ -34,12 +34,14 @@ TOKENS = list(range(7, 80, 6))
 # megatron-core 0.14 needs sequence parallelism with EP and TP, which its local spec's torch norms
 # cannot do (Transformer Engine's can): on the CPU, 0.14 runs the MoE model at TP1/EP2.
 CASES = {"dense-tp2": ("qwen3-tiny", dict(tp=2)), "moe-tp2-ep2": ("qwen3-moe-tiny", dict(tp=2, ep=2, etp=1)),
-         "moe-ep2": ("qwen3-moe-tiny", dict(ep=2))}
+         "moe-ep2": ("qwen3-moe-tiny", dict(ep=2)), "dense-pp2-vpp2": ("qwen3-tiny", dict(pp=2, vpp=2))}
 # The runtime choices of the Megatron-LM job the oracle parses (CPU_RUN_ARGS over its parser's defaults)
 # where they differ from TransformerConfig's defaults: not facts of the model, so the trainer's to pass.
 RUNTIME = dict(use_cpu_initialization=True, init_method_std=CPU_RUN_ARGS["init_method_std"],
                deallocate_pipeline_outputs=True, attention_softmax_in_fp32=False, bias_dropout_fusion=True,
                cp_comm_type="p2p", inference_sampling_seed=1234)
+# With virtual pipeline stages Megatron-LM overlaps the pipeline's sends and receives by default.
+VPP_RUNTIME = dict(overlap_p2p_comm=True, batch_p2p_comm=False)
 
 
 def _comparable(value):
@@ -74,24 +76,27 @@ def _worker(rank: int, out: Path, checkpoints: dict, store: Path) -> None:
     for case, checkpoint in checkpoints.items():
         fixture, sizes = CASES[case]
         hf_dir, layout = FIXTURES / fixture, Layout(**sizes)
-        ps.initialize_model_parallel(layout.tp, expert_model_parallel_size=layout.ep,
-                                     expert_tensor_parallel_size=layout.etp)
+        ps.initialize_model_parallel(layout.tp, layout.pp, layout.vpp if layout.vpp > 1 else None,
+                                     expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         run = MegatronRun(checkpoint, read_config(hf_dir), **sizes, tokens=TOKENS)
         rank_file = (checkpoint / "release" / layout.rank_dir(
-            Rank(ps.get_tensor_model_parallel_rank(), 0, ps.get_expert_model_parallel_rank() if layout.ep > 1 else 0))
+            Rank(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                 ps.get_expert_model_parallel_rank() if layout.ep > 1 else 0))
             / "model_optim_rng.pt")
         stored = load_rank_file(rank_file, map_location="cpu")
         if oracle and rank == 0:
             theirs, _ = _config_from_args(trainer_args(stored["args"], run))
-            ours = transformer_config(hf_dir, layout, dtype=torch.float32, **RUNTIME)
+            ours = transformer_config(hf_dir, layout, dtype=torch.float32,
+                                      **RUNTIME, **(VPP_RUNTIME if layout.vpp > 1 else {}))
             (out / f"{case}.config.json").write_text(json.dumps(config_differences(ours, theirs)))
         chunks = build_model(hf_dir, layout, dtype=torch.float32, parallel_output=False, use_cpu_initialization=True)
         load_hf_weights(chunks, hf_dir)
         for model in chunks:
             model.eval()
         forward_logits(chunks, run, chunks[0].config.hidden_size, out / f"{case}.logits.pt")
-        chunks[0].load_state_dict(stored["model"], strict=True)
+        for v, model in enumerate(chunks):
+            model.load_state_dict(stored["model"] if layout.vpp == 1 else stored[f"model{v}"], strict=True)
         dist.barrier()
         ps.destroy_model_parallel()
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
-"""mconv.live.build_model / transformer_config against megatron-core 0.19 and 0.14 (the side install):
-Megatron-LM's own config from mconv's stored args, strict loading, transformers' logits (see
+"""mconv.live.build_model / transformer_config against megatron-core 0.19 (Qwen3 at TP2 and PP2 x VPP2,
+Qwen3-MoE at TP2/EP2/ETP1) and 0.14, the side install (Qwen3 at TP2, Qwen3-MoE at EP2): Megatron-LM's
+own config from mconv's stored args (0.19), strict loading, transformers' logits (see
 live_build_oracle.py); the one-line error without megatron-core; and the refusals."""
 import json
 import os
@@ -24,7 +25,7 @@ def test_built_model_matches_megatron_lm_config_and_transformers_logits(tmp_path
         pytest.skip(f"no older megatron-core at {OLD_MEGATRON} (scripts/install.sh installs 0.14.0 there)")
     import torch
 
-    cases = ["dense-tp2", "moe-tp2-ep2" if megatron == "0.19" else "moe-ep2"]  # see CASES
+    cases = ["dense-tp2", "moe-tp2-ep2", "dense-pp2-vpp2"] if megatron == "0.19" else ["dense-tp2", "moe-ep2"]
     for case in cases:
         fixture, sizes = CASES[case]
         hf2mcore(FIXTURES / fixture, tmp_path / case, Layout(**sizes), fmt="torch", progress=False)
