@@ -7,6 +7,7 @@ side install): two gloo processes on the CPU build the CASES named on the comman
   the args mconv stored in the rank file (Megatron-LM's parser defaults under them, as a trainer
   passing exactly those flags: megatron_oracle.trainer_args) with CPU_RUN_ARGS; the trainer's
   runtime choices those args make (RUNTIME) are passed as overrides, which can set no model fact;
+- build_model refuses the layout with the other TP size (OUT/<case>.mismatch.txt says why);
 - `load_hf_weights` from the HF fixture, megatron-core's forward (rank 0 saves the logits);
 - the rank file hf2mcore wrote for this rank loads into the built chunks with `strict=True`.
 
@@ -24,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mconv import Layout  # noqa: E402
+from mconv import Layout, MconvError  # noqa: E402
 from mconv.converter.layout import Rank  # noqa: E402
 from tests.conftest import FIXTURES, load_rank_file  # noqa: E402
 from tests.megatron_oracle import (CPU_RUN_ARGS, MegatronRun, _config_from_args, _cpu_shims,  # noqa: E402
@@ -90,6 +91,10 @@ def _worker(rank: int, out: Path, checkpoints: dict, store: Path) -> None:
             ours = transformer_config(hf_dir, layout, dtype=torch.float32,
                                       **RUNTIME, **(VPP_RUNTIME if layout.vpp > 1 else {}))
             (out / f"{case}.config.json").write_text(json.dumps(config_differences(ours, theirs)))
+        try:  # a layout other than parallel_state's is refused
+            build_model(hf_dir, dataclasses.replace(layout, tp=3 - layout.tp))
+        except MconvError as e:
+            (out / f"{case}.mismatch.txt").write_text(str(e))
         chunks = build_model(hf_dir, layout, dtype=torch.float32, parallel_output=False, use_cpu_initialization=True)
         load_hf_weights(chunks, hf_dir)
         for model in chunks:

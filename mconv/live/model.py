@@ -28,8 +28,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _DTYPE_FIELDS = ("params_dtype", "pipeline_dtype", "bf16", "fp16")
 
 
-def _megatron_args(config: dict, layout: Layout, spec: str, dtype: torch.dtype | None):
-    """The architecture, its dims and the Megatron-LM args mconv stores for this model at `layout`."""
+def _megatron_args(config: dict, layout: Layout, spec: str, dtype: torch.dtype | None) -> argparse.Namespace:
+    """The Megatron-LM args mconv stores for this model at `layout`."""
     if spec not in ("local", "te"):
         raise MconvError(f"spec must be 'local' or 'te' (Transformer Engine), not {spec!r}")
     arch = architecture_for(config)
@@ -43,8 +43,7 @@ def _megatron_args(config: dict, layout: Layout, spec: str, dtype: torch.dtype |
             raise MconvError(f"config.json's dtype is {name!r}; pass dtype= one of torch.float32, bfloat16, float16")
         dtype = DTYPES[name]
     padded = padded_vocab_size(dims.vocab, layout.vocab_divisor, layout.tp)
-    return arch, dims, megatron_io.megatron_lm_args(layout, dims, arch.megatron_args(dims), spec, padded, dtype,
-                                                    "torch")
+    return megatron_io.megatron_lm_args(layout, dims, arch.megatron_args(dims), spec, padded, dtype, "torch")
 
 
 def _config_fields(args: argparse.Namespace, config_class) -> dict:
@@ -98,10 +97,13 @@ def transformer_config(hf_config: str | Path | dict, layout: Layout, spec: str =
     MconvError for an architecture megatron-core cannot build, a layout the model does not fit,
     an override of a field the HF config and layout fix, or a field this megatron-core lacks.
     """
+    return _model_config(_megatron_args(_config(hf_config, revision), layout, spec, dtype), overrides)
+
+
+def _model_config(args: argparse.Namespace, overrides: dict):
+    """The TransformerConfig made from the stored `args`, with `overrides`: see transformer_config."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    config = _config(hf_config, revision)
-    _, _, args = _megatron_args(config, layout, spec, dtype)
     config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
     fields = _config_fields(args, config_class)
     known = {f.name for f in dataclasses.fields(config_class)}
@@ -147,9 +149,8 @@ def build_model(hf_config: str | Path | dict, layout: Layout, spec: str = "local
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    config_dict = _config(hf_config, revision)
-    _, dims, args = _megatron_args(config_dict, layout, spec, dtype)
-    _check_parallel_state(layout, bool(dims.experts))
+    args = _megatron_args(_config(hf_config, revision), layout, spec, dtype)
+    _check_parallel_state(layout, bool(args.num_experts))
     if spec == "te":
         try:
             import transformer_engine  # noqa: F401
@@ -157,10 +158,10 @@ def build_model(hf_config: str | Path | dict, layout: Layout, spec: str = "local
             raise MconvError("build_model: spec='te' needs Transformer Engine, which is not installed; "
                              "spec='local' builds megatron-core's own layers") from None
     gpt_rope = inspect.signature(GPTModel.__init__).parameters["position_embedding_type"].annotation
-    if args.position_embedding_type not in str(gpt_rope):
+    if repr(args.position_embedding_type) not in str(gpt_rope):
         raise MconvError(f"build_model: this megatron-core's GPTModel has no {args.position_embedding_type!r} "
                          "position embedding (megatron-core 0.19 has YaRN)")
-    config = transformer_config(config_dict, layout, spec, dtype, **overrides)
+    config = _model_config(args, overrides)
     chunks = []
     for v in range(layout.vpp):
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=spec == "te",
