@@ -56,7 +56,8 @@ def config_differences(ours, theirs) -> dict:
     """{field: [ours, theirs]} for every field of either config whose values differ."""
     names = {f.name for f in dataclasses.fields(theirs)} | {f.name for f in dataclasses.fields(ours)}
     return {name: [repr(getattr(ours, name, "<absent>")), repr(getattr(theirs, name, "<absent>"))]
-            for name in sorted(names) if _comparable(getattr(ours, name, None)) != _comparable(getattr(theirs, name, None))}
+            for name in sorted(names)
+            if _comparable(getattr(ours, name, None)) != _comparable(getattr(theirs, name, None))}
 
 
 def _worker(rank: int, out: Path, checkpoints: dict, store: Path) -> None:
