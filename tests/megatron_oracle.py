@@ -71,6 +71,10 @@ def _cpu_shims():
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self  # the tied-embedding all-reduce moves weights to the GPU
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.14's router names it without Transformer Engine
+        moe_utils.te_general_gemm = None
 
 
 def _transformer_config(run: MegatronRun):
@@ -187,6 +191,39 @@ def _config_from_args(args: argparse.Namespace):
                         rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling)
 
 
+def forward_logits(chunks: list, run: MegatronRun, hidden_size: int, out: Path) -> None:
+    """megatron-core's forward of `run.tokens` (one microbatch) through this rank's model chunks.
+    Pipeline stages (and virtual chunks) are chained with point-to-point sends of the hidden states
+    between the ranks that parallel_state names as next and previous, in the order megatron-core's
+    interleaved schedule runs chunks for one microbatch; the last stage's TP rank 0 saves the logits
+    to `out`."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    tokens = torch.tensor([run.tokens])
+    seq = tokens.shape[1]
+    positions = torch.arange(seq).unsqueeze(0)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True = masked
+    hidden_shape = (seq, 1, hidden_size)
+    with torch.no_grad():
+        for v in range(run.vpp):
+            for p in range(run.pp):
+                if p != pp_rank:
+                    continue
+                model = chunks[v]
+                if not (v == 0 and p == 0):
+                    hidden = torch.empty(hidden_shape)
+                    dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+                    model.set_input_tensor(hidden)
+                output = model(tokens, positions, mask)
+                if v == run.vpp - 1 and p == run.pp - 1:
+                    if ps.get_tensor_model_parallel_rank() == 0:
+                        torch.save(output.float(), out)
+                else:
+                    dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+
+
 def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
     warnings.filterwarnings("ignore")
     _cpu_shims()
@@ -257,27 +294,7 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         for v, model in enumerate(chunks):
             model.load_state_dict(state["model"] if run.vpp == 1 else state[f"model{v}"], strict=True)
 
-    tokens = torch.tensor([run.tokens])
-    seq = tokens.shape[1]
-    positions = torch.arange(seq).unsqueeze(0)
-    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True = masked
-    hidden_shape = (seq, 1, config.hidden_size)
-    with torch.no_grad():
-        for v in range(run.vpp):
-            for p in range(run.pp):
-                if p != pp_rank:
-                    continue
-                model = chunks[v]
-                if not (v == 0 and p == 0):
-                    hidden = torch.empty(hidden_shape)
-                    dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-                    model.set_input_tensor(hidden)
-                output = model(tokens, positions, mask)
-                if v == run.vpp - 1 and p == run.pp - 1:
-                    if ps.get_tensor_model_parallel_rank() == 0:
-                        torch.save(output.float(), out)
-                else:
-                    dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    forward_logits(chunks, run, config.hidden_size, out)
     if run.live_out is not None:
         from mconv.live import iter_hf_weights, save_hf_weights
 

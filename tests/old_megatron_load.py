@@ -25,10 +25,6 @@ def main(iter_dir: str, hf_dir: str, padded_vocab: str, out: str) -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):  # 0.14's router names it without Transformer Engine
-        moe_utils.te_general_gemm = None
     print(megatron.core.__version__, megatron.core.__file__)
     store = tempfile.mkdtemp()
     dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)

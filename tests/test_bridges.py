@@ -176,7 +176,7 @@ def _worker(rank: int, kind: str, hf: str, hf_dir: Path, tp: int, ep: int, port:
         (out / "bridge-ckpt" / "release").mkdir(parents=True)
         (out / "bridge-ckpt" / "latest_checkpointed_iteration.txt").write_text("release")
     dist.barrier()
-    core = mconv.live._unwrap(model[0])
+    core = mconv.live.chunks._unwrap(model[0])
     dist_checkpointing.save({"model": core.sharded_state_dict()}, str(out / "bridge-ckpt" / "release"))
     if kind == "megatron-bridge" and ep == 1:
         from megatron.bridge.peft.lora import LoRA

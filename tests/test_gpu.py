@@ -41,7 +41,7 @@ def test_gpu_load_and_export_are_exact(process_group, fixture):
     with torch.device("cuda"):
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=384, max_sequence_length=256,
                          position_embedding_type="rope", rotary_base=theta, parallel_output=False).eval()
-    mconv.live.STAGE_BYTES = 50_000  # many staging batches even for a tiny model
+    mconv.live.load.STAGE_BYTES = 50_000  # many staging batches even for a tiny model
     mconv.live.load_hf_weights([model], hf_dir)
     source = HFCheckpoint(hf_dir)
     names = []

@@ -86,7 +86,7 @@ def _staged_worker(rank, run, out):
     from tests.megatron_oracle import one_process_gpt
 
     with one_process_gpt(run) as model:
-        mconv.live.STAGE_BYTES = 30_000  # many batches, and pieces larger than a batch
+        mconv.live.load.STAGE_BYTES = 30_000  # many batches, and pieces larger than a batch
         mconv.live.load_hf_weights([model], FIXTURES / "qwen3-moe-tiny", staged=True)
         source = HFCheckpoint(FIXTURES / "qwen3-moe-tiny")
         names = []

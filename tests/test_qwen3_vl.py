@@ -289,7 +289,7 @@ def test_expert_orientation_is_refused_for_models_without_stacked_experts(tmp_pa
 
 def test_buckets_keep_a_stacked_tensors_experts_together():
     """The live schedule's bucketing: items of one stacked tensor (same key) never split, others by size."""
-    from mconv.live import _buckets
+    from mconv.live.chunks import _buckets
 
     items = [("a", None), ("e0", "s"), ("e1", "s"), ("e2", "s"), ("b", None), ("f0", "t"), ("f1", "t")]
     buckets = list(_buckets(items, lambda item: 10, 25, lambda item: item[1]))

@@ -281,4 +281,7 @@ BAILING_V3 = Architecture("BailingMoeV3ForCausalLM", dims,
                           # torch_dist: KDA and MLA layers differ, so keys are per layer; local names
                           # (megatron-core's local MLA spec has no keys map, AReaL's KDA layer has its own
                           # input_layernorm).
-                          torch_dist=DistKeys(per_layer=True))
+                          torch_dist=DistKeys(per_layer=True),
+                          needs_bridge="megatron-core has no Kimi Delta Attention (KDA) layer; AReaL's Bailing V3 "
+                                       "model (areal/models/mcore/bailing_v3.py) builds it, and load_hf_weights "
+                                       "fills it")

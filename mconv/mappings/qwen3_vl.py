@@ -188,9 +188,12 @@ def hf_config(config: dict, d: SimpleNamespace | None = None) -> dict:
 
 
 LANGUAGE = prefixed(qwen3.EMBEDDING_AND_OUTPUT + qwen3.ATTENTION + qwen3.DENSE_MLP, "language_model.", _hf_language)
+NEEDS_BRIDGE = ("megatron-core has no Qwen3-VL vision model; mbridge "
+                "(`AutoBridge.from_pretrained(hf_dir).get_model()`) or Megatron-Bridge builds Qwen3VLModel, "
+                "which load_hf_weights fills")
 QWEN3_VL = Architecture("Qwen3VLForConditionalGeneration", dims, VISION + LANGUAGE, megatron_args,
-                        check_layout=check_layout, hf_config=hf_config, torch_dist=DIST_KEYS)
+                        check_layout=check_layout, hf_config=hf_config, torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE)
 QWEN3_VL_MOE = Architecture("Qwen3VLMoeForConditionalGeneration", moe_dims,
                             VISION + LANGUAGE + prefixed(qwen3_moe.MOE_MLP, "language_model.", _hf_language),
                             moe_megatron_args, check_layout=check_layout, stacked_experts=True, hf_config=hf_config,
-                            torch_dist=DIST_KEYS)
+                            torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE)

@@ -87,6 +87,9 @@ class Architecture:
     dropped: Callable[[SimpleNamespace], dict[str, str]] = field(default=lambda d: {})
     # How torch_dist keys are named (None: no torch_dist checkpoint for this architecture).
     torch_dist: DistKeys | None = None
+    # Why megatron-core cannot build this model itself, naming the bridge that can (None: its GPTModel
+    # can; mconv.live.build_model builds it).
+    needs_bridge: str | None = None
 
 
 def prefixed(rules: tuple[Rule, ...], megatron: str, hf: Callable[[str], str]) -> tuple[Rule, ...]:

@@ -1,17 +1,11 @@
-"""The live-engine API: HF weights into a trainer's sharded Megatron model, and HF-named tensors
-out of it at every weight sync. The same tables, planner and transforms as the offline tools.
-
-Every function runs on every rank of the job (they issue collectives), with megatron-core's
-parallel_state initialised and `model_chunks` the rank's model chunks (one per virtual pipeline
-stage), wrapped or not (DDP / Float16Module `module.` prefixes, Megatron-Bridge LoRA `.to_wrap.`).
-"""
+"""HF-named tensors out of a live Megatron model at every weight sync (iter_hf_weights, in buckets)
+and an HF directory written from it (save_hf_weights): the same tables, planner and transforms as
+the offline tools."""
 from __future__ import annotations
 
-import functools
 import json
 import weakref
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -19,201 +13,18 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for, read_config,
-                                   refuse_quantized, stack_experts, stacked_expert, write_config_dtype,
-                                   write_hf_config)
+from mconv.converter.hf_io import (copy_side_files, expert_orientation_for, read_config,
+                                   stack_experts, stacked_expert, write_config_dtype, write_hf_config)
 from mconv.converter.hf_write import ShardedSafetensorsWriter
-from mconv.converter.hub import resolve_model
-from mconv.converter.layout import Layout, Rank
 from mconv.converter.output import SharedStaging, output_path, write_failure
-from mconv.converter.planner import RankPlan, TensorTask, make_plan, model_dims, plan_rank, validate_layout
-from mconv.converter.transforms import merge, merge_single, split_into
+from mconv.converter.planner import RankPlan, TensorTask, make_plan
+from mconv.converter.transforms import merge, merge_single
 from mconv.errors import MconvError
+from mconv.live.chunks import LiveModel, _buckets, _config, _model_dir
 from mconv.mappings import architecture_for
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
-STAGE_BYTES = 256 * 2**20  # pinned staging for loads to a GPU
 Bucket = list[tuple[str, torch.Tensor]]
-
-
-def _canonical(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name.replace(".to_wrap.", ".")
-
-
-def _unwrap(chunk):
-    while not hasattr(chunk, "vocab_size") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
-def _vocab_size(core) -> int:
-    """The padded vocabulary of a GPTModel, or of a vision-language model's `language_model` (Qwen3VLModel)."""
-    return core.vocab_size if hasattr(core, "vocab_size") else core.language_model.vocab_size
-
-
-@dataclass
-class LiveModel:
-    """One rank's view of a live Megatron model: its layout, its coordinates and its tensors, each
-    matched to the planned tensor of the same name."""
-
-    arch: object
-    config: dict
-    dims: object
-    layout: Layout
-    spec: str
-    rank: Rank
-    plan: RankPlan
-    tensors: list[dict[str, torch.Tensor]]  # per chunk: planned Megatron name -> the model's tensor
-
-    @classmethod
-    def of(cls, model_chunks: Sequence[torch.nn.Module], hf_config: dict) -> "LiveModel":
-        from megatron.core import parallel_state as ps
-
-        chunks = list(model_chunks)
-        core = _unwrap(chunks[0])
-        # Detached views share the parameters' storage: writes land in the model, reads build no graph.
-        states = [{_canonical(k): v.detach() for k, v in c.state_dict(keep_vars=True).items()
-                   if isinstance(v, torch.Tensor) and ".adapter." not in k} for c in chunks]
-        tp = ps.get_tensor_model_parallel_world_size()
-        # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
-        fused = any(k.endswith(".layer_norm_weight") for s in states for k in s)
-        arch = architecture_for(hf_config)
-        dims = model_dims(arch, hf_config, mtp=bool(getattr(core.config, "mtp_num_layers", None)))
-        # A dense model has no expert groups to follow, though megatron-core sizes them anyway
-        # (Megatron-LM's and the bridges' default ETP is TP).
-        experts = bool(getattr(dims, "experts", 0))
-        layout = Layout(tp=tp, pp=ps.get_pipeline_model_parallel_world_size(), vpp=len(chunks),
-                        ep=ps.get_expert_model_parallel_world_size() if experts else 1,
-                        etp=ps.get_expert_tensor_parallel_world_size() if experts else 1,
-                        first_stage_layers=core.config.num_layers_in_first_pipeline_stage,
-                        last_stage_layers=core.config.num_layers_in_last_pipeline_stage,
-                        vocab_divisor=_vocab_size(core) // tp)
-        rank = Rank(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
-                    ep=ps.get_expert_model_parallel_rank() if experts else 0,
-                    etp=ps.get_expert_tensor_parallel_rank() if experts else 0)
-        validate_layout(dims, layout, arch.check_layout)
-        spec = "te" if fused else "local"
-        plan = plan_rank(arch, dims, layout, spec, rank)
-        for v, (state, tasks) in enumerate(zip(states, plan.chunks)):
-            planned = {t.megatron: t for t in tasks if t.shard is not None}
-            unknown = sorted(set(state) - set(planned))
-            missing = sorted(set(planned) - set(state))
-            if unknown or missing:
-                what = (f"unknown parameters {unknown[:4]}" if unknown else "") + \
-                       (" and " if unknown and missing else "") + (f"missing parameters {missing[:4]}" if missing else "")
-                raise MconvError(f"model chunk {v} does not match {arch.name} at {layout.describe()} ({spec} spec): "
-                                 f"{what}")
-            for name, task in planned.items():
-                if tuple(state[name].shape) != task.shape:
-                    raise MconvError(f"model chunk {v}: {name} has shape {list(state[name].shape)}, the HF config "
-                                     f"and layout imply {list(task.shape)}")
-        return cls(arch, hf_config, dims, layout, spec, rank, plan, states)
-
-    def peer_plan(self, **coordinates) -> RankPlan:
-        """The plan of another rank of this pipeline stage (same tensor order, other shards)."""
-        rank = Rank(**{**vars(self.rank), **coordinates})
-        return plan_rank(self.arch, self.dims, self.layout, self.spec, rank)
-
-
-@functools.cache
-def _model_dir(name_or_path: str, revision: str | None, weights: bool) -> Path:
-    """A hub name is resolved once per process (online, each resolution asks the Hub for the
-    revision's commit; a weight sync must not)."""
-    return resolve_model(name_or_path, revision, weights=weights)
-
-
-def _config(hf_config, revision: str | None = None) -> dict:
-    return hf_config if isinstance(hf_config, dict) else read_config(_model_dir(str(hf_config), revision, False))
-
-
-def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path, threads: int = 8,
-                    staged: bool | None = None, revision: str | None = None) -> None:
-    """Copy the HF checkpoint into this rank's parameters. Each rank reads only the slices it owns
-    (its TP/ETP shard, its PP stage's layers, its EP rank's experts), straight from the files:
-    `threads` readers run ahead; for a model on a GPU (or with `staged=True`) they read into a
-    staging buffer that reaches the device in large copies. `hf_dir` is a directory or a hub name
-    (`Qwen/Qwen3-8B` at `revision`, fetched into the hub cache as transformers does)."""
-    ckpt = HFCheckpoint(_model_dir(str(hf_dir), revision, True))
-    refuse_quantized(ckpt.config, ckpt.tensors, ckpt.dir)
-    live = LiveModel.of(model_chunks, ckpt.config)
-    jobs = []
-    for tasks, tensors in zip(live.plan.chunks, live.tensors):
-        for task in tasks:
-            if task.shard is None:
-                continue
-            for name, shape in zip(task.hf, task.hf_shapes):
-                if name not in ckpt.tensors:
-                    raise MconvError(f"{ckpt.dir}: tensor {name} is missing from the checkpoint")
-                if ckpt.tensors[name].shape != shape:
-                    raise MconvError(f"{ckpt.dir}: tensor {name} has shape {list(ckpt.tensors[name].shape)}, "
-                                     f"config.json implies {list(shape)}")
-            jobs.append((task, tensors[task.megatron]))
-    if staged if staged is not None else any(dest.is_cuda for _, dest in jobs):
-        _load_staged(ckpt, jobs, threads)
-    else:
-        def load(task: TensorTask, dest: torch.Tensor) -> None:
-            split_into(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b), dest)
-
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            for future in [pool.submit(load, task, dest) for task, dest in jobs]:
-                future.result()
-    ckpt.close()
-
-
-def _load_staged(ckpt: HFCheckpoint, jobs: list, threads: int) -> None:
-    """Pieces are read by `threads` readers straight into a staging buffer (pinned when the model
-    is on a GPU), which goes to the device in one copy per STAGE_BYTES; the pieces then move into
-    the parameters device-side, cast to the parameters' dtype. (Copying many small host tensors
-    one by one costs milliseconds each.) Two staging buffers alternate, so reading the next batch
-    overlaps the copies of the last."""
-    pieces = []  # (HF name, dim, piece, destination view of the parameter, dtype on disk)
-    for task, dest in jobs:
-        offset = 0
-        for p in task.shard.pieces:
-            name = task.hf[p.source]
-            pieces.append((name, task.shard.dim, p, dest.narrow(task.shard.dim, offset, p.length),
-                           ckpt.tensors[name].dtype))
-            offset += p.length
-        if task.shard.pad:
-            dest.narrow(task.shard.dim, offset, task.shard.pad).zero_()
-
-    def nbytes(piece) -> int:
-        return -(-piece[3].numel() * piece[4].itemsize // 64) * 64  # 64-byte aligned slots
-
-    device = jobs[0][1].device
-    on_gpu = device.type == "cuda"
-    stage = max([STAGE_BYTES] + [nbytes(piece) for piece in pieces])
-    host = [torch.empty(stage, dtype=torch.uint8, pin_memory=on_gpu) for _ in range(2)]
-    staging = [torch.empty(stage, dtype=torch.uint8, device=device) for _ in range(2)]
-    done = [None, None]
-
-    def slot(buffer: torch.Tensor, start: int, piece) -> torch.Tensor:
-        _, _, _, dest, dtype = piece
-        return buffer[start:start + dest.numel() * dtype.itemsize].view(dtype).view(dest.shape)
-
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        for i, batch in enumerate(_buckets(pieces, nbytes, stage)):
-            k = i % 2
-            if done[k] is not None:
-                done[k].synchronize()  # the previous copies out of this staging buffer have finished
-            starts, futures, offset = [], [], 0
-            for piece in batch:
-                name, dim, p, _, _ = piece
-                starts.append(offset)
-                futures.append(pool.submit(ckpt.read_into, name, dim, p.start, p.stop, slot(host[k], offset, piece)))
-                offset += nbytes(piece)
-            for future in futures:
-                future.result()
-            staging[k][:offset].copy_(host[k][:offset], non_blocking=True)
-            for start, piece in zip(starts, batch):
-                piece[3].copy_(slot(staging[k], start, piece), non_blocking=True)
-            if on_gpu:
-                done[k] = torch.cuda.Event()
-                done[k].record()
-    if on_gpu:
-        torch.cuda.synchronize()
 
 
 def _all_gather(tensors: list[torch.Tensor], group) -> list[list[torch.Tensor]]:
@@ -243,28 +54,6 @@ def _exported(plan: RankPlan) -> list[tuple[int, TensorTask]]:
     the same on every rank of a stage (so peers' collectives line up)."""
     return [(v, t) for v, chunk in enumerate(plan.chunks) for t in chunk if t.shard is not None and t.rule.exported]
 
-
-def _buckets(items: list, nbytes, limit: int, together=None) -> Iterator[list]:
-    """Consecutive items up to `limit` bytes per bucket (an item larger than that alone). Consecutive
-    items with the same `together(item)` key other than None share one bucket, whatever its size."""
-    units, key = [], None
-    for item in items:
-        k = together(item) if together else None
-        if units and k is not None and k == key:
-            units[-1].append(item)
-        else:
-            units.append([item])
-        key = k
-    bucket, size = [], 0
-    for unit in units:
-        n = sum(nbytes(item) for item in unit)
-        if bucket and size + n > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket += unit
-        size += n
-    if bucket:
-        yield bucket
 
 
 @dataclass
@@ -585,6 +374,3 @@ def _agree(out: Path, staging: Path, failure: Exception | None) -> None:
         raise failure
     if first is not None:
         raise MconvError(first)
-
-
-__all__ = ["load_hf_weights", "iter_hf_weights", "save_hf_weights", "LiveModel"]

@@ -1,0 +1,87 @@
+"""mconv.live.build_model / transformer_config against megatron-core 0.19 (Qwen3 at TP2 and PP2 x VPP2,
+Qwen3-MoE at TP2/EP2/ETP1) and 0.14, the side install (Qwen3 at TP2, Qwen3-MoE at EP2): Megatron-LM's
+own config from mconv's stored args (0.19), strict loading, transformers' logits (see
+live_build_oracle.py); the one-line error without megatron-core; and the refusals."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mconv import Layout, MconvError, hf2mcore
+from tests.conftest import FIXTURES, ROOT
+from tests.live_build_oracle import CASES, TOKENS
+from tests.megatron_oracle import hf_logits, read_config
+from tests.test_torch_dist import OLD_MEGATRON
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("megatron", ["0.19", "0.14"])
+def test_built_model_matches_megatron_lm_config_and_transformers_logits(tmp_path, megatron):
+    if megatron == "0.14" and not OLD_MEGATRON.is_dir() and not os.environ.get("CI"):
+        pytest.skip(f"no older megatron-core at {OLD_MEGATRON} (scripts/install.sh installs 0.14.0 there)")
+    import torch
+
+    cases = ["dense-tp2", "moe-tp2-ep2", "dense-pp2-vpp2"] if megatron == "0.19" else ["dense-tp2", "moe-ep2"]
+    for case in cases:
+        fixture, sizes = CASES[case]
+        hf2mcore(FIXTURES / fixture, tmp_path / case, Layout(**sizes), fmt="torch", progress=False)
+    env = {**os.environ, "PYTHONPATH": str(OLD_MEGATRON) if megatron == "0.14" else str(ROOT)}
+    arguments = [arg for case in cases for arg in (case, str(tmp_path / case))]
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("live_build_oracle.py")), str(tmp_path),
+                             *arguments], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "version").read_text().startswith(f"{megatron}.")
+    for case in cases:
+        hf_dir = FIXTURES / CASES[case][0]
+        logits = torch.load(tmp_path / f"{case}.logits.pt")[..., :read_config(hf_dir)["vocab_size"]]
+        assert (logits - hf_logits(hf_dir, TOKENS)).abs().max().item() < 1e-4, case
+        tp = CASES[case][1].get("tp", 1)
+        assert (tmp_path / f"{case}.mismatch.txt").read_text() == (
+            f"build_model: the layout has TP{3 - tp}, megatron-core's parallel_state TP{tp}")
+        if megatron == "0.19":  # Megatron-LM's megatron.training comes with the 0.19 install only
+            assert json.loads((tmp_path / f"{case}.config.json").read_text()) == {}, case
+
+
+def test_import_without_megatron_core_names_the_extra():
+    """`import mconv.live` where megatron cannot be imported: one ImportError naming the extra."""
+    code = ("import sys, importlib.abc\n"
+            "class NoMegatron(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'megatron' or name.startswith('megatron.'):\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, NoMegatron())\n"
+            "import mconv.live\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "ImportError: mconv.live needs megatron-core: pip install 'mconv[live]'")
+    assert "During handling" not in result.stderr and "direct cause" not in result.stderr
+
+
+@pytest.mark.parametrize("fixture,where", [("qwen3-vl-tiny", "no Qwen3-VL vision model; mbridge"),
+                                           ("bailing-v3-tiny", "no Kimi Delta Attention (KDA) layer; AReaL")])
+def test_models_megatron_core_cannot_build_name_the_bridge(fixture, where):
+    from mconv.live import transformer_config
+
+    with pytest.raises(MconvError, match=r"megatron-core cannot build \w+ itself: megatron-core has "
+                       + re.escape(where)):
+        transformer_config(FIXTURES / fixture, Layout())
+
+
+def test_overrides_set_only_what_the_model_leaves_open():
+    from mconv.live import transformer_config
+
+    config = transformer_config(FIXTURES / "qwen3-moe-tiny", Layout(tp=2, ep=2, etp=1), sequence_parallel=True,
+                                moe_token_dispatcher_type="alltoall", num_layers=4)  # the model's own value
+    assert config.sequence_parallel and config.moe_token_dispatcher_type == "alltoall" and config.num_layers == 4
+    with pytest.raises(MconvError, match="num_query_groups is 2 for this HF config and layout"):
+        transformer_config(FIXTURES / "qwen3-moe-tiny", Layout(), num_query_groups=4)
+    with pytest.raises(MconvError, match="TransformerConfig has no field 'hidden'"):
+        transformer_config(FIXTURES / "qwen3-tiny", Layout(), hidden=4)
+    with pytest.raises(MconvError, match="--ep/--etp need a model with experts"):
+        transformer_config(FIXTURES / "qwen3-tiny", Layout(ep=2))
