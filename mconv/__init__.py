@@ -1,15 +1,20 @@
 """mconv: exact, fast, bounded-memory weight conversion between Hugging Face and Megatron-Core."""
 __version__ = "0.1.0"
 
-from mconv.converter.layout import Layout  # noqa: E402
-from mconv.errors import MconvError  # noqa: E402
-
 __all__ = ["Layout", "MconvError", "hf2mcore", "inspect_path", "mcore2hf", "__version__"]
 
 
 def __getattr__(name: str):
-    """The conversions import torch: load them on first use, so `import mconv.cli` (and `--help`)
-    stays light."""
+    """Everything is loaded on first use: the conversions import torch, and the `mconv` program
+    (`program.main`) must take its signals before anything else is imported."""
+    if name == "Layout":
+        from mconv.converter.layout import Layout
+
+        return Layout
+    if name == "MconvError":
+        from mconv.errors import MconvError
+
+        return MconvError
     if name in ("hf2mcore", "mcore2hf"):
         from mconv.converter import pipelines
 

@@ -1,4 +1,4 @@
-"""`python -m mconv`: the same command line as the `mconv` entry point."""
-from mconv.cli import entry
+"""`python -m mconv`: the same program as the `mconv` console script."""
+from mconv.program import main
 
-entry()
+main()

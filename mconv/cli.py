@@ -499,11 +499,13 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
                    f"read from a {result.format} checkpoint at {layout}")
 
 
-def entry() -> None:
-    """The mconv program (its console script, `python -m mconv`, `python -m mconv.cli`): `main`,
-    with SIGINT and SIGTERM taken by `_on_signal` from start to end (where they are at their
-    defaults: a SIGINT a shell set to be ignored stays ignored). Called in-process (click's
-    CliRunner), `main` leaves the caller's signal handlers as they were.
+def entry(early: list[int] | None = None) -> None:
+    """The mconv program (from `program.main`, or `python -m mconv.cli`): `main`, with SIGINT and
+    SIGTERM taken by `_on_signal` from start to end (where they are at their defaults, or at
+    `program`'s, which recorded in `early` the signals that came while this module was imported:
+    the first of those stops the program as an interrupt of a command that has written nothing; a
+    SIGINT a shell set to be ignored stays ignored). Called in-process (click's CliRunner), `main`
+    leaves the caller's signal handlers as they were.
 
     The program ends with os._exit once `main` is done, its output streams flushed: the
     interpreter's finalization would put a Python signal handler back to the default (a SIGTERM
@@ -511,10 +513,15 @@ def entry() -> None:
     is still running (a thread woken then is ended in the middle of torch's C++ code: "terminate
     called without an active exception", status 134). Every worker thread has been joined by
     then (`parallel.run_ordered`, `torch_dist_io.write`)."""
+    from mconv import program
+
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
     for signum, default in defaults.items():
-        if signal.getsignal(signum) is default:
+        if signal.getsignal(signum) in (default, program._record):
             signal.signal(signum, _on_signal)
+    if early:
+        os.write(2, f"mconv: {_stopped(early[0])} before it started; nothing was written\n".encode())
+        os._exit(128 + early[0])
     try:
         main(prog_name="mconv")  # however started: `mconv` in usage lines, _MCONV_COMPLETE for shell completion
         status = 0

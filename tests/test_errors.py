@@ -776,6 +776,40 @@ def test_ctrl_c_swallowed_inside_the_torch_import_still_stops_the_command(tmp_pa
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
+EARLY_SIGNAL = """
+import os, signal, sys
+
+class SignalOnClick:  # sends the signal as `click` is first imported: while the command line is being imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "click":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), getattr(signal, sys.argv.pop(1)))
+
+sys.meta_path.insert(0, SignalOnClick())
+from mconv.program import main
+main()
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_command_line_is_imported_is_one_line(tmp_path, signame):
+    """Importing the command line takes a few tenths of a second; a signal then met Python's
+    defaults (a KeyboardInterrupt traceback, or a silent kill by SIGTERM). The mconv program
+    (`mconv.program`, its console script and `python -m mconv`) takes its signals first: one line,
+    128 + the signal, nothing written."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-c", EARLY_SIGNAL, signame, "hf2mcore", str(TINY), str(out)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    what = "terminated" if signame == "SIGTERM" else "interrupted"
+    assert done.returncode == 128 + getattr(signal, signame), done.stderr
+    assert done.stderr == f"mconv: {what} before it started; nothing was written\n" and done.stdout == ""
+    assert not out.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("command", ["hf2mcore torch_dist", "hf2mcore torch", "mcore2hf"])
