@@ -13,9 +13,13 @@ import click
 
 from mconv import __version__
 from mconv.converter.layout import Layout, count, parse_layout_string
-from mconv.converter.options import FORMATS, SPECS, command_line_names, parse_size
+from mconv.converter.options import DTYPES, FORMATS, MAX_ITERATION, MAX_SIZE, SPECS, command_line_names, parse_size
 from mconv.converter.parallel import speaks_for_itself, torchrun_rank
 from mconv.errors import MconvError
+
+
+SIZE_HELP = (" Read as transformers reads max_shard_size: GB, MB, KB are powers of 1000, GiB, MiB, KiB powers "
+             "of 1024 (any case), but a lower-case final b means bits (100kb is 12,500 bytes).")
 
 
 class Size(click.ParamType):
@@ -32,21 +36,9 @@ class Size(click.ParamType):
         except ValueError:
             self.fail(f"{value!r} is not a size such as 3GB, 500MB or 1GiB (read as transformers reads "
                       "max_shard_size: a lower-case final b means bits)", param, ctx)
-        if size < 1:
-            self.fail(f"{value!r} is not a positive size", param, ctx)
+        if not 0 < size <= MAX_SIZE:
+            self.fail(f"{value!r} is not a size from 1 byte to {MAX_SIZE:,} bytes", param, ctx)
         return size
-
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def torch_dtype(name: str | None):
-    """The torch dtype of a --dtype choice (None stays None)."""
-    if name is None:
-        return None
-    import torch
-
-    return getattr(torch, name)
 
 
 def default_workers() -> int:
@@ -291,7 +283,7 @@ def main(ctx: click.Context):
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="torch_dist", show_default=True,
               help="Megatron checkpoint format: 'torch_dist' (Megatron-LM's default; layout-independent, "
                    "the trainer reshards on load) or 'torch' (legacy, one file per rank).")
-@click.option("--iteration", type=click.IntRange(0, 10**9), default=None,
+@click.option("--iteration", type=click.IntRange(0, MAX_ITERATION), default=None,
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Cast every tensor to this dtype (torch's cast), recorded in the checkpoint's args as "
@@ -331,7 +323,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
     summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration, mtp=mtp,
                                    overwrite=overwrite, dry_run=dry_run, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), revision=revision,
-                                   dtype=torch_dtype(dtype)))
+                                   dtype=dtype))
     plan = summary.plan
     for note in summary.notes if not quiet and not torchrun_rank()[0] else ():
         click.echo(f"mconv: note: {note}", err=True)
@@ -361,7 +353,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
               help="Cast every tensor to this dtype (e.g. a float32 training checkpoint to bfloat16). Default: "
                    "each tensor keeps its dtype. config.json's dtype follows what is written.")
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True,
-              help="Largest safetensors shard (a larger tensor gets a shard of its own).")
+              help="Largest safetensors shard (a larger tensor gets a shard of its own)." + SIZE_HELP)
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--expert-orientation", type=click.Choice(["4.x", "5.x"]), default=None,
               help="Stacked HF experts (Qwen3-VL-MoE only; refused for other models): 4.x (default) writes"
@@ -383,7 +375,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
     started = time.perf_counter()
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=max_shard_size,
                                    overwrite=overwrite, progress=show_progress(quiet, as_json),
-                                   workers=workers or default_workers(), dtype=torch_dtype(dtype),
+                                   workers=workers or default_workers(), dtype=dtype,
                                    revision=revision, expert_orientation=expert_orientation))
     if not quiet or as_json:
         report(summary, started, as_json, f"wrote {out_dir}: {count(summary.files, 'safetensors shard')}, "
@@ -455,7 +447,7 @@ def verify_command(first, second, quiet):
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="With --merge: dtype of the written tensors (default: each base tensor's own). The delta is "
                    "added in float32 either way.")
-@click.option("--max-shard-size", type=Size(), default="3GB", show_default=True, help="With --merge: largest safetensors shard.")
+@click.option("--max-shard-size", type=Size(), default="3GB", show_default=True, help="With --merge: largest safetensors shard." + SIZE_HELP)
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, revision, merge, dtype,
@@ -487,7 +479,7 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     from mconv.converter.lora import export_lora
 
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
-                                     base_model=base_model, merge_into=merge, dtype=torch_dtype(dtype),
+                                     base_model=base_model, merge_into=merge, dtype=dtype,
                                      overwrite=overwrite, max_shard_bytes=max_shard_size,
                                      revision=revision, progress=show_progress(quiet)))
     if not quiet:

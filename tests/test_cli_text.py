@@ -95,6 +95,12 @@ def test_library_results_have_short_reprs(tmp_path):
 
     summaries = [hf2mcore(MOE, tmp_path / "ckpt", Layout(tp=2, ep=2), fmt="torch", progress=False),
                  mcore2hf(tmp_path / "ckpt", tmp_path / "back", progress=False)]
+    hf2mcore(TINY, tmp_path / "dist", Layout(tp=2, pp=2), progress=False)
+    back = mcore2hf(tmp_path / "dist", tmp_path / "dist-back", progress=False)
+    # A torch_dist checkpoint is read as global tensors: no TP1 PP1 that the checkpoint never had.
+    assert repr(back) == f"Summary(Qwen3ForCausalLM, torch_dist (any layout): 1 file, {back.tensors} tensors, " \
+                         f"{back.bytes:,} bytes)"
+    assert repr(summaries[1]).startswith("Summary(Qwen3MoeForCausalLM, TP2 PP1 EP2 ETP1: 1 file, ")
     lora, _ = lora_checkpoint(tmp_path / "lora", TINY, Layout(tp=2))
     export = export_lora(lora, tmp_path / "adapter", alpha=16, progress=False)
     texts = [repr(x) for x in (*summaries, summaries[0].plan, export, export.adapter)]
@@ -183,6 +189,21 @@ def test_shard_size_in_bits_on_the_command_line(tmp_path):
             data = sum(f.get_tensor(n).nbytes for n in names)
         assert len(names) == 1 or data <= 12_500, (path.name, data)
     assert len(shards["100kb"]) > len(shards["100KB"])
+
+
+def test_shard_size_help_and_sizes_beyond_any_file():
+    """--max-shard-size's help says how sizes are read; one beyond a 64-bit size is refused by click
+    (exit 2) naming the option."""
+    from mconv.converter.options import MAX_SIZE
+
+    for command in ("mcore2hf", "export-lora"):
+        text = " ".join(mconv(command, "--help").stdout.split())
+        assert "GB, MB, KB are powers of 1000, GiB, MiB, KiB powers of 1024" in text, text
+        assert "a lower-case final b means bits (100kb is 12,500 bytes)" in text, text
+    for size in (f"{MAX_SIZE // 2**30 + 1}GiB", f"{10**10}GB"):
+        done = mconv("mcore2hf", "ckpt", "out", "--max-shard-size", size)
+        assert done.exit_code == 2 and "'--max-shard-size'" in done.output, done.output
+        assert f"{size!r} is not a size from 1 byte to" in done.output, done.output
 
 
 def test_verify_quiet_is_one_line(tmp_path):

@@ -98,11 +98,14 @@ def test_shape_disagrees_with_config(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
+    """Named with the config.json file that names it (hf2mcore and inspect)."""
     hf = copy_model(tmp_path)
     config = json.loads((hf / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (hf / "config.json").write_text(json.dumps(config))
-    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", "GPT2LMHeadModel")
+    fragment = f"{hf / 'config.json'} names unsupported architecture 'GPT2LMHeadModel'"
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", fragment)
+    assert_refused(mconv("inspect", hf), tmp_path / "out", fragment)
 
 
 @pytest.mark.parametrize("options,fragment", [
@@ -111,7 +114,7 @@ def test_unsupported_architecture(tmp_path):
     (["--pp", "3"], "4 layers cannot be split evenly over 3 pipeline stages"),
     (["--pp", "2", "--vpp", "4"], "not divisible by --vpp 4"),
     (["--pp", "2", "--first-stage-layers", "4"], "all 4 layers of the model on the first/last pipeline stages"),
-    (["--tp", str(10**20)], "tp is 100000000000000000000, not a size"),
+    (["--tp", str(10**20)], "--tp is 100000000000000000000, not a size"),
 ])
 def test_layout_does_not_fit(tmp_path, options, fragment):
     assert_refused(mconv("hf2mcore", TINY, tmp_path / "out", *options), tmp_path / "out", fragment)
@@ -343,7 +346,8 @@ def test_inputs_are_not_modified(tmp_path):
 @pytest.mark.parametrize("args,fragment", [
     (["hf2mcore", TINY / "config.json", "out"], "Invalid value for 'HF_DIR|HUB_NAME': Directory"),
     (["mcore2hf", "ckpt", "out", "--max-shard-size", "3XB"], "'--max-shard-size': '3XB' is not a size"),
-    (["mcore2hf", "ckpt", "out", "--max-shard-size", "0GB"], "'--max-shard-size': '0GB' is not a positive size"),
+    (["mcore2hf", "ckpt", "out", "--max-shard-size", "0GB"], "'--max-shard-size': '0GB' is not a size from 1 byte"),
+    (["hf2mcore", TINY, "out", "--iteration", "1000000001"], "'--iteration': 1000000001 is not in the range"),
     (["hf2mcore", TINY, "out", "--tpp", "2"], "No such option '--tpp'"),
     (["hf2mcore", TINY, "out", "--tp", "two"], "'--tp': 'two' is not a valid integer"),
     (["hf2mcore", TINY], "Missing argument 'OUT_DIR'"),
@@ -364,6 +368,57 @@ def test_a_missing_input_is_said_not_to_exist(tmp_path, args):
     missing = tmp_path / "typo"
     result = mconv(*[{"IN": missing, "OUT": tmp_path / "out"}.get(a, a) for a in args])
     assert_refused(result, tmp_path / "out", f"{missing} does not exist")
+
+
+# ----------------------------------------------------------------------------- library parameters
+
+def test_library_parameters_are_checked_as_the_command_line_checks_them(tmp_path):
+    """What the command line's click types refuse, the library refuses too, in one MconvError naming
+    the parameter (before any input is read: CKPT here does not exist); --dtype's names are taken as
+    strings. Once, int8 weights were written, iter_-000001 made and TypeErrors raised."""
+    from mconv import hf2mcore, mcore2hf
+    from mconv.converter.lora import export_lora
+    from mconv.converter.options import MAX_ITERATION
+    from mconv.live import save_hf_weights
+
+    out, ckpt = tmp_path / "out", legacy_checkpoint(tmp_path)
+    calls = {
+        "dtype=torch.int8 is not a dtype mconv writes; available: float32, bfloat16, float16":
+            [lambda: hf2mcore(TINY, out, Layout(), dtype=torch.int8), lambda: mcore2hf("CKPT", out, dtype=torch.int8),
+             lambda: export_lora("CKPT", out, merge_into=True, dtype=torch.int8)],
+        "dtype='bf16' is not a dtype mconv writes": [lambda: mcore2hf("CKPT", out, dtype="bf16")],
+        "iteration=-1 is not an integer from 0 to 1000000000": [lambda: hf2mcore(TINY, out, Layout(), iteration=-1)],
+        f"iteration={MAX_ITERATION + 1} is not an integer from 0": [
+            lambda: hf2mcore(TINY, out, Layout(), iteration=MAX_ITERATION + 1)],
+        "workers=0 is not an integer of at least 1": [lambda: hf2mcore(TINY, out, Layout(), workers=0),
+                                                      lambda: mcore2hf("CKPT", out, workers=0)],
+        "layout='tp2' is not a Layout": [lambda: hf2mcore(TINY, out, "tp2")],
+        "max_shard_bytes=0 is not a positive number of bytes": [lambda: mcore2hf("CKPT", out, max_shard_bytes=0),
+                                                                lambda: save_hf_weights([], out, TINY, max_shard_bytes=0)],
+        "max_shard_bytes=-5 is not a positive number of bytes": [
+            lambda: export_lora("CKPT", out, merge_into=True, max_shard_bytes=-5)],
+        "max_shard_bytes='1 lb' is not a size such as 3GB": [lambda: mcore2hf("CKPT", out, max_shard_bytes="1 lb")],
+        "the output path is empty": [lambda: hf2mcore(TINY, "", Layout()), lambda: mcore2hf(ckpt, "")],
+        "hf_config='/nonexist' does not exist": [lambda: mcore2hf("CKPT", out, hf_config="/nonexist")],
+    }
+    for message, attempts in calls.items():
+        for attempt in attempts:
+            with pytest.raises(MconvError) as caught:
+                attempt()
+            assert str(caught.value).startswith(message), (message, str(caught.value))
+    assert not out.exists()
+    summary = hf2mcore(TINY, out, Layout(), dtype="float16", iteration=MAX_ITERATION, dry_run=True, progress=False)
+    assert {task["dtype"] for file in summary.files_plan for task in file["tensors"]} == {"float16"}
+
+
+def test_command_line_refusals_name_what_is_at_fault(tmp_path):
+    """An empty OUT is no directory name (it was read as `.`); a missing --hf-config is named as such."""
+    ckpt, lora = legacy_checkpoint(tmp_path), lora_checkpoint(tmp_path)
+    for args, fragment in [(["hf2mcore", TINY, ""], "the output path is empty"),
+                           (["mcore2hf", ckpt, ""], "the output path is empty"),
+                           (["export-lora", lora, "", "--alpha", "8"], "the output path is empty"),
+                           (["mcore2hf", ckpt, "out", "--hf-config", "/nonexist"], "--hf-config /nonexist does not exist")]:
+        assert_refused(mconv(*args), tmp_path / "out", fragment)
 
 
 def test_a_lora_checkpoint_given_to_mcore2hf_or_inspect_points_to_export_lora(tmp_path, monkeypatch):

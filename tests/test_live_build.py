@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mconv import Layout, MconvError, hf2mcore
 from tests.conftest import FIXTURES, ROOT
@@ -83,5 +84,17 @@ def test_overrides_set_only_what_the_model_leaves_open():
         transformer_config(FIXTURES / "qwen3-moe-tiny", Layout(), num_query_groups=4)
     with pytest.raises(MconvError, match="TransformerConfig has no field 'hidden'"):
         transformer_config(FIXTURES / "qwen3-tiny", Layout(), hidden=4)
-    with pytest.raises(MconvError, match="--ep/--etp need a model with experts"):
+    with pytest.raises(MconvError, match="the model has no experts, so the expert layout EP 2 ETP 1"):
         transformer_config(FIXTURES / "qwen3-tiny", Layout(ep=2))
+
+
+def test_dtype_is_one_mconv_writes():
+    """`dtype` as hf2mcore's: float32, bfloat16 or float16, by torch dtype or name; anything else
+    (it once became params_dtype as given) is refused by build_model and transformer_config alike."""
+    from mconv.live import build_model, transformer_config
+
+    assert transformer_config(FIXTURES / "qwen3-tiny", Layout(), dtype="float16").params_dtype == torch.float16
+    for dtype in ("bf16", "float8", 3, torch.int8):
+        for make in (transformer_config, build_model):
+            with pytest.raises(MconvError, match=re.escape(f"dtype={dtype!r} is not a dtype mconv writes; available: ")):
+                make(FIXTURES / "qwen3-tiny", Layout(), dtype=dtype)

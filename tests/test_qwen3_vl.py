@@ -279,12 +279,14 @@ def test_live_stacked_experts_refused(fixture, options, message):
         next(iter_hf_weights([], FIXTURES / fixture, **options))
 
 
-@pytest.mark.parametrize("fixture", ["qwen3-vl-tiny", "qwen3-moe-tiny"])
-def test_expert_orientation_is_refused_for_models_without_stacked_experts(tmp_path, fixture):
-    """An option that would change nothing is refused, not ignored (CLI: one line, exit 1, no output)."""
+@pytest.mark.parametrize("fixture,why", [("qwen3-vl-tiny", "; Qwen3VLForConditionalGeneration has no experts"),
+                                         ("qwen3-moe-tiny", "; Qwen3MoeForCausalLM checkpoints keep their experts per expert")])
+def test_expert_orientation_is_refused_for_models_without_stacked_experts(tmp_path, fixture, why):
+    """An option that would change nothing is refused, not ignored (CLI: one line, exit 1, no output),
+    saying why: a dense model has no experts at all."""
     hf2mcore(FIXTURES / fixture, tmp_path / "m", Layout(), fmt="torch", progress=False)
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "back", "--expert-orientation", "5.x"),
-                   tmp_path / "back", "--expert-orientation applies to stacked HF experts (Qwen3-VL-MoE)")
+                   tmp_path / "back", "--expert-orientation applies to stacked HF experts (Qwen3-VL-MoE)" + why)
 
 
 def test_buckets_keep_a_stacked_tensors_experts_together():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mconv.converter import megatron_io as mio
 from mconv.converter.adapter_dir import describe_adapter, is_adapter, render_adapter
-from mconv.converter.hf_io import HFCheckpoint
+from mconv.converter.hf_io import HFCheckpoint, quantization_refusal
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import count
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -178,7 +178,7 @@ def _count(counts: dict, dtype, nbytes: int) -> None:
 
 def _describe_hf(path: Path, shown: str) -> dict:
     ckpt = HFCheckpoint(path)
-    arch = architecture_for(ckpt.config)
+    arch = architecture_for(ckpt.config, ckpt.dir / "config.json")
     dims = arch.dims(ckpt.config)
     args = {"num_layers": dims.layers, "hidden_size": dims.hidden, "num_attention_heads": dims.heads,
             "vocab_size": dims.vocab, "untie_embeddings_and_output_weights": not dims.tied,
@@ -187,11 +187,13 @@ def _describe_hf(path: Path, shown: str) -> dict:
     for info in ckpt.tensors.values():
         _count(dtypes, info.dtype, info.nbytes)
     ckpt.close()
+    quantized = quantization_refusal(ckpt.config, ckpt.tensors, shown)  # inspect describes what hf2mcore refuses
     return {"kind": "huggingface", "path": shown, "model": {**_model(args, arch.name), **_attention_layers(dims)},
             "dtypes": {k: {"tensors": n, "bytes": b} for k, (n, b) in dtypes.items()},
             "size": {**_sizes(dtypes), "files": len({i.file for i in ckpt.tensors.values()})},
             "trainer_flags": trainer_flags(args, layout=False),
-            **({"other_settings": other_settings(arch, dims)} if other_settings(arch, dims) else {})}
+            **({"other_settings": other_settings(arch, dims)} if other_settings(arch, dims) else {}),
+            **({"note": quantized} if quantized else {})}
 
 
 def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision: str | None = None,
@@ -221,7 +223,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     location = mio.locate(local)
     check_revision(revision, hf_config)
     if hf_config:
-        hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
+        hf_config = resolve_model(hf_config, revision, weights=False, progress=progress, parameter="hf_config")
     dist = location.format == "torch_dist"
     metadata = mio.read_metadata(location.save_dir) or {}
     stored_config = (location.save_dir / mio.HF_CONFIG_DIR / "config.json").is_file()

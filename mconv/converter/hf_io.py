@@ -49,8 +49,10 @@ def expert_orientation_for(arch, value: str | None, option: str) -> str | None:
     if value is not None:
         check_orientation(value, option)
         if not arch.stacked_experts:
-            raise MconvError(f"{option} applies to stacked HF experts (Qwen3-VL-MoE); {arch.name} checkpoints keep "
-                             "their experts per expert")
+            experts = any("{expert}" in rule.megatron for rule in arch.rules)
+            raise MconvError(f"{option} applies to stacked HF experts (Qwen3-VL-MoE); " + (
+                f"{arch.name} checkpoints keep their experts per expert" if experts else
+                f"{arch.name} has no experts"))
     return (value or "4.x") if arch.stacked_experts else None
 
 
@@ -278,20 +280,28 @@ def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[s
     return plain
 
 
-def refuse_quantized(config: dict, tensors, where: Path) -> None:
-    """A quantized checkpoint (config.json's `quantization_config`, or the `weight_scale_inv` block
-    scales of an FP8 checkpoint) is refused by name: its tensors are not the model's weights.
-    Raises MconvError."""
+def quantization_refusal(config: dict, tensors, where) -> str | None:
+    """The sentence a quantized checkpoint (config.json's `quantization_config`, or the
+    `weight_scale_inv` block scales of an FP8 checkpoint) is refused with, naming `where`: its
+    tensors are not the model's weights. None for a checkpoint that is not quantized."""
     quantization = config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
     scale = next((name for name in tensors if name.endswith(".weight_scale_inv")), None)
     if method == "fp8" or (method is None and scale is not None):
         why = "quantization_config.quant_method is fp8" if method == "fp8" else f"it holds block scales ({scale})"
-        raise MconvError(f"{where} is an FP8 block-quantized checkpoint ({why}): FP8 checkpoints are not supported "
-                         "yet; convert the model's bfloat16 release")
+        return (f"{where} is an FP8 block-quantized checkpoint ({why}): FP8 checkpoints are not supported "
+                "yet; convert the model's bfloat16 release")
     if method is not None:
-        raise MconvError(f"{where} is a quantized checkpoint (quantization_config.quant_method is {method!r}), "
-                         "which mconv does not convert")
+        return (f"{where} is a quantized checkpoint (quantization_config.quant_method is {method!r}), "
+                "which mconv does not convert")
+    return None
+
+
+def refuse_quantized(config: dict, tensors, where: Path) -> None:
+    """Raises MconvError for a quantized checkpoint (`quantization_refusal`)."""
+    refusal = quantization_refusal(config, tensors, where)
+    if refusal:
+        raise MconvError(refusal)
 
 
 class HFCheckpoint:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mconv.converter.options import option
 from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
 
@@ -47,7 +48,7 @@ def _looks_like_path(text: str) -> bool:
 
 
 def resolve_model(name_or_path: str | Path, revision: str | None = None, weights: bool = True,
-                  progress: bool = True) -> Path:
+                  progress: bool = True, parameter: str | None = None) -> Path:
     """The local directory of an HF model given as a directory or as a hub name.
 
     `name_or_path`: an existing directory (returned as is; MconvError with a `revision`), or a hub
@@ -55,7 +56,8 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
     `revision` (branch, tag or commit; default the repository's default branch). `weights=False`
     fetches only configs and tokenizer files (e.g. for `--hf-config`). Returns the snapshot
     directory inside the hub cache. Raises MconvError (one sentence naming the cache) when the
-    name is not a directory and cannot be found in the cache or on the Hub.
+    name is not a directory and cannot be found in the cache or on the Hub; a missing local path is
+    named as the option `parameter` (e.g. "hf_config": `--hf-config /x`) where given.
     """
     text = str(name_or_path)
     path = Path(text).expanduser()
@@ -63,7 +65,8 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
     if path.is_dir():
         return path
     if path.exists() or _looks_like_path(text):
-        raise MconvError(f"{text} {'is not a directory' if path.exists() else 'does not exist'}")
+        shown = option(parameter, text) if parameter else text
+        raise MconvError(f"{shown} {'is not a directory' if path.exists() else 'does not exist'}")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)

@@ -46,7 +46,7 @@ class Layout:
             # embedding rows, as DistCheckpoint reads it): bounded like config.json's vocab_size.
             limit = 2**31 if name == "vocab_divisor" else 2**16
             if not isinstance(value, int) or isinstance(value, bool) or abs(value) > limit:
-                raise MconvError(f"the layout's {name} is {value!r}, not a size")
+                raise MconvError(f"{option(name)} is {value!r}, not a size")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -28,7 +28,7 @@ from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
 from mconv.converter.transforms import merge, padded_vocab_size
-from mconv.converter.options import option
+from mconv.converter.options import option, shard_bytes, torch_dtype
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 from mconv.mappings.lora import Target, lora_architecture, targets
@@ -401,7 +401,9 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
                 progress: bool = True) -> LoraExport:
     """Write the checkpoint's LoRA adapter as a HF PEFT adapter directory, or with `merge_into` a HF
     model: the base model `base_model` (a directory or hub name, at `revision`) with alpha/r * B @ A
-    added. `hf_config` may be a hub name too; without `merge_into`, `base_model` is only recorded."""
+    added. `hf_config` may be a hub name too; without `merge_into`, `base_model` is only recorded.
+    `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB")."""
+    dtype, max_shard_bytes = torch_dtype(dtype), shard_bytes(max_shard_bytes)
     if alpha is not None and not (math.isfinite(alpha) and alpha > 0):  # as run_config.yaml's is checked
         raise MconvError(f"{option('alpha')} must be a positive number (scale = alpha / r), got {alpha:g}")
     location = mio.locate(ckpt_dir)
@@ -411,10 +413,11 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
     check_revision(revision, hf_config, base_model if merge_into else None)
     if hf_config:  # the revision is for whichever of the two is a hub name
         hf_config = resolve_model(hf_config, None if is_local(hf_config) else revision, weights=False,
-                                  progress=progress)
+                                  progress=progress, parameter="hf_config")
     if merge_into:
-        base_model = resolve_model(base_model, None if is_local(base_model) else revision, progress=progress)
-    check_output_path(Path(out_dir), overwrite, (location.save_dir,))
+        base_model = resolve_model(base_model, None if is_local(base_model) else revision, progress=progress,
+                                   parameter="base_model")
+    check_output_path(out_dir, overwrite, (location.save_dir,))
     adapter, layout, config_dir = read_adapter(location, hf_config)
     if rank is not None and rank != adapter.rank:
         raise MconvError(f"{location.iter_dir}: the adapters have rank {adapter.rank}, not {option('rank', rank)}")
@@ -437,7 +440,7 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own) as
     HF safetensors into `out`, one tensor in memory at a time. Returns how many tensors changed."""
     base = HFCheckpoint(base_dir)
-    arch = architecture_for(base.config)
+    arch = architecture_for(base.config, base.dir / "config.json")
     if arch.name != adapter.arch:
         raise MconvError(f"{base.dir} is a {arch.name}, the adapter is for {adapter.arch}")
     deltas = adapter.deltas()

@@ -157,7 +157,7 @@ class LegacyCheckpoint:
         self.config = read_config(self.config_dir)
         self.args, self.layout, self.chunks, first = mio.read_legacy_ranks(loc)
         spec = self.metadata.get("spec") or _detect_spec(self.chunks[Rank(0, 0)])
-        arch = architecture_for(self.config)
+        arch = architecture_for(self.config, self.config_dir / "config.json")
         check_args(self.args, arch, arch.dims(self.config), first,
                    legacy_padded_vocab(arch, self.chunks[Rank(0, 0)], self.layout))
         mtp = bool(getattr(self.args, "mtp_num_layers", None))  # hf2mcore --mtp
@@ -241,7 +241,7 @@ class DistCheckpoint:
         self.reader = TorchDistReader.open(location.iter_dir)
         refuse_adapters(self.reader.tensors, location.iter_dir)
         self.args = self.reader.args
-        arch = architecture_for(self.config)
+        arch = architecture_for(self.config, self.config_dir / "config.json")
         dims = arch.dims(self.config)
         key = embedding_key(arch)
         embedding = self.reader.global_shape(key)

@@ -2,9 +2,14 @@
 heavy, so `mconv --help` and option parsing start without torch."""
 import contextlib
 
+from mconv.errors import MconvError
+
 SPECS = ("local", "te")  # megatron-core layer specs: local modules or Transformer Engine names
 FORMATS = ("torch_dist", "torch")  # Megatron-LM checkpoint formats mconv writes and reads
 DEFAULT_SHARD_BYTES = 3_000_000_000  # largest safetensors shard mcore2hf writes
+DTYPES = ("float32", "bfloat16", "float16")  # the dtypes mconv casts to (--dtype, `dtype=`)
+MAX_ITERATION = 10**9  # iter_NNNNNNN/ has 7 digits; Megatron-LM pads to 7 and reads more, never a sign
+MAX_SIZE = 2**63 - 1  # a shard size beyond this is no file size (and no int64 for safetensors)
 
 
 def parse_size(size: str) -> int:
@@ -22,6 +27,42 @@ def parse_size(size: str) -> int:
             value = int(size[:-2]) * scale
             return value // 8 if size.endswith("b") else value
     raise ValueError(f"{size!r} is not an integer followed by a unit such as GB, MB, KB, GiB, MiB or KiB")
+
+
+def shard_bytes(size, name: str = "max_shard_bytes") -> int:
+    """A library's shard-size parameter: a positive int of bytes up to MAX_SIZE, or a string that
+    parse_size reads ("3GB"). MconvError naming the parameter otherwise."""
+    if isinstance(size, str):
+        try:
+            size = parse_size(size)
+        except ValueError:
+            raise MconvError(f"{option(name, size)} is not a size such as 3GB, 500MB or 1GiB") from None
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_SIZE:
+        raise MconvError(f"{option(name, size)} is not a positive number of bytes")
+    return size
+
+
+def check_count(value, name: str, low: int = 1, high: int | None = None) -> int:
+    """An integer parameter of the library (`workers`, `iteration`) in low..high, as the command
+    line's click.IntRange has it; MconvError naming the parameter otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bounds = f"an integer from {low} to {high}" if high is not None else f"an integer of at least {low}"
+        raise MconvError(f"{option(name, value)} is not {bounds}")
+    return value
+
+
+def torch_dtype(dtype, name: str = "dtype"):
+    """The torch dtype a `dtype` parameter asks for: None, one of DTYPES by name ("bfloat16", as
+    --dtype takes them) or as a torch dtype. MconvError naming the parameter for anything else
+    (torch.int8, "bf16"). Imports torch only when given a dtype, so the command line starts without it."""
+    if dtype is None:
+        return None
+    import torch
+
+    name_of = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
+    if name_of not in DTYPES:
+        raise MconvError(f"{option(name, dtype)} is not a dtype mconv writes; available: {', '.join(DTYPES)}")
+    return getattr(torch, name_of)
 
 
 # The command line and the library share the checks, so a message names an option through

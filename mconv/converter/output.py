@@ -23,7 +23,10 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 
 def output_path(out: str | Path) -> Path:
     """The absolute output path with its parent's symlinks resolved: where the staging sibling is
-    made and the finished output renamed to."""
+    made and the finished output renamed to. MconvError for an empty path, which is no directory
+    name (os.path would read it as the current directory)."""
+    if not os.fspath(out):
+        raise MconvError("the output path is empty; name the directory to write")
     out = Path(os.path.abspath(out))
     return out.parent.resolve() / out.name
 

@@ -23,7 +23,8 @@ from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.converter.output import SharedStaging, check_output_path, output_path, staged_directory, write_errors
-from mconv.converter.options import DEFAULT_SHARD_BYTES, FORMATS, option
+from mconv.converter.options import (DEFAULT_SHARD_BYTES, FORMATS, MAX_ITERATION, check_count, option, shard_bytes,
+                                    torch_dtype)
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, ShardSource, TensorTask, make_plan
 from mconv.converter.summary import Summary, describe_files
@@ -255,7 +256,13 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     multi-token-prediction layers in megatron-core's MTP block (planner.model_dims). `dtype`: cast
     every tensor to it (torch's cast; float32, bfloat16 or float16), recorded in the args as
     Megatron-LM records its --bf16/--fp16 (`params_dtype`, `bf16`, `fp16`) and in mconv.json; by
-    default each tensor keeps its HF dtype (MconvError where the tensors of one shard differ)."""
+    default each tensor keeps its HF dtype (MconvError where the tensors of one shard differ).
+    `dtype` may be named as --dtype names it ("bfloat16"); `iteration` is 0 to options.MAX_ITERATION."""
+    if not isinstance(layout, Layout):
+        raise MconvError(f"{option('layout', layout)} is not a Layout (mconv.converter.layout.Layout(tp=2, ...))")
+    dtype, workers = torch_dtype(dtype), check_count(workers, "workers")
+    if iteration is not None:
+        check_count(iteration, "iteration", 0, MAX_ITERATION)
     if fmt not in FORMATS:
         raise MconvError(f"{option('fmt')} {fmt!r} is not supported; available: {', '.join(FORMATS)}")
     if fmt == "torch_dist" and spec == "te":
@@ -269,7 +276,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
     ckpt = HFCheckpoint(hf_dir)
     refuse_quantized(ckpt.config, ckpt.tensors, ckpt.dir)
-    arch = architecture_for(ckpt.config)
+    arch = architecture_for(ckpt.config, ckpt.dir / "config.json")
     plan = make_plan(arch, ckpt.config, layout, spec, mtp)
     notes = check_hf_tensors(plan, ckpt)
     arch_args = arch.megatron_args(plan.dims)
@@ -475,10 +482,12 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     float16); by default each tensor keeps the dtype it has in the checkpoint. config.json's
     `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
     `expert_orientation` ("4.x", the default, or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see
-    hf_io.ORIENTATIONS; MconvError if given for a model whose HF checkpoints keep experts per expert."""
+    hf_io.ORIENTATIONS; MconvError if given for a model whose HF checkpoints keep experts per expert.
+    `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB")."""
+    dtype, workers, max_shard_bytes = torch_dtype(dtype), check_count(workers, "workers"), shard_bytes(max_shard_bytes)
     check_revision(revision, hf_config)
     if hf_config:
-        hf_config = resolve_model(hf_config, revision, weights=False, progress=progress)
+        hf_config = resolve_model(hf_config, revision, weights=False, progress=progress, parameter="hf_config")
     ckpt = open_checkpoint(ckpt_dir, hf_config)
     arch = ckpt.plan.arch
     stack = expert_orientation_for(arch, expert_orientation, option("expert_orientation"))
@@ -489,7 +498,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     with ckpt.session() as session:
         entries = [(name, dtype or session.dtype_of(task.sources[0]), shape)
                    for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
-        summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries))
+        summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries),
+                          layout="torch_dist (any layout)" if ckpt.location.format == "torch_dist" else None)
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
             writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)

@@ -34,10 +34,13 @@ class Summary:
     lines: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the user must know (HF tensors left out)
     files_plan: list[dict] = field(default_factory=list)
+    # The layout as shown, where the plan's is not the checkpoint's (mcore2hf reads a torch_dist
+    # checkpoint through a TP1 PP1 plan of its global tensors).
+    layout: str | None = None
 
     def __repr__(self) -> str:
-        return (f"Summary({self.plan.arch.name}, {self.plan.layout.describe()}: {self.files} files, "
-                f"{self.tensors} tensors, {self.bytes:,} bytes)")
+        return (f"Summary({self.plan.arch.name}, {self.layout or self.plan.layout.describe()}: "
+                f"{count(self.files, 'file')}, {count(self.tensors, 'tensor')}, {self.bytes:,} bytes)")
 
 
 def _task(task: TensorTask, chunk: int, rank_plan: RankPlan, plan: Plan, dtype: torch.dtype) -> dict:

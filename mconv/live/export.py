@@ -17,6 +17,7 @@ from mconv.converter.hf_io import (copy_side_files, expert_orientation_for, read
                                    stack_experts, stacked_expert, write_config_dtype, write_hf_config)
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.output import SharedStaging, output_path, write_failure
+from mconv.converter.options import DEFAULT_SHARD_BYTES, shard_bytes
 from mconv.converter.planner import RankPlan, TensorTask, make_plan
 from mconv.converter.transforms import merge, merge_single
 from mconv.errors import MconvError
@@ -278,7 +279,7 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
 
 
 def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path, hf_config: str | Path,
-                    max_shard_bytes: int = 3_000_000_000, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                     revision: str | None = None, expert_orientation: str | None = None) -> None:
     """Save the live model as an HF directory, the same files `mconv mcore2hf` writes.
 
@@ -295,8 +296,11 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     Raises MconvError on every rank when a write fails on any rank (full disk, read-only file
     system, no permission: `cannot write OUT: <cause>; nothing was written`); the hidden staging
     directory `.NAME.mconv-partial-live` is removed and an existing `out_dir` is left as it was.
+    `max_shard_bytes` may be a size string ("1GB"); MconvError naming it if it is no positive size.
     """
     from megatron.core import parallel_state as ps
+
+    max_shard_bytes = shard_bytes(max_shard_bytes)
 
     source = _model_dir(str(hf_config), revision, False)
     config = read_config(source)

@@ -17,13 +17,13 @@ import torch
 
 from mconv.converter import megatron_io
 from mconv.converter.layout import Layout
+from mconv.converter.options import DTYPES, torch_dtype
 from mconv.converter.planner import model_dims, validate_layout
 from mconv.converter.transforms import padded_vocab_size
 from mconv.errors import MconvError
 from mconv.live.chunks import _config
 from mconv.mappings import architecture_for
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config fields the args set that stay the caller's to choose: `dtype` sets them (as --bf16 / --fp16 do).
 _DTYPE_FIELDS = ("params_dtype", "pipeline_dtype", "bf16", "fp16")
 
@@ -37,11 +37,12 @@ def _megatron_args(config: dict, layout: Layout, spec: str, dtype: torch.dtype |
         raise MconvError(f"megatron-core cannot build {arch.name} itself: {arch.needs_bridge}")
     dims = model_dims(arch, config)
     validate_layout(dims, layout, arch.check_layout)
+    dtype = torch_dtype(dtype)
     if dtype is None:
         name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
         if name not in DTYPES:
             raise MconvError(f"config.json's dtype is {name!r}; pass dtype= one of torch.float32, bfloat16, float16")
-        dtype = DTYPES[name]
+        dtype = torch_dtype(name)
     padded = padded_vocab_size(dims.vocab, layout.vocab_divisor, layout.tp)
     return megatron_io.megatron_lm_args(layout, dims, arch.megatron_args(dims), spec, padded, dtype, "torch")
 

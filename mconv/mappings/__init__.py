@@ -11,22 +11,23 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (QWEN3, QW
                                                                           BAILING_V3)}
 
 
-def architecture_for(config: dict) -> Architecture:
+def architecture_for(config: dict, where="config.json") -> Architecture:
     """The table for config.json. Without `architectures`, the class transformers'
     `AutoModelForCausalLM` picks for `model_type` (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), when exactly
-    one table has that model_type. Raises MconvError naming what is missing or unsupported."""
+    one table has that model_type. Raises MconvError naming what is missing or unsupported, and `where`
+    (the config.json file's path, where the caller knows it)."""
     names = config.get("architectures") or []
     if not names:
         model_type = config.get("model_type")
         if not model_type:
-            raise MconvError("config.json has neither 'architectures' nor 'model_type', so the model class is unknown")
+            raise MconvError(f"{where} has neither 'architectures' nor 'model_type', so the model class is unknown")
         found = [arch for arch in ARCHITECTURES.values() if arch.model_type == model_type]
         if len(found) != 1:
-            raise MconvError(f"config.json has no 'architectures' and mconv has no causal-LM table for "
+            raise MconvError(f"{where} has no 'architectures' and mconv has no causal-LM table for "
                              f"model_type {model_type!r}; supported: "
                              f"{', '.join(sorted(a.model_type for a in ARCHITECTURES.values() if a.model_type))}")
         return found[0]
     if names[0] not in ARCHITECTURES:
-        raise MconvError(f"config.json names unsupported architecture {names[0]!r}; mconv supports: "
+        raise MconvError(f"{where} names unsupported architecture {names[0]!r}; mconv supports: "
                          f"{', '.join(sorted(ARCHITECTURES))}")
     return ARCHITECTURES[names[0]]
