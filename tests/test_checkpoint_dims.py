@@ -92,15 +92,30 @@ def test_padding_rule_and_tp_sizes_follow_megatron_lm():
         check_padded_vocab({"padded_vocab_size": 512}, 300, 384, TINY)
 
 
-def test_inspect_names_the_tp_sizes_the_padded_vocabulary_allows(tmp_path):
+def dry_run_rows(tp: int) -> int | None:
+    """The word embedding rows of `hf2mcore --tp tp --dry-run` on the fixture, None where it refuses."""
+    result = mconv("hf2mcore", TINY, "unused-out", "--tp", tp, "--dry-run", "--json")
+    if result.exit_code:
+        return None
+    tensors = json.loads(result.output)["plan"][0]["tensors"]
+    return next(t["shape"][0] for t in tensors if t["megatron"] == "embedding.word_embeddings.weight")
+
+
+def test_inspect_names_the_tp_sizes_hf2mcore_accepts_with_the_stored_padding(tmp_path):
+    """Oracle: the real command. The TP sizes listed are exactly those N in 1..8 where
+    `hf2mcore --tp N --dry-run` succeeds and plans the stored padded rows (the fixture has 2 query
+    groups: TP4 pads 300 to 512 rows as TP2 does, but hf2mcore refuses it)."""
+    saved_tp = 2
     ckpt = tmp_path / "ckpt"
-    assert mconv("hf2mcore", TINY, ckpt, "-q").exit_code == 0  # 300 -> 384 rows at TP1
-    result = mconv("inspect", ckpt, "--json")
-    layout = json.loads(result.output)["layout"]
-    assert layout["tp_sizes"] == [1, 3]
+    assert mconv("hf2mcore", TINY, ckpt, "--tp", saved_tp, "-q").exit_code == 0
+    layout = json.loads(mconv("inspect", ckpt, "--json").output)["layout"]
+    rows = dry_run_rows(saved_tp)
+    assert layout["tp_sizes"] == [tp for tp in range(1, 9) if dry_run_rows(tp) == rows] == [saved_tp]
+    accepted = [pp for pp in range(1, 9) if mconv("hf2mcore", TINY, "unused-out", "--pp", pp, "--dry-run").exit_code == 0]
+    assert layout["pp_sizes"] == accepted and layout["ep_sizes"] == [1]
     text = mconv("inspect", ckpt).output
     line = next(line for line in text.splitlines() if line.strip().startswith("layout"))
-    assert "TP 1 or 3" in line and "any (" not in line
+    assert f"TP {saved_tp} (" in line and "PP 1, 2 or 4" in line and "any PP" not in line
 
 
 def test_merge_names_a_tensor_the_base_model_lacks(tmp_path):

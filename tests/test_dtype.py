@@ -154,3 +154,61 @@ def test_dtype_on_import(fp32_checkpoint, tmp_path, fmt, dtype):
     assert json.loads((ckpt / "mconv.json").read_text())["dtype"] == dtype
     assert CliRunner().invoke(main, ["mcore2hf", str(ckpt), str(out), "-q"]).exit_code == 0
     assert_hf_bits_equal({k: v.to(target) for k, v in load_file(fp32 / "model.safetensors").items()}, out)
+
+
+# ----------------------------------------------------------------------------- casts beyond the range
+
+OVERFLOW = ("cannot cast model.layers.0.mlp.down_proj.weight to float16: values up to 1e+30 are beyond "
+            "float16's range (65504)")
+
+
+@pytest.fixture(scope="module")
+def huge_value(tmp_path_factory):
+    """The bfloat16 fixture with one value float16 cannot hold (1e30), and its TP2 legacy checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    tmp = tmp_path_factory.mktemp("huge")
+    hf = tmp / "hf"
+    shutil.copytree(FIXTURES / "qwen3-tiny", hf)
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"][3, 5] = 1e30
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    ckpt = tmp / "ckpt"
+    result = CliRunner().invoke(main, ["hf2mcore", str(hf), str(ckpt), "--tp", "2", "--format", "torch", "-q"])
+    assert result.exit_code == 0, result.output
+    return hf, ckpt
+
+
+@pytest.mark.parametrize("tp", ["1", "2"])  # TP1 reads the rows cast; TP2 splits down_proj by columns, then casts
+def test_hf2mcore_refuses_a_cast_to_inf(huge_value, tmp_path, tp):
+    from tests.test_errors import assert_refused
+
+    hf, _ = huge_value
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["hf2mcore", str(hf), str(out), "--tp", tp, "--dtype", "float16", "-q"])
+    assert_refused(result, out, OVERFLOW)
+    # the oracle: torch's own cast turns the value into inf; bfloat16 holds it
+    assert torch.tensor(1e30, dtype=torch.bfloat16).to(torch.float16).isinf()
+    assert CliRunner().invoke(main, ["hf2mcore", str(hf), str(out), "--dtype", "bfloat16", "-q"]).exit_code == 0
+
+
+def test_mcore2hf_refuses_a_cast_to_inf(huge_value, tmp_path):
+    from tests.test_errors import assert_refused
+
+    _, ckpt = huge_value
+    out = tmp_path / "out"
+    assert_refused(CliRunner().invoke(main, ["mcore2hf", str(ckpt), str(out), "--dtype", "float16", "-q"]),
+                   out, OVERFLOW)
+
+
+def test_a_merged_adapter_cast_to_inf_is_refused(huge_value, tmp_path):
+    """export-lora --merge --dtype float16 goes through the same check (base + delta, then the cast)."""
+    from mconv import Layout
+    from tests.test_errors import assert_refused
+    from tests.test_lora import lora_checkpoint
+
+    hf, _ = huge_value
+    lora, _ = lora_checkpoint(tmp_path, FIXTURES / "qwen3-tiny", Layout(), adapter_only=True)
+    out = tmp_path / "out"
+    assert_refused(CliRunner().invoke(main, ["export-lora", str(lora), str(out), "--alpha", "8", "--merge",
+                                             "--base-model", str(hf), "--dtype", "float16"]), out, OVERFLOW)

@@ -6,7 +6,7 @@ import filecmp
 import pytest
 import torch
 
-from mconv import Layout, hf2mcore, mcore2hf
+from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.transforms import padded_vocab_size
 from tests.conftest import FIXTURES
@@ -70,7 +70,8 @@ def test_live_load_export_and_save(tmp_path, fixture, sizes):
 
 def test_staged_load_casts_and_places_every_piece(tmp_path):
     """The GPU load path (staging buffers, device-side placement), run on the CPU: a float32 model
-    loaded from bfloat16 files, every HF tensor exact after the round trip through iter_hf_weights."""
+    loaded from bfloat16 files, every HF tensor exact after the round trip through iter_hf_weights;
+    iter_hf_weights(dtype=float16) of a value beyond float16's range is refused, naming the tensor."""
     run = MegatronRun(tmp_path, read_config(FIXTURES / "qwen3-moe-tiny"), padded_vocab=384)
     out = tmp_path / "out.pt"
     import torch.multiprocessing as mp
@@ -95,4 +96,9 @@ def _staged_worker(rank, run, out):
                 assert torch.equal(tensor, source.read(name)), name
                 names.append(name)
         assert sorted(names) == sorted(source.tensors)
+        with torch.no_grad():  # a value float16 cannot hold: the cast is refused, naming the tensor
+            model.embedding.word_embeddings.weight[0, 0] = 1e30
+        with pytest.raises(MconvError, match=r"^cannot cast model.embed_tokens.weight to float16: values up to "
+                                             r"1e\+30 are beyond float16's range \(65504\)$"):
+            list(mconv.live.iter_hf_weights([model], FIXTURES / "qwen3-moe-tiny", dtype=torch.float16))
         torch.save("exact", out)

@@ -16,9 +16,10 @@ from mconv.converter import megatron_io as mio
 from mconv.converter.adapter_dir import describe_adapter, is_adapter, render_adapter
 from mconv.converter.hf_io import HFCheckpoint, quantization_refusal
 from mconv.converter.hub import check_revision, resolve_model
-from mconv.converter.layout import count
+from mconv.converter.layout import Layout, count
 from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.converter.options import option
+from mconv.converter.planner import validate_layout
 from mconv.converter.transforms import tp_sizes_for_padded_vocab
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
@@ -251,11 +252,12 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
                            "iteration": location.iteration if location.iteration is not None else "release",
                            "written_by": f"mconv {metadata['mconv_version']}" if metadata else "another tool",
                            "files": len(list(location.iter_dir.glob("*.distcp" if dist else "mp_rank_*")))}}
-    name, vocab = None, args.get("vocab_size")
+    name, vocab, plan = None, args.get("vocab_size"), None
     size = _sizes(dtypes)
     if hf_config or stored_config:
         ckpt = open_checkpoint(location.iter_dir, hf_config)  # checks the tensors against the HF config
-        name, vocab = ckpt.plan.arch.name, ckpt.plan.dims.vocab
+        plan = ckpt.plan
+        name, vocab = plan.arch.name, plan.dims.vocab
         args.setdefault("padded_vocab_size", ckpt.plan.padded_vocab)
         info["other_settings"] = other_settings(ckpt.plan.arch, ckpt.plan.dims)
         if dist:  # hf2mcore counts megatron-core's parameters, which torch_dist stores stacked by layer
@@ -268,7 +270,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
         short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
                  "expert_model_parallel_size": "EP", "expert_tensor_parallel_size": "ETP"}
         saved = " ".join(f"{label}{args[dest]}" for dest, label in short.items() if args.get(dest))
-        info["layout"] = {**_dist_tp_sizes(args, vocab),
+        info["layout"] = {**_dist_layouts(args, vocab, plan),
                           "saved_by": saved or "unknown (no args)"}
     else:
         info["layout"] = {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep, "etp": layout.etp,
@@ -285,21 +287,48 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     return info
 
 
-def _dist_tp_sizes(args: dict, vocab: int | None) -> dict:
-    """The TP sizes a torch_dist checkpoint loads at: those at which Megatron pads the vocabulary
-    (`vocab`, None if unknown) to the padded vocabulary stored (`padded_vocab_size`) with the args'
-    make_vocab_size_divisible_by (transforms.tp_sizes_for_padded_vocab). JSON fields `tp_sizes`
-    (None where the padded vocabulary is unknown) and `tp_text`."""
+def _dist_layouts(args: dict, vocab: int | None, plan) -> dict:
+    """The layouts a torch_dist checkpoint loads at. TP: the sizes at which Megatron pads the
+    vocabulary (`vocab`, None if unknown) to the padded vocabulary stored (`padded_vocab_size`) with
+    the args' make_vocab_size_divisible_by (transforms.tp_sizes_for_padded_vocab) and, where the
+    HF model is known (`plan`, None if not), that the layout check hf2mcore runs accepts
+    (planner.validate_layout with the architecture's check_layout); PP and EP: the sizes that check
+    accepts at TP1. JSON fields `tp_sizes`, `pp_sizes`, `ep_sizes` (None where unknown), `tp_text`
+    and `others_text`."""
     padded = args.get("padded_vocab_size")
     divisor = args.get("make_vocab_size_divisible_by") or 128
+    pp_sizes = ep_sizes = None
+    if plan is not None:
+        pp_sizes = [pp for pp in range(1, plan.dims.layers + 1) if _accepts(plan, pp=pp)]
+        ep_sizes = [ep for ep in range(1, getattr(plan.dims, "experts", 0) + 1) if _accepts(plan, ep=ep)] or [1]
+        others = (f"PP {_either(pp_sizes)} (even stages of its {count(plan.dims.layers, 'layer')}; uneven "
+                  f"first/last stages too), VPP dividing each stage's layers, EP {_either(ep_sizes)}")
+    else:
+        others = "the PP, VPP and EP the model allows (not checked without its HF config)"
+    result = {"pp_sizes": pp_sizes, "ep_sizes": ep_sizes, "others_text": others}
     if not isinstance(padded, int):
-        return {"tp_sizes": None, "tp_text": "TP unknown (no padded vocabulary in the args)"}
+        return {"tp_sizes": None, "tp_text": "TP unknown (no padded vocabulary in the args)", **result}
     sizes = tp_sizes_for_padded_vocab(padded, vocab, divisor)
-    listed = " or ".join(filter(None, (", ".join(map(str, sizes[:-1])), str(sizes[-1])))) if sizes else ""
+    if plan is not None:
+        sizes = [tp for tp in sizes if _accepts(plan, tp=tp)]
+    checks = "pass the model's layout checks and " if plan is not None else ""
     why = f"{'vocab ' + str(vocab) if vocab else 'a vocabulary'} to the stored {padded} rows with " \
           f"make_vocab_size_divisible_by {divisor}"
-    text = f"TP {listed} (only these pad {why})" if sizes else f"no TP size (none pads {why})"
-    return {"tp_sizes": sizes, "tp_text": text}
+    text = f"TP {_either(sizes)} (only these {checks}pad {why})" if sizes else \
+        f"no TP size (none {checks}pads {why})"
+    return {"tp_sizes": sizes, "tp_text": text, **result}
+
+
+def _accepts(plan, **sizes) -> bool:
+    try:
+        validate_layout(plan.dims, Layout(**sizes), plan.arch.check_layout)  # ETP 1, as hf2mcore --tp N
+    except MconvError:
+        return False
+    return True
+
+
+def _either(sizes: list[int]) -> str:
+    return " or ".join(filter(None, (", ".join(map(str, sizes[:-1])), str(sizes[-1]))))
 
 
 def render(info: dict) -> list[str]:
@@ -329,7 +358,8 @@ def render(info: dict) -> list[str]:
     if "layout" in info:
         layout = info["layout"]
         if "saved_by" in layout:
-            text = f"{layout['tp_text']}, any PP, VPP, EP (torch_dist reshards on load); saved by {layout['saved_by']}"
+            text = f"{layout['tp_text']}, {layout['others_text']} (torch_dist reshards on load); " \
+                   f"saved by {layout['saved_by']}"
         else:
             text = layout["text"]
         lines.append(("layout", text + (f", spec {layout['spec']}" if "spec" in layout else "")))

@@ -13,6 +13,7 @@ import torch
 
 from mconv.converter.hf_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME, read_bin
 from mconv.converter.output import copy_file
+from mconv.converter.transforms import checked_cast
 from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
 
@@ -380,10 +381,11 @@ class HFCheckpoint:
 
     def read_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
         """`read` into an existing contiguous CPU tensor of the slice's shape (and of the tensor's
-        dtype, or another: then the slice is read and cast, torch's cast, as hf2mcore --dtype asks)."""
+        dtype, or another: then the slice is read and cast, torch's cast, as hf2mcore --dtype asks;
+        MconvError where that turns finite values into inf, transforms.check_cast)."""
         info = self.tensors[name]
         if out.dtype != info.dtype:
-            out.copy_(self.read(name, dim, start, stop))
+            out.copy_(checked_cast(name, self.read(name, dim, start, stop), out.dtype))
             return
         if info.mapped is not None:  # a .bin tensor: copied from its mapping
             whole = not info.shape or (start == 0 and stop == info.shape[dim])

@@ -27,8 +27,8 @@ from mconv.converter.layout import Layout, Rank
 from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args, embedding_key, legacy_padded_vocab
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
-from mconv.converter.transforms import merge, padded_vocab_size
 from mconv.converter.options import option, shard_bytes, torch_dtype
+from mconv.converter.transforms import checked_cast, merge, padded_vocab_size
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 from mconv.mappings.lora import Target, lora_architecture, targets
@@ -438,7 +438,8 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
 def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out: Path,
                   dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> int:
     """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own) as
-    HF safetensors into `out`, one tensor in memory at a time. Returns how many tensors changed."""
+    HF safetensors into `out`, one tensor in memory at a time. Returns how many tensors changed.
+    Raises MconvError where the cast turns finite values into inf (transforms.check_cast)."""
     base = HFCheckpoint(base_dir)
     arch = architecture_for(base.config, base.dir / "config.json")
     if arch.name != adapter.arch:
@@ -461,7 +462,7 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
         if name in deltas:
             a, b = deltas[name]
             tensor = tensor.float() + scale * (b.float() @ a.float())
-        writer.write(name, tensor.to(out_dtype))
+        writer.write(name, checked_cast(name, tensor, out_dtype))
     writer.close()
     writer.write_index()
     copy_side_files(base.dir, out)

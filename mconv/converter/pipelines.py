@@ -29,7 +29,7 @@ from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, ShardSource, TensorTask, make_plan
 from mconv.converter.summary import Summary, describe_files
 from mconv.converter.summary import nbytes as _nbytes
-from mconv.converter.transforms import Piece, ShardLayout, merge, split
+from mconv.converter.transforms import Piece, ShardLayout, check_cast, checked_cast, merge, split
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
@@ -134,14 +134,16 @@ def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer, 
     WINDOW_BYTES at a time (each valid until the next is asked for: reused memory, no fresh pages,
     never a whole large tensor), the vocabulary padding as zeros. A shard split along another
     dimension (row-parallel at TP > 1) is built whole, in one window. With `cast`, every window is
-    torch's cast of the HF rows to that dtype (no file ranges then, but for tensors already in it)."""
+    torch's cast of the HF rows to that dtype (no file ranges then, but for tensors already in it),
+    refused where it turns finite values into inf (transforms.check_cast)."""
     layout, shapes = task.shard, [ckpt.tensors[name].shape for name in task.hf]
     dtype, shape = _shard_dtype(task, ckpt, cast), layout.shape(shapes)
     first = layout.pieces[0]
     start, stop = rows or (0, shape[0] if shape else 1)
     if layout.dim != 0:
         if len(layout.pieces) > 1 or layout.pad or first.start or first.stop != shapes[first.source][layout.dim]:
-            yield split(layout, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b)).narrow(0, start, stop - start).to(dtype)
+            whole = split(layout, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b)).narrow(0, start, stop - start)
+            yield checked_cast(", ".join(task.hf), whole, dtype)
             return
         layout = ShardLayout(0, (Piece(first.source, 0, shape[0]),))  # the whole tensor, read by rows
     row = _nbytes(shape[1:], dtype)
@@ -459,6 +461,8 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in task_shards)
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
+            if dtype is not None:
+                _check_export_cast(task, task_shards, dtype)
             merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [views[n] for n in task.hf])
         staged.flush()
         return sum(views[name].nbytes for name, _, _ in outputs)
@@ -468,6 +472,17 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                              threads)) as writes:
         for written in writes:
             progress(written)
+
+
+def _check_export_cast(task: ExportTask, shards: list[torch.Tensor], dtype: torch.dtype) -> None:
+    """transforms.check_cast for the shards of one HF tensor group cast to `dtype` (mcore2hf
+    --dtype), naming the HF tensor at fault: the group is rebuilt in the shards' dtype for that only
+    where a shard fails."""
+    try:
+        check_cast([(task.sources[0].megatron, shard) for shard in shards], dtype)
+    except MconvError:
+        check_cast(list(zip(task.hf, merge([s.shard for s in task.sources], shards, task.hf_shapes))), dtype)
+        raise
 
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,

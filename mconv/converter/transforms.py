@@ -221,3 +221,31 @@ def merge_single(layout: ShardLayout, shard: torch.Tensor, hf_shapes: Sequence[t
         out[p.source] = shard.narrow(layout.dim, offset, p.length)
         offset += p.length
     return out
+
+
+def check_cast(tensors: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    """Raise MconvError, naming the first of the (name, tensor) pairs with the largest magnitude
+    of its finite values, where casting it to `dtype` would turn a finite value into inf (torch
+    rounds the values beyond `dtype`'s largest to inf, silently). Checked only where `dtype`'s
+    range is narrower than a tensor's (float32 or bfloat16 to float16, float32 to bfloat16): one
+    pass (torch.aminmax) per tensor, on its device, and one host synchronisation for the list."""
+    narrowed = [(name, t) for name, t in tensors if t.numel() and t.dtype.is_floating_point and dtype.is_floating_point
+                and torch.finfo(dtype).max < torch.finfo(t.dtype).max]
+    if not narrowed:
+        return
+    peaks = torch.stack([torch.stack(torch.aminmax(t)).abs().amax().float() for _, t in narrowed]).tolist()
+    for (name, t), peak in zip(narrowed, peaks):
+        if peak != peak or peak == float("inf"):  # a NaN or inf the tensor holds: its finite values decide
+            finite = t[t.isfinite()]
+            peak = finite.abs().amax().float().item() if finite.numel() else 0.0
+        if torch.tensor(peak).to(dtype).isinf():  # the peak as float32 is exact (float32 or bfloat16 data)
+            to = str(dtype).removeprefix("torch.")
+            raise MconvError(f"cannot cast {name} to {to}: values up to {peak:.4g} are beyond {to}'s range "
+                             f"({torch.finfo(dtype).max:g})")
+
+
+def checked_cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor.to(dtype)`, refused (MconvError naming `name`) where it would turn finite values
+    into inf: see check_cast."""
+    check_cast([(name, tensor)], dtype)
+    return tensor.to(dtype)

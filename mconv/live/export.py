@@ -19,7 +19,7 @@ from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.output import SharedStaging, output_path, write_failure
 from mconv.converter.options import DEFAULT_SHARD_BYTES, shard_bytes
 from mconv.converter.planner import RankPlan, TensorTask, make_plan
-from mconv.converter.transforms import merge, merge_single
+from mconv.converter.transforms import check_cast, merge, merge_single
 from mconv.errors import MconvError
 from mconv.live.chunks import LiveModel, _buckets, _config, _model_dir
 from mconv.mappings import architecture_for
@@ -220,6 +220,8 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
                 out += zip(names, tensors)
         if stacked is not None:
             out = _stack_bucket(out, stacked == "4.x", live.dims.experts)
+        if dtype is not None:
+            check_cast(out, dtype)  # one host synchronisation per bucket, not per tensor
         yield [(n, x if dtype is None else x.to(dtype)) for n, x in out]
 
 
@@ -233,7 +235,9 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     Tensors are gathered over TP/ETP (one collective per bucket and dtype), experts over EP, with
     global layer and expert numbers, fused QKV / GLU split, vocabulary padding removed; they stay
     on the parameters' device. `hf_config` is the HF model directory, a hub name (at `revision`)
-    or the config dict.
+    or the config dict. `dtype` casts them (torch's cast), refused with an MconvError naming the
+    tensor where it would turn finite values into inf (transforms.check_cast: one host
+    synchronisation per bucket where `dtype`'s range is narrower, e.g. bfloat16 to float16).
 
     Experts come per expert (`<p>.mlp.experts.{e}.gate_proj.weight` `[I, h]`, ..., as AReaL sends
     them to inference engines). With `stacked_experts` (models whose HF checkpoints stack them:
