@@ -303,6 +303,20 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         torch.save({"pp": pp_rank, "buckets": yielded}, run.live_out / f"rank{rank}.pt")
         everything = [name for bucket in iter_hf_weights(chunks, run.live_hf, gather_pp=True) for name, _ in bucket]
         torch.save(everything, run.live_out / f"all{rank}.pt")
+        if run.pp > 1:  # a cast refused on the last stage only: every rank is told, none waits for its buckets
+            from mconv import MconvError
+
+            norm = chunks[-1].decoder.final_layernorm.weight if pp_rank == run.pp - 1 else None
+            if norm is not None:
+                kept, norm.data[0] = norm.data[0].item(), 1e30
+            try:
+                list(iter_hf_weights(chunks, run.live_hf, gather_pp=True, dtype=torch.float16))
+                refused = None
+            except MconvError as e:
+                refused = str(e)
+            if norm is not None:
+                norm.data[0] = kept
+            (run.live_out / f"refused{rank}.txt").write_text(str(refused))
         save_hf_weights(chunks, run.live_out / "saved", run.live_hf, max_shard_bytes=100_000)
     dist.barrier()
     dist.destroy_process_group()

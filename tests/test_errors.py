@@ -1257,7 +1257,7 @@ def _live_save_worker(rank, run, where: Path):
                 results["existing"] = ["saved"]
             except Exception as e:
                 results["existing"] = [type(e).__name__, str(e)]
-        real_copy = mconv.live.copy_side_files
+        real_copy = mconv.live.export.copy_side_files
 
         def appearing(*args):  # another program makes the output while the model is saved
             (where / "appeared").mkdir()
@@ -1267,7 +1267,7 @@ def _live_save_worker(rank, run, where: Path):
         (where / "foreign").mkdir()
         (where / "foreign" / "thesis.txt").write_text("mine")
         for case in ("appeared", "foreign"):
-            with mock.patch.object(mconv.live, "copy_side_files", appearing if case == "appeared" else real_copy):
+            with mock.patch.object(mconv.live.export, "copy_side_files", appearing if case == "appeared" else real_copy):
                 try:
                     mconv.live.save_hf_weights([model], where / case, TINY)
                     results[case] = ["saved"]

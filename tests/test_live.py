@@ -43,6 +43,9 @@ def test_live_load_export_and_save(tmp_path, fixture, sizes):
         stage = by_stage.setdefault(result["pp"], tensors)
         assert stage.keys() == tensors.keys()  # every rank of a stage yields the same tensors
         assert len(torch.load(out / f"all{rank}.pt")) == len(source.tensors)  # gather_pp: the whole model
+        if sizes.get("pp", 1) > 1:  # a cast refused on one stage reaches every rank (no rank hangs)
+            assert (out / f"refused{rank}.txt").read_text() == \
+                "cannot cast model.norm.weight to float16: values up to 1e+30 are beyond float16's range (65504)"
     seen = [name for stage in by_stage.values() for name in stage]
     assert sorted(seen) == sorted(source.tensors)  # each HF tensor from exactly one stage, nothing else
     for stage in by_stage.values():

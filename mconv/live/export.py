@@ -262,9 +262,16 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
-    mine = list(_stage_buckets(live, schedule, dtype, stacked))
+    try:
+        mine = list(_stage_buckets(live, schedule, dtype, stacked))
+        layout = [[(n, tuple(x.shape), x.dtype) for n, x in b] for b in mine]
+    except MconvError as e:  # (a refused cast) told to the other stages, which would wait for these buckets
+        layout = str(e)
     layouts = [None] * live.layout.pp  # (names, shapes, dtypes) of every stage's buckets: one exchange
-    dist.all_gather_object(layouts, [[(n, tuple(x.shape), x.dtype) for n, x in b] for b in mine], group=group)
+    dist.all_gather_object(layouts, layout, group=group)
+    refused = next((found for found in layouts if isinstance(found, str)), None)
+    if refused is not None:
+        raise MconvError(refused)
     device = next(iter(live.tensors[0].values())).device
     for stage, stage_buckets in enumerate(layouts):
         source = dist.get_global_rank(group, stage)
