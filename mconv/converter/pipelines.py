@@ -462,7 +462,7 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
             if dtype is not None:
-                _check_export_cast(task, task_shards, dtype)
+                check_cast([(", ".join(task.hf), shard) for shard in task_shards], dtype)  # as hf2mcore names it
             merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [views[n] for n in task.hf])
         staged.flush()
         return sum(views[name].nbytes for name, _, _ in outputs)
@@ -472,17 +472,6 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                              threads)) as writes:
         for written in writes:
             progress(written)
-
-
-def _check_export_cast(task: ExportTask, shards: list[torch.Tensor], dtype: torch.dtype) -> None:
-    """transforms.check_cast for the shards of one HF tensor group cast to `dtype` (mcore2hf
-    --dtype), naming the HF tensor at fault: the group is rebuilt in the shards' dtype for that only
-    where a shard fails."""
-    try:
-        check_cast([(task.sources[0].megatron, shard) for shard in shards], dtype)
-    except MconvError:
-        check_cast(list(zip(task.hf, merge([s.shard for s in task.sources], shards, task.hf_shapes))), dtype)
-        raise
 
 
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
