@@ -171,12 +171,15 @@ class Command(click.Command):
 def interrupted(error: KeyboardInterrupt, out: str | None = None):
     from mconv.converter.output import finished
 
-    what = _stopped(signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT)
+    signum = signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT
+    if torchrun_rank()[0] != 0:  # only rank 0 knows whether the output went into place, so it speaks for the job
+        sys.exit(128 + signum)
+    what = _stopped(signum)
     if out and finished(out):
         click.echo(f"mconv: {what} after {out} was complete; it is in place", err=True)
         sys.exit(0)
     click.echo(f"mconv: {what}" + (f"; nothing was written to {out}" if out else ""), err=True)
-    sys.exit(128 + (signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT))
+    sys.exit(128 + signum)
 
 
 class UsageLine(click.ClickException):

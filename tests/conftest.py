@@ -1,6 +1,13 @@
+import os
 import sys
 import warnings
 from pathlib import Path
+
+# megatron-core's fused functions are torch.compile'd (megatron.core.jit): each process that ran a
+# forward compiled them with inductor first, some 20 s of CPU per rank and most of an oracle test's
+# time. The oracles check weights, not kernels; eager runs the same functions. Set before anything
+# imports torch or starts a process, so that every rank and subprocess inherits it.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import pytest
 

@@ -22,11 +22,11 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mconv import Layout, MconvError  # noqa: E402
 from mconv.converter.layout import Rank  # noqa: E402
+from tests.ranks import start_ranks
 from tests.conftest import FIXTURES, load_rank_file  # noqa: E402
 from tests.megatron_oracle import (CPU_RUN_ARGS, MegatronRun, _config_from_args, _cpu_shims,  # noqa: E402
                                    forward_logits, read_config, trainer_args)
@@ -114,7 +114,7 @@ def main(out: str, *cases: str) -> None:
     out = Path(out)
     (out / "version").write_text(f"{megatron.core.__version__} {megatron.core.__file__}")
     checkpoints = {case: Path(checkpoint) for case, checkpoint in zip(cases[::2], cases[1::2])}
-    mp.start_processes(_worker, args=(out, checkpoints, out / "store"), nprocs=2, start_method="spawn")
+    start_ranks(_worker, args=(out, checkpoints, out / "store"), nprocs=2)
 
 
 if __name__ == "__main__":

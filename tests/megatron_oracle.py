@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
+from tests.ranks import start_ranks
 from tests.conftest import load_rank_file
 
 
@@ -326,7 +326,7 @@ def megatron_logits(run: MegatronRun, workdir: Path) -> torch.Tensor:
     """Logits [1, seq, vocab] of megatron-core's forward on the checkpoint (padding rows dropped)."""
     out = Path(workdir) / "megatron_logits.pt"
     store = Path(tempfile.mkdtemp(dir=workdir)) / "store"
-    mp.start_processes(_worker, args=(run, store, out), nprocs=run.world, start_method="spawn")
+    start_ranks(_worker, args=(run, store, out), nprocs=run.world)
     return torch.load(out)[..., : run.hf_config["vocab_size"]]
 
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.multiprocessing as mp
 
+from tests.ranks import start_ranks
 from tests.conftest import load_rank_file
 from tests.megatron_oracle import MegatronRun, _cpu_shims, _free_port, _transformer_config
 
@@ -275,7 +275,7 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
 def megatron_logits(run: VLRun, workdir: Path) -> dict[str, torch.Tensor]:
     """Logits [1, seq, vocab] of mbridge's Qwen3VLModel for each input (padding rows dropped)."""
     out = Path(workdir) / "qwen3_vl_logits.pt"
-    mp.start_processes(_worker, args=(run, _free_port(), out), nprocs=run.world, start_method="spawn")
+    start_ranks(_worker, args=(run, _free_port(), out), nprocs=run.world)
     vocab = run.hf_config["text_config"]["vocab_size"]
     return {name: logits[..., :vocab] for name, logits in torch.load(out).items()}
 

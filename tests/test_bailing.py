@@ -18,6 +18,7 @@ from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter import megatron_io as mio
 from mconv.converter.planner import make_plan
 from mconv.mappings import architecture_for
+from tests.ranks import start_ranks
 from tests.conftest import FIXTURES, ROOT, load_rank_file
 from tests.test_roundtrip import assert_bit_identical, read_all
 
@@ -408,9 +409,8 @@ def test_export_lora_of_te_duplicated_mla_down_projections(tmp_path):
     config = BAILING_V3
     outs = {"linear_q_down_proj": config["q_lora_rank"],
             "linear_kv_down_proj": config["kv_lora_rank"] + config["qk_rope_head_dim"]}
-    torch.multiprocessing.start_processes(_bridge_adapter_worker, args=(config["hidden_size"], outs, R, ALPHA,
-                                                                        _free_port(), tmp_path), nprocs=2,
-                                          start_method="spawn")
+    start_ranks(_bridge_adapter_worker, args=(config["hidden_size"], outs, R, ALPHA,
+                                              _free_port(), tmp_path), nprocs=2)
     shards = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     layout, mla_layers = Layout(tp=2), sorted(architecture_for(config).dims(config).mla_layers)
     hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", layout, spec="te", fmt="torch", progress=False)

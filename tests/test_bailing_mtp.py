@@ -23,6 +23,7 @@ from fixtures.make_fixtures import make_bailing_v3
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter.transforms import ROW
 from mconv.mappings import bailing_v3
+from tests.ranks import start_ranks
 from tests.conftest import FIXTURES, ROOT, load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, read_config
 from tests.test_bailing_oracle import HFReference, TOKENS, _core_config, _max_difference, bailing_model, megatron_run
@@ -133,8 +134,7 @@ def test_mtp_sits_on_the_last_pipeline_stage(tmp_path, pp, vpp):
     hf = make_bailing_v3(tmp_path / "hf", tokenizer=False, dtype=torch.float32, num_nextn_predict_layers=1,
                          tie_word_embeddings=vpp > 1)
     hf2mcore(hf, tmp_path / "m", Layout(pp=pp, vpp=vpp), fmt="torch", progress=False, mtp=True)
-    mp.start_processes(_pipeline_worker, args=(tmp_path / "m", read_config(hf), pp, vpp, _free_port()), nprocs=pp,
-                       start_method="spawn")
+    start_ranks(_pipeline_worker, args=(tmp_path / "m", read_config(hf), pp, vpp, _free_port()), nprocs=pp)
 
 
 def test_cli_mtp_round_trip_and_stored_args(tmp_path):
@@ -247,8 +247,8 @@ def test_megatron_core_loads_the_torch_dist_mtp_checkpoint_at_tp2(tmp_path):
     hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch_dist", progress=False, mtp=True)
     reader = TorchDistReader.open(tmp_path / "m" / "release")
     assert "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight" in reader.tensors
-    mp.start_processes(_dist_worker, args=(tmp_path / "m" / "release", reader.args, read_config(hf), 2, _free_port(),
-                                           tmp_path / "out.pt"), nprocs=2, start_method="spawn")
+    start_ranks(_dist_worker, args=(tmp_path / "m" / "release", reader.args, read_config(hf), 2, _free_port(),
+                                    tmp_path / "out.pt"), nprocs=2)
     logits, keys = torch.load(tmp_path / "out.pt")
     assert keys == {(key, None if (key, None) in keys else tuple(md.shape)) for key, md in reader.tensors.items()}
     reference = HFReference(hf)(TOKENS)

@@ -35,6 +35,7 @@ from mconv import Layout, hf2mcore
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.transforms import Kind, Piece, ShardLayout
 from mconv.mappings import bailing_v3
+from tests.ranks import start_ranks
 from tests.conftest import load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, read_config
 
@@ -430,8 +431,8 @@ def megatron_run(checkpoint: Path, hf_dir: Path, tp: int, ep: int, workdir: Path
     model's, then each MTP depth's through the output layer); with `live`, the model is loaded by
     mconv.live.load_hf_weights from `hf_dir` instead, and the second item is what iter_hf_weights yields."""
     out = workdir / "logits.pt"
-    mp.start_processes(_worker, args=(checkpoint, read_config(hf_dir), tp, ep, _free_port(), out,
-                                      hf_dir if live else None), nprocs=max(tp, ep), start_method="spawn")
+    start_ranks(_worker, args=(checkpoint, read_config(hf_dir), tp, ep, _free_port(), out,
+                               hf_dir if live else None), nprocs=max(tp, ep))
     return torch.load(out)
 
 

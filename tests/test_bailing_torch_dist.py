@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fixtures.make_fixtures import make_bailing_v3
 from mconv import Layout, hf2mcore, mcore2hf
+from tests.ranks import start_ranks
 from tests.conftest import load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, read_config
 from tests.test_bailing import SMALL
@@ -200,8 +200,8 @@ def _run(tmp_path: Path, variant: str, mode: str, tp: int, ep: int):
     hf2mcore(hf, tmp_path / "dist", Layout(tp=tp), fmt="torch_dist", progress=False, mtp=mtp)
     hf2mcore(hf, tmp_path / "legacy", Layout(tp=tp, ep=ep), spec="local", fmt="torch", progress=False, mtp=mtp)
     out = tmp_path / "out.pt"
-    mp.start_processes(_worker, args=(mode, tmp_path / "dist", tmp_path / "legacy", read_config(hf), tp, ep,
-                                      _free_port(), out), nprocs=max(tp, ep), start_method="spawn")
+    start_ranks(_worker, args=(mode, tmp_path / "dist", tmp_path / "legacy", read_config(hf), tp, ep,
+                               _free_port(), out), nprocs=max(tp, ep))
     return hf, mtp, torch.load(out)
 
 

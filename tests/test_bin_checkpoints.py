@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.ranks import start_ranks
 from tests.conftest import FIXTURES
 from tests.test_errors import assert_refused, mconv
 
@@ -69,13 +70,12 @@ def test_bin_converts_as_its_safetensors_twin(saved, tmp_path, fmt):
 def test_load_hf_weights_reads_bin(saved, tmp_path):
     """The live loader fills every parameter of a megatron-core model from the sharded `.bin` files
     exactly as from the safetensors ones (staged and direct)."""
-    import torch.multiprocessing as mp
 
     from tests.megatron_oracle import MegatronRun, read_config
 
     run = MegatronRun(tmp_path, read_config(saved / "safetensors"), padded_vocab=384)
     out = tmp_path / "out.pt"
-    mp.start_processes(_live_worker, args=(run, saved, out), nprocs=1, start_method="spawn")
+    start_ranks(_live_worker, args=(run, saved, out), nprocs=1)
     assert torch.load(out) == "exact"
 
 

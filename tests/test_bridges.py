@@ -42,8 +42,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.ranks import start_ranks
 from tests.conftest import FIXTURES, load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, hf_logits, read_config
 
@@ -266,8 +266,7 @@ def test_bridge_built_model(models, tmp_path, monkeypatch, kind, model, tp, ep):
         hf = HUB_NAME
     out = tmp_path / "out"
     out.mkdir()
-    mp.start_processes(_worker, args=(kind, hf, hf_dir, tp, ep, _free_port(), out), nprocs=max(tp, ep),
-                       start_method="spawn")
+    start_ranks(_worker, args=(kind, hf, hf_dir, tp, ep, _free_port(), out), nprocs=max(tp, ep))
     results = [load_rank_file(out / f"rank{r}.pt") for r in range(max(tp, ep))]
     config = read_config(hf_dir)
     source = HFCheckpoint(hf_dir)

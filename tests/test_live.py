@@ -9,6 +9,7 @@ import torch
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.transforms import padded_vocab_size
+from tests.ranks import start_ranks
 from tests.conftest import FIXTURES
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config
 
@@ -77,8 +78,7 @@ def test_staged_load_casts_and_places_every_piece(tmp_path):
     iter_hf_weights(dtype=float16) of a value beyond float16's range is refused, naming the tensor."""
     run = MegatronRun(tmp_path, read_config(FIXTURES / "qwen3-moe-tiny"), padded_vocab=384)
     out = tmp_path / "out.pt"
-    import torch.multiprocessing as mp
-    mp.start_processes(_staged_worker, args=(run, out), nprocs=1, start_method="spawn")
+    start_ranks(_staged_worker, args=(run, out), nprocs=1)
     assert torch.load(out) == "exact"
 
 
