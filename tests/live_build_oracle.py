@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mconv import Layout, MconvError  # noqa: E402
 from mconv.converter.layout import Rank  # noqa: E402
-from tests.ranks import start_ranks
 from tests.conftest import FIXTURES, load_rank_file  # noqa: E402
 from tests.megatron_oracle import (CPU_RUN_ARGS, MegatronRun, _config_from_args, _cpu_shims,  # noqa: E402
                                    forward_logits, read_config, trainer_args)
+from tests.ranks import start_ranks  # noqa: E402
 
 TOKENS = list(range(7, 80, 6))
 # megatron-core 0.14 needs sequence parallelism with EP and TP, which its local spec's torch norms

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from tests.ranks import start_ranks
 from tests.conftest import load_rank_file
+from tests.ranks import start_ranks
 
 
 @dataclass
@@ -142,10 +142,10 @@ def megatron_lm_args(argv: list[str], world: int = 1, overlay: dict | None = Non
     import megatron.training.arguments as arguments
 
     arguments.get_device_arch_version = lambda: 9
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    saved_argv = sys.argv
+    saved_env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "CUDA_DEVICE_MAX_CONNECTIONS")}
     sys.argv = ["pretrain_gpt.py", *argv]
-    os.environ.update(WORLD_SIZE=str(world), RANK="0")
+    os.environ.update(WORLD_SIZE=str(world), RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")

@@ -32,9 +32,9 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.ranks import start_ranks
 from tests.conftest import load_rank_file
 from tests.megatron_oracle import MegatronRun, _cpu_shims, _free_port, _transformer_config
+from tests.ranks import start_ranks
 
 PATCHES = (1, 4, 4)  # image_grid_thw: one frame of 4 x 4 patches -> 4 merged image tokens
 

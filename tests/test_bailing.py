@@ -18,8 +18,8 @@ from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter import megatron_io as mio
 from mconv.converter.planner import make_plan
 from mconv.mappings import architecture_for
-from tests.ranks import start_ranks
 from tests.conftest import FIXTURES, ROOT, load_rank_file
+from tests.ranks import start_ranks
 from tests.test_roundtrip import assert_bit_identical, read_all
 
 SMALL = dict(hidden_size=32, head_dim=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,

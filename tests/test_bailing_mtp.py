@@ -23,9 +23,9 @@ from fixtures.make_fixtures import make_bailing_v3
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter.transforms import ROW
 from mconv.mappings import bailing_v3
-from tests.ranks import start_ranks
 from tests.conftest import FIXTURES, ROOT, load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, read_config
+from tests.ranks import start_ranks
 from tests.test_bailing_oracle import HFReference, TOKENS, _core_config, _max_difference, bailing_model, megatron_run
 from tests.test_roundtrip import assert_bit_identical, read_all
 

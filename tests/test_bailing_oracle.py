@@ -35,9 +35,9 @@ from mconv import Layout, hf2mcore
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.transforms import Kind, Piece, ShardLayout
 from mconv.mappings import bailing_v3
-from tests.ranks import start_ranks
 from tests.conftest import load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, read_config
+from tests.ranks import start_ranks
 
 TOKENS = list(range(5, 200, 13))
 

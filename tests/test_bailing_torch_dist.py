@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 from fixtures.make_fixtures import make_bailing_v3
 from mconv import Layout, hf2mcore, mcore2hf
-from tests.ranks import start_ranks
 from tests.conftest import load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, read_config
+from tests.ranks import start_ranks
 from tests.test_bailing import SMALL
 from tests.test_roundtrip import assert_bit_identical, read_all
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ranks import start_ranks
 from tests.conftest import FIXTURES
+from tests.ranks import start_ranks
 from tests.test_errors import assert_refused, mconv
 
 TRANSFORMERS_4 = Path(sys.prefix) / "tf-4.57"

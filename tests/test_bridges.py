@@ -43,9 +43,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ranks import start_ranks
 from tests.conftest import FIXTURES, load_rank_file
 from tests.megatron_oracle import _cpu_shims, _free_port, hf_logits, read_config
+from tests.ranks import start_ranks
 
 TOKENS = list(range(7, 80, 6))
 HUB_NAME = "tiny-org/qwen3-tiny-fp32"

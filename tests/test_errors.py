@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from mconv import Layout
 from mconv.cli import main
 from mconv.errors import MconvError
-from tests.ranks import start_ranks
 from tests.conftest import FIXTURES, load_rank_file
+from tests.ranks import start_ranks
 
 TINY = FIXTURES / "qwen3-tiny"
 

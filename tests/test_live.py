@@ -9,9 +9,9 @@ import torch
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.transforms import padded_vocab_size
-from tests.ranks import start_ranks
 from tests.conftest import FIXTURES
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config
+from tests.ranks import start_ranks
 
 TOKENS = list(range(7, 80, 6))
 
