@@ -34,7 +34,7 @@ DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 # dimension (gate first). transformers 5.x stores each expert as nn.Linear does, `[E, out, in]`;
 # 4.57 transposed, `[E, in, out]` (reference qwen3-vl.md, section 1).
 STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-ORIENTATIONS = ("4.x", "5.x")  # "4.x": [E, in, out], which transformers 4.57 and 5.x both load
+ORIENTATIONS = ("4.x", "5.x")  # "4.x": [E, in, out], which transformers 4.57 and 5.x both load unless square
 
 
 def check_orientation(value: str, option: str) -> str:
@@ -43,10 +43,15 @@ def check_orientation(value: str, option: str) -> str:
     return value
 
 
-def expert_orientation_for(arch, value: str | None, option: str) -> str | None:
-    """The orientation `arch`'s stacked HF experts are written in: `value`, "4.x" when None; None for
-    architectures whose HF checkpoints keep experts per expert. MconvError for an unknown `value`, or
-    a `value` given for such an architecture (an option that does not apply is refused, not ignored)."""
+def expert_orientation_for(arch, dims, value: str | None, option: str) -> str | None:
+    """The orientation `arch`'s stacked HF experts are written in: `value`, else "4.x", which
+    transformers 4.57 and 5.x both load; None for architectures whose HF checkpoints keep experts per
+    expert. `dims`: the model's (planner.model_dims). MconvError for an unknown `value`, a `value` given
+    for such an architecture (an option that does not apply is refused, not ignored), and no `value`
+    where a stacked tensor is square (hidden == 2 * moe_intermediate_size, or hidden ==
+    moe_intermediate_size): 4.57 reads [E, h, 2I] / [E, I, h] as stored, 5.x transposes a stacked
+    tensor only where its shape differs from its own [E, 2I, h] / [E, h, I], so a square one is read
+    right by one of them only, whichever orientation is written, and wrong, silently, by the other."""
     if value is not None:
         check_orientation(value, option)
         if not arch.stacked_experts:
@@ -54,7 +59,29 @@ def expert_orientation_for(arch, value: str | None, option: str) -> str | None:
             raise MconvError(f"{option} applies to stacked HF experts (Qwen3-VL-MoE); " + (
                 f"{arch.name} checkpoints keep their experts per expert" if experts else
                 f"{arch.name} has no experts"))
-    return (value or "4.x") if arch.stacked_experts else None
+    if not arch.stacked_experts:
+        return None
+    square = None if value else _square_stacked(arch, dims)
+    if square:
+        raise MconvError(f"the stacked experts {square} are square, so transformers 4.57 and 5.x read them in "
+                         f"opposite orientations and neither can tell from the shape; give {option} 4.x for "
+                         f"transformers 4.x or {option} 5.x for transformers 5.x")
+    return value or "4.x"
+
+
+def _square_stacked(arch, dims) -> str | None:
+    """The first of `arch`'s stacked expert tensors whose experts' matrices are square, named with its
+    shape (`model.language_model.layers.*.mlp.experts.gate_up_proj [4, 64, 64]`); None if none is."""
+    from mconv.converter.planner import table_shape
+
+    for rule in arch.rules:
+        for template, shape in rule.hf.items():
+            view = stacked_expert(template.replace("{expert}", "0"))
+            if view is not None and view[2] == 0:
+                out, fan_in = table_shape(shape, dims, template)
+                if out * view[3] == fan_in:
+                    return f"{view[0].replace('{layer}', '*')} {[dims.experts, fan_in, fan_in]}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
 from mconv.converter.options import option, shard_bytes, torch_dtype
-from mconv.converter.transforms import checked_cast, merge, padded_vocab_size
+from mconv.converter.transforms import cast_dtype, checked_cast, merge, padded_vocab_size
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 from mconv.mappings.lora import Target, lora_architecture, targets
@@ -437,7 +437,8 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
 
 def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out: Path,
                   dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> int:
-    """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own) as
+    """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own; see
+    transforms.cast_dtype for the tensors kept in float32) as
     HF safetensors into `out`, one tensor in memory at a time. Returns how many tensors changed.
     Raises MconvError where the cast turns finite values into inf (transforms.check_cast)."""
     base = HFCheckpoint(base_dir)
@@ -450,7 +451,8 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
             found = f"has it as {list(base.tensors[name].shape)}" if name in base.tensors else "lacks it"
             raise MconvError(f"{base.dir}: the adapter changes {name} [{b.shape[0]}, {a.shape[1]}], the base model "
                              f"{found}; is it the model the adapter was trained on?")
-    entries = [(name, dtype or info.dtype, info.shape) for name, info in base.tensors.items()]
+    entries = [(name, cast_dtype(dtype, arch.fp32_kind(name) is not None) or info.dtype, info.shape)
+               for name, info in base.tensors.items()]
     stack = None  # stacked experts are written back stacked, in the base model's orientation
     if arch.stacked_experts:
         stack = "4.x" if any(info.transposed_stride for info in base.tensors.values()) else "5.x"

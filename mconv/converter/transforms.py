@@ -249,3 +249,21 @@ def checked_cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.T
     into inf: see check_cast."""
     check_cast([(name, tensor)], dtype)
     return tensor.to(dtype)
+
+
+def cast_dtype(dtype: torch.dtype | None, fp32: bool) -> torch.dtype | None:
+    """The dtype a cast to `dtype` (--dtype, `dtype=`; None: no cast) writes a tensor in: float32 for
+    one the model keeps in float32 (`fp32`: the table's Rule.fp32, as transformers'
+    `_keep_in_fp32_modules_strict` keeps it whatever `dtype` from_pretrained is given), else `dtype`."""
+    return None if dtype is None else torch.float32 if fp32 else dtype
+
+
+def fp32_note(kinds: Sequence[str | None], dtype: torch.dtype | None, option: str) -> str | None:
+    """The line saying what a cast to `dtype` (named by `option`, e.g. `--dtype bfloat16`) left in
+    float32: `kinds` holds, per tensor, its architecture's fp32_kind (None for the others). None when
+    nothing was kept or nothing is cast to another dtype."""
+    kept = [kind for kind in kinds if kind]
+    if dtype is None or dtype == torch.float32 or not kept:
+        return None
+    return (f"kept {len(kept)} tensor{'s' if len(kept) > 1 else ''} in float32, as the model keeps them "
+            f"({', '.join(sorted(set(kept)))}); {option} cast the others")
