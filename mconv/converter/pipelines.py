@@ -508,7 +508,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     ckpt = open_checkpoint(ckpt_dir, hf_config)
     arch = ckpt.plan.arch
     exports = ckpt.plan.exports()
-    stack = expert_orientation_for(arch, ckpt.plan.dims, expert_orientation, option("expert_orientation"))
+    stack = expert_orientation_for(arch, ckpt.plan.dims, expert_orientation)
 
     def cast(names: tuple[str, ...]) -> torch.dtype | None:
         return cast_dtype(dtype, any(arch.fp32_kind(name) for name in names))

@@ -230,7 +230,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
 def _orientation(config: dict, value: str | None) -> str | None:
     """hf_io.expert_orientation_for of the model `config` describes (the same on every rank)."""
     arch = architecture_for(config)
-    return expert_orientation_for(arch, model_dims(arch, config), value, "expert_orientation")
+    return expert_orientation_for(arch, model_dims(arch, config), value)
 
 
 def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path | dict,
