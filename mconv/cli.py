@@ -73,8 +73,8 @@ def report(summary, started: float, as_json: bool, text: str) -> None:
 
 
 def print_notes(summary, quiet: bool) -> None:
-    """What the user must know about a conversion (Summary.notes), on stderr; not with -q, and under
-    torchrun from rank 0 only."""
+    """What the user must know about a conversion (Summary.notes, LoraExport.notes), on stderr; not
+    with -q, and under torchrun from rank 0 only."""
     for note in summary.notes if not quiet and not torchrun_rank()[0] else ():
         click.echo(f"mconv: note: {note}", err=True)
 
@@ -494,6 +494,7 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
                                      base_model=base_model, merge_into=merge, dtype=dtype,
                                      overwrite=overwrite, max_shard_bytes=max_shard_size,
                                      revision=revision, progress=show_progress(quiet)))
+    print_notes(result, quiet)
     if not quiet:
         adapter = result.adapter
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else

@@ -127,12 +127,6 @@ def _shard_dtype(task: TensorTask, ckpt: HFCheckpoint, cast: torch.dtype | None 
     return dtypes.pop()
 
 
-def _fp32_note(arch, names, cast: torch.dtype | None) -> str | None:
-    """transforms.fp32_note for the HF tensors `names` of `arch` cast to `cast`."""
-    return fp32_note([arch.fp32_kind(name) for name in names], cast,
-                     option("dtype", cast and str(cast).removeprefix("torch.")))
-
-
 def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer, rows: tuple[int, int] | None = None,
                    cast: torch.dtype | None = None) -> Iterator[torch.Tensor | torch_save.FileRange]:
     """One Megatron shard (or its rows [start, stop) along dim 0) from the HF slices, as consecutive
@@ -293,7 +287,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     if fmt == "torch_dist":
         torch_dist.check_model(plan)
     cast, dtype = dtype, dtype or Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
-    notes += filter(None, [_fp32_note(arch, plan.hf_shapes(), cast)])
+    notes += filter(None, [fp32_note(arch, plan.hf_shapes(), cast)])
 
     def dtype_of(task: TensorTask) -> torch.dtype:
         return _shard_dtype(task, ckpt, cast)
@@ -520,7 +514,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
                    for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries),
                           layout="torch_dist (any layout)" if ckpt.location.format == "torch_dist" else None)
-        summary.notes += filter(None, [_fp32_note(arch, [name for name, _, _ in entries], dtype)])
+        summary.notes += filter(None, [fp32_note(arch, [name for name, _, _ in entries], dtype)])
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
             writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)

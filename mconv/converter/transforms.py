@@ -10,10 +10,11 @@ safetensors lazily) and on in-memory tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
+from mconv.converter.options import option
 from mconv.errors import MconvError
 
 
@@ -258,12 +259,12 @@ def cast_dtype(dtype: torch.dtype | None, fp32: bool) -> torch.dtype | None:
     return None if dtype is None else torch.float32 if fp32 else dtype
 
 
-def fp32_note(kinds: Sequence[str | None], dtype: torch.dtype | None, option: str) -> str | None:
-    """The line saying what a cast to `dtype` (named by `option`, e.g. `--dtype bfloat16`) left in
-    float32: `kinds` holds, per tensor, its architecture's fp32_kind (None for the others). None when
-    nothing was kept or nothing is cast to another dtype."""
-    kept = [kind for kind in kinds if kind]
+def fp32_note(arch, names: Iterable[str], dtype: torch.dtype | None) -> str | None:
+    """The line saying which of the HF tensors `names` of `arch` a cast to `dtype` left in float32
+    (see cast_dtype): how many, and of which kinds (Architecture.fp32_kind). None when none was,
+    or nothing is cast to another dtype."""
+    kept = [kind for name in names if (kind := arch.fp32_kind(name))]
     if dtype is None or dtype == torch.float32 or not kept:
         return None
     return (f"kept {len(kept)} tensor{'s' if len(kept) > 1 else ''} in float32, as the model keeps them "
-            f"({', '.join(sorted(set(kept)))}); {option} cast the others")
+            f"({', '.join(sorted(set(kept)))}); {option('dtype', str(dtype).removeprefix('torch.'))} cast the others")
