@@ -438,11 +438,12 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
 
 
 def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out: Path,
-                  dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[int, str | None]:
+                  dtype: torch.dtype | None = None,
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[int, str | None]:
     """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own; see
-    transforms.cast_dtype for the tensors kept in float32) as
-    HF safetensors into `out`, one tensor in memory at a time. Returns how many tensors changed and
-    the note on the tensors the cast kept in float32 (transforms.fp32_note; None if none).
+    transforms.cast_dtype for those kept in float32) as HF safetensors into `out`, one tensor in
+    memory at a time. Returns how many tensors changed and the note on the tensors the cast kept in
+    float32 (transforms.fp32_note; None if none).
     Raises MconvError where the cast turns finite values into inf (transforms.check_cast)."""
     base = HFCheckpoint(base_dir)
     arch = architecture_for(base.config, base.dir / "config.json")

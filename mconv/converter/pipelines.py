@@ -403,9 +403,9 @@ def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], dtype_of, first
 def _write_exports(session, exports: list[ExportTask], index: int, size: int, writer: ShardedSafetensorsWriter,
                    progress: Callable[[int], None], cast: Callable[[tuple[str, ...]], torch.dtype | None],
                    threads: int = 1) -> None:
-    """Write member `index`'s share of the HF tensors into the prepared shard files (each group of
-    HF tensors cast to `cast(names)` unless that is None), a batch of LOAD_BATCH_BYTES per job, `threads` jobs at a time (tensors go to
-    disjoint, precomputed ranges of the files). `session` is the checkpoint's (megatron_checkpoint.
+    """Write member `index`'s share of the HF tensors into the prepared shard files (a group of HF
+    tensors cast to `cast(names)` unless None), a batch of LOAD_BATCH_BYTES per job, `threads` jobs
+    at a time (tensors go to disjoint, precomputed ranges of the files). `session` is the checkpoint's (megatron_checkpoint.
     Session). Each batch is staged as its range of the output files (`writer.stage`): a piece that
     is rows of one shard (`_row_parts`) and bytes of an input file (`session.file_rows`) is copied
     file to file; other pieces of one shard are read straight into the staged memory
@@ -465,8 +465,8 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in task_shards)
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
-            if cast(task.hf) is not None:
-                check_cast([(", ".join(task.hf), shard) for shard in task_shards], cast(task.hf))  # as hf2mcore names it
+            if cast(task.hf) is not None:  # named as hf2mcore names it
+                check_cast([(", ".join(task.hf), shard) for shard in task_shards], cast(task.hf))
             merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [views[n] for n in task.hf])
         staged.flush()
         return sum(views[name].nbytes for name, _, _ in outputs)
@@ -486,14 +486,12 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     rank writes its share (with `workers` threads) and rank 0 prepares and finishes the output.
 
     `hf_config`: a directory or hub name (at `revision`) with the model's config.json, for
-    checkpoints mconv did not write. `dtype`: cast every tensor to it (float32, bfloat16 or
-    float16), but those the model keeps in float32 (the table's Rule.fp32: BailingMoeV3's router
-    `expert_bias`, KDA `A_log` / `dt_bias`), which are written in float32 and counted in the
-    summary's notes; by default each tensor keeps the dtype it has in the checkpoint. config.json's
-    `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
-    `expert_orientation` ("4.x" or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see
-    hf_io.expert_orientation_for: "4.x" by default, and required where a stacked tensor is square
-    (MconvError without it); MconvError if given for a model whose HF checkpoints keep experts per expert.
+    checkpoints mconv did not write. `dtype`: cast every tensor to it (float32, bfloat16 or float16)
+    but those the model keeps in float32 (transforms.cast_dtype; a summary note counts them); by
+    default each tensor keeps its dtype. config.json's `dtype` (`torch_dtype`) names the dtype
+    written (the one holding most bytes, if mixed). `expert_orientation` ("4.x" or "5.x") of stacked
+    HF experts (Qwen3-VL-MoE): see hf_io.expert_orientation_for (4.x by default, required where a
+    stacked tensor is square, MconvError for a model whose HF checkpoints keep experts per expert).
     `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB")."""
     dtype, workers, max_shard_bytes = torch_dtype(dtype), check_count(workers, "workers"), shard_bytes(max_shard_bytes)
     check_revision(revision, hf_config)
