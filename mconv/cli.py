@@ -72,6 +72,13 @@ def report(summary, started: float, as_json: bool, text: str) -> None:
         click.echo(text)
 
 
+def print_notes(summary, quiet: bool) -> None:
+    """What the user must know about a conversion (Summary.notes, LoraExport.notes), on stderr; not
+    with -q, and under torchrun from rank 0 only."""
+    for note in summary.notes if not quiet and not torchrun_rank()[0] else ():
+        click.echo(f"mconv: note: {note}", err=True)
+
+
 def one_line(message: str) -> str:
     """Every error is one line: `mconv: error: ...`."""
     return "mconv: error: " + " ".join(message.split())
@@ -290,7 +297,9 @@ def main(ctx: click.Context):
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Cast every tensor to this dtype (torch's cast), recorded in the checkpoint's args as "
-                   "Megatron-LM's --bf16/--fp16 record it. Default: each tensor keeps its HF dtype.")
+                   "Megatron-LM's --bf16/--fp16 record it, but those the model keeps in float32 (BailingMoeV3's "
+                   "router expert_bias, KDA A_log / dt_bias), which stay float32 (a note counts them). Default: "
+                   "each tensor keeps its HF dtype.")
 @click.option("--mtp", is_flag=True,
               help="Keep the multi-token-prediction layers (config.json num_nextn_predict_layers) in "
                    "megatron-core's MTP block (mtp.layers.N., last pipeline stage; stored args mtp_num_layers); "
@@ -328,8 +337,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                                    workers=workers or default_workers(), revision=revision,
                                    dtype=dtype))
     plan = summary.plan
-    for note in summary.notes if not quiet and not torchrun_rank()[0] else ():
-        click.echo(f"mconv: note: {note}", err=True)
+    print_notes(summary, quiet)
     header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
               f"padded vocab {plan.padded_vocab}")
     if dry_run and as_json:
@@ -353,8 +361,10 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                    "checkpoints not written by mconv, and overrides the one stored in the checkpoint.")
 @click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
-              help="Cast every tensor to this dtype (e.g. a float32 training checkpoint to bfloat16). Default: "
-                   "each tensor keeps its dtype. config.json's dtype follows what is written.")
+              help="Cast every tensor to this dtype (e.g. a float32 training checkpoint to bfloat16), but those "
+                   "the model keeps in float32 (BailingMoeV3's router expert_bias, KDA A_log / dt_bias), which "
+                   "stay float32 (a note counts them). Default: each tensor keeps its dtype. config.json's dtype "
+                   "follows what is written.")
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True,
               help="Largest safetensors shard (a larger tensor gets a shard of its own)." + SIZE_HELP)
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
@@ -362,7 +372,8 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
               help="Stacked HF experts (Qwen3-VL-MoE only; refused for other models): 4.x (default) writes"
                    " gate_up_proj [E, hidden, 2I] / down_proj "
                    "[E, I, hidden], which transformers 4.57 and 5.x both load; 5.x writes [E, 2I, hidden] / "
-                   "[E, hidden, I], as transformers 5.x saves.")
+                   "[E, hidden, I], as transformers 5.x saves. Required when hidden == 2I or hidden == I: a "
+                   "square stacked tensor is read right by only one of transformers 4.x and 5.x.")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
@@ -380,6 +391,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
                                    overwrite=overwrite, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), dtype=dtype,
                                    revision=revision, expert_orientation=expert_orientation))
+    print_notes(summary, quiet)
     if not quiet or as_json:
         report(summary, started, as_json, f"wrote {out_dir}: {count(summary.files, 'safetensors shard')}, "
                                           f"{summary.tensors} tensors, {summary.bytes:,} bytes ({summary.plan.arch.name})")
@@ -485,6 +497,7 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
                                      base_model=base_model, merge_into=merge, dtype=dtype,
                                      overwrite=overwrite, max_shard_bytes=max_shard_size,
                                      revision=revision, progress=show_progress(quiet)))
+    print_notes(result, quiet)
     if not quiet:
         adapter = result.adapter
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else

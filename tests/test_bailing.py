@@ -286,6 +286,20 @@ def test_export_lora_merge_equals_megatron_layout_merge(tmp_path, lora):
     assert changed == len([k for k in peft if "lora_B" in k]) == 80  # every targeted HF projection
 
 
+def test_export_lora_merge_cast_keeps_float32_tensors(tmp_path, lora):
+    """`export-lora --merge --dtype bfloat16` is, tensor by tensor, what transformers loads from the
+    float32 merge with dtype=bfloat16 (expert_bias, A_log and dt_bias stay float32), and says so."""
+    from tests.test_fp32_kept import bailing_fp32_modules, transformers_cast
+    from tests.test_lora import ALPHA, mconv
+
+    result = mconv("export-lora", lora / "lora", tmp_path / "cast", "--merge", "--base-model",
+                   FIXTURES / "bailing-v3-tiny", "--dtype", "bfloat16", "--alpha", ALPHA)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("mconv: note: kept 6 tensors in float32, as the model keeps them"), result.stderr
+    assert_bit_identical(transformers_cast(lora / "ours", torch.bfloat16, bailing_fp32_modules()),
+                         read_all(tmp_path / "cast"))
+
+
 def _hf_module_tree(hf_dir) -> torch.nn.Module:
     """BailingMoeV3 as a module tree under the HF names (transformers cannot build it: remote code): an
     nn.Linear for every 2-D `.weight` (each LoRA target is one), loaded with the checkpoint's tensors in

@@ -418,8 +418,9 @@ def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port
         for hidden in mtp_hidden[0].chunk(1 + config.mtp_num_layers)[1:] if mtp_hidden else ():
             weight = model.shared_embedding_or_output_weight() if c["tie_word_embeddings"] else None
             logits = torch.cat([logits, model.output_layer(hidden, weight=weight)[0].transpose(0, 1)])
-    exported = None if live_hf is None else {
-        name: tensor.clone() for bucket in iter_hf_weights([model], live_hf, bucket_bytes=100_000) for name, tensor in bucket}
+    exported = None if live_hf is None else [  # as the model holds them, and cast to bfloat16
+        {name: tensor.clone() for bucket in iter_hf_weights([model], live_hf, bucket_bytes=100_000, dtype=dtype)
+         for name, tensor in bucket} for dtype in (None, torch.bfloat16)]
     if rank == 0:
         torch.save((logits[..., : c["vocab_size"]], exported), out)
     dist.barrier()
@@ -429,7 +430,8 @@ def _worker(rank: int, checkpoint: Path, hf_config: dict, tp: int, ep: int, port
 def megatron_run(checkpoint: Path, hf_dir: Path, tp: int, ep: int, workdir: Path, live: bool = False):
     """(logits, None) of megatron-core's forward on the rank files ([1 + MTP depths, s, vocab]: the
     model's, then each MTP depth's through the output layer); with `live`, the model is loaded by
-    mconv.live.load_hf_weights from `hf_dir` instead, and the second item is what iter_hf_weights yields."""
+    mconv.live.load_hf_weights from `hf_dir` instead, and the second item is what iter_hf_weights yields
+    (without a dtype, and with dtype=bfloat16)."""
     out = workdir / "logits.pt"
     start_ranks(_worker, args=(checkpoint, read_config(hf_dir), tp, ep, _free_port(), out,
                                hf_dir if live else None), nprocs=max(tp, ep))
@@ -472,15 +474,18 @@ def test_megatron_core_forward_matches_transformers_modules(tmp_path, models, mo
 @pytest.mark.slow
 def test_live_load_and_export(tmp_path, models):
     """mconv.live on this table: load_hf_weights into megatron-core's model (TP2, EP2) gives the HF
-    forward; iter_hf_weights yields every HF tensor bit-identically."""
+    forward; iter_hf_weights yields every HF tensor bit-identically, and with dtype=bfloat16 what
+    transformers loads with that dtype (the tensors the model keeps in float32 in float32)."""
+    from tests.test_fp32_kept import bailing_fp32_modules, transformers_cast
     from tests.test_roundtrip import assert_bit_identical, read_all
 
     hf_dir = models["default"]
     hf2mcore(hf_dir, tmp_path / "m", Layout(tp=2, ep=2), fmt="torch", progress=False)  # only its args are used
-    logits, exported = megatron_run(tmp_path / "m", hf_dir, 2, 2, tmp_path, live=True)
+    logits, (exported, cast) = megatron_run(tmp_path / "m", hf_dir, 2, 2, tmp_path, live=True)
     reference = HFReference(hf_dir)(TOKENS)
     assert ((logits - reference).abs().max() / reference.abs().max()).item() < 1e-5
     assert_bit_identical(read_all(hf_dir), exported)
+    assert_bit_identical(transformers_cast(hf_dir, torch.bfloat16, bailing_fp32_modules()), cast)
 
 
 def _contiguous(shapes, rank, size, params):

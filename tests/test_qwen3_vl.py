@@ -3,6 +3,7 @@ transformers loading what mcore2hf writes, the orientation of square expert tens
 against transformers' own in-memory experts, and bad inputs."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -118,10 +119,32 @@ def test_config_written_for_transformers_4_and_5(tmp_path):
 TRANSFORMERS_4 = Path(sys.prefix) / "tf-4.57"  # scripts/install.sh: transformers 4.57 and its hub/tokenizers
 
 
+def transformers_4_logits(tmp_path: Path, dirs: list[Path], inputs: dict) -> dict[Path, dict]:
+    """transformers 4.57's logits for `inputs` from each HF directory of `dirs`, loaded in one
+    subprocess (tests/transformers4_load.py, from TRANSFORMERS_4), which must be 4.57 from there and
+    match every key: no missing, unexpected or mismatched ones."""
+    torch.save({**inputs, "__grid__": torch.tensor([PATCHES])}, tmp_path / "inputs.pt")
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("transformers4_load.py")),
+                             str(tmp_path / "inputs.pt"), str(tmp_path / "logits.pt"), *map(str, dirs)],
+                            env={**os.environ, "PYTHONPATH": str(TRANSFORMERS_4)}, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.strip().splitlines()[-len(dirs):]]
+    for report in reports:
+        assert report["version"].startswith("4.57.") and report["file"].startswith(str(TRANSFORMERS_4)), report
+        assert report["info"]["missing_keys"] == report["info"]["unexpected_keys"] == [], report
+        assert report["info"]["mismatched_keys"] == [], report
+    logits = torch.load(tmp_path / "logits.pt")
+    return {path: logits[str(path)] for path in dirs}
+
+
+needs_transformers_4 = pytest.mark.skipif(  # skipped only outside CI: scripts/install.sh installs it
+    not TRANSFORMERS_4.is_dir() and not os.environ.get("CI"),
+    reason=f"no transformers 4.57 at {TRANSFORMERS_4} (scripts/install.sh installs it there)")
+
+
 @pytest.mark.slow
-# Skipped only outside CI: scripts/install.sh installs it, so in CI its absence is a failure, not a skip.
-@pytest.mark.skipif(not TRANSFORMERS_4.is_dir() and not os.environ.get("CI"),
-                    reason=f"no transformers 4.57 at {TRANSFORMERS_4} (scripts/install.sh installs it there)")
+@needs_transformers_4
 @pytest.mark.parametrize("fixture", [DENSE, MOE])
 def test_transformers_4_57_loads_default_output(tmp_path, fixture):
     """transformers 4.57 (in a subprocess, from its own target dir) loads what mcore2hf writes by
@@ -131,41 +154,96 @@ def test_transformers_4_57_loads_default_output(tmp_path, fixture):
     hf2mcore(fixture, tmp_path / "m", Layout(tp=2, ep=2 if fixture == MOE else 1), fmt="torch", progress=False)
     mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
     inputs = example_inputs(json.loads((fixture / "config.json").read_text()))
-    torch.save({**inputs, "__grid__": torch.tensor([PATCHES])}, tmp_path / "inputs.pt")
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("transformers4_load.py")),
-                             str(tmp_path / "back"), str(tmp_path / "inputs.pt"), str(tmp_path / "logits.pt")],
-                            env={**os.environ, "PYTHONPATH": str(TRANSFORMERS_4)}, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["version"].startswith("4.57.") and report["file"].startswith(str(TRANSFORMERS_4)), report
-    assert report["info"]["missing_keys"] == report["info"]["unexpected_keys"] == [], report
-    assert report["info"]["mismatched_keys"] == [], report
-    four, five = torch.load(tmp_path / "logits.pt"), hf_logits(tmp_path / "back", inputs)
+    four = transformers_4_logits(tmp_path, [tmp_path / "back"], inputs)[tmp_path / "back"]
+    five = hf_logits(tmp_path / "back", inputs)
     for name in inputs:
         assert (four[name] - five[name]).abs().max() < 1e-5, name
         assert five[name].abs().max() > 0.1
 
 
+@pytest.fixture(scope="module")
+def square(tmp_path_factory) -> dict[int, tuple[Path, Path]]:
+    """Qwen3-VL-MoE models with a square stacked tensor, by moe_intermediate_size: 32 (hidden == 2I:
+    gate_up_proj [4, 64, 64]) and 64 (hidden == I: down_proj [4, 64, 64]); each as transformers 5.17
+    saves it (5.x orientation, float32) and converted to Megatron at EP2."""
+    tmp = tmp_path_factory.mktemp("square")
+    models = {}
+    for moe_ffn in (32, 64):
+        text = dict(hidden_size=64, moe_intermediate_size=moe_ffn, num_hidden_layers=2, mlp_only_layers=[])
+        hf = make_qwen3_vl(tmp / f"hf-{moe_ffn}", moe=True, transposed_experts=False, text=text, dtype=torch.float32)
+        hf2mcore(hf, tmp / f"m-{moe_ffn}", Layout(ep=2), fmt="torch", progress=False)
+        models[moe_ffn] = hf, tmp / f"m-{moe_ffn}"
+    return models
+
+
 @pytest.mark.parametrize("moe_ffn", [32, 64])  # hidden == 2 * I (gate_up square), hidden == I (down square)
-def test_square_expert_tensors_read_as_transformers_holds_them(tmp_path, moe_ffn):
+def test_square_expert_tensors_read_as_transformers_holds_them(tmp_path, square, moe_ffn):
     """With a square stacked tensor the orientation is decided from the other one: in both files
     (5.x as transformers 5.17 saved it, and its 4.x transpose) every expert's Megatron fc1 / fc2 is
     transformers' own in-memory expert (5.17 holds gate_up_proj [E, 2I, h], down_proj [E, h, I])."""
     from transformers import AutoModelForImageTextToText
 
-    text = dict(hidden_size=64, moe_intermediate_size=moe_ffn, num_hidden_layers=2, mlp_only_layers=[])
-    five = make_qwen3_vl(tmp_path / "five", moe=True, transposed_experts=False, text=text, dtype=torch.float32)
-    four = make_qwen3_vl(tmp_path / "four", moe=True, transposed_experts=True, text=text, dtype=torch.float32)
+    five, five_megatron = square[moe_ffn]
+    four = Path(shutil.copytree(five, tmp_path / "four"))
+    save_file(transposed_experts(load_file(four / "model.safetensors")), four / "model.safetensors",
+              metadata={"format": "pt"})
+    hf2mcore(four, tmp_path / "4", Layout(ep=2), fmt="torch", progress=False)
     experts = AutoModelForImageTextToText.from_pretrained(five).model.language_model.layers[1].mlp.experts
-    for name, hf in (("5", five), ("4", four)):
-        hf2mcore(hf, tmp_path / name, Layout(ep=2), fmt="torch", progress=False)
+    for megatron in (five_megatron, tmp_path / "4"):
         for ep in range(2):
-            state = load_rank_file(tmp_path / name / f"release/mp_rank_00_{ep:03d}/model_optim_rng.pt")["model"]
+            state = load_rank_file(megatron / f"release/mp_rank_00_{ep:03d}/model_optim_rng.pt")["model"]
             for local in range(2):
                 prefix = f"language_model.decoder.layers.1.mlp.experts.local_experts.{local}."
                 assert torch.equal(state[prefix + "linear_fc1.weight"], experts.gate_up_proj[2 * ep + local])
                 assert torch.equal(state[prefix + "linear_fc2.weight"], experts.down_proj[2 * ep + local])
+
+
+@pytest.mark.parametrize("moe_ffn,tensor", [(32, "gate_up_proj"), (64, "down_proj")])
+def test_square_stacked_experts_need_an_orientation(tmp_path, square, moe_ffn, tensor):
+    """transformers 5.x transposes a stacked tensor only where its shape differs from its own, so it
+    misreads a square one in the 4.x orientation, silently (logits off by > 0.1), and 4.57 refuses the
+    5.x one: mcore2hf (which wrote 4.x without a word), save_hf_weights and
+    iter_hf_weights(stacked_experts=True) refuse to choose, naming the tensor and the option. With
+    5.x, transformers 5.x gives the original model's logits."""
+    from mconv.live import iter_hf_weights, save_hf_weights
+
+    hf, megatron = square[moe_ffn]
+    square_tensor = f"model.language_model.layers.*.mlp.experts.{tensor} [4, 64, 64] are square"
+    assert_refused(mconv("mcore2hf", megatron, tmp_path / "out"), tmp_path / "out", square_tensor,
+                   "give --expert-orientation 4.x for transformers 4.x or vLLM, or --expert-orientation 5.x for "
+                   "transformers 5.x")
+    library = re.escape(square_tensor) + r".*give expert_orientation='4\.x' for transformers 4\.x"
+    with pytest.raises(MconvError, match=library):
+        mcore2hf(megatron, tmp_path / "out", progress=False)
+    with pytest.raises(MconvError, match=library):  # checked before the model is looked at
+        next(iter_hf_weights([], hf, stacked_experts=True))
+    with pytest.raises(MconvError, match=library):
+        save_hf_weights([], tmp_path / "live", hf)
+    inputs = example_inputs(json.loads((hf / "config.json").read_text()))
+    original = hf_logits(hf, inputs)
+    for orientation, error in (("5.x", lambda e: e < 1e-5), ("4.x", lambda e: e > 0.1)):
+        mcore2hf(megatron, tmp_path / orientation, progress=False, expert_orientation=orientation)
+        logits = hf_logits(tmp_path / orientation, inputs)
+        for name in inputs:
+            assert error((logits[name] - original[name]).abs().max()), (orientation, name)
+
+
+@pytest.mark.slow
+@needs_transformers_4
+def test_transformers_4_57_reads_square_experts_given_4x(tmp_path, square):
+    """The other half: transformers 4.57 loads `--expert-orientation 4.x` output of both square
+    models with every key matched and gives the original model's logits (transformers 5.17's on the
+    files it saved)."""
+    dirs, expected = [], {}
+    for moe_ffn, (hf, megatron) in square.items():
+        dirs.append(tmp_path / str(moe_ffn))
+        mcore2hf(megatron, dirs[-1], progress=False, expert_orientation="4.x")
+        inputs = example_inputs(json.loads((hf / "config.json").read_text()))
+        expected[dirs[-1]] = hf_logits(hf, inputs)
+    four = transformers_4_logits(tmp_path, dirs, inputs)  # the configs differ in moe_intermediate_size only
+    for out in dirs:
+        for name in inputs:
+            assert (four[out][name] - expected[out][name]).abs().max() < 1e-5, (out.name, name)
 
 
 def test_dry_run_and_inspect(tmp_path):

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from mconv.converter.hf_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME, read_bin
+from mconv.converter.options import option
 from mconv.converter.output import copy_file
+from mconv.converter.planner import table_shape
 from mconv.converter.transforms import checked_cast
 from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
@@ -34,27 +36,50 @@ DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 # dimension (gate first). transformers 5.x stores each expert as nn.Linear does, `[E, out, in]`;
 # 4.57 transposed, `[E, in, out]` (reference qwen3-vl.md, section 1).
 STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-ORIENTATIONS = ("4.x", "5.x")  # "4.x": [E, in, out], which transformers 4.57 and 5.x both load
+ORIENTATIONS = ("4.x", "5.x")  # "4.x": [E, in, out], which transformers 4.57 and 5.x both load unless square
 
 
-def check_orientation(value: str, option: str) -> str:
-    if value not in ORIENTATIONS:
-        raise MconvError(f"{option} must be one of {', '.join(ORIENTATIONS)}, got {value!r}")
-    return value
-
-
-def expert_orientation_for(arch, value: str | None, option: str) -> str | None:
-    """The orientation `arch`'s stacked HF experts are written in: `value`, "4.x" when None; None for
-    architectures whose HF checkpoints keep experts per expert. MconvError for an unknown `value`, or
-    a `value` given for such an architecture (an option that does not apply is refused, not ignored)."""
+def expert_orientation_for(arch, dims, value: str | None) -> str | None:
+    """The orientation `arch`'s stacked HF experts are written in: `value`, else "4.x", which
+    transformers 4.57 and 5.x both load; None for architectures whose HF checkpoints keep experts per
+    expert. `dims`: the model's (planner.model_dims). MconvError for an unknown `value`, a `value` given
+    for such an architecture (an option that does not apply is refused, not ignored), and no `value`
+    where a stacked tensor is square (hidden == 2 * moe_intermediate_size, or hidden ==
+    moe_intermediate_size): transformers 5.x transposes a stacked tensor only where its shape differs
+    from its own [E, 2I, h] / [E, h, I], so it reads a square 4.x tensor untransposed, silently wrong;
+    4.57 (and vLLM, which always transposes) read [E, h, 2I] / [E, I, h] as stored, so 4.57 refuses a
+    5.x file (its other tensor's shape mismatches). No orientation is read right by all of them."""
     if value is not None:
-        check_orientation(value, option)
+        if value not in ORIENTATIONS:
+            raise MconvError(f"{option('expert_orientation')} must be one of {', '.join(ORIENTATIONS)}, got {value!r}")
         if not arch.stacked_experts:
             experts = any("{expert}" in rule.megatron for rule in arch.rules)
-            raise MconvError(f"{option} applies to stacked HF experts (Qwen3-VL-MoE); " + (
+            raise MconvError(f"{option('expert_orientation')} applies to stacked HF experts (Qwen3-VL-MoE); " + (
                 f"{arch.name} checkpoints keep their experts per expert" if experts else
                 f"{arch.name} has no experts"))
-    return (value or "4.x") if arch.stacked_experts else None
+    if not arch.stacked_experts:
+        return None
+    square = None if value else _square_stacked(arch, dims)
+    if square:
+        raise MconvError(f"the stacked experts {square} are square: transformers 5.x cannot tell their "
+                         "orientation from the shape and reads the 4.x one (which transformers 4.57 and vLLM "
+                         "read) wrongly, without an error, while 4.57 refuses the 5.x one; give "
+                         f"{option('expert_orientation', '4.x')} for transformers 4.x or vLLM, or "
+                         f"{option('expert_orientation', '5.x')} for transformers 5.x")
+    return value or "4.x"
+
+
+def _square_stacked(arch, dims) -> str | None:
+    """The first of `arch`'s stacked expert tensors whose experts' matrices are square, named with its
+    shape (`model.language_model.layers.*.mlp.experts.gate_up_proj [4, 64, 64]`); None if none is."""
+    for rule in arch.rules:
+        for template, shape in rule.hf.items():
+            view = stacked_expert(template.replace("{expert}", "0"))
+            if view is not None and view[2] == 0:
+                out, fan_in = table_shape(shape, dims, template)
+                if out * view[3] == fan_in:
+                    return f"{view[0].replace('{layer}', '*')} {[dims.experts, fan_in, fan_in]}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -28,7 +28,7 @@ from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
 from mconv.converter.options import option, shard_bytes, torch_dtype
-from mconv.converter.transforms import checked_cast, merge, padded_vocab_size
+from mconv.converter.transforms import cast_dtype, checked_cast, fp32_note, merge, padded_vocab_size
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 from mconv.mappings.lora import Target, lora_architecture, targets
@@ -379,6 +379,7 @@ class LoraExport:
     layout: Layout
     format: str
     merged_tensors: int = 0
+    notes: list[str] = field(default_factory=list)  # what the user must know (tensors a cast kept in float32)
 
     def __repr__(self) -> str:
         merged = f", {self.merged_tensors} weights merged" if self.merged_tensors else ""
@@ -429,16 +430,20 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
     inputs = (location.save_dir, config_dir) + ((Path(base_model),) if merge_into else ())
     with staged_directory(Path(out_dir), overwrite, inputs=inputs) as staging:
         if merge_into:
-            result.merged_tensors = merge_adapter(adapter, alpha, base_model, staging, dtype, max_shard_bytes)
+            result.merged_tensors, note = merge_adapter(adapter, alpha, base_model, staging, dtype, max_shard_bytes)
+            result.notes += filter(None, [note])
         else:
             adapter.save(staging, alpha, base_model)
     return result
 
 
 def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out: Path,
-                  dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> int:
-    """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own) as
-    HF safetensors into `out`, one tensor in memory at a time. Returns how many tensors changed.
+                  dtype: torch.dtype | None = None,
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[int, str | None]:
+    """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own; see
+    transforms.cast_dtype for those kept in float32) as HF safetensors into `out`, one tensor in
+    memory at a time. Returns how many tensors changed and the note on the tensors the cast kept in
+    float32 (transforms.fp32_note; None if none).
     Raises MconvError where the cast turns finite values into inf (transforms.check_cast)."""
     base = HFCheckpoint(base_dir)
     arch = architecture_for(base.config, base.dir / "config.json")
@@ -450,7 +455,8 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
             found = f"has it as {list(base.tensors[name].shape)}" if name in base.tensors else "lacks it"
             raise MconvError(f"{base.dir}: the adapter changes {name} [{b.shape[0]}, {a.shape[1]}], the base model "
                              f"{found}; is it the model the adapter was trained on?")
-    entries = [(name, dtype or info.dtype, info.shape) for name, info in base.tensors.items()]
+    entries = [(name, cast_dtype(dtype, arch.fp32_kind(name) is not None) or info.dtype, info.shape)
+               for name, info in base.tensors.items()]
     stack = None  # stacked experts are written back stacked, in the base model's orientation
     if arch.stacked_experts:
         stack = "4.x" if any(info.transposed_stride for info in base.tensors.values()) else "5.x"
@@ -468,4 +474,4 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     copy_side_files(base.dir, out)
     write_config_dtype(out, entries)
     base.close()
-    return len(deltas)
+    return len(deltas), fp32_note(arch, base.tensors, dtype)

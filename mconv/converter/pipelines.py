@@ -29,7 +29,8 @@ from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.planner import ExportTask, Plan, ShardSource, TensorTask, make_plan
 from mconv.converter.summary import Summary, describe_files
 from mconv.converter.summary import nbytes as _nbytes
-from mconv.converter.transforms import Piece, ShardLayout, check_cast, checked_cast, merge, split
+from mconv.converter.transforms import (Piece, ShardLayout, cast_dtype, check_cast, checked_cast, fp32_note, merge,
+                                        split)
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
@@ -114,10 +115,10 @@ WINDOW_BYTES = 32 * 2**20  # bytes of a Megatron tensor built and written at a t
 
 
 def _shard_dtype(task: TensorTask, ckpt: HFCheckpoint, cast: torch.dtype | None = None) -> torch.dtype:
-    """The dtype of a Megatron shard: `cast` (hf2mcore --dtype), else that of its HF tensors, which
-    must agree (no silent cast)."""
+    """The dtype of a Megatron shard: `cast` (hf2mcore --dtype; float32 for a tensor the model keeps
+    in float32, see transforms.cast_dtype), else that of its HF tensors, which must agree (no silent cast)."""
     if cast is not None:
-        return cast
+        return cast_dtype(cast, task.rule.fp32)
     dtypes = {ckpt.tensors[name].dtype for name in task.hf}
     if len(dtypes) > 1:
         found = ", ".join(f"{name} {str(ckpt.tensors[name].dtype).removeprefix('torch.')}" for name in task.hf)
@@ -256,7 +257,8 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     or write their own `.distcp` files (torch_dist); under torchrun every rank writes its share (its
     rank files, or its own `.distcp` file; rank 0 writes `.metadata`). `mtp`: keep the
     multi-token-prediction layers in megatron-core's MTP block (planner.model_dims). `dtype`: cast
-    every tensor to it (torch's cast; float32, bfloat16 or float16), recorded in the args as
+    every tensor to it (torch's cast; float32, bfloat16 or float16) but those the model keeps in
+    float32 (transforms.cast_dtype; counted in the summary's notes), recorded in the args as
     Megatron-LM records its --bf16/--fp16 (`params_dtype`, `bf16`, `fp16`) and in mconv.json; by
     default each tensor keeps its HF dtype (MconvError where the tensors of one shard differ).
     `dtype` may be named as --dtype names it ("bfloat16"); `iteration` is 0 to options.MAX_ITERATION."""
@@ -285,6 +287,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     if fmt == "torch_dist":
         torch_dist.check_model(plan)
     cast, dtype = dtype, dtype or Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
+    notes += filter(None, [fp32_note(arch, plan.hf_shapes(), cast)])
 
     def dtype_of(task: TensorTask) -> torch.dtype:
         return _shard_dtype(task, ckpt, cast)
@@ -398,10 +401,11 @@ def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], dtype_of, first
 
 
 def _write_exports(session, exports: list[ExportTask], index: int, size: int, writer: ShardedSafetensorsWriter,
-                   progress: Callable[[int], None], dtype: torch.dtype | None = None, threads: int = 1) -> None:
-    """Write member `index`'s share of the HF tensors into the prepared shard files (cast to
-    `dtype` if given), a batch of LOAD_BATCH_BYTES per job, `threads` jobs at a time (tensors go to
-    disjoint, precomputed ranges of the files). `session` is the checkpoint's (megatron_checkpoint.
+                   progress: Callable[[int], None], cast: Callable[[tuple[str, ...]], torch.dtype | None],
+                   threads: int = 1) -> None:
+    """Write member `index`'s share of the HF tensors into the prepared shard files (a group of HF
+    tensors cast to `cast(names)` unless None), a batch of LOAD_BATCH_BYTES per job, `threads` jobs
+    at a time (tensors go to disjoint, precomputed ranges of the files). `session` is the checkpoint's (megatron_checkpoint.
     Session). Each batch is staged as its range of the output files (`writer.stage`): a piece that
     is rows of one shard (`_row_parts`) and bytes of an input file (`session.file_rows`) is copied
     file to file; other pieces of one shard are read straight into the staged memory
@@ -439,7 +443,7 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
     def write_batch(batch: list[ExportTask]) -> int:
         if not hasattr(local, "buffer"):
             local.buffer = StagingBuffer()
-        outputs = [(name, dtype or session.dtype_of(task.sources[0]), shape)
+        outputs = [(name, cast(task.hf) or session.dtype_of(task.sources[0]), shape)
                    for task in batch for name, shape in zip(task.hf, task.hf_shapes)]
         if len(batch) == 1 and sum(_nbytes(s, d) for _, d, s in outputs) > local.buffer.keep:
             written = write_rows(batch[0], outputs[0][1])
@@ -461,8 +465,8 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in task_shards)
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
-            if dtype is not None:
-                check_cast([(", ".join(task.hf), shard) for shard in task_shards], dtype)  # as hf2mcore names it
+            if cast(task.hf) is not None:  # named as hf2mcore names it
+                check_cast([(", ".join(task.hf), shard) for shard in task_shards], cast(task.hf))
             merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [views[n] for n in task.hf])
         staged.flush()
         return sum(views[name].nbytes for name, _, _ in outputs)
@@ -482,11 +486,12 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     rank writes its share (with `workers` threads) and rank 0 prepares and finishes the output.
 
     `hf_config`: a directory or hub name (at `revision`) with the model's config.json, for
-    checkpoints mconv did not write. `dtype`: cast every tensor to it (float32, bfloat16 or
-    float16); by default each tensor keeps the dtype it has in the checkpoint. config.json's
-    `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
-    `expert_orientation` ("4.x", the default, or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see
-    hf_io.ORIENTATIONS; MconvError if given for a model whose HF checkpoints keep experts per expert.
+    checkpoints mconv did not write. `dtype`: cast every tensor to it (float32, bfloat16 or float16)
+    but those the model keeps in float32 (transforms.cast_dtype; a summary note counts them); by
+    default each tensor keeps its dtype. config.json's `dtype` (`torch_dtype`) names the dtype
+    written (the one holding most bytes, if mixed). `expert_orientation` ("4.x" or "5.x") of stacked
+    HF experts (Qwen3-VL-MoE): see hf_io.expert_orientation_for (4.x by default, required where a
+    stacked tensor is square, MconvError for a model whose HF checkpoints keep experts per expert).
     `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB")."""
     dtype, workers, max_shard_bytes = torch_dtype(dtype), check_count(workers, "workers"), shard_bytes(max_shard_bytes)
     check_revision(revision, hf_config)
@@ -494,16 +499,20 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress, parameter="hf_config")
     ckpt = open_checkpoint(ckpt_dir, hf_config)
     arch = ckpt.plan.arch
-    stack = expert_orientation_for(arch, expert_orientation, option("expert_orientation"))
     exports = ckpt.plan.exports()
+    stack = expert_orientation_for(arch, ckpt.plan.dims, expert_orientation)
+
+    def cast(names: tuple[str, ...]) -> torch.dtype | None:
+        return cast_dtype(dtype, any(arch.fp32_kind(name) for name in names))
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
     out = output_path(out_dir)
     check_output_path(out, overwrite, inputs)
     with ckpt.session() as session:
-        entries = [(name, dtype or session.dtype_of(task.sources[0]), shape)
+        entries = [(name, cast(task.hf) or session.dtype_of(task.sources[0]), shape)
                    for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries),
                           layout="torch_dist (any layout)" if ckpt.location.format == "torch_dist" else None)
+        summary.notes += filter(None, [fp32_note(arch, [name for name, _, _ in entries], dtype)])
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
             writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
@@ -521,7 +530,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
             writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.open_existing()
-            _write_exports(session, exports, index, size, writer, report, dtype, workers)
+            _write_exports(session, exports, index, size, writer, report, cast, workers)
             writer.close()
 
         team = TorchrunTeam.from_environment(f"mcore2hf:{out}")

@@ -115,7 +115,8 @@ def group_size(rule: Rule, layout: Layout) -> int:
     return layout.etp if rule.group == "etp" else layout.tp
 
 
-def _shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
+def table_shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
+    """A table's shape (space-separated dims attributes or integers, see mappings.schema) for `dims`."""
     try:
         return tuple(int(part) if part.isdigit() else getattr(dims, part) for part in spec.split())
     except AttributeError as e:
@@ -228,7 +229,7 @@ def _task(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: st
     index = index or {}
     megatron = rule.megatron_name(spec).format(layer=local_layer, expert=local_expert, **index)
     hf = tuple(name.format(layer=layer, expert=expert, **index) for name in rule.hf)
-    hf_shapes = tuple(_shape(shape, ctx, name) for name, shape in zip(hf, rule.hf.values()))
+    hf_shapes = tuple(table_shape(shape, ctx, name) for name, shape in zip(hf, rule.hf.values()))
     shard = None
     if rule.kind is not EXTRA_STATE:
         heads, groups, head_dim = (getattr(ctx, name, None) for name in rule.qkv_dims)

@@ -10,10 +10,11 @@ safetensors lazily) and on in-memory tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
+from mconv.converter.options import option
 from mconv.errors import MconvError
 
 
@@ -249,3 +250,21 @@ def checked_cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.T
     into inf: see check_cast."""
     check_cast([(name, tensor)], dtype)
     return tensor.to(dtype)
+
+
+def cast_dtype(dtype: torch.dtype | None, fp32: bool) -> torch.dtype | None:
+    """The dtype a cast to `dtype` (--dtype, `dtype=`; None: no cast) writes a tensor in: float32 for
+    one the model keeps in float32 (`fp32`: the table's Rule.fp32, as transformers'
+    `_keep_in_fp32_modules_strict` keeps it whatever `dtype` from_pretrained is given), else `dtype`."""
+    return None if dtype is None else torch.float32 if fp32 else dtype
+
+
+def fp32_note(arch, names: Iterable[str], dtype: torch.dtype | None) -> str | None:
+    """The line saying which of the HF tensors `names` of `arch` a cast to `dtype` left in float32
+    (see cast_dtype): how many, and of which kinds (Architecture.fp32_kind). None when none was,
+    or nothing is cast to another dtype."""
+    kept = [kind for name in names if (kind := arch.fp32_kind(name))]
+    if dtype is None or dtype == torch.float32 or not kept:
+        return None
+    return (f"kept {len(kept)} tensor{'s' if len(kept) > 1 else ''} in float32, as the model keeps them "
+            f"({', '.join(sorted(set(kept)))}); {option('dtype', str(dtype).removeprefix('torch.'))} cast the others")

@@ -18,8 +18,8 @@ from mconv.converter.hf_io import (copy_side_files, expert_orientation_for, read
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.output import SharedStaging, output_path, write_failure
 from mconv.converter.options import DEFAULT_SHARD_BYTES, shard_bytes
-from mconv.converter.planner import RankPlan, TensorTask, make_plan
-from mconv.converter.transforms import check_cast, merge, merge_single
+from mconv.converter.planner import RankPlan, TensorTask, make_plan, model_dims
+from mconv.converter.transforms import cast_dtype, check_cast, merge, merge_single
 from mconv.errors import MconvError
 from mconv.live.chunks import LiveModel, _buckets, _config, _model_dir
 from mconv.mappings import architecture_for
@@ -220,9 +220,17 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
                 out += zip(names, tensors)
         if stacked is not None:
             out = _stack_bucket(out, stacked == "4.x", live.dims.experts)
-        if dtype is not None:
-            check_cast(out, dtype)  # one host synchronisation per bucket, not per tensor
-        yield [(n, x if dtype is None else x.to(dtype)) for n, x in out]
+        if dtype is not None:  # but the tensors the model keeps in float32 (transforms.cast_dtype)
+            casts = {n: cast_dtype(dtype, live.arch.fp32_kind(n) is not None) for n, _ in out}
+            check_cast([(n, x) for n, x in out if casts[n] == dtype], dtype)  # one host synchronisation per bucket
+            out = [(n, x.to(casts[n])) for n, x in out]
+        yield out
+
+
+def _orientation(config: dict, value: str | None) -> str | None:
+    """hf_io.expert_orientation_for of the model `config` describes (the same on every rank)."""
+    arch = architecture_for(config)
+    return expert_orientation_for(arch, model_dims(arch, config), value)
 
 
 def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path | dict,
@@ -235,7 +243,9 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     Tensors are gathered over TP/ETP (one collective per bucket and dtype), experts over EP, with
     global layer and expert numbers, fused QKV / GLU split, vocabulary padding removed; they stay
     on the parameters' device. `hf_config` is the HF model directory, a hub name (at `revision`)
-    or the config dict. `dtype` casts them (torch's cast), refused with an MconvError naming the
+    or the config dict. `dtype` casts them (torch's cast) but those the model keeps in float32
+    (BailingMoeV3's router `expert_bias`, KDA `A_log` / `dt_bias`: the table's Rule.fp32), which
+    come in float32, as the model keeps them; a cast is refused with an MconvError naming the
     tensor where it would turn finite values into inf (transforms.check_cast: one host
     synchronisation per bucket where `dtype`'s range is narrower, e.g. bfloat16 to float16).
 
@@ -245,6 +255,8 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     `<p>.mlp.experts.gate_up_proj` / `down_proj` (no `.weight`), contiguous, in `expert_orientation`:
     "4.x" `[E, h, 2I]` / `[E, I, h]` (what mcore2hf writes by default), "5.x" `[E, 2I, h]` /
     `[E, h, I]`; a bucket then holds all the experts of its stacked tensors, whatever `bucket_bytes`.
+    Where a stacked tensor is square, `expert_orientation` must be given (MconvError otherwise: no
+    orientation is read right by both transformers 4.57 and 5.x, see hf_io.expert_orientation_for).
     `expert_orientation` without `stacked_experts` is an MconvError (it would change nothing).
     """
     config = _config(hf_config, revision)
@@ -253,8 +265,7 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
                          "expert (stacked mlp.experts.gate_up_proj / down_proj is the HF form of Qwen3-VL-MoE)")
     if expert_orientation is not None and not stacked_experts:
         raise MconvError("expert_orientation applies with stacked_experts=True (experts come per expert otherwise)")
-    stacked = expert_orientation_for(architecture_for(config), expert_orientation, "expert_orientation") \
-        if stacked_experts else None
+    stacked = _orientation(config, expert_orientation) if stacked_experts else None
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes, stacked_experts)
     if not gather_pp or live.layout.pp == 1:
         yield from _stage_buckets(live, schedule, dtype, stacked)
@@ -302,7 +313,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     one that appears meanwhile: output.Claim); config.json's dtype
     names the dtype written. The output path must be on a filesystem all ranks share. Stacked HF
     experts (Qwen3-VL-MoE) are written in `expert_orientation` ("4.x", the default, or "5.x", as
-    mcore2hf's; MconvError when given for another model).
+    mcore2hf's: required where a stacked tensor is square; MconvError when given for another model).
+    Each tensor is written in the dtype the model holds it in.
 
     Raises MconvError on every rank when a write fails on any rank (full disk, read-only file
     system, no permission: `cannot write OUT: <cause>; nothing was written`); the hidden staging
@@ -315,7 +327,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
 
     source = _model_dir(str(hf_config), revision, False)
     config = read_config(source)
-    stacked = expert_orientation_for(architecture_for(config), expert_orientation, "expert_orientation")
+    stacked = _orientation(config, expert_orientation)
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes)
     full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
     dtypes: dict[str, torch.dtype] = {}

@@ -207,8 +207,8 @@ KDA = (
                                HA + "v_conv1d.weight": "kda 1 conv_kernel"}, SECTIONED, when=kda,
          dist_sections=IN_PROJ_SECTIONS[:3]),
     *linear(A + "beta_proj", {HA + "b_proj.weight": "heads hidden"}, COLUMN, when=kda),
-    Rule(A + "A_log", {HA + "A_log": "heads"}, COLUMN, when=kda),
-    Rule(A + "dt_bias", {HA + "dt_bias": "kda"}, COLUMN, when=kda),
+    Rule(A + "A_log", {HA + "A_log": "heads"}, COLUMN, when=kda, fp32=True),
+    Rule(A + "dt_bias", {HA + "dt_bias": "kda"}, COLUMN, when=kda, fp32=True),
     Rule(A + "out_norm.weight", {HA + "o_norm.weight": "head_dim"}, REPLICATED, when=kda),
     extra_state(A + "out_norm", specs=("te",), when=kda),
     *linear(A + "out_proj", {HA + "o_proj.weight": "hidden kda"}, ROW, when=kda),
@@ -240,7 +240,7 @@ MLA = (
 
 MOE_EXTRAS = (
     extra_state(L + "pre_mlp_layernorm", specs=("te",), when=moe),  # TENorm
-    Rule(L + "mlp.router.expert_bias", {H + "mlp.gate.expert_bias": "experts"}, REPLICATED, when=moe),
+    Rule(L + "mlp.router.expert_bias", {H + "mlp.gate.expert_bias": "experts"}, REPLICATED, when=moe, fp32=True),
     *linear(L + "mlp.shared_experts.linear_fc1", {H + "mlp.shared_experts.gate_proj.weight": "shared_ffn hidden",
                                                   H + "mlp.shared_experts.up_proj.weight": "shared_ffn hidden"},
             GLU, when=_when(moe, shared)),

@@ -8,6 +8,7 @@ outside the layers that come in numbered copies (a vision tower's blocks) name t
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Callable
@@ -38,6 +39,10 @@ class Rule:
     # torch_dist: a fused tensor stored as one global tensor per HF section, its key suffixed with
     # these names (e.g. AReaL's KimiDeltaAttention `in_proj.weight.query`); see converter/torch_dist.py.
     dist_sections: tuple[str, ...] = ()
+    # The model keeps it in float32 whatever the dtype of the rest (transformers'
+    # `_keep_in_fp32_modules_strict`, megatron-core's router `expert_bias`): a cast (--dtype, `dtype=`)
+    # writes it in float32, not in the dtype asked for (converter/transforms.cast_dtype).
+    fp32: bool = False
 
     def megatron_name(self, spec: str) -> str:
         return self.te if spec == "te" and self.te else self.megatron
@@ -90,6 +95,21 @@ class Architecture:
     # Why megatron-core cannot build this model itself, naming the bridge that can (None: its GPTModel
     # can; mconv.live.build_model builds it).
     needs_bridge: str | None = None
+
+    def fp32_kind(self, hf_name: str) -> str | None:
+        """For an HF tensor the table keeps in float32 (Rule.fp32), its kind: the name past the
+        layer (and expert) indices, e.g. `mlp.gate.expert_bias`; None for any other tensor."""
+        cached = _FP32_PATTERNS.get(id(self.rules))
+        if cached is None or cached[0] is not self.rules:
+            templates = sorted({name for rule in self.rules if rule.fp32 for name in rule.hf})
+            cached = _FP32_PATTERNS[id(self.rules)] = (self.rules, [
+                (re.compile(r"\d+".join(map(re.escape, re.split(r"\{\w+\}", t)))), t.rpartition("}.")[2])
+                for t in templates])
+        return next((kind for pattern, kind in cached[1] if pattern.fullmatch(hf_name)), None)
+
+
+# id(Architecture.rules) -> (the rules, [(HF name pattern, kind)]): fp32_kind's patterns, made once per table
+_FP32_PATTERNS: dict[int, tuple] = {}
 
 
 def prefixed(rules: tuple[Rule, ...], megatron: str, hf: Callable[[str], str]) -> tuple[Rule, ...]:
