@@ -13,7 +13,8 @@ import click
 
 from mconv import __version__
 from mconv.converter.layout import Layout, count, parse_layout_string
-from mconv.converter.options import DTYPES, FORMATS, MAX_ITERATION, MAX_SIZE, SPECS, command_line_names, parse_size
+from mconv.converter.options import (DTYPES, FORMATS, FP8_SCALES, MAX_ITERATION, MAX_SIZE, QUANTIZATIONS, SPECS,
+                                    command_line_names, parse_size)
 from mconv.converter.parallel import speaks_for_itself, torchrun_rank
 from mconv.errors import MconvError
 
@@ -287,7 +288,8 @@ def main(ctx: click.Context):
               help="Write iter_NNNNNNN/ with this iteration instead of release/.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Cast every tensor to this dtype (torch's cast), recorded in the checkpoint's args as "
-                   "Megatron-LM's --bf16/--fp16 record it. Default: each tensor keeps its HF dtype.")
+                   "Megatron-LM's --bf16/--fp16 record it. Default: each tensor keeps its HF dtype (FP8 "
+                   "weights are dequantized into bfloat16).")
 @click.option("--mtp", is_flag=True,
               help="Keep the multi-token-prediction layers (config.json num_nextn_predict_layers) in "
                    "megatron-core's MTP block (mtp.layers.N., last pipeline stage; stored args mtp_num_layers); "
@@ -360,11 +362,17 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                    " gate_up_proj [E, hidden, 2I] / down_proj "
                    "[E, I, hidden], which transformers 4.57 and 5.x both load; 5.x writes [E, 2I, hidden] / "
                    "[E, hidden, I], as transformers 5.x saves.")
+@click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
+              help="Write block-wise FP8 (128x128 blocks, float8_e4m3fn weights with float32 weight_scale_inv) "
+                   "as the model's FP8 releases hold it: the linear projections quantized, embeddings, lm_head, "
+                   "norms, router and vision tower kept (in --dtype, or as stored). See docs/fp8.md.")
+@click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
+              help="With --quantize fp8: 'float' (default, amax/448) or 'ue8m0' (powers of two, DeepGEMM / SGLang).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_size, overwrite, expert_orientation,
-                     workers, as_json, quiet):
+                     quantize, fp8_scale, workers, as_json, quiet):
     """Convert the Megatron checkpoint in CKPT_DIR into an HF model directory OUT_DIR.
 
     CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
@@ -376,7 +384,8 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=max_shard_size,
                                    overwrite=overwrite, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), dtype=dtype,
-                                   revision=revision, expert_orientation=expert_orientation))
+                                   revision=revision, expert_orientation=expert_orientation,
+                                   quantize=quantize, fp8_scale=fp8_scale))
     if not quiet or as_json:
         report(summary, started, as_json, f"wrote {out_dir}: {count(summary.files, 'safetensors shard')}, "
                                           f"{summary.tensors} tensors, {summary.bytes:,} bytes ({summary.plan.arch.name})")

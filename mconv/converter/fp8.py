@@ -10,15 +10,19 @@ two, SGLang's `per_block_cast_to_fp8`. Dequantization: `w = float(q) * float(s)`
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
+from mconv.converter.options import FP8_SCALES, option
 from mconv.errors import MconvError
 
 BLOCK = 128
 FP8_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # `<module>.weight` -> `<module>.weight_scale_inv`
-SCALE_FORMATS = ("float", "ue8m0")
+SCALE_FORMATS = FP8_SCALES
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the releases store (reference 1.2)
 ZERO_BLOCK_SCALE = torch.finfo(torch.float32).eps
 
@@ -39,16 +43,18 @@ def _blocks(w: torch.Tensor) -> torch.Tensor:
     return padded.view(rows, BLOCK, cols, BLOCK)
 
 
-def quantize(w: torch.Tensor, scale_fmt: str = "float", name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(w: torch.Tensor, scale_fmt: str = "float", name: str = "tensor",
+             check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn [out, in], scale_inv float32 [ceil(out/128), ceil(in/128)]) of a 2-D floating
     weight, on its device, by the module's rule. MconvError naming `name` where `w` holds inf or NaN
-    (no finite scale exists: one host synchronisation per call) or `scale_fmt` is unknown."""
+    (no finite scale exists: one host synchronisation per call; `check=False` leaves it to the
+    caller, whose scales are then not finite) or `scale_fmt` is unknown."""
     if scale_fmt not in SCALE_FORMATS:
         raise MconvError(f"the FP8 scale format must be one of {', '.join(SCALE_FORMATS)}, got {scale_fmt!r}")
     blocks = _blocks(w.float())
     amax = blocks.abs().amax(dim=(1, 3))
-    if not torch.isfinite(amax).all():
-        raise MconvError(f"{name} holds inf or NaN values, which FP8 cannot quantize")
+    if check and not torch.isfinite(amax).all():
+        raise _not_finite(name)
     if scale_fmt == "ue8m0":
         scale = torch.pow(2.0, torch.ceil(torch.log2(amax.clamp(min=1e-4) / FP8_MAX)))
     else:
@@ -56,6 +62,10 @@ def quantize(w: torch.Tensor, scale_fmt: str = "float", name: str = "tensor") ->
         scale = torch.where(scale == 0, torch.tensor(ZERO_BLOCK_SCALE, device=scale.device), scale)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(blocks.shape[0] * BLOCK, -1)[:w.shape[0], :w.shape[1]].contiguous(), scale
+
+
+def _not_finite(name: str) -> MconvError:
+    return MconvError(f"{name} holds inf or NaN values, which FP8 cannot quantize")
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, origin=(0, 0),
@@ -101,3 +111,80 @@ def block_size(config: dict, where) -> tuple[int, int] | None:
         raise MconvError(f"{where}: quantization_config.weight_block_size is {size!r}, not two positive block "
                          "sizes such as [128, 128] (per-tensor FP8 is not read)")
     return tuple(size)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """What a writer quantizes: the HF weights `quantized(name)` picks (the architecture's
+    `fp8`, 2-D weights only), with scales in `scale_fmt`."""
+
+    quantized: Callable[[str], bool]
+    scale_fmt: str = "float"
+
+    def applies(self, name: str, shape) -> bool:
+        return len(shape) == 2 and self.quantized(name)
+
+
+def writer_quantization(arch, quantize: str | None, fp8_scale: str | None) -> Quantization | None:
+    """The Quantization a writer's `quantize` / `fp8_scale` options ask for (None: write 16-bit).
+    MconvError naming the option for a method other than "fp8", a scale format other than
+    SCALE_FORMATS, `fp8_scale` without `quantize`, or an architecture mconv writes no FP8 for."""
+    if quantize is None:
+        if fp8_scale is not None:
+            raise MconvError(f"{option('fp8_scale', fp8_scale)} applies with {option('quantize', 'fp8')}")
+        return None
+    if quantize != "fp8":
+        raise MconvError(f"{option('quantize', quantize)} is not a quantization mconv writes; available: fp8 "
+                         "(block-wise, 128x128)")
+    if fp8_scale not in (None, *SCALE_FORMATS):
+        raise MconvError(f"{option('fp8_scale', fp8_scale)} is not an FP8 scale format; available: "
+                         f"{', '.join(SCALE_FORMATS)}")
+    if arch.fp8 is None:
+        raise MconvError(f"{option('quantize', 'fp8')}: mconv does not write FP8 checkpoints of {arch.name} yet "
+                         "(Qwen3, Qwen3-MoE and Qwen3-VL dense)")
+    return Quantization(arch.fp8, fp8_scale or "float")
+
+
+def quantized_entries(entries: list, quantization: Quantization) -> tuple[list, list[str]]:
+    """The output entries (name, dtype, shape) with each weight to quantize replaced by its FP8
+    weight and float32 `weight_scale_inv`; and the modules kept in 16-bit (full names of the other
+    `.weight` tensors' modules), for `modules_to_not_convert`."""
+    out, kept = [], []
+    for name, dtype, shape in entries:
+        if quantization.applies(name, shape):
+            out += [(name, FP8, tuple(shape)), (scale_name(name), torch.float32, grid(shape))]
+            continue
+        out.append((name, dtype, shape))
+        module = name.removesuffix(".weight")
+        if module != name and module not in kept:
+            kept.append(module)
+    return out, kept
+
+
+def output_config(config: dict, quantization: Quantization | None, kept: list[str]) -> dict:
+    """config.json for written weights: the source's `quantization_config` (an FP8 model read
+    dequantized) dropped, this writer's set where it quantizes."""
+    config = {key: value for key, value in config.items() if key != "quantization_config"}
+    if quantization is not None:
+        config["quantization_config"] = quantization_config(kept, quantization.scale_fmt)
+    return config
+
+
+def quantize_tensors(tensors: list[tuple[str, torch.Tensor]],
+                     quantization: Quantization) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with each weight to quantize replaced by (name, FP8 weight) and
+    (name + "_scale_inv", float32 scale), on the tensors' device; one host synchronisation for the
+    whole list (MconvError naming the first weight holding inf or NaN)."""
+    out, scales = [], []
+    for name, tensor in tensors:
+        if not quantization.applies(name, tensor.shape):
+            out.append((name, tensor))
+            continue
+        q, scale = quantize(tensor, quantization.scale_fmt, name, check=False)
+        out += [(name, q), (scale_name(name), scale)]
+        scales.append((name, scale))
+    if scales:
+        finite = torch.stack([torch.isfinite(scale).all() for _, scale in scales])
+        if not finite.all():
+            raise _not_finite(scales[int((~finite).nonzero()[0])][0])
+    return out
