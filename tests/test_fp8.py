@@ -314,3 +314,57 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
                    "--fp8-scale ue8m0 applies with --quantize fp8")
     result = mconv("inspect", models["fp8"])
     assert result.exit_code == 0 and "block-wise FP8" in result.stdout and "14 weights" in " ".join(result.stdout.split())
+
+
+@pytest.mark.slow
+@needs_compressed_tensors
+def test_live_fp8_load_and_export(models, tmp_path):
+    """megatron-core's MoE model at TP2/EP2 (gloo, CPU): load_hf_weights of an FP8 checkpoint gives
+    transformers' logits (its own dequantization, float32); iter_hf_weights(quantize="fp8") yields every
+    tensor of `mcore2hf --quantize fp8`'s output once per stage, bit for bit, each scale in its weight's
+    bucket (the live model is float32: its FP8 bytes equal those quantized from the bfloat16 checkpoint,
+    the other tensors are compared by value); save_hf_weights(quantize="fp8") writes the same values."""
+    from mconv import Layout, hf2mcore, mcore2hf
+    from mconv.converter.transforms import padded_vocab_size
+    from tests.conftest import hf_tensors
+    from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config
+
+    source, sizes = models["moe-fp8-fp32"], dict(tp=2, ep=2)
+    config, out = read_config(source), tmp_path / "live"
+    out.mkdir()
+    run = MegatronRun(tmp_path / "unused", config, **sizes, tokens=TOKENS, live_hf=source, live_out=out,
+                      live_quantize="fp8", padded_vocab=padded_vocab_size(config["vocab_size"], 128, 2))
+    assert (megatron_logits(run, tmp_path) - hf_logits(source, TOKENS)).abs().max().item() < 1e-4
+    hf2mcore(source, tmp_path / "m", Layout(**sizes), progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "offline", progress=False, quantize="fp8")
+    offline = hf_tensors(tmp_path / "offline")
+    for rank in range(run.world):
+        buckets = torch.load(out / f"rank{rank}.pt")["buckets"]
+        names = [name for bucket in buckets for name, _ in bucket]
+        assert sorted(names) == sorted(offline), rank
+        for bucket in buckets:
+            held = {name for name, _ in bucket}
+            for name, tensor in bucket:
+                assert name.removesuffix("_scale_inv") in held
+                assert (tensor.dtype == torch.float8_e4m3fn) == (offline[name].dtype == torch.float8_e4m3fn), name
+                # the live model is float32 (the offline checkpoint bfloat16): the values are compared
+                assert torch.equal(bits(tensor.to(offline[name].dtype)), bits(offline[name])), name
+    saved = hf_tensors(out / "saved")
+    assert saved.keys() == offline.keys()
+    assert all(torch.equal(bits(saved[name].to(t.dtype)), bits(t)) for name, t in offline.items())
+
+
+TOKENS = list(range(3, 60, 4))
+
+
+@pytest.mark.slow
+@needs_compressed_tensors
+def test_hf2mcore_fp8_forward_matches_transformers(models, tmp_path):
+    """The megatron-core oracle (tests/test_oracle_megatron.py): hf2mcore --dtype float32 of the FP8
+    checkpoint (TP1: one process; the layouts are the oracle tests' own), loaded into the GPTModel Megatron-LM builds from the stored args, gives
+    transformers' logits on the FP8 checkpoint (its own dequantization into float32)."""
+    from tests.megatron_oracle import hf_logits
+    from tests.test_oracle_megatron import forward
+
+    ours = forward(tmp_path, models["fp8"], dict(), dtype="float32")
+    assert (ours - hf_logits(models["fp8"], TOKENS)).abs().max().item() < 1e-4
