@@ -457,10 +457,15 @@ def verify_command(first, second, quiet):
               help="With --merge: dtype of the written tensors (default: each base tensor's own). The delta is "
                    "added in float32 either way.")
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True, help="With --merge: largest safetensors shard." + SIZE_HELP)
+@click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
+              help="With --merge: write the merged model as block-wise FP8, as `mcore2hf --quantize fp8` does "
+                   "(merged first, then quantized). See docs/fp8.md.")
+@click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
+              help="With --quantize fp8: 'float' (default, amax/448) or 'ue8m0' (powers of two).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, revision, merge, dtype,
-                        max_shard_size, overwrite, quiet):
+                        max_shard_size, quantize, fp8_scale, overwrite, quiet):
     """Export the Megatron-Bridge LoRA adapter in CKPT_DIR as a HF PEFT adapter in OUT_DIR.
 
     CKPT_DIR is a legacy (torch) or torch_dist checkpoint, adapter-only or with the base weights,
@@ -490,7 +495,8 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
                                      base_model=base_model, merge_into=merge, dtype=dtype,
                                      overwrite=overwrite, max_shard_bytes=max_shard_size,
-                                     revision=revision, progress=show_progress(quiet)))
+                                     revision=revision, progress=show_progress(quiet), quantize=quantize,
+                                     fp8_scale=fp8_scale))
     if not quiet:
         adapter = result.adapter
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else

@@ -368,3 +368,32 @@ def test_hf2mcore_fp8_forward_matches_transformers(models, tmp_path):
 
     ours = forward(tmp_path, models["fp8"], dict(), dtype="float32")
     assert (ours - hf_logits(models["fp8"], TOKENS)).abs().max().item() < 1e-4
+
+
+@needs_compressed_tensors
+def test_export_lora_merge_then_quantize(tmp_path):
+    """`export-lora --merge --quantize fp8`: each projection is compressed-tensors' quantization of the
+    float32 merge (`--merge --dtype float32`, itself checked against megatron-core's merge in
+    test_lora.py); the other tensors are the plain merge's; --quantize without --merge is one line."""
+    from mconv import Layout
+    from tests.conftest import FIXTURES, hf_tensors
+    from tests.test_errors import assert_refused, mconv
+    from tests.test_lora import export, lora_checkpoint
+
+    lora, _ = lora_checkpoint(tmp_path, FIXTURES / "qwen3-tiny", Layout(tp=2))
+    base = ("--merge", "--base-model", FIXTURES / "qwen3-tiny")
+    export(lora, tmp_path / "fp8", *base, "--quantize", "fp8")
+    export(lora, tmp_path / "fp32", *base, "--dtype", "float32")
+    export(lora, tmp_path / "plain", *base)
+    quantized, exact, plain = (hf_tensors(tmp_path / name) for name in ("fp8", "fp32", "plain"))
+    for name, tensor in plain.items():
+        if name.endswith("_proj.weight"):
+            q, scale = reference_quantize(exact[name])
+            assert torch.equal(bits(quantized[name]), bits(q)), name
+            assert torch.equal(quantized[name + "_scale_inv"], scale), name
+        else:
+            assert torch.equal(bits(quantized[name]), bits(tensor)), name
+    assert len(quantized) == len(plain) + 28
+    out = tmp_path / "refused"
+    assert_refused(mconv("export-lora", lora, out, "--alpha", 8, "--quantize", "fp8"), out,
+                   "--quantize fp8 applies with --merge")
