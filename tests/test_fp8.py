@@ -103,6 +103,7 @@ def test_quantize_refuses_non_finite():
 ALIGNED = dict(tokenizer=False, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
                head_dim=128, num_hidden_layers=2)
 MOE = dict(ALIGNED, moe_intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+TOKENS = list(range(3, 60, 4))
 KEYS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 
@@ -179,21 +180,43 @@ def transformers_state(hf_dir: Path, dtype=torch.bfloat16) -> dict:
 @needs_compressed_tensors
 @pytest.mark.parametrize("fixture,sizes", [("fp8-bf16-scales", dict(tp=2)), ("moe-fp8", dict(tp=2, ep=2))])
 def test_hf2mcore_dequantizes_as_transformers(models, tmp_path, fixture, sizes):
-    """hf2mcore of an FP8 checkpoint (bf16 scales, as Qwen's releases), back to HF without --quantize:
-    every tensor equals transformers' own dequantization (its bf16 parameters), bit for bit, and the
-    config.json written has no quantization_config (transformers loads it as a plain model)."""
+    """hf2mcore of an FP8 checkpoint (bf16 scales, as Qwen's releases) writes the same Megatron rank
+    files' tensors as hf2mcore of transformers' own dequantization of it (its bf16 parameters, saved
+    with safetensors), whose forward test_oracle_megatron.py holds to transformers' logits; back to HF
+    without --quantize every tensor equals transformers' dequantization bit for bit, and config.json
+    has no quantization_config (transformers loads it as a plain model)."""
     import json
+    import shutil
+
+    from safetensors.torch import save_file
 
     from mconv import Layout, hf2mcore, mcore2hf
-    from tests.conftest import hf_tensors
+    from mconv.converter import megatron_io as mio
+    from tests.conftest import hf_tensors, load_rank_file
 
-    hf2mcore(models[fixture], tmp_path / "m", Layout(**sizes), fmt="torch", progress=False)
+    expected = {k: v for k, v in transformers_state(models[fixture]).items() if not k.endswith("rotary_emb.inv_freq")}
+    dequantized = tmp_path / "dequantized"
+    dequantized.mkdir()
+    save_file(expected, dequantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((models[fixture] / "config.json").read_text())
+    del config["quantization_config"]
+    (dequantized / "config.json").write_text(json.dumps(config))
+    layout = Layout(**sizes)
+    for source, out in ((models[fixture], tmp_path / "m"), (dequantized, tmp_path / "m-plain")):
+        hf2mcore(source, out, layout, fmt="torch", progress=False)
+    for rank in layout.ranks():
+        ours, theirs = (load_rank_file(mio.rank_file(d / "release", layout, rank))["model"] for d in
+                        (tmp_path / "m", tmp_path / "m-plain"))
+        assert ours.keys() == theirs.keys()
+        for key, tensor in ours.items():
+            assert tensor is None if theirs[key] is None else torch.equal(bits(tensor), bits(theirs[key])), key
     mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
-    written, expected = hf_tensors(tmp_path / "back"), transformers_state(models[fixture])
+    written = hf_tensors(tmp_path / "back")
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
-    assert written.keys() == {k for k in expected if not k.endswith("rotary_emb.inv_freq")}
+    assert written.keys() == expected.keys()
     for name, tensor in written.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected[name]), name
+    shutil.rmtree(dequantized)
 
 
 @needs_compressed_tensors
@@ -354,46 +377,3 @@ def test_live_fp8_load_and_export(models, tmp_path):
     assert all(torch.equal(bits(saved[name].to(t.dtype)), bits(t)) for name, t in offline.items())
 
 
-TOKENS = list(range(3, 60, 4))
-
-
-@pytest.mark.slow
-@needs_compressed_tensors
-def test_hf2mcore_fp8_forward_matches_transformers(models, tmp_path):
-    """The megatron-core oracle (tests/test_oracle_megatron.py): hf2mcore --dtype float32 of the FP8
-    checkpoint (TP1: one process; the layouts are the oracle tests' own), loaded into the GPTModel Megatron-LM builds from the stored args, gives
-    transformers' logits on the FP8 checkpoint (its own dequantization into float32)."""
-    from tests.megatron_oracle import hf_logits
-    from tests.test_oracle_megatron import forward
-
-    ours = forward(tmp_path, models["fp8"], dict(), dtype="float32")
-    assert (ours - hf_logits(models["fp8"], TOKENS)).abs().max().item() < 1e-4
-
-
-@needs_compressed_tensors
-def test_export_lora_merge_then_quantize(tmp_path):
-    """`export-lora --merge --quantize fp8`: each projection is compressed-tensors' quantization of the
-    float32 merge (`--merge --dtype float32`, itself checked against megatron-core's merge in
-    test_lora.py); the other tensors are the plain merge's; --quantize without --merge is one line."""
-    from mconv import Layout
-    from tests.conftest import FIXTURES, hf_tensors
-    from tests.test_errors import assert_refused, mconv
-    from tests.test_lora import export, lora_checkpoint
-
-    lora, _ = lora_checkpoint(tmp_path, FIXTURES / "qwen3-tiny", Layout(tp=2))
-    base = ("--merge", "--base-model", FIXTURES / "qwen3-tiny")
-    export(lora, tmp_path / "fp8", *base, "--quantize", "fp8")
-    export(lora, tmp_path / "fp32", *base, "--dtype", "float32")
-    export(lora, tmp_path / "plain", *base)
-    quantized, exact, plain = (hf_tensors(tmp_path / name) for name in ("fp8", "fp32", "plain"))
-    for name, tensor in plain.items():
-        if name.endswith("_proj.weight"):
-            q, scale = reference_quantize(exact[name])
-            assert torch.equal(bits(quantized[name]), bits(q)), name
-            assert torch.equal(quantized[name + "_scale_inv"], scale), name
-        else:
-            assert torch.equal(bits(quantized[name]), bits(tensor)), name
-    assert len(quantized) == len(plain) + 28
-    out = tmp_path / "refused"
-    assert_refused(mconv("export-lora", lora, out, "--alpha", 8, "--quantize", "fp8"), out,
-                   "--quantize fp8 applies with --merge")

@@ -47,9 +47,9 @@ def stored_args(ckpt) -> argparse.Namespace:
     return load_rank_file(next(ckpt.glob("release/mp_rank_*/model_optim_rng.pt")))["args"]
 
 
-def forward(tmp_path, hf_dir, sizes, dtype=None) -> torch.Tensor:
-    """hf2mcore at the layout (and `dtype`), then megatron-core's forward of a model built from the stored args."""
-    summary = hf2mcore(hf_dir, tmp_path / "megatron", Layout(**sizes), fmt="torch", progress=False, dtype=dtype)
+def forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
+    """hf2mcore at the layout, then megatron-core's forward of a model built from the stored args."""
+    summary = hf2mcore(hf_dir, tmp_path / "megatron", Layout(**sizes), fmt="torch", progress=False)
     run = MegatronRun(tmp_path / "megatron", read_config(hf_dir), **sizes,
                       padded_vocab=summary.plan.padded_vocab, tokens=TOKENS)
     run.args = trainer_args(stored_args(tmp_path / "megatron"), run)
