@@ -13,7 +13,8 @@ import click
 
 from mconv import __version__
 from mconv.converter.layout import Layout, count, parse_layout_string
-from mconv.converter.options import DTYPES, FORMATS, MAX_ITERATION, MAX_SIZE, SPECS, command_line_names, parse_size
+from mconv.converter.options import (DTYPES, FORMATS, FP8_SCALES, MAX_ITERATION, MAX_SIZE, QUANTIZATIONS, SPECS,
+                                    command_line_names, parse_size)
 from mconv.converter.parallel import speaks_for_itself, torchrun_rank
 from mconv.errors import MconvError
 
@@ -299,7 +300,7 @@ def main(ctx: click.Context):
               help="Cast every tensor to this dtype (torch's cast), recorded in the checkpoint's args as "
                    "Megatron-LM's --bf16/--fp16 record it, but those the model keeps in float32 (BailingMoeV3's "
                    "router expert_bias, KDA A_log / dt_bias), which stay float32 (a note counts them). Default: "
-                   "each tensor keeps its HF dtype.")
+                   "each tensor keeps its HF dtype (FP8 weights are dequantized into bfloat16).")
 @click.option("--mtp", is_flag=True,
               help="Keep the multi-token-prediction layers (config.json num_nextn_predict_layers) in "
                    "megatron-core's MTP block (mtp.layers.N., last pipeline stage; stored args mtp_num_layers); "
@@ -374,11 +375,17 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                    "[E, I, hidden], which transformers 4.57 and 5.x both load; 5.x writes [E, 2I, hidden] / "
                    "[E, hidden, I], as transformers 5.x saves. Required when hidden == 2I or hidden == I: a "
                    "square stacked tensor is read right by only one of transformers 4.x and 5.x.")
+@click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
+              help="Write block-wise FP8 (128x128 blocks, float8_e4m3fn weights with float32 weight_scale_inv) "
+                   "as the model's FP8 releases hold it: the linear projections quantized, embeddings, lm_head, "
+                   "norms, router and vision tower kept (in --dtype, or as stored). See docs/fp8.md.")
+@click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
+              help="With --quantize fp8: 'float' (default, amax/448) or 'ue8m0' (powers of two, DeepGEMM / SGLang).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_size, overwrite, expert_orientation,
-                     workers, as_json, quiet):
+                     quantize, fp8_scale, workers, as_json, quiet):
     """Convert the Megatron checkpoint in CKPT_DIR into an HF model directory OUT_DIR.
 
     CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
@@ -390,7 +397,8 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=max_shard_size,
                                    overwrite=overwrite, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), dtype=dtype,
-                                   revision=revision, expert_orientation=expert_orientation))
+                                   revision=revision, expert_orientation=expert_orientation,
+                                   quantize=quantize, fp8_scale=fp8_scale))
     print_notes(summary, quiet)
     if not quiet or as_json:
         report(summary, started, as_json, f"wrote {out_dir}: {count(summary.files, 'safetensors shard')}, "
@@ -463,10 +471,15 @@ def verify_command(first, second, quiet):
               help="With --merge: dtype of the written tensors (default: each base tensor's own). The delta is "
                    "added in float32 either way.")
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True, help="With --merge: largest safetensors shard." + SIZE_HELP)
+@click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
+              help="With --merge: write the merged model as block-wise FP8, as `mcore2hf --quantize fp8` does "
+                   "(merged first, then quantized). See docs/fp8.md.")
+@click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
+              help="With --quantize fp8: 'float' (default, amax/448) or 'ue8m0' (powers of two).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, revision, merge, dtype,
-                        max_shard_size, overwrite, quiet):
+                        max_shard_size, quantize, fp8_scale, overwrite, quiet):
     """Export the Megatron-Bridge LoRA adapter in CKPT_DIR as a HF PEFT adapter in OUT_DIR.
 
     CKPT_DIR is a legacy (torch) or torch_dist checkpoint, adapter-only or with the base weights,
@@ -496,7 +509,8 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
                                      base_model=base_model, merge_into=merge, dtype=dtype,
                                      overwrite=overwrite, max_shard_bytes=max_shard_size,
-                                     revision=revision, progress=show_progress(quiet)))
+                                     revision=revision, progress=show_progress(quiet), quantize=quantize,
+                                     fp8_scale=fp8_scale))
     print_notes(result, quiet)
     if not quiet:
         adapter = result.adapter

@@ -36,3 +36,9 @@ if [ ! -d .venv/tf-4.57/transformers ]; then
     .venv/bin/python -m pip install --quiet --no-deps --only-binary=:all: --target .venv/tf-4.57 transformers==4.57.6 \
         huggingface_hub==0.36.2 tokenizers==0.22.2 requests==2.34.2 urllib3==2.8.0 charset_normalizer==3.5.3
 fi
+# compressed-tensors beside ours (pure torch; loguru is the one dependency it needs that the venv lacks),
+# the oracle of the FP8 block quantization's bytes (tests/test_fp8.py puts this dir on sys.path).
+if [ ! -d .venv/compressed-tensors/compressed_tensors ]; then
+    .venv/bin/python -m pip install --quiet --no-deps --only-binary=:all: --target .venv/compressed-tensors \
+        compressed-tensors==0.20.0 loguru==0.7.3
+fi

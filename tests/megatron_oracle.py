@@ -54,6 +54,7 @@ class MegatronRun:
     save_to: Path | None = None  # instead of loading: random weights, saved with dist_checkpointing.save
     live_hf: Path | None = None  # instead of loading: mconv.live.load_hf_weights from this HF directory,
     live_out: Path | None = None  # then, after the forward, iter_hf_weights / save_hf_weights into this
+    live_quantize: str | None = None  # their `quantize` (the gather_pp and refused-cast checks stay unquantized)
     args: argparse.Namespace | None = None  # Megatron-LM's validated args: build the model from them
 
     @property
@@ -299,7 +300,7 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         from mconv.live import iter_hf_weights, save_hf_weights
 
         yielded = [[(name, tensor.clone()) for name, tensor in bucket]
-                   for bucket in iter_hf_weights(chunks, run.live_hf, bucket_bytes=40_000)]
+                   for bucket in iter_hf_weights(chunks, run.live_hf, bucket_bytes=40_000, quantize=run.live_quantize)]
         torch.save({"pp": pp_rank, "buckets": yielded}, run.live_out / f"rank{rank}.pt")
         everything = [name for bucket in iter_hf_weights(chunks, run.live_hf, gather_pp=True) for name, _ in bucket]
         torch.save(everything, run.live_out / f"all{rank}.pt")
@@ -317,7 +318,7 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
             if norm is not None:
                 norm.data[0] = kept
             (run.live_out / f"refused{rank}.txt").write_text(str(refused))
-        save_hf_weights(chunks, run.live_out / "saved", run.live_hf, max_shard_bytes=100_000)
+        save_hf_weights(chunks, run.live_out / "saved", run.live_hf, max_shard_bytes=100_000, quantize=run.live_quantize)
     dist.barrier()
     dist.destroy_process_group()
 

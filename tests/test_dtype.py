@@ -91,34 +91,6 @@ def test_every_safetensors_dtype_round_trips_or_is_refused_up_front(tmp_path, co
         assert_hf_bits_equal(tensors, out)
 
 
-def test_fp8_block_quantized_checkpoints_are_refused_by_name(tmp_path):
-    """hf2mcore refuses them; inspect describes them with a note saying so (text and --json)."""
-    from safetensors.torch import save_file
-
-    from tests.test_errors import assert_refused, mconv
-
-    def inspect_notes(*fragments):
-        text, data = mconv("inspect", hf), mconv("inspect", hf, "--json")
-        assert text.exit_code == 0 and data.exit_code == 0, text.output + data.output
-        note = json.loads(data.stdout)["note"]
-        assert all(f in note for f in ("FP8 block-quantized", "not supported yet") + fragments), note
-        assert "note" in text.stdout and note in " ".join(text.stdout.split())
-
-    hf, tensors = _cast_fixture(tmp_path, torch.float8_e4m3fn)
-    scale = "model.layers.0.mlp.down_proj.weight_scale_inv"
-    save_file({**tensors, scale: torch.ones(1, 1)}, hf / "model.safetensors", metadata={"format": "pt"})
-    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", "FP8 checkpoints are not supported yet",
-                   scale)
-    inspect_notes(scale)
-    config = json.loads((hf / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (hf / "config.json").write_text(json.dumps(config))
-    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
-    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", "FP8 checkpoints are not supported yet",
-                   "quant_method is fp8")
-    inspect_notes("quant_method is fp8")
-
-
 # ----------------------------------------------------------------------------- hf2mcore --dtype
 
 # What Megatron-LM's args hold for a job run with --bf16, --fp16 or neither (its validate_args sets

@@ -57,3 +57,20 @@ def test_gpu_load_and_export_are_exact(process_group, fixture):
         logits = model(torch.tensor([tokens], device="cuda"), torch.arange(seq, device="cuda").unsqueeze(0),
                        torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device="cuda"), diagonal=1))
     assert (logits.float().cpu()[..., :300] - hf_logits(hf_dir, tokens)).abs().max().item() < 1e-3
+
+
+def test_fp8_quantize_on_gpu_gives_the_cpu_bytes():
+    """fp8.quantize on CUDA equals its CPU result (itself equal to compressed-tensors', test_fp8.py),
+    edge and all-zero blocks, both scale formats; before the divisor became a tensor, CUDA's
+    multiply-by-reciprocal put a third of the scales one ulp off (seen on the H200)."""
+    from mconv.converter import fp8
+
+    torch.manual_seed(0)
+    w = torch.randn(300, 200) * 3
+    w[:128, :128] = 0
+    w[200, 5] = 5000.0
+    for tensor in (w.bfloat16(), w, (torch.randn(1536, 2048) * 0.02).bfloat16()):
+        for fmt in fp8.SCALE_FORMATS:
+            (q, scale), (gq, gscale) = fp8.quantize(tensor, fmt), fp8.quantize(tensor.cuda(), fmt)
+            assert gq.is_cuda and torch.equal(gq.cpu().view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(gscale.cpu(), scale)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mconv.converter import megatron_io as mio
 from mconv.converter.adapter_dir import describe_adapter, is_adapter, render_adapter
-from mconv.converter.hf_io import HFCheckpoint, quantization_refusal
+from mconv.converter.hf_io import HFCheckpoint, fp8_note
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout, count
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -188,7 +188,7 @@ def _describe_hf(path: Path, shown: str) -> dict:
     for info in ckpt.tensors.values():
         _count(dtypes, info.dtype, info.nbytes)
     ckpt.close()
-    quantized = quantization_refusal(ckpt.config, ckpt.tensors, shown)  # inspect describes what hf2mcore refuses
+    quantized = fp8_note(ckpt.config, ckpt.tensors, shown)
     return {"kind": "huggingface", "path": shown, "model": {**_model(args, arch.name), **_attention_layers(dims)},
             "dtypes": {k: {"tensors": n, "bytes": b} for k, (n, b) in dtypes.items()},
             "size": {**_sizes(dtypes), "files": len({i.file for i in ckpt.tensors.values()})},

@@ -6,11 +6,12 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from mconv.converter import fp8
 from mconv.converter.hf_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME, read_bin
 from mconv.converter.options import option
 from mconv.converter.output import copy_file
@@ -306,28 +307,20 @@ def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[s
     return plain
 
 
-def quantization_refusal(config: dict, tensors, where) -> str | None:
-    """The sentence a quantized checkpoint (config.json's `quantization_config`, or the
-    `weight_scale_inv` block scales of an FP8 checkpoint) is refused with, naming `where`: its
-    tensors are not the model's weights. None for a checkpoint that is not quantized."""
+def fp8_note(config: dict, tensors, where) -> str | None:
+    """What inspect says of a quantized checkpoint: block-wise FP8 (config.json's `quantization_config`
+    with quant_method fp8, or `weight_scale_inv` block scales) is read dequantized; None otherwise."""
     quantization = config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-    scale = next((name for name in tensors if name.endswith(".weight_scale_inv")), None)
-    if method == "fp8" or (method is None and scale is not None):
-        why = "quantization_config.quant_method is fp8" if method == "fp8" else f"it holds block scales ({scale})"
-        return (f"{where} is an FP8 block-quantized checkpoint ({why}): FP8 checkpoints are not supported "
-                "yet; convert the model's bfloat16 release")
-    if method is not None:
-        return (f"{where} is a quantized checkpoint (quantization_config.quant_method is {method!r}), "
-                "which mconv does not convert")
-    return None
-
-
-def refuse_quantized(config: dict, tensors, where: Path) -> None:
-    """Raises MconvError for a quantized checkpoint (`quantization_refusal`)."""
-    refusal = quantization_refusal(config, tensors, where)
-    if refusal:
-        raise MconvError(refusal)
+    scales = sum(name.endswith(".weight" + fp8.SCALE_SUFFIX) for name in tensors)
+    if method is None and not scales:
+        return None
+    if method not in ("fp8", None):
+        return f"{where} is a quantized checkpoint (quant_method {method!r}), which mconv does not convert"
+    block = quantization.get("weight_block_size") if isinstance(quantization, dict) else None
+    return (f"{where} is block-wise FP8 (quant_method {method!r}, blocks {block}): {scales} weights in "
+            "float8_e4m3fn with their weight_scale_inv; hf2mcore and load_hf_weights dequantize them "
+            "(bfloat16 by default), the other tensors are kept as stored")
 
 
 class HFCheckpoint:
@@ -335,7 +328,10 @@ class HFCheckpoint:
     Stacked experts appear as per-expert tensors (see expand_stacked_experts). Safetensors files
     are preferred, as transformers prefers them; without them, `.bin` pickles (hf_bin)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, dequantize: torch.dtype | None = None):
+        """`dequantize`: present a block-wise FP8 checkpoint's weights as tensors of that dtype, each
+        read dequantized (fp8.dequantize; its `weight_scale_inv` tensors hidden), after checking the
+        quantization_config and every scale (`_present_dequantized`); None: tensors as stored."""
         self.dir = Path(directory)
         if not self.dir.is_dir():
             raise MconvError(f"{self.dir} is not a directory")
@@ -359,9 +355,53 @@ class HFCheckpoint:
         self.tensors = expand_stacked_experts(stored, str(self.dir))
         # the stacked expert tensors as stored (name -> shape), which `tensors` presents per expert
         self.stacked = {name: info.shape for name, info in stored.items() if name not in self.tensors}
+        # presented FP8 weight -> (its stored tensor, its scale's stored tensor, the scale's name)
+        self.quantized: dict[str, tuple[TensorInfo, TensorInfo, str]] = {}
+        self.block = None
+        if dequantize is not None:
+            self._present_dequantized(dequantize)
         self._handles: dict[str, int] = {}
         for file in {info.file for info in self.tensors.values() if info.mapped is None}:  # up front: readers may be threads
             self._fd(file)
+
+    def _present_dequantized(self, dtype: torch.dtype) -> None:
+        """Check a block-wise FP8 checkpoint (config.json's quantization_config: fp8.block_size; every
+        float8 weight with a `weight_scale_inv` of the block grid's shape and a dtype of
+        fp8.SCALE_DTYPES, every scale with its weight) and present each weight as `dtype`. MconvError
+        naming the field or tensor at fault; no-op for a checkpoint that is not quantized."""
+        where = self.dir / "config.json"
+        self.block = fp8.block_size(self.config, where)
+        scales = [name for name in self.tensors if name.endswith(fp8.SCALE_SUFFIX)]
+        if self.block is None:
+            if scales:
+                raise MconvError(f"{self.dir}: tensor {scales[0]} is a block scale, but {where} has no "
+                                 "quantization_config saying how the checkpoint is quantized")
+            return
+        for name in scales:
+            weight = name.removesuffix(fp8.SCALE_SUFFIX)
+            if weight in self.stacked:
+                raise MconvError(f"{self.dir}: {weight} holds stacked FP8 experts, which mconv does not read yet "
+                                 "(transformers 5 mis-loads them too); convert the per-expert FP8 form")
+            info, scale = self.tensors.get(weight), self.tensors[name]
+            if info is None:
+                raise MconvError(f"{self.dir}: tensor {name} is the block scale of {weight}, which the checkpoint "
+                                 "does not hold")
+            expected = fp8.grid(info.shape, self.block) if len(info.shape) == 2 else None
+            if info.dtype != fp8.FP8 or expected is None:
+                raise MconvError(f"{self.dir}: tensor {weight} has a block scale but is "
+                                 f"{str(info.dtype).removeprefix('torch.')} {list(info.shape)}, not a 2-D "
+                                 "float8_e4m3fn weight")
+            if scale.dtype not in fp8.SCALE_DTYPES or scale.shape != expected:
+                raise MconvError(f"{self.dir}: tensor {name} is {str(scale.dtype).removeprefix('torch.')} "
+                                 f"{list(scale.shape)}; {weight} {list(info.shape)} in blocks of {list(self.block)} "
+                                 f"needs a float32, bfloat16 or float16 scale of shape {list(expected)}")
+            self.quantized[weight] = (info, scale, name)
+            self.tensors[weight] = replace(info, dtype=dtype, mapped=None)
+            del self.tensors[name]
+        for name, info in self.tensors.items():
+            if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name not in self.quantized:
+                raise MconvError(f"{self.dir}: tensor {name} is {str(info.dtype).removeprefix('torch.')} but has "
+                                 f"no block scale {name}{fp8.SCALE_SUFFIX}")
 
     def _weight_map(self) -> tuple[str, dict[str, str] | None]:
         """(the index's name, its tensor -> file map), or (the single file's name, None): transformers'
@@ -408,10 +448,35 @@ class HFCheckpoint:
         """`read` into an existing contiguous CPU tensor of the slice's shape (and of the tensor's
         dtype, or another: then the slice is read and cast, torch's cast, as hf2mcore --dtype asks;
         MconvError where that turns finite values into inf, transforms.check_cast)."""
+        if name in self.quantized:
+            return self._dequantize_into(name, dim, start, stop, out)
         info = self.tensors[name]
         if out.dtype != info.dtype:
             out.copy_(checked_cast(name, self.read(name, dim, start, stop), out.dtype))
             return
+        self._read_stored(info, dim, start, stop, out)
+
+    def _dequantize_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
+        """An FP8 weight's range, dequantized straight into `out`'s dtype from the FP8 bytes of the
+        range and the scales of the blocks it touches (never the whole weight). MconvError naming the
+        scale tensor where those scales are not finite."""
+        info, scale_info, scale_name = self.quantized[name]
+        shape = list(info.shape)
+        shape[dim] = stop - start
+        q = torch.empty(shape, dtype=info.dtype)
+        self._read_stored(info, dim, start, stop, q)
+        block = self.block[dim]
+        first, last = start // block, -(-stop // block)
+        scale_shape = list(scale_info.shape)
+        scale_shape[dim] = last - first
+        scale = torch.empty(scale_shape, dtype=scale_info.dtype)
+        self._read_stored(scale_info, dim, first, last, scale)
+        if not torch.isfinite(scale).all():
+            raise MconvError(f"{self.dir}: tensor {scale_name} holds inf or NaN block scales")
+        out.copy_(fp8.dequantize(q, scale, out.dtype, (start, 0) if dim == 0 else (0, start), self.block))
+
+    def _read_stored(self, info: TensorInfo, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor, into `out` of its dtype."""
         if info.mapped is not None:  # a .bin tensor: copied from its mapping
             whole = not info.shape or (start == 0 and stop == info.shape[dim])
             out.copy_(info.mapped if whole else info.mapped.narrow(dim, start, stop - start))
@@ -434,7 +499,7 @@ class HFCheckpoint:
         which are one contiguous range of its file; None for an expert of transposed stacked experts
         and for a `.bin` tensor."""
         info = self.tensors[name]
-        if info.transposed_stride or info.mapped is not None:
+        if info.transposed_stride or info.mapped is not None or name in self.quantized:
             return None
         inner = _numel(info.shape[1:]) * _itemsize(info.dtype)
         return self._fd(info.file), info.offset + start * inner, (stop - start) * inner, str(self.dir / info.file)

@@ -20,7 +20,8 @@ from typing import Mapping, Sequence
 import torch
 
 from mconv.converter import megatron_io as mio
-from mconv.converter.hf_io import HFCheckpoint, copy_side_files, read_config, write_config_dtype
+from mconv.converter import fp8
+from mconv.converter.hf_io import HFCheckpoint, copy_side_files, read_config, write_config_dtype, write_hf_config
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.hub import check_revision, is_local, resolve_model
 from mconv.converter.layout import Layout, Rank
@@ -399,12 +400,18 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
                 rank: int | None = None, alpha: float | None = None, base_model: str | None = None,
                 merge_into: bool = False, dtype: torch.dtype | None = None, overwrite: bool = False,
                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, revision: str | None = None,
-                progress: bool = True) -> LoraExport:
+                progress: bool = True, quantize: str | None = None, fp8_scale: str | None = None) -> LoraExport:
     """Write the checkpoint's LoRA adapter as a HF PEFT adapter directory, or with `merge_into` a HF
     model: the base model `base_model` (a directory or hub name, at `revision`) with alpha/r * B @ A
     added. `hf_config` may be a hub name too; without `merge_into`, `base_model` is only recorded.
-    `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB")."""
+    `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB").
+    `quantize="fp8"` / `fp8_scale` (with `merge_into` only): merge first, then quantize the merged
+    weights as `mcore2hf --quantize fp8` does; an FP8 base model is read dequantized (`dtype`, default
+    bfloat16)."""
     dtype, max_shard_bytes = torch_dtype(dtype), shard_bytes(max_shard_bytes)
+    if quantize is not None and not merge_into:
+        raise MconvError(f"{option('quantize', quantize)} applies with {option('merge_into', True)} (an adapter "
+                         "is not quantized)")
     if alpha is not None and not (math.isfinite(alpha) and alpha > 0):  # as run_config.yaml's is checked
         raise MconvError(f"{option('alpha')} must be a positive number (scale = alpha / r), got {alpha:g}")
     location = mio.locate(ckpt_dir)
@@ -430,7 +437,8 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
     inputs = (location.save_dir, config_dir) + ((Path(base_model),) if merge_into else ())
     with staged_directory(Path(out_dir), overwrite, inputs=inputs) as staging:
         if merge_into:
-            result.merged_tensors, note = merge_adapter(adapter, alpha, base_model, staging, dtype, max_shard_bytes)
+            result.merged_tensors, note = merge_adapter(adapter, alpha, base_model, staging, dtype, max_shard_bytes,
+                                                        quantize, fp8_scale)
             result.notes += filter(None, [note])
         else:
             adapter.save(staging, alpha, base_model)
@@ -438,15 +446,18 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
 
 
 def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out: Path,
-                  dtype: torch.dtype | None = None,
-                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[int, str | None]:
+                  dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                  quantize: str | None = None, fp8_scale: str | None = None) -> tuple[int, str | None]:
     """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own; see
     transforms.cast_dtype for those kept in float32) as HF safetensors into `out`, one tensor in
-    memory at a time. Returns how many tensors changed and the note on the tensors the cast kept in
+    memory at a time; with `quantize="fp8"` the weights the architecture's FP8 releases quantize are
+    quantized from the float32 sum (fp8.quantize). An FP8 base is read dequantized into `dtype`
+    (default bfloat16). Returns how many tensors changed and the note on the tensors the cast kept in
     float32 (transforms.fp32_note; None if none).
     Raises MconvError where the cast turns finite values into inf (transforms.check_cast)."""
-    base = HFCheckpoint(base_dir)
+    base = HFCheckpoint(base_dir, dequantize=dtype or torch.bfloat16)
     arch = architecture_for(base.config, base.dir / "config.json")
+    quantization = fp8.writer_quantization(arch, quantize, fp8_scale)
     if arch.name != adapter.arch:
         raise MconvError(f"{base.dir} is a {arch.name}, the adapter is for {adapter.arch}")
     deltas = adapter.deltas()
@@ -455,23 +466,29 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
             found = f"has it as {list(base.tensors[name].shape)}" if name in base.tensors else "lacks it"
             raise MconvError(f"{base.dir}: the adapter changes {name} [{b.shape[0]}, {a.shape[1]}], the base model "
                              f"{found}; is it the model the adapter was trained on?")
-    entries = [(name, cast_dtype(dtype, arch.fp32_kind(name) is not None) or info.dtype, info.shape)
-               for name, info in base.tensors.items()]
+    plain = [(name, cast_dtype(dtype, arch.fp32_kind(name) is not None) or info.dtype, info.shape)
+             for name, info in base.tensors.items()]
+    entries, kept = fp8.quantized_entries(plain, quantization) if quantization else (plain, [])
     stack = None  # stacked experts are written back stacked, in the base model's orientation
     if arch.stacked_experts:
         stack = "4.x" if any(info.transposed_stride for info in base.tensors.values()) else "5.x"
     writer = ShardedSafetensorsWriter(out, entries, max_shard_bytes, stack_experts=stack)
     writer.create()
     scale = alpha / adapter.rank
-    for name, out_dtype, _ in entries:
+    for name, out_dtype, shape in plain:
         tensor = base.read(name)
         if name in deltas:
             a, b = deltas[name]
             tensor = tensor.float() + scale * (b.float() @ a.float())
-        writer.write(name, checked_cast(name, tensor, out_dtype))
+        if quantization is not None and quantization.applies(name, shape):
+            for written, quantized in fp8.quantize_tensors([(name, tensor)], quantization):
+                writer.write(written, quantized)
+        else:
+            writer.write(name, checked_cast(name, tensor, out_dtype))
     writer.close()
     writer.write_index()
     copy_side_files(base.dir, out)
-    write_config_dtype(out, entries)
+    write_hf_config(out, fp8.output_config(base.config, quantization, kept), base.config)
+    write_config_dtype(out, plain)
     base.close()
     return len(deltas), fp32_note(arch, base.tensors, dtype)

@@ -8,6 +8,8 @@ SPECS = ("local", "te")  # megatron-core layer specs: local modules or Transform
 FORMATS = ("torch_dist", "torch")  # Megatron-LM checkpoint formats mconv writes and reads
 DEFAULT_SHARD_BYTES = 3_000_000_000  # largest safetensors shard mcore2hf writes
 DTYPES = ("float32", "bfloat16", "float16")  # the dtypes mconv casts to (--dtype, `dtype=`)
+QUANTIZATIONS = ("fp8",)  # what mcore2hf --quantize writes: block-wise FP8 (converter/fp8.py)
+FP8_SCALES = ("float", "ue8m0")  # --fp8-scale: float32 amax/448, or powers of two (DeepGEMM / SGLang)
 MAX_ITERATION = 10**9  # iter_NNNNNNN/ has 7 digits; Megatron-LM pads to 7 and reads more, never a sign
 MAX_SIZE = 2**63 - 1  # a shard size beyond this is no file size (and no int64 for safetensors)
 

@@ -14,9 +14,9 @@ from tqdm import tqdm
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
-from mconv.converter import torch_dist, torch_dist_io, torch_save
+from mconv.converter import fp8, torch_dist, torch_dist_io, torch_save
 from mconv.converter.adapter_dir import compare_adapters, is_adapter
-from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for, refuse_quantized,
+from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for,
                                    tensor_difference, write_config_dtype, write_hf_config)
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
@@ -278,8 +278,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         layout.check_legacy()
     hf_dir = resolve_model(hf_dir, revision, progress=progress)
     refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
-    ckpt = HFCheckpoint(hf_dir)
-    refuse_quantized(ckpt.config, ckpt.tensors, ckpt.dir)
+    ckpt = HFCheckpoint(hf_dir, dequantize=dtype or torch.bfloat16)
     arch = architecture_for(ckpt.config, ckpt.dir / "config.json")
     plan = make_plan(arch, ckpt.config, layout, spec, mtp)
     notes = check_hf_tensors(plan, ckpt)
@@ -402,10 +401,11 @@ def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], dtype_of, first
 
 def _write_exports(session, exports: list[ExportTask], index: int, size: int, writer: ShardedSafetensorsWriter,
                    progress: Callable[[int], None], cast: Callable[[tuple[str, ...]], torch.dtype | None],
-                   threads: int = 1) -> None:
+                   threads: int = 1, quantization: fp8.Quantization | None = None) -> None:
     """Write member `index`'s share of the HF tensors into the prepared shard files (a group of HF
-    tensors cast to `cast(names)` unless None), a batch of LOAD_BATCH_BYTES per job, `threads` jobs
-    at a time (tensors go to disjoint, precomputed ranges of the files). `session` is the checkpoint's (megatron_checkpoint.
+    tensors cast to `cast(names)` unless None; the weights `quantization` picks quantized from the
+    merged HF tensor, in the shards' dtype, with their scales), a batch of LOAD_BATCH_BYTES per job,
+    `threads` jobs at a time (tensors go to disjoint, precomputed ranges of the files). `session` is the checkpoint's (megatron_checkpoint.
     Session). Each batch is staged as its range of the output files (`writer.stage`): a piece that
     is rows of one shard (`_row_parts`) and bytes of an input file (`session.file_rows`) is copied
     file to file; other pieces of one shard are read straight into the staged memory
@@ -440,12 +440,18 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 staged.flush()
         return sum(_nbytes(shape, out_dtype) for _, shape in names)
 
+    def quantized(name: str, shape) -> bool:
+        return quantization is not None and quantization.applies(name, shape)
+
     def write_batch(batch: list[ExportTask]) -> int:
         if not hasattr(local, "buffer"):
             local.buffer = StagingBuffer()
         outputs = [(name, cast(task.hf) or session.dtype_of(task.sources[0]), shape)
                    for task in batch for name, shape in zip(task.hf, task.hf_shapes)]
-        if len(batch) == 1 and sum(_nbytes(s, d) for _, d, s in outputs) > local.buffer.keep:
+        if quantization is not None:
+            outputs = fp8.quantized_entries(outputs, quantization)[0]
+        if (len(batch) == 1 and sum(_nbytes(s, d) for _, d, s in outputs) > local.buffer.keep
+                and not any(map(quantized, batch[0].hf, batch[0].hf_shapes))):
             written = write_rows(batch[0], outputs[0][1])
             if written is not None:
                 return written
@@ -465,9 +471,15 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in task_shards)
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
-            if cast(task.hf) is not None:  # named as hf2mcore names it
-                check_cast([(", ".join(task.hf), shard) for shard in task_shards], cast(task.hf))
-            merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [views[n] for n in task.hf])
+            exact = [torch.empty(shape, dtype=task_shards[0].dtype) if quantized(name, shape) else views[name]
+                     for name, shape in zip(task.hf, task.hf_shapes)]
+            if cast(task.hf) is not None and not any(map(quantized, task.hf, task.hf_shapes)):
+                check_cast([(", ".join(task.hf), shard) for shard in task_shards], cast(task.hf))  # as hf2mcore names it
+            merge([s.shard for s in task.sources], task_shards, task.hf_shapes, exact)
+            if quantization is not None:
+                for name, tensor in fp8.quantize_tensors(list(zip(task.hf, exact)), quantization):
+                    if tensor is not views[name]:
+                        views[name].copy_(tensor)
         staged.flush()
         return sum(views[name].nbytes for name, _, _ in outputs)
 
@@ -481,7 +493,8 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
 def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True,
              workers: int = 1, dtype: torch.dtype | None = None, revision: str | None = None,
-             expert_orientation: str | None = None) -> Summary:
+             expert_orientation: str | None = None, quantize: str | None = None,
+             fp8_scale: str | None = None) -> Summary:
     """Megatron -> HF. `workers` threads write disjoint tensors of the shards; under torchrun every
     rank writes its share (with `workers` threads) and rank 0 prepares and finishes the output.
 
@@ -492,13 +505,19 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     written (the one holding most bytes, if mixed). `expert_orientation` ("4.x" or "5.x") of stacked
     HF experts (Qwen3-VL-MoE): see hf_io.expert_orientation_for (4.x by default, required where a
     stacked tensor is square, MconvError for a model whose HF checkpoints keep experts per expert).
-    `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB")."""
+    `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB").
+    `quantize="fp8"`: write block-wise FP8 as the model's FP8 releases hold it (the architecture's
+    `fp8` weights, quantized by fp8.quantize from the merged HF tensor, so the bytes do not depend
+    on the layout; the rest in `dtype` or as stored; config.json's quantization_config); `fp8_scale`
+    "ue8m0" for power-of-two scales (fp8.writer_quantization says what is refused). Without it, an
+    FP8 source's quantization_config is dropped from config.json."""
     dtype, workers, max_shard_bytes = torch_dtype(dtype), check_count(workers, "workers"), shard_bytes(max_shard_bytes)
     check_revision(revision, hf_config)
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress, parameter="hf_config")
     ckpt = open_checkpoint(ckpt_dir, hf_config)
     arch = ckpt.plan.arch
+    quantization = fp8.writer_quantization(arch, quantize, fp8_scale)
     exports = ckpt.plan.exports()
     stack = expert_orientation_for(arch, ckpt.plan.dims, expert_orientation)
 
@@ -508,8 +527,9 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     out = output_path(out_dir)
     check_output_path(out, overwrite, inputs)
     with ckpt.session() as session:
-        entries = [(name, cast(task.hf) or session.dtype_of(task.sources[0]), shape)
-                   for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
+        plain = [(name, cast(task.hf) or session.dtype_of(task.sources[0]), shape)
+                 for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
+        entries, kept = fp8.quantized_entries(plain, quantization) if quantization else (plain, [])
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries),
                           layout="torch_dist (any layout)" if ckpt.location.format == "torch_dist" else None)
         summary.notes += filter(None, [fp32_note(arch, [name for name, _, _ in entries], dtype)])
@@ -524,13 +544,14 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
             writer.write_index()
             copy_side_files(ckpt.config_dir, staging)
-            write_hf_config(staging, arch.hf_config(ckpt.config, ckpt.plan.dims), ckpt.config)
-            write_config_dtype(staging, entries)
+            write_hf_config(staging, fp8.output_config(arch.hf_config(ckpt.config, ckpt.plan.dims), quantization, kept),
+                            ckpt.config)
+            write_config_dtype(staging, plain)  # the unquantized dtype, as the FP8 releases' config.json has it
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
             writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
             writer.open_existing()
-            _write_exports(session, exports, index, size, writer, report, cast, workers)
+            _write_exports(session, exports, index, size, writer, report, cast, workers, quantization)
             writer.close()
 
         team = TorchrunTeam.from_environment(f"mcore2hf:{out}")

@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from mconv.converter import fp8
 from mconv.converter.hf_io import (copy_side_files, expert_orientation_for, read_config,
                                    stack_experts, stacked_expert, write_config_dtype, write_hf_config)
 from mconv.converter.hf_write import ShardedSafetensorsWriter
@@ -193,7 +194,7 @@ def _stack_bucket(entries: Bucket, transposed: bool, experts: int) -> Bucket:
 
 
 def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: torch.dtype | None,
-                   stacked: str | None = None) -> Iterator[Bucket]:
+                   stacked: str | None = None, quantization: fp8.Quantization | None = None) -> Iterator[Bucket]:
     from megatron.core import parallel_state as ps
 
     groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group()}
@@ -220,11 +221,13 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
                 out += zip(names, tensors)
         if stacked is not None:
             out = _stack_bucket(out, stacked == "4.x", live.dims.experts)
-        if dtype is not None:  # but the tensors the model keeps in float32 (transforms.cast_dtype)
-            casts = {n: cast_dtype(dtype, live.arch.fp32_kind(n) is not None) for n, _ in out}
+        if dtype is not None:  # but the tensors the model keeps in float32 (transforms.cast_dtype), and
+            # the weights to quantize, which are quantized from the model's own values
+            casts = {n: None if quantization and quantization.applies(n, x.shape)
+                     else cast_dtype(dtype, live.arch.fp32_kind(n) is not None) for n, x in out}
             check_cast([(n, x) for n, x in out if casts[n] == dtype], dtype)  # one host synchronisation per bucket
-            out = [(n, x.to(casts[n])) for n, x in out]
-        yield out
+            out = [(n, x if casts[n] is None else x.to(casts[n])) for n, x in out]
+        yield out if quantization is None else fp8.quantize_tensors(out, quantization)
 
 
 def _orientation(config: dict, value: str | None) -> str | None:
@@ -236,7 +239,8 @@ def _orientation(config: dict, value: str | None) -> str | None:
 def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path | dict,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
                     gather_pp: bool = False, revision: str | None = None, stacked_experts: bool = False,
-                    expert_orientation: str | None = None) -> Iterator[Bucket]:
+                    expert_orientation: str | None = None, quantize: str | None = None,
+                    fp8_scale: str | None = None) -> Iterator[Bucket]:
     """Yield buckets of (HF name, tensor) for this rank's pipeline stage (every stage by default
     yields its own layers; with gather_pp every rank yields the whole model, stage by stage).
 
@@ -258,6 +262,11 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     Where a stacked tensor is square, `expert_orientation` must be given (MconvError otherwise: no
     orientation is read right by both transformers 4.57 and 5.x, see hf_io.expert_orientation_for).
     `expert_orientation` without `stacked_experts` is an MconvError (it would change nothing).
+
+    `quantize="fp8"` (`fp8_scale` "ue8m0" for power-of-two scales): each weight the model's FP8
+    releases quantize comes as (name, float8_e4m3fn weight) and (name + "_scale_inv", float32 scale)
+    in the same bucket, quantized on the tensors' device after the gathers, the bytes `mcore2hf
+    --quantize fp8` writes (fp8.quantize; `dtype` then casts the other tensors only).
     """
     config = _config(hf_config, revision)
     if stacked_experts and not architecture_for(config).stacked_experts:
@@ -266,15 +275,16 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     if expert_orientation is not None and not stacked_experts:
         raise MconvError("expert_orientation applies with stacked_experts=True (experts come per expert otherwise)")
     stacked = _orientation(config, expert_orientation) if stacked_experts else None
+    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale)
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes, stacked_experts)
     if not gather_pp or live.layout.pp == 1:
-        yield from _stage_buckets(live, schedule, dtype, stacked)
+        yield from _stage_buckets(live, schedule, dtype, stacked, quantization)
         return
     from megatron.core import parallel_state as ps
 
     group = ps.get_pipeline_model_parallel_group()
     try:
-        mine = list(_stage_buckets(live, schedule, dtype, stacked))
+        mine = list(_stage_buckets(live, schedule, dtype, stacked, quantization))
         layout = [[(n, tuple(x.shape), x.dtype) for n, x in b] for b in mine]
     except MconvError as e:  # (a refused cast) told to the other stages, which would wait for these buckets
         layout = str(e)
@@ -292,7 +302,7 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
             for dt in {t.dtype for t in tensors}:
                 members = [t for t in tensors if t.dtype == dt]
                 flat = torch.cat([t.reshape(-1) for t in members])
-                dist.broadcast(flat, src=source, group=group)
+                dist.broadcast(flat.view(torch.uint8) if dt == fp8.FP8 else flat, src=source, group=group)
                 offset = 0
                 for t in members:
                     t.copy_(flat[offset:offset + t.numel()].view(t.shape))
@@ -302,7 +312,8 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
 
 def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path, hf_config: str | Path,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    revision: str | None = None, expert_orientation: str | None = None) -> None:
+                    revision: str | None = None, expert_orientation: str | None = None,
+                    quantize: str | None = None, fp8_scale: str | None = None) -> None:
     """Save the live model as an HF directory, the same files `mconv mcore2hf` writes.
 
     Rank 0 lays out the shard files (headers are known in advance); one rank per pipeline stage
@@ -314,7 +325,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     names the dtype written. The output path must be on a filesystem all ranks share. Stacked HF
     experts (Qwen3-VL-MoE) are written in `expert_orientation` ("4.x", the default, or "5.x", as
     mcore2hf's: required where a stacked tensor is square; MconvError when given for another model).
-    Each tensor is written in the dtype the model holds it in.
+    Each tensor is written in the dtype the model holds it in. `quantize="fp8"` / `fp8_scale` write
+    block-wise FP8 as `mcore2hf --quantize fp8` does (the same bytes).
 
     Raises MconvError on every rank when a write fails on any rank (full disk, read-only file
     system, no permission: `cannot write OUT: <cause>; nothing was written`); the hidden staging
@@ -328,6 +340,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     source = _model_dir(str(hf_config), revision, False)
     config = read_config(source)
     stacked = _orientation(config, expert_orientation)
+    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale)
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes)
     full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
     dtypes: dict[str, torch.dtype] = {}
@@ -338,7 +351,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     dist.all_gather_object(gathered, local)
     for part in gathered:
         dtypes.update(part)
-    entries = [(name, dtypes[name], shape) for task in full.exports() for name, shape in zip(task.hf, task.hf_shapes)]
+    plain = [(name, dtypes[name], shape) for task in full.exports() for name, shape in zip(task.hf, task.hf_shapes)]
+    entries, kept = fp8.quantized_entries(plain, quantization) if quantization else (plain, [])
 
     out = output_path(out_dir)
     shared = SharedStaging(out, "live", overwrite=True)
@@ -355,7 +369,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         writes = (live.rank.tp == 0 and live.rank.ep == 0 and live.rank.etp == 0
                   and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
         failure = _attempt(writer.open_existing) if writes else None
-        for bucket in _stage_buckets(live, schedule, None):  # every rank takes part in every bucket's collectives
+        for bucket in _stage_buckets(live, schedule, None, quantization=quantization):  # every rank takes part in every bucket's collectives
             if writes and failure is None:
                 failure = _attempt(lambda: [writer.write(name, tensor.cpu()) for name, tensor in bucket])
         if writes:
@@ -366,8 +380,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         def finish():
             writer.write_index()
             copy_side_files(source, staging)
-            write_hf_config(staging, live.arch.hf_config(config, live.dims), config)
-            write_config_dtype(staging, entries)
+            write_hf_config(staging, fp8.output_config(live.arch.hf_config(config, live.dims), quantization, kept), config)
+            write_config_dtype(staging, plain)
             shared.commit()
 
         _agree(out, staging, _attempt(finish) if first else None)

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from mconv.converter.hf_io import HFCheckpoint, refuse_quantized
+from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.planner import TensorTask
 from mconv.converter.transforms import split_into
 from mconv.errors import MconvError
@@ -24,8 +24,8 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path,
     `threads` readers run ahead; for a model on a GPU (or with `staged=True`) they read into a
     staging buffer that reaches the device in large copies. `hf_dir` is a directory or a hub name
     (`Qwen/Qwen3-8B` at `revision`, fetched into the hub cache as transformers does)."""
-    ckpt = HFCheckpoint(_model_dir(str(hf_dir), revision, True))
-    refuse_quantized(ckpt.config, ckpt.tensors, ckpt.dir)
+    dtype = next(p.dtype for chunk in model_chunks for p in chunk.parameters())
+    ckpt = HFCheckpoint(_model_dir(str(hf_dir), revision, True), dequantize=dtype)
     live = LiveModel.of(model_chunks, ckpt.config)
     jobs = []
     for tasks, tensors in zip(live.plan.chunks, live.tensors):

@@ -5,7 +5,7 @@ from mconv.converter.transforms import GLU, REPLICATED, ROW
 from mconv.errors import MconvError
 from mconv.mappings.common import config_value
 from mconv.mappings.qwen3 import ATTENTION, DENSE_MLP, EMBEDDING_AND_OUTPUT, L, H
-from mconv.mappings.qwen3 import attention_dims
+from mconv.mappings.qwen3 import attention_dims, fp8_projection
 from mconv.mappings.qwen3 import megatron_args as qwen3_args
 from mconv.mappings.schema import GPT_LOCAL_KEYS, Architecture, Rule, extra_state
 
@@ -68,4 +68,5 @@ MOE_MLP = (
 )
 
 QWEN3_MOE = Architecture("Qwen3MoeForCausalLM", dims, EMBEDDING_AND_OUTPUT + ATTENTION + DENSE_MLP + MOE_MLP,
-                         megatron_args, model_type="qwen3_moe", torch_dist=GPT_LOCAL_KEYS)
+                         megatron_args, model_type="qwen3_moe", torch_dist=GPT_LOCAL_KEYS,
+                         fp8=fp8_projection)

@@ -192,7 +192,8 @@ NEEDS_BRIDGE = ("megatron-core has no Qwen3-VL vision model; mbridge "
                 "(`AutoBridge.from_pretrained(hf_dir).get_model()`) or Megatron-Bridge builds Qwen3VLModel, "
                 "which load_hf_weights fills")
 QWEN3_VL = Architecture("Qwen3VLForConditionalGeneration", dims, VISION + LANGUAGE, megatron_args,
-                        check_layout=check_layout, hf_config=hf_config, torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE)
+                        check_layout=check_layout, hf_config=hf_config, torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE,
+                        fp8=qwen3.fp8_projection)
 QWEN3_VL_MOE = Architecture("Qwen3VLMoeForConditionalGeneration", moe_dims,
                             VISION + LANGUAGE + prefixed(qwen3_moe.MOE_MLP, "language_model.", _hf_language),
                             moe_megatron_args, check_layout=check_layout, stacked_experts=True, hf_config=hf_config,

@@ -95,6 +95,9 @@ class Architecture:
     # Why megatron-core cannot build this model itself, naming the bridge that can (None: its GPTModel
     # can; mconv.live.build_model builds it).
     needs_bridge: str | None = None
+    # Which HF weights its block-wise FP8 releases store in FP8 (the others stay 16-bit); None: mconv
+    # does not write FP8 for it (`mcore2hf --quantize fp8` refuses).
+    fp8: Callable[[str], bool] | None = None
 
     def fp32_kind(self, hf_name: str) -> str | None:
         """For an HF tensor the table keeps in float32 (Rule.fp32), its kind: the name past the

@@ -1,0 +1,193 @@
+"""Block-wise FP8 (`quant_method: fp8`, float8_e4m3fn weights with `weight_scale_inv`), the one rule
+every mconv path quantizes and dequantizes with (reference fp8.md, sections 1.2 and 1.5).
+
+Quantization, per BLOCK x BLOCK block of a 2-D weight (edge blocks partial, as if padded with zeros):
+`amax = max|w|` in float32, `s = amax / 448`, `q = e4m3(clamp(w / s, -448, 448))`, stored scale `s`
+(float32). An all-zero block gets s = float32 eps (2^-23), so q = 0: compressed-tensors' rule, whose
+bytes these are. The clamp matters: torch's cast to e4m3 does not saturate (480 becomes NaN).
+With `scale_fmt="ue8m0"` (DeepGEMM / SGLang): `s = 2^ceil(log2(max(amax, 1e-4) / 448))`, a power of
+two, SGLang's `per_block_cast_to_fp8`. Dequantization: `w = float(q) * float(s)`, cast to the dtype asked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from mconv.converter.options import FP8_SCALES, option
+from mconv.errors import MconvError
+
+BLOCK = 128
+FP8_MAX = 448.0
+FP8 = torch.float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"  # `<module>.weight` -> `<module>.weight_scale_inv`
+SCALE_FORMATS = FP8_SCALES
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the releases store (reference 1.2)
+ZERO_BLOCK_SCALE = torch.finfo(torch.float32).eps
+
+
+def scale_name(weight: str) -> str:
+    return weight + SCALE_SUFFIX
+
+
+def grid(shape, block=(BLOCK, BLOCK)) -> tuple[int, int]:
+    """The scale grid of a 2-D weight: (ceil(out / block[0]), ceil(in / block[1]))."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    """`w` [out, in] zero-padded to whole blocks, viewed as [rows, BLOCK, cols, BLOCK]."""
+    rows, cols = grid(w.shape)
+    padded = torch.nn.functional.pad(w, (0, cols * BLOCK - w.shape[1], 0, rows * BLOCK - w.shape[0]))
+    return padded.view(rows, BLOCK, cols, BLOCK)
+
+
+def quantize(w: torch.Tensor, scale_fmt: str = "float", name: str = "tensor",
+             check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [out, in], scale_inv float32 [ceil(out/128), ceil(in/128)]) of a 2-D floating
+    weight, on its device, by the module's rule. MconvError naming `name` where `w` holds inf or NaN
+    (no finite scale exists: one host synchronisation per call; `check=False` leaves it to the
+    caller, whose scales are then not finite) or `scale_fmt` is unknown."""
+    if scale_fmt not in SCALE_FORMATS:
+        raise MconvError(f"the FP8 scale format must be one of {', '.join(SCALE_FORMATS)}, got {scale_fmt!r}")
+    blocks = _blocks(w.float())
+    amax = blocks.abs().amax(dim=(1, 3))
+    if check and not torch.isfinite(amax).all():
+        raise _not_finite(name)
+    # A tensor divisor, not the number: torch's CUDA kernels divide by a Python number as a multiply
+    # by its reciprocal, one ulp off amax / 448 in a third of the blocks on the H200 (bench/fp8_bench.py).
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    if scale_fmt == "ue8m0":
+        scale = torch.pow(2.0, torch.ceil(torch.log2(amax.clamp(min=1e-4) / fp8_max)))
+    else:
+        scale = amax / fp8_max
+        scale = torch.where(scale == 0, torch.tensor(ZERO_BLOCK_SCALE, device=scale.device), scale)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(blocks.shape[0] * BLOCK, -1)[:w.shape[0], :w.shape[1]].contiguous(), scale
+
+
+def _not_finite(name: str) -> MconvError:
+    return MconvError(f"{name} holds inf or NaN values, which FP8 cannot quantize")
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, origin=(0, 0),
+               block=(BLOCK, BLOCK)) -> torch.Tensor:
+    """`float(q) * float(scale_inv)` block by block, cast to `dtype`. `q` [rows, cols] may be a window
+    of a larger weight starting at element `origin` (row, column); `scale_inv` is then the window's
+    scale rows and columns, from block (origin[0] // block[0], origin[1] // block[1]) on."""
+    index = [(torch.arange(o, o + n, device=q.device) // b) - o // b
+             for o, n, b in zip(origin, q.shape, block)]
+    scale = scale_inv.float().index_select(0, index[0]).index_select(1, index[1])
+    return (q.float() * scale).to(dtype)
+
+
+def quantization_config(kept: list[str], scale_fmt: str = "float") -> dict:
+    """config.json's `quantization_config` as the FP8 releases write it: the four keys vLLM, SGLang and
+    AReaL read (`fmt` is required by AReaL), the modules kept in 16-bit by full name (`kept`: matched
+    exactly by vLLM, on dotted boundaries by SGLang; reference 2.1), and `scale_fmt` for UE8M0."""
+    config = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": kept}
+    if scale_fmt == "ue8m0":
+        config["scale_fmt"] = "ue8m0"
+    return config
+
+
+def block_size(config: dict, where) -> tuple[int, int] | None:
+    """The FP8 block of a config.json (None: not quantized). MconvError naming the field for a
+    quantization method, `fmt`, `activation_scheme` or `weight_block_size` mconv does not read."""
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    if method != "fp8":
+        raise MconvError(f"{where} is a quantized checkpoint (quantization_config.quant_method is {method!r}); "
+                         "mconv reads block-wise FP8 (quant_method 'fp8') only")
+    for key, allowed in (("fmt", ("e4m3", None)), ("activation_scheme", ("dynamic", None)),
+                         ("scale_fmt", ("float", "ue8m0", None))):
+        if quantization.get(key) not in allowed:
+            raise MconvError(f"{where}: quantization_config.{key} is {quantization.get(key)!r}; mconv reads "
+                             f"{' or '.join(repr(a) for a in allowed if a)}")
+    size = quantization.get("weight_block_size")
+    if not (isinstance(size, list) and len(size) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in size)):
+        raise MconvError(f"{where}: quantization_config.weight_block_size is {size!r}, not two positive block "
+                         "sizes such as [128, 128] (per-tensor FP8 is not read)")
+    return tuple(size)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """What a writer quantizes: the HF weights `quantized(name)` picks (the architecture's
+    `fp8`, 2-D weights only), with scales in `scale_fmt`."""
+
+    quantized: Callable[[str], bool]
+    scale_fmt: str = "float"
+
+    def applies(self, name: str, shape) -> bool:
+        return len(shape) == 2 and self.quantized(name)
+
+
+def writer_quantization(arch, quantize: str | None, fp8_scale: str | None) -> Quantization | None:
+    """The Quantization a writer's `quantize` / `fp8_scale` options ask for (None: write 16-bit).
+    MconvError naming the option for a method other than "fp8", a scale format other than
+    SCALE_FORMATS, `fp8_scale` without `quantize`, or an architecture mconv writes no FP8 for."""
+    if quantize is None:
+        if fp8_scale is not None:
+            raise MconvError(f"{option('fp8_scale', fp8_scale)} applies with {option('quantize', 'fp8')}")
+        return None
+    if quantize != "fp8":
+        raise MconvError(f"{option('quantize', quantize)} is not a quantization mconv writes; available: fp8 "
+                         "(block-wise, 128x128)")
+    if fp8_scale not in (None, *SCALE_FORMATS):
+        raise MconvError(f"{option('fp8_scale', fp8_scale)} is not an FP8 scale format; available: "
+                         f"{', '.join(SCALE_FORMATS)}")
+    if arch.fp8 is None:
+        raise MconvError(f"{option('quantize', 'fp8')}: mconv does not write FP8 checkpoints of {arch.name} yet "
+                         "(Qwen3, Qwen3-MoE and Qwen3-VL dense)")
+    return Quantization(arch.fp8, fp8_scale or "float")
+
+
+def quantized_entries(entries: list, quantization: Quantization) -> tuple[list, list[str]]:
+    """The output entries (name, dtype, shape) with each weight to quantize replaced by its FP8
+    weight and float32 `weight_scale_inv`; and the modules kept in 16-bit (full names of the other
+    `.weight` tensors' modules), for `modules_to_not_convert`."""
+    out, kept = [], []
+    for name, dtype, shape in entries:
+        if quantization.applies(name, shape):
+            out += [(name, FP8, tuple(shape)), (scale_name(name), torch.float32, grid(shape))]
+            continue
+        out.append((name, dtype, shape))
+        module = name.removesuffix(".weight")
+        if module != name and module not in kept:
+            kept.append(module)
+    return out, kept
+
+
+def output_config(config: dict, quantization: Quantization | None, kept: list[str]) -> dict:
+    """config.json for written weights: the source's `quantization_config` (an FP8 model read
+    dequantized) dropped, this writer's set where it quantizes."""
+    config = {key: value for key, value in config.items() if key != "quantization_config"}
+    if quantization is not None:
+        config["quantization_config"] = quantization_config(kept, quantization.scale_fmt)
+    return config
+
+
+def quantize_tensors(tensors: list[tuple[str, torch.Tensor]],
+                     quantization: Quantization) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with each weight to quantize replaced by (name, FP8 weight) and
+    (name + "_scale_inv", float32 scale), on the tensors' device; one host synchronisation for the
+    whole list (MconvError naming the first weight holding inf or NaN)."""
+    out, scales = [], []
+    for name, tensor in tensors:
+        if not quantization.applies(name, tensor.shape):
+            out.append((name, tensor))
+            continue
+        q, scale = quantize(tensor, quantization.scale_fmt, name, check=False)
+        out += [(name, q), (scale_name(name), scale)]
+        scales.append((name, scale))
+    if scales:
+        finite = torch.stack([torch.isfinite(scale).all() for _, scale in scales])
+        if not finite.all():
+            raise _not_finite(scales[int((~finite).nonzero()[0])][0])
+    return out

@@ -1,0 +1,379 @@
+"""Block-wise FP8: mconv's quantization equals compressed-tensors' block quantization bit for bit (edge
+blocks, all-zero blocks, values beyond +-448), UE8M0 scales equal SGLang's power-of-two rule, and the
+dequantization of a window equals the formula over the whole tensor."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconv.converter import fp8
+from mconv.errors import MconvError
+
+# scripts/install.sh installs compressed-tensors 0.20.0 (and loguru) into this directory, not the venv;
+# a checkout sharing another's venv names its own copy with MCONV_COMPRESSED_TENSORS.
+COMPRESSED_TENSORS = Path(os.environ.get("MCONV_COMPRESSED_TENSORS", Path(sys.prefix) / "compressed-tensors"))
+# Skipped only outside CI: in CI its absence is a failure, not a skip.
+needs_compressed_tensors = pytest.mark.skipif(
+    not (COMPRESSED_TENSORS / "compressed_tensors").is_dir() and not os.environ.get("CI"),
+    reason=f"no compressed-tensors at {COMPRESSED_TENSORS} (scripts/install.sh installs it there)")
+
+
+def reference_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' FP8 block quantization (the FP8_BLOCK scheme's args): its
+    `calculate_qparams` on each 128x128 block's min and max (taken here, zero-padded as its
+    `maybe_pad_tensor_for_block_quant` pads), then its `quantize` of the weight."""
+    if str(COMPRESSED_TENSORS) not in sys.path:
+        sys.path.insert(0, str(COMPRESSED_TENSORS))
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams, maybe_pad_tensor_for_block_quant
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[128, 128], symmetric=True)
+    padded = maybe_pad_tensor_for_block_quant(w.float(), (128, 128))
+    blocks = padded.view(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
+    scale, zero_point = calculate_qparams(blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3)), args)
+    return quantize(w, scale, zero_point, args, dtype=torch.float8_e4m3fn), scale
+
+
+def awkward_weight(dtype=torch.bfloat16) -> torch.Tensor:
+    """[300, 200] (edge blocks on both sides), an all-zero block, a zero edge block, values far beyond
+    448 and tiny negative ones (which round to -0)."""
+    torch.manual_seed(0)
+    w = torch.randn(300, 200) * 3
+    w[:128, :128] = 0
+    w[256:, 128:] = 0
+    w[200, 5], w[201, 6] = 5000.0, -70000.0
+    w[130, :10] = -1e-7
+    return w.to(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@needs_compressed_tensors
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_equals_compressed_tensors(dtype):
+    w = awkward_weight(dtype)
+    q, scale = fp8.quantize(w)
+    expected_q, expected_scale = reference_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and scale.shape == (3, 2)
+    assert scale.dtype == expected_scale.dtype == torch.float32
+    assert torch.equal(bits(scale), bits(expected_scale))
+    assert torch.equal(bits(q), bits(expected_q))
+    assert scale[0, 0] == torch.finfo(torch.float32).eps and not q.float().isnan().any()
+    assert q.float().abs().max() == 448
+
+
+def test_ue8m0_scales_are_sglangs_power_of_two_rule():
+    """SGLang's `per_block_cast_to_fp8` (sglang 0.5.23 srt/layers/quantization/fp8_utils.py, written
+    out here): amax clamped at 1e-4, s = 2^ceil(log2(amax / 448)), q = e4m3(w * (1 / s))."""
+    w = awkward_weight()
+    q, scale = fp8.quantize(w, "ue8m0")
+    padded = torch.nn.functional.pad(w.float(), (0, 56, 0, 84)).view(3, 128, 2, 128)
+    sf = torch.pow(2.0, torch.ceil(torch.log2(padded.abs().amax(dim=(1, 3)).clamp(1e-4) / 448.0)))
+    expected = (padded * (1.0 / sf[:, None, :, None])).to(torch.float8_e4m3fn).view(384, 256)[:300, :200]
+    assert torch.equal(scale, sf) and torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
+    assert torch.equal(bits(q), bits(expected))
+
+
+def test_dequantize_window_equals_whole():
+    """A window of rows and columns (not block-aligned) dequantizes as the same elements of the whole
+    tensor's `float(q) * s`, written with plain repeat_interleave; bf16 scales are read as well."""
+    q, scale = fp8.quantize(awkward_weight())
+    scale = scale.bfloat16()
+    whole = (q.float() * scale.float().repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200])
+    assert torch.equal(fp8.dequantize(q, scale, torch.float32), whole)
+    window = fp8.dequantize(q[100:290, 130:170], scale[0:3, 1:2], torch.bfloat16, origin=(100, 130))
+    assert torch.equal(window, whole[100:290, 130:170].bfloat16())
+
+
+def test_quantize_refuses_non_finite():
+    w = awkward_weight()
+    w[3, 3] = float("inf")
+    with pytest.raises(MconvError, match="^model.x.weight holds inf or NaN"):
+        fp8.quantize(w, name="model.x.weight")
+
+
+# ----------------------------------------------------------------------------- FP8 checkpoints
+# Tiny models with every quantized dimension a multiple of 128 (transformers' dequantizing reader is
+# exact only there: reference fp8.md, 3.1), quantized here by compressed-tensors.
+ALIGNED = dict(tokenizer=False, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+               head_dim=128, num_hidden_layers=2)
+MOE = dict(ALIGNED, moe_intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+TOKENS = list(range(3, 60, 4))
+KEYS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def sglang_ue8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's `per_block_cast_to_fp8` (sglang 0.5.23 srt/layers/quantization/fp8_utils.py), written
+    out: amax clamped at 1e-4, s = 2^ceil(log2(amax / 448)), q = e4m3(w * (1 / s)); zero-padded blocks."""
+    rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+    padded = torch.nn.functional.pad(w.float(), (0, cols * 128 - w.shape[1], 0, rows * 128 - w.shape[0]))
+    blocks = padded.view(rows, 128, cols, 128)
+    sf = torch.pow(2.0, torch.ceil(torch.log2(blocks.abs().amax(dim=(1, 3)).clamp(1e-4) / 448.0)))
+    q = (blocks * (1.0 / sf[:, None, :, None])).to(torch.float8_e4m3fn).view(rows * 128, -1)
+    return q[:w.shape[0], :w.shape[1]].contiguous(), sf
+
+
+def write_fp8(source: Path, out: Path, scale_dtype=torch.float32, quantizer=None, ue8m0=False) -> Path:
+    """`source`'s `*_proj.weight` tensors quantized by `quantizer` (compressed-tensors by default),
+    scales stored in `scale_dtype`, the rest as they are; config.json with the release's four keys
+    (and Qwen3-30B-A3B-FP8's full-name skip list)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    tensors, fp8_tensors, kept = load_file(source / "model.safetensors"), {}, []
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight"):
+            q, scale = (quantizer or reference_quantize)(tensor)
+            fp8_tensors[name], fp8_tensors[name + "_scale_inv"] = q, scale.to(scale_dtype)
+        else:
+            fp8_tensors[name] = tensor
+            kept.append(name.removesuffix(".weight"))
+    save_file(fp8_tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {**KEYS, "modules_to_not_convert": kept, **({"scale_fmt": "ue8m0"} if ue8m0 else {})}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{"bf16": dense, "moe-bf16": MoE} and their FP8 checkpoints, quantized by compressed-tensors:
+    "fp8" (fp32 scales), "fp8-bf16-scales", "moe-fp8" (bf16 scales, as Qwen's releases), "moe-fp8-fp32"."""
+    from fixtures.make_fixtures import make_qwen3, make_qwen3_moe
+
+    root = tmp_path_factory.mktemp("fp8")
+    made = {"bf16": make_qwen3(root / "bf16", **ALIGNED), "moe-bf16": make_qwen3_moe(root / "moe-bf16", **MOE)}
+    if (COMPRESSED_TENSORS / "compressed_tensors").is_dir() or os.environ.get("CI"):
+        made["fp8"] = write_fp8(made["bf16"], root / "fp8")
+        made["fp8-bf16-scales"] = write_fp8(made["bf16"], root / "fp8-bf16-scales", torch.bfloat16)
+        made["moe-fp8"] = write_fp8(made["moe-bf16"], root / "moe-fp8", torch.bfloat16)
+        made["moe-fp8-fp32"] = write_fp8(made["moe-bf16"], root / "moe-fp8-fp32")
+    return made
+
+
+def transformers_state(hf_dir: Path, dtype=torch.bfloat16) -> dict:
+    """transformers' in-memory tensors of `hf_dir` (on a CPU it dequantizes FP8 itself), with the fused
+    experts of transformers 5 split back into the per-expert names of the files."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).state_dict()
+    out = {}
+    for name, tensor in state.items():
+        prefix, _, proj = name.rpartition(".")
+        if prefix.endswith(".mlp.experts") and proj in ("gate_up_proj", "down_proj"):
+            parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+            for e, expert in enumerate(tensor):
+                for part, piece in zip(parts, expert.chunk(len(parts))):
+                    out[f"{prefix}.{e}.{part}.weight"] = piece
+        else:
+            out[name] = tensor
+    return out
+
+
+@needs_compressed_tensors
+@pytest.mark.parametrize("fixture,sizes", [("fp8-bf16-scales", dict(tp=2)), ("moe-fp8", dict(tp=2, ep=2))])
+def test_hf2mcore_dequantizes_as_transformers(models, tmp_path, fixture, sizes):
+    """hf2mcore of an FP8 checkpoint (bf16 scales, as Qwen's releases) writes the same Megatron rank
+    files' tensors as hf2mcore of transformers' own dequantization of it (its bf16 parameters, saved
+    with safetensors), whose forward test_oracle_megatron.py holds to transformers' logits; back to HF
+    without --quantize every tensor equals transformers' dequantization bit for bit, and config.json
+    has no quantization_config (transformers loads it as a plain model)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from mconv import Layout, hf2mcore, mcore2hf
+    from mconv.converter import megatron_io as mio
+    from tests.conftest import hf_tensors, load_rank_file
+
+    expected = {k: v for k, v in transformers_state(models[fixture]).items() if not k.endswith("rotary_emb.inv_freq")}
+    dequantized = tmp_path / "dequantized"
+    dequantized.mkdir()
+    save_file(expected, dequantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((models[fixture] / "config.json").read_text())
+    del config["quantization_config"]
+    (dequantized / "config.json").write_text(json.dumps(config))
+    layout = Layout(**sizes)
+    for source, out in ((models[fixture], tmp_path / "m"), (dequantized, tmp_path / "m-plain")):
+        hf2mcore(source, out, layout, fmt="torch", progress=False)
+    for rank in layout.ranks():
+        ours, theirs = (load_rank_file(mio.rank_file(d / "release", layout, rank))["model"] for d in
+                        (tmp_path / "m", tmp_path / "m-plain"))
+        assert ours.keys() == theirs.keys()
+        for key, tensor in ours.items():
+            assert tensor is None if theirs[key] is None else torch.equal(bits(tensor), bits(theirs[key])), key
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    written = hf_tensors(tmp_path / "back")
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written.keys() == expected.keys()
+    for name, tensor in written.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected[name]), name
+    shutil.rmtree(dequantized)
+
+
+@needs_compressed_tensors
+def test_round_trip_gives_the_input_bytes(models, tmp_path):
+    """FP8 (quantized by compressed-tensors; UE8M0 by SGLang's rule) -> Megatron (bfloat16) ->
+    `mcore2hf --quantize fp8` gives the input's tensors back bit for bit (`mconv verify`), dense at TP1
+    and MoE at TP2/EP2 (so the bytes do not depend on the layout); a bf16-scale input comes back with
+    fp32 scales whose bf16 cast is the input's."""
+    import json
+
+    from mconv import Layout, hf2mcore, mcore2hf
+    from mconv.converter.pipelines import compare_hf
+    from tests.conftest import hf_tensors
+
+    ue8m0 = write_fp8(models["bf16"], tmp_path / "ue8m0", quantizer=sglang_ue8m0, ue8m0=True)
+    for name, source, sizes, scale in [("dense", models["fp8"], dict(), None), ("moe", models["moe-fp8-fp32"], dict(tp=2, ep=2), None),
+                                       ("ue8m0", ue8m0, dict(tp=2), "ue8m0"), ("bf16-scales", models["fp8-bf16-scales"], dict(), None)]:
+        hf2mcore(source, tmp_path / f"{name}-m", Layout(**sizes), progress=False)
+        mcore2hf(tmp_path / f"{name}-m", tmp_path / f"{name}-back", progress=False, quantize="fp8", fp8_scale=scale)
+        if name == "bf16-scales":
+            expected, written = hf_tensors(source), hf_tensors(tmp_path / f"{name}-back")
+            assert expected.keys() == written.keys()
+            for key, tensor in written.items():
+                assert torch.equal(bits(tensor.to(expected[key].dtype)), bits(expected[key])), key
+            continue
+        tensors, nbytes, differences = compare_hf(source, tmp_path / f"{name}-back")
+        assert differences == [] and tensors > 20, name
+        config = json.loads((tmp_path / f"{name}-back" / "config.json").read_text())
+        written, given = config["quantization_config"], json.loads((source / "config.json").read_text())["quantization_config"]
+        assert sorted(written.pop("modules_to_not_convert")) == sorted(given.pop("modules_to_not_convert"))
+        assert written == given and config["dtype"] == "bfloat16"
+
+
+@needs_compressed_tensors
+def test_quantized_output_loads_in_transformers(models, tmp_path):
+    """`mcore2hf --quantize fp8` of a bf16 model: transformers loads it with no missing or unexpected
+    keys and its logits are within 0.1 of the bf16 model's (measured 0.064, the largest logit being 0.74:
+    this random tiny MoE has weights of std 0.02, and e4m3 keeps 3 mantissa bits); its FP8 weights and
+    scales are compressed-tensors' quantization of the bf16 weights, bit for bit; embeddings, lm_head,
+    norms and the router stay bf16 and are named in full in modules_to_not_convert."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from mconv import Layout, hf2mcore, mcore2hf
+    from tests.conftest import hf_tensors
+
+    source = models["moe-bf16"]
+    hf2mcore(source, tmp_path / "m", Layout(tp=2, ep=2), progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "fp8", progress=False, quantize="fp8")
+    written, original = hf_tensors(tmp_path / "fp8"), hf_tensors(source)
+    for name, tensor in original.items():
+        if name.endswith("_proj.weight"):
+            q, scale = reference_quantize(tensor)
+            assert torch.equal(bits(written[name]), bits(q)) and torch.equal(written[name + "_scale_inv"], scale), name
+        else:
+            assert torch.equal(written[name], tensor), name
+    assert len(written) == len(original) + sum(name.endswith("_proj.weight") for name in original)
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert {k: config[k] for k in KEYS} == KEYS
+    assert {"lm_head", "model.embed_tokens", "model.norm", "model.layers.0.mlp.gate", "model.layers.1.input_layernorm",
+            "model.layers.0.self_attn.q_norm"} <= set(config["modules_to_not_convert"])
+    assert not any(m.endswith("_proj") for m in config["modules_to_not_convert"])
+    tokens = torch.tensor([list(range(3, 60, 4))])
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32, output_loading_info=True)
+    assert info["missing_keys"] == info["unexpected_keys"] == set() or info["missing_keys"] == info["unexpected_keys"] == []
+    plain = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        difference = (model(tokens).logits - plain(tokens).logits).abs().max().item()
+    assert 0 < difference < 0.1, difference
+
+
+@needs_compressed_tensors
+def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
+    """A missing, mis-shaped or non-finite scale, an unknown quant_method / fmt / block size, and
+    --fp8-scale without --quantize: one line naming the tensor or field, nothing written."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_errors import assert_refused, mconv
+
+    weight = "model.layers.1.mlp.down_proj.weight"
+
+    def variant(name, tensors=None, quantization=None) -> Path:
+        hf = Path(shutil.copytree(models["fp8"], tmp_path / name))
+        if tensors is not None:
+            save_file(tensors(load_file(hf / "model.safetensors")), hf / "model.safetensors", metadata={"format": "pt"})
+        if quantization is not None:
+            config = json.loads((hf / "config.json").read_text())
+            config["quantization_config"].update(quantization)
+            (hf / "config.json").write_text(json.dumps(config))
+        return hf
+
+    def without_scale(t):
+        del t[weight + "_scale_inv"]
+        return t
+
+    def reshaped(t):
+        t[weight + "_scale_inv"] = t[weight + "_scale_inv"][:, :1].contiguous()
+        return t
+
+    def nan(t):
+        t[weight + "_scale_inv"][0, 1] = float("nan")
+        return t
+
+    cases = [(variant("missing", without_scale), (weight, "no block scale")),
+             (variant("shape", reshaped), (weight + "_scale_inv", "[1, 1]", "[1, 2]")),
+             (variant("nan", nan), (weight + "_scale_inv", "inf or NaN")),
+             (variant("method", quantization={"quant_method": "gptq"}), ("quant_method is 'gptq'",)),
+             (variant("fmt", quantization={"fmt": "e5m2"}), ("quantization_config.fmt is 'e5m2'",)),
+             (variant("block", quantization={"weight_block_size": [128]}), ("quantization_config.weight_block_size",))]
+    for hf, fragments in cases:
+        assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", *fragments)
+    assert mconv("hf2mcore", models["fp8"], tmp_path / "m", "-q").exit_code == 0
+    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--fp8-scale", "ue8m0"), tmp_path / "out",
+                   "--fp8-scale ue8m0 applies with --quantize fp8")
+    result = mconv("inspect", models["fp8"])
+    assert result.exit_code == 0 and "block-wise FP8" in result.stdout and "14 weights" in " ".join(result.stdout.split())
+
+
+@pytest.mark.slow
+@needs_compressed_tensors
+def test_live_fp8_load_and_export(models, tmp_path):
+    """megatron-core's MoE model at TP2/EP2 (gloo, CPU): load_hf_weights of an FP8 checkpoint gives
+    transformers' logits (its own dequantization, float32); iter_hf_weights(quantize="fp8") yields every
+    tensor of `mcore2hf --quantize fp8`'s output once per stage, bit for bit, each scale in its weight's
+    bucket (the live model is float32: its FP8 bytes equal those quantized from the bfloat16 checkpoint,
+    the other tensors are compared by value); save_hf_weights(quantize="fp8") writes the same values."""
+    from mconv import Layout, hf2mcore, mcore2hf
+    from mconv.converter.transforms import padded_vocab_size
+    from tests.conftest import hf_tensors
+    from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config
+
+    source, sizes = models["moe-fp8-fp32"], dict(tp=2, ep=2)
+    config, out = read_config(source), tmp_path / "live"
+    out.mkdir()
+    run = MegatronRun(tmp_path / "unused", config, **sizes, tokens=TOKENS, live_hf=source, live_out=out,
+                      live_quantize="fp8", padded_vocab=padded_vocab_size(config["vocab_size"], 128, 2))
+    assert (megatron_logits(run, tmp_path) - hf_logits(source, TOKENS)).abs().max().item() < 1e-4
+    hf2mcore(source, tmp_path / "m", Layout(**sizes), progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "offline", progress=False, quantize="fp8")
+    offline = hf_tensors(tmp_path / "offline")
+    for rank in range(run.world):
+        buckets = torch.load(out / f"rank{rank}.pt")["buckets"]
+        names = [name for bucket in buckets for name, _ in bucket]
+        assert sorted(names) == sorted(offline), rank
+        for bucket in buckets:
+            held = {name for name, _ in bucket}
+            for name, tensor in bucket:
+                assert name.removesuffix("_scale_inv") in held
+                assert (tensor.dtype == torch.float8_e4m3fn) == (offline[name].dtype == torch.float8_e4m3fn), name
+                # the live model is float32 (the offline checkpoint bfloat16): the values are compared
+                assert torch.equal(bits(tensor.to(offline[name].dtype)), bits(offline[name])), name
+    saved = hf_tensors(out / "saved")
+    assert saved.keys() == offline.keys()
+    assert all(torch.equal(bits(saved[name].to(t.dtype)), bits(t)) for name, t in offline.items())
+
+
