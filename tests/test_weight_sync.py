@@ -1,0 +1,168 @@
+"""mconv.live.sync against a real engine: vLLM's CPU build (its own Python 3.11 process, the
+oracle's generation) takes the weights of a Megatron model (gloo, CPU, TP2, tied embeddings) through
+`sync_weights`, and its greedy tokens and logprobs then equal transformers' on the same new weights
+(transformers reads them from the HF files the trainer loaded them from, not from the sync). Before
+the sync, and after a sync without the prefix-cache reset, they differ. A rank that raises
+mid-sync, and a trainer model that is not the engine's, are refused on every rank; the next sync
+works."""
+import json
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import FIXTURES
+from tests.test_lora import VLLM_PYTHON, needs_vllm
+
+TIED = FIXTURES / "qwen3-tiny-tied"
+PROMPTS = [[(7 * p + 13 * i) % 300 for i in range(72)] for p in range(3)]  # two full 32-token blocks each: cached
+BUCKET = 40_000  # q, k and v of one layer land in different buckets
+
+
+def perturbed(source: Path, out: Path, seed: int) -> Path:
+    """The HF model with every matrix + 0.15 * randn and every vector * 1.1, in float32."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: (t.float() + 0.15 * torch.randn(t.shape, generator=generator) if t.dim() == 2 else t.float() * 1.1)
+               for name, t in sorted(load_file(source / "model.safetensors").items())}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((source / name).read_bytes())
+    return out
+
+
+def reference(hf_dir: Path) -> tuple[list, list]:
+    """transformers' greedy tokens and their logprobs (float32) for PROMPTS."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids, lps = list(prompt), []
+            for _ in range(8):
+                lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
+                ids.append(int(lp.argmax()))
+                lps.append(float(lp[ids[-1]]))
+            tokens.append(ids[len(prompt):])
+            logprobs.append(lps)
+    return tokens, logprobs
+
+
+def same(served: dict, expected: tuple) -> bool:
+    tokens, logprobs = expected
+    return served["tokens"] == tokens and max(abs(a - b) for s, e in zip(served["logprobs"], logprobs)
+                                              for a, b in zip(s, e)) < 1e-4
+
+
+def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from mconv import Layout, MconvError
+    from mconv.live import build_model, load_hf_weights
+    from mconv.live.sync import VLLMEngine, core, sync_weights
+    from mconv.transport import shm
+    from tests.megatron_oracle import _cpu_shims
+
+    _cpu_shims()
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=2)
+    ps.initialize_model_parallel(2)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    chunks = build_model(TIED, Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
+    engine = VLLMEngine(socket, authkey, reset_prefix_cache=False)
+    served, errors = {}, {}
+    gen = shm.connect(socket + ".gen", authkey) if rank == 0 else None
+
+    def generate(tag):
+        if rank == 0:
+            served[tag] = shm.request(gen, {"op": "generate"})
+        dist.barrier()
+
+    def refused(tag, action):
+        try:
+            action()
+        except MconvError as e:
+            errors[tag] = str(e)
+
+    generate("before")
+    load_hf_weights(chunks, weights["step-1"])
+    sync_weights(chunks, TIED, engine, version="step-1-stale", bucket_bytes=BUCKET)
+    generate("stale")  # the prompts' cached prefix KV is the old weights'
+    engine.reset_prefix_cache = True
+    sync_weights(chunks, TIED, engine, version="step-1", bucket_bytes=BUCKET)  # a second sync in a row
+    generate("step-1")
+
+    load_hf_weights(chunks, weights["step-2"])
+    if rank == 1:  # rank 1 raises after the second bucket's collectives (rank 0 has sent bucket 1 by then)
+        original = core.iter_hf_weights
+
+        def failing(*args, **kwargs):
+            for i, bucket in enumerate(original(*args, **kwargs)):
+                if i == 1:
+                    raise RuntimeError("injected failure")
+                yield bucket
+        core.iter_hf_weights = failing
+    refused("failure", lambda: sync_weights(chunks, TIED, engine, version="step-2-broken", bucket_bytes=BUCKET))
+    if rank == 1:
+        core.iter_hf_weights = original
+    generate("failed")
+    sync_weights(chunks, TIED, engine, version="step-2", bucket_bytes=BUCKET)
+    generate("step-2")
+
+    other = build_model(FIXTURES / "qwen3-tiny", Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
+    refused("mismatch", lambda: sync_weights(other, FIXTURES / "qwen3-tiny", engine, version="other"))
+    generate("after-mismatch")
+    engine.close()
+    (tmp / f"rank{rank}.json").write_text(json.dumps({"served": served, "errors": errors}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_generates_with_the_synced_weights(tmp_path):
+    weights = {"step-1": perturbed(TIED, tmp_path / "step-1", 1), "step-2": perturbed(TIED, tmp_path / "step-2", 2)}
+    socket, authkey = str(tmp_path / "engine.sock"), secrets.token_bytes(16)
+    env = {**os.environ, "PYTHONPATH": f"{Path(__file__).parent / 'vllm_site'}:{Path(__file__).parents[1]}"}
+    log = tmp_path / "engine.log"
+    with open(log, "w") as out:  # a file, not a pipe: vLLM logs more than a pipe holds
+        engine = subprocess.Popen([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_sync_engine.py")), str(TIED),
+                                   socket, authkey.hex(), json.dumps(PROMPTS)], stdout=out, stderr=subprocess.STDOUT,
+                                  cwd=tmp_path, env=env)
+    try:
+        started = time.monotonic()
+        while "\nREADY\n" not in "\n" + log.read_text():
+            assert engine.poll() is None and time.monotonic() - started < 300, log.read_text()[-3000:]
+            time.sleep(0.2)
+        mp.start_processes(_trainer, args=(tmp_path, socket, authkey, {k: str(v) for k, v in weights.items()}),
+                           nprocs=2, start_method="spawn")
+    finally:
+        engine.kill()
+        engine.wait()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    served = ranks[0]["served"]
+    old, new1, new2 = reference(TIED), reference(weights["step-1"]), reference(weights["step-2"])
+
+    assert same(served["before"], old) and not same(served["before"], new1)
+    assert not same(served["stale"], new1)  # no prefix-cache reset: old KV for the cached prompt blocks
+    assert same(served["step-1"], new1) and served["step-1"]["version"] == "step-1"
+
+    for rank in ranks:  # one error, the same on every rank; the engine knows the update failed
+        assert rank["errors"]["failure"] == ("weight sync step-2-broken failed; the engine was told to abort it: "
+                                             "rank 1: RuntimeError: injected failure")
+    assert served["failed"]["version"] == "failed:step-2-broken"
+    assert same(served["step-2"], new2) and served["step-2"]["version"] == "step-2"  # the next sync works
+
+    for rank in ranks:  # a 4-layer untied trainer model against the engine's 2-layer tied one: nothing sent
+        assert rank["errors"]["mismatch"].startswith(
+            "weight sync other refused before any bucket was sent: rank 0: the trainer's model does not match "
+            "the engine's: the engine's model has no model.layers.2.input_layernorm.weight")
+    assert served["after-mismatch"] == served["step-2"]
