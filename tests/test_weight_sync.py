@@ -166,3 +166,53 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
             "weight sync other refused before any bucket was sent: rank 0: the trainer's model does not match "
             "the engine's: the engine's model has no model.layers.2.input_layernorm.weight")
     assert served["after-mismatch"] == served["step-2"]
+
+
+SGLANG = Path(__file__).parents[1] / ".sglang"
+SGLANG_READ = """
+import sys, torch
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+# As SGLang's update_weights_from_tensor(load_format="flattened_bucket") on TP rank 1 does.
+data = MultiprocessingSerializer.deserialize(open(sys.argv[1]).read().split()[1])
+metadata = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                    end_idx=m.end_idx, numel=m.numel) for m in data["metadata"]]
+tensors = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=metadata).reconstruct_tensors()
+# The receive buffer SGLang's NCCL flattened_bucket path lays out from names, dtypes and shapes alone.
+empty = FlattenedTensorBucket.empty([m.name for m in metadata], [m.dtype for m in metadata],
+                                    [m.shape for m in metadata], "cpu")
+torch.save({"tensors": {n: t.clone() for n, t in tensors},
+            "offsets": [(m.start_idx, m.end_idx) for m in empty.metadata]}, sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not SGLANG.is_dir() or not VLLM_PYTHON.is_file(),
+                    reason="no SGLang at .sglang (scripts/install-sglang.sh)")
+def test_sglang_reads_the_flattened_bucket(tmp_path):
+    """SGLang's own deserializer and FlattenedTensorBucket, in another process (Python 3.11, another
+    torch), read mconv's payload back into exactly the tensors sent, with mixed dtypes (an odd-sized
+    bfloat16 tensor first, which unpadded back-to-back packing in that order would misalign)."""
+    from mconv.live.sync.engines import FlatBucket
+    from mconv.live.sync.sglang import sglang_payload
+    from mconv.transport.flat import layout, pack
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # the reader is no child of this process
+    generator = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(63, generator=generator).bfloat16()), ("b", torch.randn(8, 64, generator=generator)),
+             ("c", torch.randn(5, 3, generator=generator).half()), ("d", torch.arange(7)),
+             ("e", torch.randn(64, 64, generator=generator).bfloat16())]
+    entries, nbytes = layout(named)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    pack(named, entries, buffer)
+    (tmp_path / "payload.txt").write_text(" ".join(sglang_payload(FlatBucket("v1", 0, buffer, entries), tp_size=2)))
+    (tmp_path / "read.py").write_text(SGLANG_READ)
+    env = {**os.environ, "PYTHONPATH": f"{SGLANG}:{Path(__file__).parent / 'vllm_site'}"}
+    done = subprocess.run([str(VLLM_PYTHON), "read.py", "payload.txt", "back.pt"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    back = torch.load(tmp_path / "back.pt")
+    assert list(back["tensors"]) == [e.name for e in entries]
+    for name, tensor in named:
+        assert back["tensors"][name].dtype == tensor.dtype and torch.equal(back["tensors"][name], tensor), name
+    assert back["offsets"] == [(e.offset, e.offset + e.nbytes) for e in entries]
