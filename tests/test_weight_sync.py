@@ -43,17 +43,12 @@ def reference(hf_dir: Path) -> tuple[list, list]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    tokens, logprobs = [], []
     with torch.no_grad():
-        for prompt in PROMPTS:
-            ids, lps = list(prompt), []
-            for _ in range(8):
-                lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
-                ids.append(int(lp.argmax()))
-                lps.append(float(lp[ids[-1]]))
-            tokens.append(ids[len(prompt):])
-            logprobs.append(lps)
-    return tokens, logprobs
+        out = model.generate(torch.tensor(PROMPTS), max_new_tokens=8, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[:, len(PROMPTS[0]):]
+    logprobs = torch.stack([torch.log_softmax(step, -1) for step in out.logits], 1).gather(2, tokens[..., None])[..., 0]
+    return tokens.tolist(), logprobs.tolist()
 
 
 def same(served: dict, expected: tuple) -> bool:
@@ -138,6 +133,7 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
                                    socket, authkey.hex(), json.dumps(PROMPTS)], stdout=out, stderr=subprocess.STDOUT,
                                   cwd=tmp_path, env=env)
     try:
+        old, new1, new2 = reference(TIED), reference(weights["step-1"]), reference(weights["step-2"])  # vLLM starts meanwhile
         started = time.monotonic()
         while "\nREADY\n" not in "\n" + log.read_text():
             assert engine.poll() is None and time.monotonic() - started < 300, log.read_text()[-3000:]
@@ -149,7 +145,6 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
         engine.wait()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     served = ranks[0]["served"]
-    old, new1, new2 = reference(TIED), reference(weights["step-1"]), reference(weights["step-2"])
 
     assert same(served["before"], old) and not same(served["before"], new1)
     assert not same(served["stale"], new1)  # no prefix-cache reset: old KV for the cached prompt blocks
