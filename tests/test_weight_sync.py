@@ -21,6 +21,7 @@ from tests.test_lora import VLLM_PYTHON, needs_vllm
 
 TIED = FIXTURES / "qwen3-tiny-tied"
 PROMPTS = [[(7 * p + 13 * i) % 300 for i in range(72)] for p in range(3)]  # two full 32-token blocks each: cached
+EXAMPLE = Path(__file__).parents[1] / "examples" / "vllm_sync_engine.py"  # the engine side
 BUCKET = 40_000  # q, k and v of one layer land in different buckets
 
 
@@ -129,8 +130,7 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{Path(__file__).parent / 'vllm_site'}:{Path(__file__).parents[1]}"}
     log = tmp_path / "engine.log"
     with open(log, "w") as out:  # a file, not a pipe: vLLM logs more than a pipe holds
-        engine = subprocess.Popen([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_sync_engine.py")), str(TIED),
-                                   socket, authkey.hex(), json.dumps(PROMPTS)], stdout=out, stderr=subprocess.STDOUT,
+        engine = subprocess.Popen([str(VLLM_PYTHON), str(EXAMPLE), str(TIED), socket, authkey.hex(), json.dumps(PROMPTS)], stdout=out, stderr=subprocess.STDOUT,
                                   cwd=tmp_path, env=env)
     try:
         old, new1, new2 = reference(TIED), reference(weights["step-1"]), reference(weights["step-2"])  # vLLM starts meanwhile

@@ -1,9 +1,11 @@
-"""Run by tests/test_weight_sync.py in the vLLM CPU venv (Python 3.11, no megatron-core): an
-in-process vLLM `LLM` on a HF directory, served to the trainer's ranks by mconv's
-`vllm_receiver.Receiver` on SOCKET, and greedy generation on request on SOCKET.gen (JSON:
-{"op": "generate"} -> {"tokens", "logprobs", "version"} for PROMPTS).
+"""The engine side of a weight sync into vLLM (docs/weight-sync.md): an in-process vLLM `LLM`
+(vLLM's CPU build here, float32) that takes a trainer's `mconv.live.sync.sync_weights` through
+mconv's `Receiver` on SOCKET, and answers generation requests on SOCKET.gen (JSON {"op":
+"generate"} -> {"tokens", "logprobs", "version"}: greedy, 8 tokens for each prompt of PROMPTS_JSON).
+Prints READY when both listen. Run with the vLLM venv's Python (no megatron-core needed), from the
+repository root or with it on PYTHONPATH; tests/test_weight_sync.py runs it.
 
-Usage: vllm_sync_engine.py HF_DIR SOCKET AUTHKEY_HEX PROMPTS_JSON
+    .venv/vllm311/bin/python examples/vllm_sync_engine.py HF_DIR SOCKET AUTHKEY_HEX PROMPTS_JSON
 """
 import json
 import os
