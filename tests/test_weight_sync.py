@@ -114,6 +114,20 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     sync_weights(chunks, TIED, engine, version="step-2", bucket_bytes=BUCKET)
     generate("step-2")
 
+    # A callable engine gets every HF tensor exactly once, bit for bit the HF file's, bucket by bucket.
+    from safetensors.torch import load_file
+    seen, indices = [], []
+
+    def take(bucket):
+        indices.append(bucket.index)
+        seen.extend((name, tensor.clone()) for name, tensor in bucket)
+    result = sync_weights(chunks, TIED, take, bucket_bytes=BUCKET)
+    if rank == 0:
+        expected = load_file(Path(weights["step-2"]) / "model.safetensors")
+        errors["callable"] = [indices == list(range(result.buckets)) and result.buckets > 5,
+                              sorted(n for n, _ in seen) == sorted(expected),
+                              all(torch.equal(t, expected[n]) for n, t in seen)]
+
     other = build_model(FIXTURES / "qwen3-tiny", Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
     refused("mismatch", lambda: sync_weights(other, FIXTURES / "qwen3-tiny", engine, version="other"))
     generate("after-mismatch")
@@ -161,6 +175,7 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
             "weight sync other refused before any bucket was sent: rank 0: the trainer's model does not match "
             "the engine's: the engine's model has no model.layers.2.input_layernorm.weight")
     assert served["after-mismatch"] == served["step-2"]
+    assert ranks[0]["errors"]["callable"] == [True, True, True]
 
 
 SGLANG = Path(__file__).parents[1] / ".sglang"
