@@ -7,6 +7,8 @@ packed tensors and SGLang's FlattenedTensorBucket read back without padding of t
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -83,4 +85,8 @@ def _views(buffer: torch.Tensor, entries: Sequence[Entry]) -> Iterator[tuple[Ent
         if entry.offset < 0 or entry.offset + entry.nbytes > buffer.numel():
             raise ValueError(f"flat bucket entry {entry.name}: bytes {entry.offset}..{entry.offset + entry.nbytes} "
                              f"outside the {buffer.numel()}-byte buffer")
-        yield entry, buffer[entry.offset:entry.offset + entry.nbytes].view(_DTYPES[entry.dtype]).view(entry.shape)
+        dtype = _DTYPES[entry.dtype]
+        if math.prod(entry.shape) * dtype.itemsize != entry.nbytes:
+            raise ValueError(f"flat bucket entry {entry.name}: {entry.nbytes} bytes do not hold {entry.dtype} "
+                             f"{list(entry.shape)}")
+        yield entry, buffer[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
