@@ -1,0 +1,8 @@
+"""Weight sync into inference engines: `sync_weights` streams a live Megatron model's HF tensors in
+flat buckets into an Engine adapter (vLLM, any callable), all ranks agreeing on the outcome; and
+the payload SGLang's `update_weights_from_tensor` reads. See docs/weight-sync.md."""
+from mconv.live.sync.core import SyncResult, sync_weights
+from mconv.live.sync.engines import CallableEngine, Engine, FlatBucket
+from mconv.live.sync.vllm import VLLMEngine
+
+__all__ = ["sync_weights", "SyncResult", "Engine", "CallableEngine", "FlatBucket", "VLLMEngine"]

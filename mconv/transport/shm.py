@@ -1,0 +1,76 @@
+"""Carrying flat buckets between a trainer's processes and an engine's process on one host: each
+bucket buffer is a file in shared memory (/dev/shm) that both sides map, so a bucket crosses as a
+path and a list of entries (the CPU counterpart of one CUDA IPC handle per bucket); control
+messages are JSON over an authenticated multiprocessing connection (no pickle)."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import tempfile
+from multiprocessing.connection import Client, Connection, Listener
+
+import torch
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+class SharedBuffer:
+    """A uint8 tensor over a shared-memory file: `create` makes one of `nbytes`, `attach` maps an
+    existing one by path. `close()` unmaps it; the creator's also removes the file."""
+
+    def __init__(self, path: str, nbytes: int, owner: bool):
+        self.path, self.nbytes, self.owner = path, nbytes, owner
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), nbytes)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, nbytes: int) -> "SharedBuffer":
+        fd, path = tempfile.mkstemp(prefix="mconv-bucket-", dir=SHM_DIR)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        return cls(path, max(nbytes, 1), owner=True)
+
+    @classmethod
+    def attach(cls, path: str) -> "SharedBuffer":
+        return cls(path, os.path.getsize(path), owner=False)
+
+    def close(self) -> None:
+        del self.tensor  # the mapping cannot close while a tensor still exports it
+        self._map.close()
+        if self.owner and os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def listen(address: str, authkey: bytes) -> Listener:
+    """The engine side's listener on a Unix socket path (or "host:port")."""
+    return Listener(_address(address), authkey=authkey)
+
+
+def connect(address: str, authkey: bytes) -> Connection:
+    return Client(_address(address), authkey=authkey)
+
+
+def _address(address: str):
+    host, _, port = address.rpartition(":")
+    return (host, int(port)) if port.isdigit() and "/" not in address else address
+
+
+def send(conn: Connection, message: dict) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def receive(conn: Connection) -> dict:
+    return json.loads(conn.recv_bytes().decode())
+
+
+def request(conn: Connection, message: dict) -> dict:
+    """Send `message`, return the reply; an engine-side error comes back as RuntimeError(its text)."""
+    send(conn, message)
+    reply = receive(conn)
+    if "error" in reply:
+        raise RuntimeError(reply["error"])
+    return reply

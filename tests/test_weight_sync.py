@@ -1,0 +1,230 @@
+"""mconv.live.sync against a real engine: vLLM's CPU build (its own Python 3.11 process, the
+oracle's generation) takes the weights of a Megatron model (gloo, CPU, TP2, tied embeddings) through
+`sync_weights`, and its greedy tokens and logprobs then equal transformers' on the same new weights
+(transformers reads them from the HF files the trainer loaded them from, not from the sync). Before
+the sync, and after a sync without the prefix-cache reset, they differ. A rank that raises
+mid-sync, and a trainer model that is not the engine's, are refused on every rank; the next sync
+works."""
+import json
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import FIXTURES
+from tests.test_lora import VLLM_PYTHON, needs_vllm
+
+TIED = FIXTURES / "qwen3-tiny-tied"
+PROMPTS = [[(7 * p + 13 * i) % 300 for i in range(72)] for p in range(3)]  # two full 32-token blocks each: cached
+EXAMPLE = Path(__file__).parents[1] / "examples" / "vllm_sync_engine.py"  # the engine side
+BUCKET = 40_000  # q, k and v of one layer land in different buckets
+
+
+def perturbed(source: Path, out: Path, seed: int) -> Path:
+    """The HF model with every matrix + 0.15 * randn and every vector * 1.1, in float32."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: (t.float() + 0.15 * torch.randn(t.shape, generator=generator) if t.dim() == 2 else t.float() * 1.1)
+               for name, t in sorted(load_file(source / "model.safetensors").items())}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((source / name).read_bytes())
+    return out
+
+
+def reference(hf_dir: Path) -> tuple[list, list]:
+    """transformers' greedy tokens and their logprobs (float32) for PROMPTS."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor(PROMPTS), max_new_tokens=8, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[:, len(PROMPTS[0]):]
+    logprobs = torch.stack([torch.log_softmax(step, -1) for step in out.logits], 1).gather(2, tokens[..., None])[..., 0]
+    return tokens.tolist(), logprobs.tolist()
+
+
+def same(served: dict, expected: tuple) -> bool:
+    tokens, logprobs = expected
+    return served["tokens"] == tokens and max(abs(a - b) for s, e in zip(served["logprobs"], logprobs)
+                                              for a, b in zip(s, e)) < 1e-4
+
+
+def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from mconv import Layout, MconvError
+    from mconv.live import build_model, load_hf_weights
+    from mconv.live.sync import VLLMEngine, core, sync_weights
+    from mconv.transport import shm
+    from tests.megatron_oracle import _cpu_shims
+
+    _cpu_shims()
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=2)
+    ps.initialize_model_parallel(2)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    chunks = build_model(TIED, Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
+    engine = VLLMEngine(socket, authkey, reset_prefix_cache=False)
+    served, errors = {}, {}
+    gen = shm.connect(socket + ".gen", authkey) if rank == 0 else None
+
+    def generate(tag):
+        if rank == 0:
+            served[tag] = shm.request(gen, {"op": "generate"})
+        dist.barrier()
+
+    def refused(tag, action):
+        try:
+            action()
+        except MconvError as e:
+            errors[tag] = str(e)
+
+    generate("before")
+    load_hf_weights(chunks, weights["step-1"])
+    sync_weights(chunks, TIED, engine, version="step-1-stale", bucket_bytes=BUCKET)
+    generate("stale")  # the prompts' cached prefix KV is the old weights'
+    engine.reset_prefix_cache = True
+    sync_weights(chunks, TIED, engine, version="step-1", bucket_bytes=BUCKET)  # a second sync in a row
+    generate("step-1")
+
+    load_hf_weights(chunks, weights["step-2"])
+    if rank == 1:  # rank 1 raises after the second bucket's collectives (rank 0 has sent bucket 1 by then)
+        original = core.iter_hf_weights
+
+        def failing(*args, **kwargs):
+            for i, bucket in enumerate(original(*args, **kwargs)):
+                if i == 1:
+                    raise RuntimeError("injected failure")
+                yield bucket
+        core.iter_hf_weights = failing
+    refused("failure", lambda: sync_weights(chunks, TIED, engine, version="step-2-broken", bucket_bytes=BUCKET))
+    if rank == 1:
+        core.iter_hf_weights = original
+    generate("failed")
+    sync_weights(chunks, TIED, engine, version="step-2", bucket_bytes=BUCKET)
+    generate("step-2")
+
+    # A callable engine gets every HF tensor exactly once, bit for bit the HF file's, bucket by bucket.
+    from safetensors.torch import load_file
+    seen, indices = [], []
+
+    def take(bucket):
+        indices.append(bucket.index)
+        seen.extend((name, tensor.clone()) for name, tensor in bucket)
+    result = sync_weights(chunks, TIED, take, bucket_bytes=BUCKET)
+    if rank == 0:
+        expected = load_file(Path(weights["step-2"]) / "model.safetensors")
+        errors["callable"] = [indices == list(range(result.buckets)) and result.buckets > 5,
+                              sorted(n for n, _ in seen) == sorted(expected),
+                              all(torch.equal(t, expected[n]) for n, t in seen)]
+
+    other = build_model(FIXTURES / "qwen3-tiny", Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
+    refused("mismatch", lambda: sync_weights(other, FIXTURES / "qwen3-tiny", engine, version="other"))
+    generate("after-mismatch")
+    engine.close()
+    (tmp / f"rank{rank}.json").write_text(json.dumps({"served": served, "errors": errors}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_generates_with_the_synced_weights(tmp_path):
+    weights = {"step-1": perturbed(TIED, tmp_path / "step-1", 1), "step-2": perturbed(TIED, tmp_path / "step-2", 2)}
+    socket, authkey = str(tmp_path / "engine.sock"), secrets.token_bytes(16)
+    env = {**os.environ, "PYTHONPATH": f"{Path(__file__).parent / 'vllm_site'}:{Path(__file__).parents[1]}"}
+    log = tmp_path / "engine.log"
+    with open(log, "w") as out:  # a file, not a pipe: vLLM logs more than a pipe holds
+        engine = subprocess.Popen([str(VLLM_PYTHON), str(EXAMPLE), str(TIED), socket, authkey.hex(), json.dumps(PROMPTS)], stdout=out, stderr=subprocess.STDOUT,
+                                  cwd=tmp_path, env=env)
+    try:
+        old, new1, new2 = reference(TIED), reference(weights["step-1"]), reference(weights["step-2"])  # vLLM starts meanwhile
+        started = time.monotonic()
+        while "\nREADY\n" not in "\n" + log.read_text():
+            assert engine.poll() is None and time.monotonic() - started < 300, log.read_text()[-3000:]
+            time.sleep(0.2)
+        mp.start_processes(_trainer, args=(tmp_path, socket, authkey, {k: str(v) for k, v in weights.items()}),
+                           nprocs=2, start_method="spawn")
+    finally:
+        engine.kill()
+        engine.wait()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    served = ranks[0]["served"]
+
+    assert same(served["before"], old) and not same(served["before"], new1)
+    assert not same(served["stale"], new1)  # no prefix-cache reset: old KV for the cached prompt blocks
+    assert same(served["step-1"], new1) and served["step-1"]["version"] == "step-1"
+
+    for rank in ranks:  # one error, the same on every rank; the engine knows the update failed
+        assert rank["errors"]["failure"] == ("weight sync step-2-broken failed; the engine was told to abort it: "
+                                             "rank 1: RuntimeError: injected failure")
+    assert served["failed"]["version"] == "failed:step-2-broken"
+    assert same(served["step-2"], new2) and served["step-2"]["version"] == "step-2"  # the next sync works
+
+    for rank in ranks:  # a 4-layer untied trainer model against the engine's 2-layer tied one: nothing sent
+        assert rank["errors"]["mismatch"].startswith(
+            "weight sync other refused before any bucket was sent: rank 0: the trainer's model does not match "
+            "the engine's: the engine's model has no model.layers.2.input_layernorm.weight")
+    assert served["after-mismatch"] == served["step-2"]
+    assert ranks[0]["errors"]["callable"] == [True, True, True]
+
+
+SGLANG = Path(__file__).parents[1] / ".sglang"
+SGLANG_READ = """
+import sys, torch
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+# As SGLang's update_weights_from_tensor(load_format="flattened_bucket") on TP rank 1 does.
+data = MultiprocessingSerializer.deserialize(open(sys.argv[1]).read().split()[1])
+metadata = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                    end_idx=m.end_idx, numel=m.numel) for m in data["metadata"]]
+tensors = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=metadata).reconstruct_tensors()
+# The receive buffer SGLang's NCCL flattened_bucket path lays out from names, dtypes and shapes alone.
+empty = FlattenedTensorBucket.empty([m.name for m in metadata], [m.dtype for m in metadata],
+                                    [m.shape for m in metadata], "cpu")
+torch.save({"tensors": {n: t.clone() for n, t in tensors},
+            "offsets": [(m.start_idx, m.end_idx) for m in empty.metadata]}, sys.argv[2])
+"""
+
+
+# Skipped only outside CI (.ci/run installs it), as the vLLM tests.
+@pytest.mark.skipif((not SGLANG.is_dir() or not VLLM_PYTHON.is_file()) and not os.environ.get("CI"),
+                    reason="no SGLang at .sglang (scripts/install-sglang.sh)")
+@pytest.mark.slow
+def test_sglang_reads_the_flattened_bucket(tmp_path):
+    """SGLang's own deserializer and FlattenedTensorBucket, in another process (Python 3.11, another
+    torch), read mconv's payload back into exactly the tensors sent, with mixed dtypes (an odd-sized
+    bfloat16 tensor first, which unpadded back-to-back packing in that order would misalign)."""
+    from mconv.live.sync.engines import FlatBucket
+    from mconv.live.sync.sglang import sglang_payload
+    from mconv.transport.flat import layout, pack
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # the reader is no child of this process
+    generator = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(63, generator=generator).bfloat16()), ("b", torch.randn(8, 64, generator=generator)),
+             ("c", torch.randn(5, 3, generator=generator).half()), ("d", torch.arange(7)),
+             ("e", torch.randn(64, 64, generator=generator).bfloat16())]
+    entries, nbytes = layout(named)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    pack(named, entries, buffer)
+    (tmp_path / "payload.txt").write_text(" ".join(sglang_payload(FlatBucket("v1", 0, buffer, entries), tp_size=2)))
+    (tmp_path / "read.py").write_text(SGLANG_READ)
+    env = {**os.environ, "PYTHONPATH": f"{SGLANG}:{Path(__file__).parent / 'vllm_site'}"}
+    done = subprocess.run([str(VLLM_PYTHON), "read.py", "payload.txt", "back.pt"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    back = torch.load(tmp_path / "back.pt")
+    assert list(back["tensors"]) == [e.name for e in entries]
+    for name, tensor in named:
+        assert back["tensors"][name].dtype == tensor.dtype and torch.equal(back["tensors"][name], tensor), name
+    assert back["offsets"] == [(e.offset, e.offset + e.nbytes) for e in entries]
