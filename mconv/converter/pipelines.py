@@ -133,15 +133,17 @@ def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer, 
     QKV, GLU fc1, whole tensors), as `torch_save.FileRange`s, else rows read into `memory` about
     WINDOW_BYTES at a time (each valid until the next is asked for: reused memory, no fresh pages,
     never a whole large tensor), the vocabulary padding as zeros. A shard split along another
-    dimension (row-parallel at TP > 1) is built whole, in one window. With `cast`, every window is
+    dimension (row-parallel at TP > 1), or whose values differ from the HF ones (`ShardLayout.offset`),
+    is built whole, in one window. With `cast`, every window is
     torch's cast of the HF rows to that dtype (no file ranges then, but for tensors already in it),
     refused where it turns finite values into inf (transforms.check_cast)."""
     layout, shapes = task.shard, [ckpt.tensors[name].shape for name in task.hf]
     dtype, shape = _shard_dtype(task, ckpt, cast), layout.shape(shapes)
     first = layout.pieces[0]
     start, stop = rows or (0, shape[0] if shape else 1)
-    if layout.dim != 0:
-        if len(layout.pieces) > 1 or layout.pad or first.start or first.stop != shapes[first.source][layout.dim]:
+    if layout.dim != 0 or layout.offset:
+        if (len(layout.pieces) > 1 or layout.pad or first.start or first.stop != shapes[first.source][layout.dim]
+                or layout.offset):
             whole = split(layout, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b)).narrow(0, start, stop - start)
             yield checked_cast(", ".join(task.hf), whole, dtype)
             return
@@ -379,7 +381,8 @@ def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], dtype_of, first
     destination) reads that build the HF tensors in place (`views`: the HF tensors, or rows from
     `first` on of one of them); None otherwise (pieces along another dimension to merge, a cast,
     shards of another dtype: `merge` and its checks)."""
-    if any(not view.dim() or view.dtype != dtype_of(source) for view in views.values() for source in task.sources):
+    if any(not view.dim() or view.dtype != dtype_of(source) or source.shard.offset
+           for view in views.values() for source in task.sources):
         return None
     if not all(_by_rows(task, source) for source in task.sources):
         return None

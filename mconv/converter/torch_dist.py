@@ -111,6 +111,8 @@ def _key(task: TensorTask, plan: Plan, stacked: bool) -> tuple[str, tuple[int, .
     rule, dims = task.rule, plan.dims
     template, offsets, counts = rule.megatron, [], []
     index = _indexes(template, task.megatron)  # one TP1 chunk: layer and expert indexes are global
+    if plan.arch.torch_dist.te_names and rule.te and "{expert}" not in rule.te:
+        template = rule.te
     layer, expert = index.get("layer"), index.get("expert")
     if rule.per_layer:
         head, rest = template.split("{layer}.", 1)

@@ -52,12 +52,15 @@ class DistKeys:
     """How a torch_dist checkpoint names an architecture's tensors, beyond the conventions of every
     megatron-core model (converter/torch_dist.py): `keys_map` is the layer spec's
     `sharded_state_dict_keys_map` (a local-spec name prefix inside a decoder layer -> its key prefix,
-    the first match applies); `per_layer` says the decoder layers differ from each other, so their keys
+    the first match applies); `te_names` says the keys are the rules' Transformer Engine names instead
+    (a model megatron-core builds with TE only), routed experts excepted (SequentialMLP's keys, which
+    TE's grouped experts share); `per_layer` says the decoder layers differ from each other, so their keys
     are always per layer (`decoder.layers.{i}.`), never stacked; `check(dims)` raises MconvError for
     a model the trainer's Megatron model class cannot build (so no checkpoint of it can be loaded)."""
 
     keys_map: tuple[tuple[str, str], ...] = ()
     per_layer: bool = False
+    te_names: bool = False
     check: Callable[[SimpleNamespace], None] | None = None
 
 
