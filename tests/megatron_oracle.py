@@ -24,6 +24,7 @@ import io
 import json
 import math
 import os
+import re
 import socket
 import tempfile
 import sys
@@ -299,7 +300,10 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
     if run.same_as is not None:
         for v, model in enumerate(chunks):
             theirs = {n: t for n, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
-            ours = {n: t for n, t in _rank_state(run.same_as, run, v).items() if isinstance(t, torch.Tensor)}
+            # TE's grouped experts' `linear_fcN.weight{e}` is SequentialMLP's `local_experts.{e}.linear_fcN.weight`
+            # (one torch_dist key, `experts.experts.linear_fcN.weight`, for both).
+            ours = {re.sub(r"experts\.(linear_fc[12])\.weight(\d+)$", r"experts.local_experts.\2.\1.weight", n): t
+                    for n, t in _rank_state(run.same_as, run, v).items() if isinstance(t, torch.Tensor)}
             assert ours.keys() == theirs.keys(), (ours.keys() ^ theirs.keys())
             for name, tensor in ours.items():
                 assert tensor.shape == theirs[name].shape and torch.equal(tensor.to(theirs[name].dtype),

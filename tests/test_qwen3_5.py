@@ -21,12 +21,28 @@ def qwen3_5_dir(tmp_path_factory):
     return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5") / "hf", seed=7)
 
 
+@pytest.fixture(scope="session")
+def qwen3_5_moe_dir(tmp_path_factory):
+    """Qwen3.5-MoE with its experts fused, as the official checkpoints hold them."""
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe") / "hf", seed=8, moe=True, fused_experts=True)
+
+
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2), "te", "torch"), (dict(tp=2, pp=2), "local", "torch"),
                                             (dict(tp=2), "local", "torch_dist")])
 def test_round_trip_is_bit_identical(tmp_path, qwen3_5_dir, sizes, spec, fmt):
-    hf2mcore(qwen3_5_dir, tmp_path / "megatron", Layout(**sizes), spec=spec, fmt=fmt, progress=False)
+    round_trip(tmp_path, qwen3_5_dir, sizes, spec, fmt)
+
+
+@pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2, ep=2), "te", "torch"), (dict(ep=2, pp=2), "local", "torch"),
+                                            (dict(tp=2, ep=2), "local", "torch_dist")])
+def test_moe_round_trip_is_bit_identical(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt):
+    round_trip(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt)
+
+
+def round_trip(tmp_path, hf_dir, sizes, spec, fmt):
+    hf2mcore(hf_dir, tmp_path / "megatron", Layout(**sizes), spec=spec, fmt=fmt, progress=False)
     mcore2hf(tmp_path / "megatron", tmp_path / "back", progress=False)
-    assert_hf_bits_equal(hf_tensors(qwen3_5_dir), tmp_path / "back")
+    assert_hf_bits_equal(hf_tensors(hf_dir), tmp_path / "back")
 
 
 def megatron_forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
@@ -43,8 +59,11 @@ def megatron_forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_megatron_core_forward_matches_transformers(tmp_path, qwen3_5_dir, monkeypatch):
+@pytest.mark.parametrize("model,sizes", [("qwen3_5_dir", dict(tp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1))],
+                         ids=["dense-tp2", "moe-tp2-ep2"])
+def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
-    ours = megatron_forward(tmp_path, qwen3_5_dir, dict(tp=2))
-    reference = hf_logits(qwen3_5_dir, TOKENS)
+    hf_dir = request.getfixturevalue(model)
+    ours = megatron_forward(tmp_path, hf_dir, sizes)
+    reference = hf_logits(hf_dir, TOKENS)
     assert (ours - reference).abs().max().item() < 1e-4

@@ -44,7 +44,8 @@ def check_orientation(value: str, option: str) -> str:
 
 
 def expert_orientation_for(arch, value: str | None, option: str) -> str | None:
-    """The orientation `arch`'s stacked HF experts are written in: `value`, "4.x" when None; None for
+    """The orientation `arch`'s stacked HF experts are written in: `value`, the architecture's default
+    (`Architecture.expert_orientations`, "4.x" but for Qwen3.5) when None; None for
     architectures whose HF checkpoints keep experts per expert. MconvError for an unknown `value`, or
     a `value` given for such an architecture (an option that does not apply is refused, not ignored)."""
     if value is not None:
@@ -54,7 +55,10 @@ def expert_orientation_for(arch, value: str | None, option: str) -> str | None:
             raise MconvError(f"{option} applies to stacked HF experts (Qwen3-VL-MoE); " + (
                 f"{arch.name} checkpoints keep their experts per expert" if experts else
                 f"{arch.name} has no experts"))
-    return (value or "4.x") if arch.stacked_experts else None
+        if value not in arch.expert_orientations:
+            raise MconvError(f"{option} {value}: transformers loads {arch.name}'s stacked experts only in the "
+                             f"{' or '.join(arch.expert_orientations)} orientation")
+    return (value or arch.expert_orientations[0]) if arch.stacked_experts else None
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from mconv.converter.options import option
-from mconv.converter.transforms import COLUMN, GATED_QKV, REPLICATED, ROW, SECTIONED, ZERO_CENTRED
+from mconv.converter.transforms import COLUMN, GATED_QKV, GLU, REPLICATED, ROW, SECTIONED, ZERO_CENTRED
 from mconv.errors import MconvError
-from mconv.mappings import qwen3
+from mconv.mappings import qwen3, qwen3_moe
 from mconv.mappings.common import config_value
 from mconv.mappings.qwen3 import DENSE_MLP, EMBEDDING_AND_OUTPUT, H, L
 from mconv.mappings.schema import Architecture, DistKeys, Rule, extra_state, linear
@@ -138,3 +138,39 @@ NEEDS_BRIDGE = ("megatron-core builds gated delta-net layers only with Transform
 QWEN3_5 = Architecture("Qwen3_5ForCausalLM", dims, EMBEDDING_AND_OUTPUT + GDN + GATED_ATTENTION + DENSE_MLP,
                        megatron_args, model_type="qwen3_5_text", check_layout=check_layout, torch_dist=DIST_KEYS,
                        needs_bridge=NEEDS_BRIDGE)
+
+
+def moe_dims(config: dict) -> SimpleNamespace:
+    """transformers' `Qwen3_5MoeTextConfig`: 2 KV heads by default, every layer MoE (no
+    `mlp_only_layers`), the router always renormalising its top-k weights, a gated shared expert."""
+    moe_ffn = config_value(config, "moe_intermediate_size")
+    d = dims({**config, "intermediate_size": config.get("intermediate_size", moe_ffn)}, groups=2)
+    d.experts = config.get("num_local_experts") or config_value(config, "num_experts")
+    d.moe_ffn, d.top_k = moe_ffn, config_value(config, "num_experts_per_tok")
+    d.shared_ffn = config_value(config, "shared_expert_intermediate_size")
+    d.norm_topk_prob, d.moe_layers = True, frozenset(range(d.layers))
+    return d
+
+
+def moe_megatron_args(d: SimpleNamespace) -> dict:
+    return dict(megatron_args(d, qwen3_moe.megatron_args), moe_shared_expert_intermediate_size=d.shared_ffn,
+                moe_shared_expert_gate=True)
+
+
+SHARED_EXPERT = (
+    *linear(L + "mlp.shared_experts.linear_fc1", {H + "mlp.shared_expert.gate_proj.weight": "shared_ffn hidden",
+                                                  H + "mlp.shared_expert.up_proj.weight": "shared_ffn hidden"},
+            GLU, when=qwen3_moe.moe),
+    *linear(L + "mlp.shared_experts.linear_fc2", {H + "mlp.shared_expert.down_proj.weight": "hidden shared_ffn"},
+            ROW, when=qwen3_moe.moe),
+    # SharedExpertMLP's sigmoid gate: a bare [1, hidden] parameter, whole on every TP rank.
+    Rule(L + "mlp.shared_experts.gate_weight", {H + "mlp.shared_expert_gate.weight": "1 hidden"}, REPLICATED,
+         when=qwen3_moe.moe),
+)
+# The official checkpoints hold the routed experts fused, `gate_up_proj [E, 2I, h]` (transformers
+# 5.x's orientation; transformers refuses the transposed one for this model).
+QWEN3_5_MOE = Architecture("Qwen3_5MoeForCausalLM", moe_dims,
+                           EMBEDDING_AND_OUTPUT + GDN + GATED_ATTENTION + qwen3_moe.MOE_MLP + SHARED_EXPERT,
+                           moe_megatron_args, model_type="qwen3_5_moe_text", check_layout=check_layout,
+                           stacked_experts=True, expert_orientations=("5.x",), torch_dist=DIST_KEYS,
+                           needs_bridge=NEEDS_BRIDGE)

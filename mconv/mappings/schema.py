@@ -82,6 +82,9 @@ class Architecture:
     # HF keeps routed experts stacked (`mlp.experts.gate_up_proj` / `down_proj`, transformers'
     # Qwen3-VL-MoE): the table names them per expert and the HF writer stacks them.
     stacked_experts: bool = False
+    # The orientations (hf_io.ORIENTATIONS) transformers loads stacked experts of this model in, the
+    # default first.
+    expert_orientations: tuple[str, ...] = ("4.x", "5.x")
     # config.json as mcore2hf writes it, from the model's config and the converted model's dims (e.g.
     # with the keys of both transformers 4.x and 5.x, or without the layers the checkpoint lacks).
     hf_config: Callable[[dict, SimpleNamespace], dict] = field(default=lambda config, d: config)
