@@ -1,4 +1,4 @@
-"""Qwen3.5 text (`Qwen3_5ForCausalLM`): round trips, and the oracle: megatron-core's own GPTModel with
+"""Qwen3.5 text (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) and Qwen3-Next: round trips, and the oracle: megatron-core's own GPTModel with
 its GatedDeltaNet and gated attention (tests/qwen3_5_oracle.py), built from the args hf2mcore stores,
 loads what hf2mcore writes (strict) and gives transformers' logits."""
 from __future__ import annotations
@@ -27,6 +27,11 @@ def qwen3_5_moe_dir(tmp_path_factory):
     return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe") / "hf", seed=8, moe=True, fused_experts=True)
 
 
+@pytest.fixture(scope="session")
+def qwen3_next_dir(tmp_path_factory):
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_next") / "hf", seed=9, next=True)
+
+
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2), "te", "torch"), (dict(tp=2, pp=2), "local", "torch"),
                                             (dict(tp=2), "local", "torch_dist")])
 def test_round_trip_is_bit_identical(tmp_path, qwen3_5_dir, sizes, spec, fmt):
@@ -37,6 +42,11 @@ def test_round_trip_is_bit_identical(tmp_path, qwen3_5_dir, sizes, spec, fmt):
                                             (dict(tp=2, ep=2), "local", "torch_dist")])
 def test_moe_round_trip_is_bit_identical(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt):
     round_trip(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt)
+
+
+@pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2, ep=2, pp=2), "te", "torch"), (dict(), "local", "torch_dist")])
+def test_next_round_trip_is_bit_identical(tmp_path, qwen3_next_dir, sizes, spec, fmt):
+    round_trip(tmp_path, qwen3_next_dir, sizes, spec, fmt)
 
 
 def round_trip(tmp_path, hf_dir, sizes, spec, fmt):
@@ -59,8 +69,9 @@ def megatron_forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,sizes", [("qwen3_5_dir", dict(tp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1))],
-                         ids=["dense-tp2", "moe-tp2-ep2"])
+@pytest.mark.parametrize("model,sizes", [("qwen3_5_dir", dict(tp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
+                                         ("qwen3_next_dir", dict(tp=2, ep=2, etp=1))],
+                         ids=["dense-tp2", "moe-tp2-ep2", "next-tp2-ep2"])
 def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
     hf_dir = request.getfixturevalue(model)

@@ -38,6 +38,7 @@ class ShardLayout:
     # Megatron's value is the HF value plus this (a plain norm weight w kept as a zero-centred
     # norm's w - 1): the pieces are then built in memory, never copied as bytes.
     offset: float = 0.0
+    sections: tuple[int, ...] = ()  # a sectioned kind's sections, their lengths along dim in order
 
     def shape(self, hf_shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
         shape = list(hf_shapes[self.pieces[0].source])
@@ -108,18 +109,19 @@ def _sectioned(shapes, rank, size, params) -> ShardLayout:
     # [groups x [s0; s1; ...]]. Megatron's section s is then that section of every group in order,
     # split on its own: at TP rank r, the rows [r/size, (r+1)/size) of it, as pieces of the groups.
     sections = params.get("sections") or [(1, (shape[0],)) for shape in shapes]
-    pieces = []
+    pieces, spans = [], []
     for i, (groups, lengths) in enumerate(sections):
         block = sum(lengths)
         for s, length in enumerate(lengths):
             lo, hi = _even_range(params["name"], groups * length, rank, size)
+            spans.append(hi - lo)
             while lo < hi:  # the rows of section s in groups lo // length .. (hi - 1) // length
                 group, within = divmod(lo, length)
                 step = min(hi - lo, length - within)
                 start = group * block + sum(lengths[:s]) + within
                 pieces.append(Piece(i, start, start + step))
                 lo += step
-    return ShardLayout(0, tuple(pieces))
+    return ShardLayout(0, tuple(pieces), sections=tuple(spans))
 
 
 def _qkv(shapes, rank, size, params) -> ShardLayout:

@@ -174,3 +174,28 @@ QWEN3_5_MOE = Architecture("Qwen3_5MoeForCausalLM", moe_dims,
                            moe_megatron_args, model_type="qwen3_5_moe_text", check_layout=check_layout,
                            stacked_experts=True, expert_orientations=("5.x",), torch_dist=DIST_KEYS,
                            needs_bridge=NEEDS_BRIDGE)
+
+
+def next_dims(config: dict) -> SimpleNamespace:
+    """transformers' `Qwen3NextConfig`: Qwen3.5-MoE's dimensions (2 KV heads by default), dense MLP
+    layers where `mlp_only_layers` / `decoder_sparse_step` say, the router renormalising its top-k
+    weights iff `norm_topk_prob` (default true); `in_proj_qkvz` / `in_proj_ba` grouped by key head."""
+    d = dims(config, groups=2)
+    d.experts = config.get("num_local_experts") or config_value(config, "num_experts")
+    d.moe_ffn, d.top_k = config_value(config, "moe_intermediate_size"), config_value(config, "num_experts_per_tok")
+    d.shared_ffn = config_value(config, "shared_expert_intermediate_size")
+    d.norm_topk_prob = bool(config.get("norm_topk_prob", True))
+    step, dense_layers = config.get("decoder_sparse_step", 1) or 1, set(config.get("mlp_only_layers") or [])
+    d.moe_layers = frozenset(i for i in range(d.layers) if i not in dense_layers and (i + 1) % step == 0)
+    # One key head's group of in_proj_qkvz holds its value heads' rows: r = value heads / key heads.
+    d.group_values, d.group_v_rows = d.value_heads // d.key_heads, d.vd // d.key_heads
+    return d
+
+
+# Qwen3-Next's spelling of the same six sections: per key head g, [q_g; k_g; v_g; z_g] and [b_g; a_g].
+NEXT_GDN = gated_delta_net({HA + "in_proj_qkvz.weight": "key_heads*(key_dim+key_dim+group_v_rows+group_v_rows) hidden",
+                            HA + "in_proj_ba.weight": "key_heads*(group_values+group_values) hidden"})
+QWEN3_NEXT = Architecture("Qwen3NextForCausalLM", next_dims,
+                          EMBEDDING_AND_OUTPUT + NEXT_GDN + GATED_ATTENTION + DENSE_MLP + qwen3_moe.MOE_MLP
+                          + SHARED_EXPERT, moe_megatron_args, model_type="qwen3_next", check_layout=check_layout,
+                          torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE)
