@@ -3,11 +3,16 @@ its GatedDeltaNet and gated attention (tests/qwen3_5_oracle.py), built from the 
 loads what hf2mcore writes (strict) and gives transformers' logits."""
 from __future__ import annotations
 
+import json
+import re
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from fixtures.make_fixtures import make_qwen3_5
-from mconv import Layout, hf2mcore, mcore2hf
+from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from tests.conftest import assert_hf_bits_equal, hf_tensors
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
 from tests.qwen3_5_oracle import block_spec
@@ -78,3 +83,32 @@ def test_megatron_core_forward_matches_transformers(tmp_path, request, model, si
     ours = megatron_forward(tmp_path, hf_dir, sizes)
     reference = hf_logits(hf_dir, TOKENS)
     assert (ours - reference).abs().max().item() < 1e-4
+
+
+def _with_config(tmp_path, hf_dir, **changes):
+    copy = shutil.copytree(hf_dir, tmp_path / "hf")
+    (copy / "config.json").write_text(json.dumps({**read_config(hf_dir), **changes}))
+    return copy
+
+
+@pytest.mark.parametrize("changes,sizes,message", [
+    (dict(linear_num_value_heads=5), dict(), "linear_num_value_heads=5 is not a multiple of linear_num_key_heads=2"),
+    (dict(linear_num_key_heads=1), dict(tp=2), "linear_num_key_heads=1 is not divisible by tp=2"),
+    (dict(layer_types=["linear_attention"] * 3), dict(), "layer_types must give one of"),
+], ids=["value-heads", "tp", "layer-types"])
+def test_bad_config_is_refused_in_one_sentence(tmp_path, qwen3_5_dir, changes, sizes, message):
+    hf_dir = _with_config(tmp_path, qwen3_5_dir, **changes)
+    with pytest.raises(MconvError, match=re.escape(message)):
+        hf2mcore(hf_dir, tmp_path / "out", Layout(**sizes), fmt="torch", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_transposed_fused_experts_are_refused(tmp_path, qwen3_5_moe_dir):
+    """transformers refuses Qwen3.5-MoE experts stacked as [E, h, 2I] (4.x's orientation); so does hf2mcore."""
+    hf_dir = shutil.copytree(qwen3_5_moe_dir, tmp_path / "hf")
+    tensors = load_file(hf_dir / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MconvError, match=r"stacked experts model\.layers\.0\.mlp\.experts\.\w+ are transposed"):
+        hf2mcore(hf_dir, tmp_path / "out", Layout(), fmt="torch", progress=False)

@@ -17,7 +17,7 @@ from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist, torch_dist_io, torch_save
 from mconv.converter.adapter_dir import compare_adapters, is_adapter
 from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for, refuse_quantized,
-                                   tensor_difference, write_config_dtype, write_hf_config)
+                                   stacked_expert, tensor_difference, write_config_dtype, write_hf_config)
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout
@@ -86,6 +86,11 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
         if ckpt.tensors[name].shape != shape:
             raise MconvError(f"{ckpt.dir / ckpt.tensors[name].file}: tensor {name} has shape "
                              f"{list(ckpt.tensors[name].shape)}, but config.json implies {list(shape)}")
+        if ckpt.tensors[name].transposed_stride and "4.x" not in plan.arch.expert_orientations:
+            stacked = stacked_expert(name)[0]
+            raise MconvError(f"{ckpt.dir / ckpt.tensors[name].file}: the stacked experts {stacked} are transposed "
+                             f"(transformers 4.x's [E, in, out]), which transformers refuses for {plan.arch.name}: "
+                             "store them as [E, out, in]")
     notes = []
     for name, info in ckpt.tensors.items():
         if name in expected or name.startswith(tuple(held)):
