@@ -74,9 +74,11 @@ def megatron_forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,sizes", [("qwen3_5_dir", dict(tp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
+# Delta-net sections at TP2 in the MoE runs; the dense run splits the two layer kinds over two stages,
+# where each stage numbers its layers from 0 and the kind follows the global index.
+@pytest.mark.parametrize("model,sizes", [("qwen3_5_dir", dict(pp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
                                          ("qwen3_next_dir", dict(tp=2, ep=2, etp=1))],
-                         ids=["dense-tp2", "moe-tp2-ep2", "next-tp2-ep2"])
+                         ids=["dense-pp2", "moe-tp2-ep2", "next-tp2-ep2"])
 def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
     hf_dir = request.getfixturevalue(model)
@@ -112,3 +114,12 @@ def test_transposed_fused_experts_are_refused(tmp_path, qwen3_5_moe_dir):
     save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(MconvError, match=r"stacked experts model\.layers\.0\.mlp\.experts\.\w+ are transposed"):
         hf2mcore(hf_dir, tmp_path / "out", Layout(), fmt="torch", progress=False)
+
+
+def test_layer_kinds_from_full_attention_interval():
+    """A config.json with `full_attention_interval` and no `layer_types` (transformers fills them in)."""
+    from mconv.mappings.qwen3_5 import layer_types
+
+    config = {"num_hidden_layers": 8, "full_attention_interval": 4}
+    assert layer_types(config) == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert layer_types({"num_hidden_layers": 4}) == ["linear_attention"] * 3 + ["full_attention"]  # default 4
