@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from fixtures.make_fixtures import make_qwen3_5
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
-from tests.conftest import assert_hf_bits_equal, hf_tensors
+from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
 from tests.qwen3_5_oracle import block_spec
 from tests.test_oracle_megatron import stored_args
@@ -22,8 +22,8 @@ TOKENS = list(range(3, 283, 4))  # 70 tokens: more than one 64-token chunk of th
 
 
 @pytest.fixture(scope="session")
-def qwen3_5_dir(tmp_path_factory):
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5") / "hf", seed=7)
+def qwen3_5_dir():
+    return FIXTURES / "qwen3-5-tiny"  # fixtures/make_fixtures.py's make_qwen3_5 (the docs convert it)
 
 
 @pytest.fixture(scope="session")
