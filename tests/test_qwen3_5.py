@@ -49,6 +49,13 @@ def test_moe_round_trip_is_bit_identical(tmp_path, qwen3_5_moe_dir, sizes, spec,
     round_trip(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt)
 
 
+def test_per_expert_moe_comes_back_per_expert(tmp_path):
+    """Experts as transformers' save_pretrained writes them come back in that form (fused ones fused)."""
+    hf_dir = make_qwen3_5(tmp_path / "hf", seed=8, moe=True, num_hidden_layers=2,
+                          layer_types=["linear_attention", "full_attention"])
+    round_trip(tmp_path, hf_dir, dict(tp=2, ep=2), "te", "torch")
+
+
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2, ep=2, pp=2), "te", "torch"), (dict(), "local", "torch_dist")])
 def test_next_round_trip_is_bit_identical(tmp_path, qwen3_next_dir, sizes, spec, fmt):
     round_trip(tmp_path, qwen3_next_dir, sizes, spec, fmt)

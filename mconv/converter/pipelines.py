@@ -328,7 +328,9 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
         mio.write_metadata(staging, {"mconv_version": __version__, "architecture": arch.name, "spec": spec,
                                      "format": fmt, "layout": layout.to_dict(),
-                                     "dtype": str(dtype).removeprefix("torch.")})
+                                     "dtype": str(dtype).removeprefix("torch."),
+                                     **({"hf_experts": "stacked" if ckpt.stacked else "per_expert"}
+                                        if arch.experts_as_input else {})})
 
     out = output_path(out_dir)
     team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
@@ -495,6 +497,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     `dtype` (`torch_dtype`) names the dtype written (the one holding most bytes, if mixed).
     `expert_orientation` ("4.x", the default, or "5.x") is that of stacked HF experts (Qwen3-VL-MoE), see
     hf_io.ORIENTATIONS; MconvError if given for a model whose HF checkpoints keep experts per expert.
+    Qwen3.5-MoE's are written "5.x" (the only one transformers loads), or per expert where hf2mcore's
+    input had them so and no `expert_orientation` is given.
     `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB")."""
     dtype, workers, max_shard_bytes = torch_dtype(dtype), check_count(workers, "workers"), shard_bytes(max_shard_bytes)
     check_revision(revision, hf_config)
@@ -503,6 +507,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     ckpt = open_checkpoint(ckpt_dir, hf_config)
     arch = ckpt.plan.arch
     stack = expert_orientation_for(arch, expert_orientation, option("expert_orientation"))
+    if arch.experts_as_input and expert_orientation is None and ckpt.metadata.get("hf_experts") == "per_expert":
+        stack = None  # as hf2mcore's input had them
     exports = ckpt.plan.exports()
     inputs = (ckpt.location.save_dir, ckpt.config_dir)
     out = output_path(out_dir)

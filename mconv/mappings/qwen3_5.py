@@ -168,11 +168,13 @@ SHARED_EXPERT = (
          when=qwen3_moe.moe),
 )
 # The official checkpoints hold the routed experts fused, `gate_up_proj [E, 2I, h]` (transformers
-# 5.x's orientation; transformers refuses the transposed one for this model).
+# 5.x's orientation; transformers refuses the transposed one for this model); `save_pretrained` writes
+# them per expert. transformers loads both: mcore2hf writes the form hf2mcore read.
 QWEN3_5_MOE = Architecture("Qwen3_5MoeForCausalLM", moe_dims,
                            EMBEDDING_AND_OUTPUT + GDN + GATED_ATTENTION + qwen3_moe.MOE_MLP + SHARED_EXPERT,
                            moe_megatron_args, model_type="qwen3_5_moe_text", check_layout=check_layout,
-                           stacked_experts=True, expert_orientations=("5.x",), torch_dist=DIST_KEYS,
+                           stacked_experts=True, expert_orientations=("5.x",), experts_as_input=True,
+                           torch_dist=DIST_KEYS,
                            needs_bridge=NEEDS_BRIDGE)
 
 

@@ -85,6 +85,9 @@ class Architecture:
     # The orientations (hf_io.ORIENTATIONS) transformers loads stacked experts of this model in, the
     # default first.
     expert_orientations: tuple[str, ...] = ("4.x", "5.x")
+    # transformers loads this model's experts stacked or per expert alike: mcore2hf writes them in the
+    # form hf2mcore's input had (mconv.json's `hf_experts`), stacked by default.
+    experts_as_input: bool = False
     # config.json as mcore2hf writes it, from the model's config and the converted model's dims (e.g.
     # with the keys of both transformers 4.x and 5.x, or without the layers the checkpoint lacks).
     hf_config: Callable[[dict, SimpleNamespace], dict] = field(default=lambda config, d: config)
