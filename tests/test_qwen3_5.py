@@ -130,3 +130,12 @@ def test_layer_kinds_from_full_attention_interval():
     config = {"num_hidden_layers": 8, "full_attention_interval": 4}
     assert layer_types(config) == (["linear_attention"] * 3 + ["full_attention"]) * 2
     assert layer_types({"num_hidden_layers": 4}) == ["linear_attention"] * 3 + ["full_attention"]  # default 4
+
+
+def test_a_missing_section_is_named(tmp_path, qwen3_5_dir):
+    hf_dir = shutil.copytree(qwen3_5_dir, tmp_path / "hf")
+    tensors = load_file(hf_dir / "model.safetensors")
+    del tensors["model.layers.1.linear_attn.in_proj_z.weight"]
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MconvError, match=r"tensor model\.layers\.1\.linear_attn\.in_proj_z\.weight is missing"):
+        hf2mcore(hf_dir, tmp_path / "out", Layout(tp=2), fmt="torch", progress=False)
