@@ -61,6 +61,14 @@ def test_next_round_trip_is_bit_identical(tmp_path, qwen3_next_dir, sizes, spec,
     round_trip(tmp_path, qwen3_next_dir, sizes, spec, fmt)
 
 
+@pytest.mark.parametrize("moe,sizes", [(False, dict(tp=2, pp=2)), (True, dict(tp=2, ep=2))], ids=["dense", "moe"])
+def test_vl_round_trip_is_bit_identical(tmp_path, moe, sizes):
+    """Qwen3.5-VL: Qwen3-VL's vision tower (its rules, proven by tests/test_qwen3_vl_oracle.py) without
+    deepstack, and the Qwen3.5 language model."""
+    hf_dir = make_qwen3_5(tmp_path / "hf", seed=10, vl=True, moe=moe, fused_experts=moe)
+    round_trip(tmp_path, hf_dir, sizes, "te", "torch")
+
+
 def round_trip(tmp_path, hf_dir, sizes, spec, fmt):
     hf2mcore(hf_dir, tmp_path / "megatron", Layout(**sizes), spec=spec, fmt=fmt, progress=False)
     mcore2hf(tmp_path / "megatron", tmp_path / "back", progress=False)
