@@ -24,12 +24,14 @@ import io
 import json
 import math
 import os
+import re
 import socket
 import tempfile
 import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -56,6 +58,12 @@ class MegatronRun:
     live_out: Path | None = None  # then, after the forward, iter_hf_weights / save_hf_weights into this
     live_quantize: str | None = None  # their `quantize` (the gather_pp and refused-cast checks stay unquantized)
     args: argparse.Namespace | None = None  # Megatron-LM's validated args: build the model from them
+    # (config, vp_stage) -> the decoder block spec, instead of megatron-core's local GPT spec (a
+    # top-level function: it reaches the spawned workers by pickling)
+    block_spec: Callable | None = None
+    # A legacy checkpoint of this layout whose rank files must hold exactly the tensors loaded from
+    # `checkpoint` (a torch_dist one, resharded by megatron-core)
+    same_as: Path | None = None
 
     @property
     def world(self) -> int:
@@ -162,8 +170,9 @@ def megatron_lm_args(argv: list[str], world: int = 1, overlay: dict | None = Non
 
 
 # Args a CPU oracle run sets whatever the checkpoint stores: float32 compute (the bf16 weights
-# are exact in it), CPU initialisation, no fused GPU kernels, the allgather dispatcher and no auxiliary loss.
-CPU_RUN_ARGS = dict(bf16=False, fp16=False, use_cpu_initialization=True, moe_token_dispatcher_type="allgather",
+# are exact in it), CPU initialisation, no fused GPU kernels (nor grouped GEMM experts: SequentialMLP), the
+# allgather dispatcher and no auxiliary loss.
+CPU_RUN_ARGS = dict(bf16=False, fp16=False, use_cpu_initialization=True, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
                     moe_aux_loss_coeff=0.0, init_method_std=0.2, apply_rope_fusion=False, masked_softmax_fusion=False,
                     bias_swiglu_fusion=False, gradient_accumulation_fusion=False, no_persist_layer_norm=True)
 
@@ -238,7 +247,6 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
-    from megatron.training.checkpointing import get_checkpoint_name
 
     ps.initialize_model_parallel(run.tp, run.pp, run.vpp if run.vpp > 1 else None,
                                  expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.etp)
@@ -255,8 +263,9 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
     chunks = []
     for v in range(run.vpp):
         torch.manual_seed(1234)  # random init must agree across the ranks that replicate a tensor
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                          qk_l2_norm=False, vp_stage=v)
+        spec = (run.block_spec(config, v) if run.block_spec is not None else
+                get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                           qk_l2_norm=False, vp_stage=v))
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=run.padded_vocab,
                          max_sequence_length=run.hf_config["max_position_embeddings"],
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
@@ -287,13 +296,19 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
             loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))
             model.load_state_dict(loaded["model"], strict=True)
     else:
-        tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
-        release = tracker == "release"
-        path = get_checkpoint_name(str(run.checkpoint), 0 if release else int(tracker), release,
-                                   expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
-        state = load_rank_file(path, map_location="cpu")
         for v, model in enumerate(chunks):
-            model.load_state_dict(state["model"] if run.vpp == 1 else state[f"model{v}"], strict=True)
+            model.load_state_dict(_rank_state(run.checkpoint, run, v), strict=True)
+    if run.same_as is not None:
+        for v, model in enumerate(chunks):
+            theirs = {n: t for n, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+            # TE's grouped experts' `linear_fcN.weight{e}` is SequentialMLP's `local_experts.{e}.linear_fcN.weight`
+            # (one torch_dist key, `experts.experts.linear_fcN.weight`, for both).
+            ours = {re.sub(r"experts\.(linear_fc[12])\.weight(\d+)$", r"experts.local_experts.\2.\1.weight", n): t
+                    for n, t in _rank_state(run.same_as, run, v).items() if isinstance(t, torch.Tensor)}
+            assert ours.keys() == theirs.keys(), (ours.keys() ^ theirs.keys())
+            for name, tensor in ours.items():
+                assert tensor.shape == theirs[name].shape and torch.equal(tensor.to(theirs[name].dtype),
+                                                                         theirs[name]), name
 
     forward_logits(chunks, run, config.hidden_size, out)
     if run.live_out is not None:
@@ -321,6 +336,19 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         save_hf_weights(chunks, run.live_out / "saved", run.live_hf, max_shard_bytes=100_000, quantize=run.live_quantize)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _rank_state(checkpoint: Path, run: MegatronRun, v: int) -> dict:
+    """Model chunk `v` of this rank's legacy rank file, found with Megatron-LM's `get_checkpoint_name`."""
+    from megatron.core import parallel_state as ps
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    tracker = (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
+    release = tracker == "release"
+    path = get_checkpoint_name(str(checkpoint), 0 if release else int(tracker), release,
+                               expert_parallel=run.ep > 1, expert_rank=ps.get_expert_model_parallel_rank())
+    state = load_rank_file(path, map_location="cpu")
+    return state["model"] if run.vpp == 1 else state[f"model{v}"]
 
 
 def megatron_logits(run: MegatronRun, workdir: Path) -> torch.Tensor:

@@ -41,15 +41,17 @@ ORIENTATIONS = ("4.x", "5.x")  # "4.x": [E, in, out], which transformers 4.57 an
 
 
 def expert_orientation_for(arch, dims, value: str | None) -> str | None:
-    """The orientation `arch`'s stacked HF experts are written in: `value`, else "4.x", which
-    transformers 4.57 and 5.x both load; None for architectures whose HF checkpoints keep experts per
-    expert. `dims`: the model's (planner.model_dims). MconvError for an unknown `value`, a `value` given
-    for such an architecture (an option that does not apply is refused, not ignored), and no `value`
-    where a stacked tensor is square (hidden == 2 * moe_intermediate_size, or hidden ==
-    moe_intermediate_size): transformers 5.x transposes a stacked tensor only where its shape differs
-    from its own [E, 2I, h] / [E, h, I], so it reads a square 4.x tensor untransposed, silently wrong;
-    4.57 (and vLLM, which always transposes) read [E, h, 2I] / [E, I, h] as stored, so 4.57 refuses a
-    5.x file (its other tensor's shape mismatches). No orientation is read right by all of them."""
+    """The orientation `arch`'s stacked HF experts are written in: `value`, else the architecture's
+    default (`Architecture.expert_orientations`: "4.x", which transformers 4.57 and 5.x both load, but
+    "5.x" for Qwen3.5-MoE, the only one transformers loads for it); None for architectures whose HF
+    checkpoints keep experts per expert. `dims`: the model's (planner.model_dims). MconvError for an
+    unknown `value`, a `value` given for such an architecture or one transformers does not load for it
+    (an option that does not apply is refused, not ignored), and no `value` where a stacked tensor is
+    square (hidden == 2 * moe_intermediate_size, or hidden == moe_intermediate_size) and the
+    architecture has two orientations: transformers 5.x transposes a stacked tensor only where its
+    shape differs from its own [E, 2I, h] / [E, h, I], so it reads a square 4.x tensor untransposed,
+    silently wrong; 4.57 (and vLLM, which always transposes) read [E, h, 2I] / [E, I, h] as stored,
+    so 4.57 refuses a 5.x file (its other tensor's shape mismatches). No orientation is read right by all of them."""
     if value is not None:
         if value not in ORIENTATIONS:
             raise MconvError(f"{option('expert_orientation')} must be one of {', '.join(ORIENTATIONS)}, got {value!r}")
@@ -58,16 +60,19 @@ def expert_orientation_for(arch, dims, value: str | None) -> str | None:
             raise MconvError(f"{option('expert_orientation')} applies to stacked HF experts (Qwen3-VL-MoE); " + (
                 f"{arch.name} checkpoints keep their experts per expert" if experts else
                 f"{arch.name} has no experts"))
+        if value not in arch.expert_orientations:
+            raise MconvError(f"{option('expert_orientation')} {value}: transformers loads {arch.name}'s stacked "
+                             f"experts only in the {' or '.join(arch.expert_orientations)} orientation")
     if not arch.stacked_experts:
         return None
-    square = None if value else _square_stacked(arch, dims)
+    square = None if value or len(arch.expert_orientations) == 1 else _square_stacked(arch, dims)
     if square:
         raise MconvError(f"the stacked experts {square} are square: transformers 5.x cannot tell their "
                          "orientation from the shape and reads the 4.x one (which transformers 4.57 and vLLM "
                          "read) wrongly, without an error, while 4.57 refuses the 5.x one; give "
                          f"{option('expert_orientation', '4.x')} for transformers 4.x or vLLM, or "
                          f"{option('expert_orientation', '5.x')} for transformers 5.x")
-    return value or "4.x"
+    return value or arch.expert_orientations[0]
 
 
 def _square_stacked(arch, dims) -> str | None:

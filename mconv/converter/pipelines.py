@@ -16,7 +16,7 @@ from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import fp8, torch_dist, torch_dist_io, torch_save
 from mconv.converter.adapter_dir import compare_adapters, is_adapter
-from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for,
+from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for, stacked_expert,
                                    tensor_difference, write_config_dtype, write_hf_config)
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
@@ -87,6 +87,11 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
         if ckpt.tensors[name].shape != shape:
             raise MconvError(f"{ckpt.dir / ckpt.tensors[name].file}: tensor {name} has shape "
                              f"{list(ckpt.tensors[name].shape)}, but config.json implies {list(shape)}")
+        if ckpt.tensors[name].transposed_stride and "4.x" not in plan.arch.expert_orientations:
+            stacked = stacked_expert(name)[0]
+            raise MconvError(f"{ckpt.dir / ckpt.tensors[name].file}: the stacked experts {stacked} are transposed "
+                             f"(transformers 4.x's [E, in, out]), which transformers refuses for {plan.arch.name}: "
+                             "store them as [E, out, in]")
     notes = []
     for name, info in ckpt.tensors.items():
         if name in expected or name.startswith(tuple(held)):
@@ -134,15 +139,17 @@ def _shard_windows(task: TensorTask, ckpt: HFCheckpoint, memory: StagingBuffer, 
     QKV, GLU fc1, whole tensors), as `torch_save.FileRange`s, else rows read into `memory` about
     WINDOW_BYTES at a time (each valid until the next is asked for: reused memory, no fresh pages,
     never a whole large tensor), the vocabulary padding as zeros. A shard split along another
-    dimension (row-parallel at TP > 1) is built whole, in one window. With `cast`, every window is
+    dimension (row-parallel at TP > 1), or whose values differ from the HF ones (`ShardLayout.offset`),
+    is built whole, in one window. With `cast`, every window is
     torch's cast of the HF rows to that dtype (no file ranges then, but for tensors already in it),
     refused where it turns finite values into inf (transforms.check_cast)."""
     layout, shapes = task.shard, [ckpt.tensors[name].shape for name in task.hf]
     dtype, shape = _shard_dtype(task, ckpt, cast), layout.shape(shapes)
     first = layout.pieces[0]
     start, stop = rows or (0, shape[0] if shape else 1)
-    if layout.dim != 0:
-        if len(layout.pieces) > 1 or layout.pad or first.start or first.stop != shapes[first.source][layout.dim]:
+    if layout.dim != 0 or layout.offset:
+        if (len(layout.pieces) > 1 or layout.pad or first.start or first.stop != shapes[first.source][layout.dim]
+                or layout.offset):
             whole = split(layout, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b)).narrow(0, start, stop - start)
             yield checked_cast(", ".join(task.hf), whole, dtype)
             return
@@ -323,7 +330,9 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
         mio.write_metadata(staging, {"mconv_version": __version__, "architecture": arch.name, "spec": spec,
                                      "format": fmt, "layout": layout.to_dict(),
-                                     "dtype": str(dtype).removeprefix("torch.")})
+                                     "dtype": str(dtype).removeprefix("torch."),
+                                     **({"hf_experts": "stacked" if ckpt.stacked else "per_expert"}
+                                        if arch.experts_as_input else {})})
 
     out = output_path(out_dir)
     team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
@@ -381,7 +390,8 @@ def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], dtype_of, first
     destination) reads that build the HF tensors in place (`views`: the HF tensors, or rows from
     `first` on of one of them); None otherwise (pieces along another dimension to merge, a cast,
     shards of another dtype: `merge` and its checks)."""
-    if any(not view.dim() or view.dtype != dtype_of(source) for view in views.values() for source in task.sources):
+    if any(not view.dim() or view.dtype != dtype_of(source) or source.shard.offset
+           for view in views.values() for source in task.sources):
         return None
     if not all(_by_rows(task, source) for source in task.sources):
         return None
@@ -505,6 +515,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     written (the one holding most bytes, if mixed). `expert_orientation` ("4.x" or "5.x") of stacked
     HF experts (Qwen3-VL-MoE): see hf_io.expert_orientation_for (4.x by default, required where a
     stacked tensor is square, MconvError for a model whose HF checkpoints keep experts per expert).
+    Qwen3.5-MoE's are written "5.x" (the only one transformers loads), or per expert where hf2mcore's
+    input had them so and no `expert_orientation` is given.
     `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB").
     `quantize="fp8"`: write block-wise FP8 as the model's FP8 releases hold it (the architecture's
     `fp8` weights, quantized by fp8.quantize from the merged HF tensor, so the bytes do not depend
@@ -520,6 +532,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     quantization = fp8.writer_quantization(arch, quantize, fp8_scale)
     exports = ckpt.plan.exports()
     stack = expert_orientation_for(arch, ckpt.plan.dims, expert_orientation)
+    if arch.experts_as_input and expert_orientation is None and ckpt.metadata.get("hf_experts") == "per_expert":
+        stack = None  # as hf2mcore's input had them
 
     def cast(names: tuple[str, ...]) -> torch.dtype | None:
         return cast_dtype(dtype, any(arch.fp32_kind(name) for name in names))

@@ -115,12 +115,26 @@ def group_size(rule: Rule, layout: Layout) -> int:
     return layout.etp if rule.group == "etp" else layout.tp
 
 
-def table_shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
-    """A table's shape (space-separated dims attributes or integers, see mappings.schema) for `dims`."""
+def _size(token: str, dims: SimpleNamespace, name: str) -> int:
     try:
-        return tuple(int(part) if part.isdigit() else getattr(dims, part) for part in spec.split())
+        return int(token) if token.isdigit() else getattr(dims, token)
     except AttributeError as e:
-        raise MconvError(f"internal: the table's shape {spec!r} for {name} names unknown dimension {e.name}") from None
+        raise MconvError(f"internal: the table's shape for {name} names unknown dimension {e.name}") from None
+
+
+def _sections(token: str, dims: SimpleNamespace, name: str) -> tuple[int, tuple[int, ...]]:
+    """A shape's first dimension as (groups, section sizes within a group): `a+b+c` is the sections
+    a, b, c one after the other, `n*(a+b)` n groups of them (rows [n x [a; b]])."""
+    groups, _, inner = token.rpartition("*(")
+    inner = inner.removesuffix(")") if groups else token
+    return (_size(groups, dims, name) if groups else 1), tuple(_size(t, dims, name) for t in inner.split("+"))
+
+
+def table_shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
+    """A table's shape (space-separated dims attributes, integers or sections, see mappings.schema) for `dims`."""
+    first, *rest = spec.split()
+    groups, sections = _sections(first, dims, name)
+    return (groups * sum(sections), *(_size(part, dims, name) for part in rest))
 
 
 def validate_layout(dims: SimpleNamespace, layout: Layout, arch_check=None) -> None:
@@ -233,7 +247,8 @@ def _task(rule: Rule, ctx: SimpleNamespace, layout: Layout, rank: Rank, spec: st
     shard = None
     if rule.kind is not EXTRA_STATE:
         heads, groups, head_dim = (getattr(ctx, name, None) for name in rule.qkv_dims)
-        params = dict(name=megatron, heads=heads, groups=groups, head_dim=head_dim, vocab_divisor=layout.vocab_divisor)
+        params = dict(name=megatron, heads=heads, groups=groups, head_dim=head_dim, vocab_divisor=layout.vocab_divisor,
+                      sections=[_sections(shape.split()[0], ctx, name) for name, shape in zip(hf, rule.hf.values())])
         shard = rule.kind.layout(hf_shapes, group_rank(rule, rank), group_size(rule, layout), params)
     order = (STAGE_ORDER[rule.stage], layer or next(iter(index.values()), 0) or 0, expert or 0, position)
     return TensorTask(megatron, rule, hf, hf_shapes, shard, order)

@@ -111,6 +111,8 @@ def _key(task: TensorTask, plan: Plan, stacked: bool) -> tuple[str, tuple[int, .
     rule, dims = task.rule, plan.dims
     template, offsets, counts = rule.megatron, [], []
     index = _indexes(template, task.megatron)  # one TP1 chunk: layer and expert indexes are global
+    if plan.arch.torch_dist.te_names and rule.te and "{expert}" not in rule.te:
+        template = rule.te
     layer, expert = index.get("layer"), index.get("expert")
     if rule.per_layer:
         head, rest = template.split("{layer}.", 1)
@@ -159,15 +161,15 @@ def plan_boxes(plan: Plan, args: Namespace) -> list[DistBox]:
                                  len(axes)))
             continue
         start = 0
-        for i, piece in enumerate(task.shard.pieces):
-            box = (piece.length,) + shape[1:]
+        for i, length in enumerate(task.shard.sections or [piece.length for piece in task.shard.pieces]):
+            box = (length,) + shape[1:]
             if sections:
                 boxes.append(DistBox(f"{key}.{sections[i]}", task, counts + box, axes + (0,) * len(shape),
-                                     ones + box, start, piece.length, len(axes)))
+                                     ones + box, start, length, len(axes)))
             else:
                 boxes.append(DistBox(key, task, counts + shape, axes + (start,) + (0,) * (len(shape) - 1),
-                                     ones + box, start, piece.length, len(axes)))
-            start += piece.length
+                                     ones + box, start, length, len(axes)))
+            start += length
     return boxes
 
 

@@ -36,6 +36,10 @@ class ShardLayout:
     dim: int
     pieces: tuple[Piece, ...]
     pad: int = 0  # zero entries appended along dim (vocab padding)
+    # Megatron's value is the HF value plus this (a plain norm weight w kept as a zero-centred
+    # norm's w - 1): the pieces are then built in memory, never copied as bytes.
+    offset: float = 0.0
+    sections: tuple[int, ...] = ()  # a sectioned kind's sections, their lengths along dim in order
 
     def shape(self, hf_shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
         shape = list(hf_shapes[self.pieces[0].source])
@@ -101,8 +105,24 @@ def _vocab(shapes, rank, size, params) -> ShardLayout:
 def _sectioned(shapes, rank, size, params) -> ShardLayout:
     # GLU fc1 [gate; up] and other fused projections: each section is split on its own and the
     # rank's pieces are concatenated, so a rank holds [gate_r; up_r], not a slice of [gate; up].
-    return ShardLayout(0, tuple(
-        Piece(i, *_even_range(params["name"], shape[0], rank, size)) for i, shape in enumerate(shapes)))
+    # An HF tensor may hold several sections (`params["sections"]`: per tensor, its number of
+    # groups and the sections' rows within a group, see `Rule` shapes `a+b` and `n*(a+b)`): rows
+    # [groups x [s0; s1; ...]]. Megatron's section s is then that section of every group in order,
+    # split on its own: at TP rank r, the rows [r/size, (r+1)/size) of it, as pieces of the groups.
+    sections = params.get("sections") or [(1, (shape[0],)) for shape in shapes]
+    pieces, spans = [], []
+    for i, (groups, lengths) in enumerate(sections):
+        block = sum(lengths)
+        for s, length in enumerate(lengths):
+            lo, hi = _even_range(params["name"], groups * length, rank, size)
+            spans.append(hi - lo)
+            while lo < hi:  # the rows of section s in groups lo // length .. (hi - 1) // length
+                group, within = divmod(lo, length)
+                step = min(hi - lo, length - within)
+                start = group * block + sum(lengths[:s]) + within
+                pieces.append(Piece(i, start, start + step))
+                lo += step
+    return ShardLayout(0, tuple(pieces), sections=tuple(spans))
 
 
 def _qkv(shapes, rank, size, params) -> ShardLayout:
@@ -110,6 +130,8 @@ def _qkv(shapes, rank, size, params) -> ShardLayout:
     # The HF side is q, k, v apart, or one packed tensor [Q_all; K_all; V_all] (Qwen3-VL's vision
     # `attn.qkv`, where groups == heads: Megatron's per-head [q_h; k_h; v_h], as mbridge and
     # Megatron-Bridge view it: hf.view(3, heads, head_dim, -1).transpose(0, 1)).
+    # With `gated` (attention_output_gate: Qwen3.5, Qwen3-Next), HF q_proj holds per head
+    # [q_h; gate_h] and Megatron's group is [its q heads; their gates; k; v].
     heads, groups, head_dim = params["heads"], params["groups"], params["head_dim"]
     if groups % size:
         raise MconvError(f"{params['name']}: {groups} query groups are not divisible by tensor parallel size {size}")
@@ -121,10 +143,23 @@ def _qkv(shapes, rank, size, params) -> ShardLayout:
     pieces = []
     per_rank = groups // size
     for g in range(rank * per_rank, (rank + 1) * per_rank):
-        pieces += [Piece(q, q0 + g * q_rows, q0 + (g + 1) * q_rows),
-                   Piece(k, k0 + g * head_dim, k0 + (g + 1) * head_dim),
+        if params.get("gated"):
+            group_heads = range(g * heads // groups, (g + 1) * heads // groups)
+            pieces += [Piece(q, (2 * h + gate) * head_dim, (2 * h + gate + 1) * head_dim)
+                       for gate in (0, 1) for h in group_heads]
+        else:
+            pieces.append(Piece(q, q0 + g * q_rows, q0 + (g + 1) * q_rows))
+        pieces += [Piece(k, k0 + g * head_dim, k0 + (g + 1) * head_dim),
                    Piece(v, v0 + g * head_dim, v0 + (g + 1) * head_dim)]
     return ShardLayout(0, tuple(pieces))
+
+
+def _gated_qkv(shapes, rank, size, params) -> ShardLayout:
+    return _qkv(shapes, rank, size, {**params, "gated": True})
+
+
+def _zero_centred(shapes, rank, size, params) -> ShardLayout:
+    return ShardLayout(0, (Piece(0, 0, shapes[0][0]),), offset=-1.0)
 
 
 REPLICATED = Kind("replicated", _whole, replicated=True)
@@ -135,6 +170,9 @@ VOCAB = Kind("vocab", _vocab)
 GLU = Kind("glu", _sectioned, sources=2)
 SECTIONED = Kind("sectioned", _sectioned, sources=None)
 QKV = Kind("qkv", _qkv, sources=None)  # q, k, v or one packed qkv
+GATED_QKV = Kind("gated_qkv", _gated_qkv, sources=3)  # q_proj [q_h; gate_h], k, v
+# A plain RMSNorm weight w (y = x/rms * w) as a zero-centred one's (y = x/rms * (1 + w')): w' = w - 1.
+ZERO_CENTRED = Kind("zero_centred", _zero_centred, replicated=True)
 EXTRA_STATE = Kind("extra_state", _whole, replicated=True, sources=0)  # TE/linear `_extra_state`: None
 
 
@@ -160,6 +198,8 @@ def split_into(layout: ShardLayout, read: Reader, dest: torch.Tensor) -> None:
         offset += piece.shape[layout.dim]
     if layout.pad:
         dest.narrow(layout.dim, offset, layout.pad).zero_()
+    if layout.offset:
+        dest.add_(layout.offset)
 
 
 def split(layout: ShardLayout, read: Reader) -> torch.Tensor:
@@ -169,7 +209,8 @@ def split(layout: ShardLayout, read: Reader) -> torch.Tensor:
         pad_shape = list(parts[0].shape)
         pad_shape[layout.dim] = layout.pad
         parts.append(torch.zeros(pad_shape, dtype=parts[0].dtype, device=parts[0].device))
-    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=layout.dim)
+    shard = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=layout.dim)
+    return shard + layout.offset if layout.offset else shard
 
 
 def split_tensors(layout: ShardLayout, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -192,6 +233,9 @@ def merge(layouts: Sequence[ShardLayout], shards: Sequence[torch.Tensor],
             offset += p.length
         for source, items in by_source.items():
             _copy_pieces(out[source], shard, layout.dim, items)
+    for offset in {layout.offset for layout in layouts} - {0.0}:  # every rank's layout has the same
+        for tensor in out:
+            tensor.sub_(offset)
     return out
 
 
@@ -215,7 +259,8 @@ def merge_single(layout: ShardLayout, shard: torch.Tensor, hf_shapes: Sequence[t
     views of the shard."""
     sources = [p.source for p in layout.pieces]
     whole = all(p.start == 0 and p.stop == hf_shapes[p.source][layout.dim] for p in layout.pieces)
-    if sorted(sources) != list(range(len(hf_shapes))) or not whole or (layout.dim != 0 and len(sources) > 1):
+    if (sorted(sources) != list(range(len(hf_shapes))) or not whole or (layout.dim != 0 and len(sources) > 1)
+            or layout.offset):
         return merge([layout], [shard], hf_shapes)
     out, offset = [None] * len(hf_shapes), 0
     for p in layout.pieces:

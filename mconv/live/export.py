@@ -73,7 +73,9 @@ def _permutation(layout, hf_shapes, device) -> tuple[torch.Tensor, list[int]] | 
     indices along `layout.dim` that put the shard's pieces in HF order, and each HF tensor's length
     along it. One index_select then rebuilds all the HF tensors of the shard in one copy (`merge`
     makes one strided copy per HF tensor, and its Python costs more than the copies at TP1 on a GPU).
-    None if the pieces do not cover each HF tensor exactly once."""
+    None if the pieces do not cover each HF tensor exactly once, or the values differ (`offset`)."""
+    if layout.offset:
+        return None
     index, sizes = [], []
     positions, offset = [], 0
     for p in layout.pieces:

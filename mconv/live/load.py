@@ -101,5 +101,8 @@ def _load_staged(ckpt: HFCheckpoint, jobs: list, threads: int) -> None:
             if on_gpu:
                 done[k] = torch.cuda.Event()
                 done[k].record()
+    for task, dest in jobs:
+        if task.shard.offset:  # stream-ordered after the copies into it
+            dest.add_(task.shard.offset)
     if on_gpu:
         torch.cuda.synchronize()

@@ -3,12 +3,15 @@ model_type as transformers' `AutoModelForCausalLM` maps it to a class."""
 from mconv.errors import MconvError
 from mconv.mappings.bailing_v3 import BAILING_V3
 from mconv.mappings.qwen3 import QWEN3
+from mconv.mappings.qwen3_5 import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT
+from mconv.mappings.qwen3_5_vl import QWEN3_5_VL, QWEN3_5_VL_MOE
 from mconv.mappings.qwen3_moe import QWEN3_MOE
 from mconv.mappings.qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 from mconv.mappings.schema import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (QWEN3, QWEN3_MOE, QWEN3_VL, QWEN3_VL_MOE,
-                                                                          BAILING_V3)}
+                                                                          BAILING_V3, QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT,
+                                                                          QWEN3_5_VL, QWEN3_5_VL_MOE)}
 
 
 def architecture_for(config: dict, where="config.json") -> Architecture:

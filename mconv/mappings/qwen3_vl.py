@@ -31,7 +31,7 @@ MERGER = ("merger", "deepstack")
 VISION_QKV = ("vision_heads", "vision_heads", "vision_head_dim")
 
 
-def _hf_language(name: str) -> str:
+def hf_language(name: str) -> str:
     return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
 
 
@@ -94,9 +94,10 @@ def dims(config: dict, language=qwen3.dims) -> SimpleNamespace:
     # which transformers and Megatron-Bridge ignore).
     d = language({**text, "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))})
     section = rope_parameters(text)[0].get("mrope_section")
-    if not section or sum(section) * 2 != d.head_dim:
-        raise MconvError(f"config.json: text_config's mrope_section {section} does not cover head_dim {d.head_dim} "
-                         "(its entries must add up to head_dim / 2)")
+    rotary = int(d.head_dim * d.rope["rotary_percent"])  # Qwen3.5 rotates a part of each head
+    if not section or sum(section) * 2 != rotary:
+        raise MconvError(f"config.json: text_config's mrope_section {section} does not cover the {rotary} rotary "
+                         f"dimensions of head_dim {d.head_dim} (its entries must add up to {rotary // 2})")
     d.mrope_section = list(section)
     if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise MconvError(f"config.json: vision_config.hidden_act is {vision['hidden_act']!r}; the Megatron "
@@ -187,7 +188,7 @@ def hf_config(config: dict, d: SimpleNamespace | None = None) -> dict:
     return {**config, "text_config": text}
 
 
-LANGUAGE = prefixed(qwen3.EMBEDDING_AND_OUTPUT + qwen3.ATTENTION + qwen3.DENSE_MLP, "language_model.", _hf_language)
+LANGUAGE = prefixed(qwen3.EMBEDDING_AND_OUTPUT + qwen3.ATTENTION + qwen3.DENSE_MLP, "language_model.", hf_language)
 NEEDS_BRIDGE = ("megatron-core has no Qwen3-VL vision model; mbridge "
                 "(`AutoBridge.from_pretrained(hf_dir).get_model()`) or Megatron-Bridge builds Qwen3VLModel, "
                 "which load_hf_weights fills")
@@ -195,6 +196,6 @@ QWEN3_VL = Architecture("Qwen3VLForConditionalGeneration", dims, VISION + LANGUA
                         check_layout=check_layout, hf_config=hf_config, torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE,
                         fp8=qwen3.fp8_projection)
 QWEN3_VL_MOE = Architecture("Qwen3VLMoeForConditionalGeneration", moe_dims,
-                            VISION + LANGUAGE + prefixed(qwen3_moe.MOE_MLP, "language_model.", _hf_language),
+                            VISION + LANGUAGE + prefixed(qwen3_moe.MOE_MLP, "language_model.", hf_language),
                             moe_megatron_args, check_layout=check_layout, stacked_experts=True, hf_config=hf_config,
                             torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE)

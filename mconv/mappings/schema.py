@@ -57,12 +57,15 @@ class DistKeys:
     """How a torch_dist checkpoint names an architecture's tensors, beyond the conventions of every
     megatron-core model (converter/torch_dist.py): `keys_map` is the layer spec's
     `sharded_state_dict_keys_map` (a local-spec name prefix inside a decoder layer -> its key prefix,
-    the first match applies); `per_layer` says the decoder layers differ from each other, so their keys
+    the first match applies); `te_names` says the keys are the rules' Transformer Engine names instead
+    (a model megatron-core builds with TE only), routed experts excepted (SequentialMLP's keys, which
+    TE's grouped experts share); `per_layer` says the decoder layers differ from each other, so their keys
     are always per layer (`decoder.layers.{i}.`), never stacked; `check(dims)` raises MconvError for
     a model the trainer's Megatron model class cannot build (so no checkpoint of it can be loaded)."""
 
     keys_map: tuple[tuple[str, str], ...] = ()
     per_layer: bool = False
+    te_names: bool = False
     check: Callable[[SimpleNamespace], None] | None = None
 
 
@@ -84,6 +87,12 @@ class Architecture:
     # HF keeps routed experts stacked (`mlp.experts.gate_up_proj` / `down_proj`, transformers'
     # Qwen3-VL-MoE): the table names them per expert and the HF writer stacks them.
     stacked_experts: bool = False
+    # The orientations (hf_io.ORIENTATIONS) transformers loads stacked experts of this model in, the
+    # default first.
+    expert_orientations: tuple[str, ...] = ("4.x", "5.x")
+    # transformers loads this model's experts stacked or per expert alike: mcore2hf writes them in the
+    # form hf2mcore's input had (mconv.json's `hf_experts`), stacked by default.
+    experts_as_input: bool = False
     # config.json as mcore2hf writes it, from the model's config and the converted model's dims (e.g.
     # with the keys of both transformers 4.x and 5.x, or without the layers the checkpoint lacks).
     hf_config: Callable[[dict, SimpleNamespace], dict] = field(default=lambda config, d: config)

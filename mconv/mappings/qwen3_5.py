@@ -1,0 +1,203 @@
+"""Qwen3.5 / Qwen3.6 text (`Qwen3_5ForCausalLM`): gated delta-net and gated attention layers.
+
+Megatron side: megatron-core 0.19's native layout, a GPTModel whose layer specs come from
+`get_transformer_block_with_experimental_attention_variant_spec` (`experimental_attention_variant
+gated_delta_net`, `attention_output_gate`), as Megatron-LM, Megatron-Bridge (0.5 on) and mbridge
+train it (reference qwen3-5.md, section 2). The layer kinds follow config.json's `layer_types`
+(transformers fills it from `full_attention_interval`; Megatron-LM's `linear_attention_freq` list):
+
+- gated delta-net (`linear_attention`): `in_proj` = sections [Q; K; V; Z; B; A] (HF `in_proj_qkv`
+  holds Q, K, V flat; `in_proj_z`, `in_proj_b`, `in_proj_a`), `conv1d` = [Q; K; V], each section
+  split by TP on its own (GatedDeltaNet's `in_proj_split_sections`); `A_log`, `dt_bias` split by
+  value heads; `out_norm` is a zero-centred norm in Megatron and HF's `linear_attn.norm` a plain one
+  (w' = w - 1); `out_proj` row-parallel;
+- gated attention (`full_attention`): `linear_qkv` per query group [q heads; gate heads; k; v], from
+  HF `q_proj`'s per-head [q_h; gate_h] rows; q/k norms, like every other norm here, are `1 + w` on
+  both sides (Megatron's `layernorm_zero_centered_gamma`), so copied unchanged; 25% rotary.
+
+Without Transformer Engine megatron-core has no spec for these layers; `--spec local` names the
+input norms as separate modules (`input_layernorm`, `pre_mlp_layernorm`), as a model assembled from
+megatron-core's non-TE modules has them (tests/qwen3_5_oracle.py).
+"""
+from dataclasses import replace
+from types import SimpleNamespace
+
+from mconv.converter.options import option
+from mconv.converter.transforms import COLUMN, GATED_QKV, GLU, REPLICATED, ROW, SECTIONED, ZERO_CENTRED
+from mconv.errors import MconvError
+from mconv.mappings import qwen3, qwen3_moe
+from mconv.mappings.common import config_value
+from mconv.mappings.qwen3 import DENSE_MLP, EMBEDDING_AND_OUTPUT, H, L
+from mconv.mappings.schema import Architecture, DistKeys, Rule, extra_state, linear
+
+A, HA, HS = L + "self_attention.", H + "linear_attn.", H + "self_attn."
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def layer_types(config: dict) -> list[str]:
+    """Each layer's kind as transformers reads config.json: `layer_types`, else full attention every
+    `full_attention_interval` (default 4) layers, the others linear."""
+    layers = config_value(config, "num_hidden_layers")
+    types = config.get("layer_types")
+    if types is None:
+        interval = config.get("full_attention_interval", 4)
+        return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    types = ["linear_attention" if t == "mamba" else "full_attention" if t == "attention" else t for t in types]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if len(types) != layers or unknown:
+        raise MconvError(f"config.json's layer_types must give one of {', '.join(LAYER_TYPES)} for each of the "
+                         f"{layers} layers; found {len(types)} entries" + (f", {unknown}" if unknown else ""))
+    return types
+
+
+def dims(config: dict, groups: int = 4) -> SimpleNamespace:
+    """transformers' `Qwen3_5TextConfig` (defaults: head_dim 256, `groups` KV heads, 25% rotary,
+    gated delta-net 16 key / 32 value heads of 128). Raises MconvError for what Megatron cannot
+    compute: attention biases, an activation other than silu, value heads not a multiple of key heads."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    whole_head = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
+    d = qwen3.attention_dims({**config, "partial_rotary_factor": None, "rope_scaling": None,
+                              "rope_parameters": whole_head}, head_dim=256, groups=groups)
+    if d.rope["position_embedding_type"] != "rope" and partial != 1.0:
+        raise MconvError("config.json's rope_parameters combine YaRN with partial_rotary_factor; mconv maps partial "
+                         "rotary embeddings with the default rope_type only")
+    d.rope["rotary_percent"] = float(partial)
+    d.q_gate = 2 * d.q
+    types = layer_types(config)
+    d.linear_layers = frozenset(i for i, t in enumerate(types) if t == "linear_attention")
+    d.key_heads, d.value_heads = config.get("linear_num_key_heads", 16), config.get("linear_num_value_heads", 32)
+    d.key_dim, d.value_dim = config.get("linear_key_head_dim", 128), config.get("linear_value_head_dim", 128)
+    d.conv_kernel = config.get("linear_conv_kernel_dim", 4)
+    d.qk, d.vd = d.key_heads * d.key_dim, d.value_heads * d.value_dim
+    if d.value_heads % d.key_heads:
+        raise MconvError(f"config.json's linear_num_value_heads={d.value_heads} is not a multiple of "
+                         f"linear_num_key_heads={d.key_heads}")
+    return d
+
+
+def check_layout(d: SimpleNamespace, layout) -> None:
+    """megatron-core's TransformerConfig: the delta-net key and value heads divide by TP."""
+    for field, value in (("linear_num_key_heads", d.key_heads), ("linear_num_value_heads", d.value_heads)):
+        if value % layout.tp:
+            raise MconvError(f"config.json's {field}={value} is not divisible by {option('tp', layout.tp)}")
+
+
+def megatron_args(d: SimpleNamespace, base=qwen3.megatron_args) -> dict:
+    # Megatron-LM 0.19 parses --apply-layernorm-1p into layernorm_zero_centered_gamma but restores
+    # apply_layernorm_1p from checkpoint args: store both.
+    return dict(base(d), apply_layernorm_1p=True, layernorm_zero_centered_gamma=True, attention_output_gate=True,
+                experimental_attention_variant="gated_delta_net",
+                linear_attention_freq=[int(i in d.linear_layers) for i in range(d.layers)],
+                linear_conv_kernel_dim=d.conv_kernel, linear_key_head_dim=d.key_dim, linear_value_head_dim=d.value_dim,
+                linear_num_key_heads=d.key_heads, linear_num_value_heads=d.value_heads)
+
+
+def gdn(d, layer):
+    return layer in d.linear_layers
+
+
+def full(d, layer):
+    return layer not in d.linear_layers
+
+
+# torch_dist keys of the sections (GatedDeltaNet.sharded_state_dict: `in_proj.weight.query` ...).
+IN_PROJ_SECTIONS = ("query", "key", "value", "z", "beta", "alpha")
+QKV_ROWS = "qk+qk+vd"
+
+
+def gated_delta_net(in_proj: dict[str, str]) -> tuple[Rule, ...]:
+    """A gated delta-net layer's attention, `in_proj` the HF tensors of its six sections."""
+    return (
+        Rule(L + "input_layernorm.weight", {H + "input_layernorm.weight": "hidden"}, REPLICATED,
+             te=A + "in_proj.layer_norm_weight", when=gdn),
+        *linear(A + "in_proj", in_proj, SECTIONED, when=gdn, dist_sections=IN_PROJ_SECTIONS),
+        Rule(A + "conv1d.weight", {HA + "conv1d.weight": QKV_ROWS + " 1 conv_kernel"}, SECTIONED, when=gdn,
+             dist_sections=IN_PROJ_SECTIONS[:3]),
+        Rule(A + "A_log", {HA + "A_log": "value_heads"}, COLUMN, when=gdn),
+        Rule(A + "dt_bias", {HA + "dt_bias": "value_heads"}, COLUMN, when=gdn),
+        Rule(A + "out_norm.weight", {HA + "norm.weight": "value_dim"}, ZERO_CENTRED, when=gdn),
+        extra_state(A + "out_norm", specs=("te",), when=gdn),  # TENorm
+        *linear(A + "out_proj", {HA + "out_proj.weight": "hidden vd"}, ROW, when=gdn),
+    )
+
+
+GDN = gated_delta_net({HA + "in_proj_qkv.weight": QKV_ROWS + " hidden", HA + "in_proj_z.weight": "vd hidden",
+                       HA + "in_proj_b.weight": "value_heads hidden", HA + "in_proj_a.weight": "value_heads hidden"})
+GATED_ATTENTION = (
+    *(replace(r, when=full) for r in qwen3.ATTENTION if not r.megatron.startswith(A + "linear_qkv")),
+    *linear(A + "linear_qkv", {HS + "q_proj.weight": "q_gate hidden", HS + "k_proj.weight": "kv hidden",
+                               HS + "v_proj.weight": "kv hidden"}, GATED_QKV, when=full),
+)
+# megatron-core builds these layers with Transformer Engine only: its torch_dist keys are TE names.
+DIST_KEYS = DistKeys(per_layer=True, te_names=True)
+NEEDS_BRIDGE = ("megatron-core builds gated delta-net layers only with Transformer Engine "
+                "(get_transformer_block_with_experimental_attention_variant_spec); Megatron-Bridge's Qwen3.5 bridge "
+                "builds the model, which load_hf_weights fills")
+
+QWEN3_5 = Architecture("Qwen3_5ForCausalLM", dims, EMBEDDING_AND_OUTPUT + GDN + GATED_ATTENTION + DENSE_MLP,
+                       megatron_args, model_type="qwen3_5_text", check_layout=check_layout, torch_dist=DIST_KEYS,
+                       needs_bridge=NEEDS_BRIDGE)
+
+
+def moe_dims(config: dict) -> SimpleNamespace:
+    """transformers' `Qwen3_5MoeTextConfig`: 2 KV heads by default, every layer MoE (no
+    `mlp_only_layers`), the router always renormalising its top-k weights, a gated shared expert."""
+    moe_ffn = config_value(config, "moe_intermediate_size")
+    d = dims({**config, "intermediate_size": config.get("intermediate_size", moe_ffn)}, groups=2)
+    d.experts = config.get("num_local_experts") or config_value(config, "num_experts")
+    d.moe_ffn, d.top_k = moe_ffn, config_value(config, "num_experts_per_tok")
+    d.shared_ffn = config_value(config, "shared_expert_intermediate_size")
+    d.norm_topk_prob, d.moe_layers = True, frozenset(range(d.layers))
+    return d
+
+
+def moe_megatron_args(d: SimpleNamespace) -> dict:
+    return dict(megatron_args(d, qwen3_moe.megatron_args), moe_shared_expert_intermediate_size=d.shared_ffn,
+                moe_shared_expert_gate=True)
+
+
+SHARED_EXPERT = (
+    *linear(L + "mlp.shared_experts.linear_fc1", {H + "mlp.shared_expert.gate_proj.weight": "shared_ffn hidden",
+                                                  H + "mlp.shared_expert.up_proj.weight": "shared_ffn hidden"},
+            GLU, when=qwen3_moe.moe),
+    *linear(L + "mlp.shared_experts.linear_fc2", {H + "mlp.shared_expert.down_proj.weight": "hidden shared_ffn"},
+            ROW, when=qwen3_moe.moe),
+    # SharedExpertMLP's sigmoid gate: a bare [1, hidden] parameter, whole on every TP rank.
+    Rule(L + "mlp.shared_experts.gate_weight", {H + "mlp.shared_expert_gate.weight": "1 hidden"}, REPLICATED,
+         when=qwen3_moe.moe),
+)
+# The official checkpoints hold the routed experts fused, `gate_up_proj [E, 2I, h]` (transformers
+# 5.x's orientation; transformers refuses the transposed one for this model); `save_pretrained` writes
+# them per expert. transformers loads both: mcore2hf writes the form hf2mcore read.
+QWEN3_5_MOE = Architecture("Qwen3_5MoeForCausalLM", moe_dims,
+                           EMBEDDING_AND_OUTPUT + GDN + GATED_ATTENTION + qwen3_moe.MOE_MLP + SHARED_EXPERT,
+                           moe_megatron_args, model_type="qwen3_5_moe_text", check_layout=check_layout,
+                           stacked_experts=True, expert_orientations=("5.x",), experts_as_input=True,
+                           torch_dist=DIST_KEYS,
+                           needs_bridge=NEEDS_BRIDGE)
+
+
+def next_dims(config: dict) -> SimpleNamespace:
+    """transformers' `Qwen3NextConfig`: Qwen3.5-MoE's dimensions (2 KV heads by default), dense MLP
+    layers where `mlp_only_layers` / `decoder_sparse_step` say, the router renormalising its top-k
+    weights iff `norm_topk_prob` (default true); `in_proj_qkvz` / `in_proj_ba` grouped by key head."""
+    d = dims(config, groups=2)
+    d.experts = config.get("num_local_experts") or config_value(config, "num_experts")
+    d.moe_ffn, d.top_k = config_value(config, "moe_intermediate_size"), config_value(config, "num_experts_per_tok")
+    d.shared_ffn = config_value(config, "shared_expert_intermediate_size")
+    d.norm_topk_prob = bool(config.get("norm_topk_prob", True))
+    step, dense_layers = config.get("decoder_sparse_step", 1) or 1, set(config.get("mlp_only_layers") or [])
+    d.moe_layers = frozenset(i for i in range(d.layers) if i not in dense_layers and (i + 1) % step == 0)
+    # One key head's group of in_proj_qkvz holds its value heads' rows: r = value heads / key heads.
+    d.group_values, d.group_v_rows = d.value_heads // d.key_heads, d.vd // d.key_heads
+    return d
+
+
+# Qwen3-Next's spelling of the same six sections: per key head g, [q_g; k_g; v_g; z_g] and [b_g; a_g].
+NEXT_GDN = gated_delta_net({HA + "in_proj_qkvz.weight": "key_heads*(key_dim+key_dim+group_v_rows+group_v_rows) hidden",
+                            HA + "in_proj_ba.weight": "key_heads*(group_values+group_values) hidden"})
+QWEN3_NEXT = Architecture("Qwen3NextForCausalLM", next_dims,
+                          EMBEDDING_AND_OUTPUT + NEXT_GDN + GATED_ATTENTION + DENSE_MLP + qwen3_moe.MOE_MLP
+                          + SHARED_EXPERT, moe_megatron_args, model_type="qwen3_next", check_layout=check_layout,
+                          torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE)

@@ -1,0 +1,100 @@
+"""megatron-core's own Qwen3.5 model on the CPU, for the oracle of tests/test_qwen3_5.py.
+
+The decoder block spec is megatron-core's `get_transformer_block_with_experimental_attention_variant_spec`
+(the one Megatron-LM, Megatron-Bridge and mbridge build Qwen3.5 with: per-layer gated delta-net or
+gated attention from `linear_attention_freq`, dense or MoE MLP from `moe_layer_freq`), and every layer
+is megatron-core's own module (GatedDeltaNet, SelfAttention with `attention_output_gate`, MLP,
+SequentialMLP experts, SharedExpertMLP). That spec asks Transformer Engine for its modules; without it
+(no GPU here) the backend is megatron-core's local one with three stand-ins named as Transformer
+Engine's modules are, so the model's parameter names and torch_dist keys are those of a TE model
+(reference qwen3-5.md, sections 2.3, 2.4 and 4):
+
+- a zero-centred RMSNorm `x / rms(x) * (1 + w)` (TE's norm with `zero_centered_gamma`; megatron-core's
+  torch norm refuses `layernorm_zero_centered_gamma`);
+- that norm fused before a ColumnParallelLinear, as `layer_norm_weight` (TELayerNormColumnParallelLinear).
+
+The norms and the core attention carry no `_extra_state` here (Transformer Engine's do, in legacy
+rank files), so the `_extra_state` entries of norms are not checked.
+
+GatedDeltaNet needs fla importable; in deterministic mode it runs megatron-core's own torch kernels
+(`torch_chunk_gated_delta_rule`, `F.conv1d`) but for fla's Triton l2norm, replaced by its formula.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import Parameter
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).type_as(x)
+
+
+class ZeroCentredNorm(torch.nn.Module):
+    """TENorm with zero_centered_gamma, as Transformer Engine's RMSNorm computes it."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
+        super().__init__()
+        self.weight, self.eps = Parameter(torch.zeros(hidden_size, dtype=config.params_dtype)), eps
+
+    def forward(self, x):
+        return _rms(x, self.weight, self.eps)
+
+
+def _norm_linear():
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class NormColumnParallelLinear(ColumnParallelLinear):
+        """TELayerNormColumnParallelLinear: the zero-centred norm, then the linear layer."""
+
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.layer_norm_weight = Parameter(torch.zeros(input_size, dtype=config.params_dtype))
+            self.norm_eps = config.layernorm_epsilon
+
+        def forward(self, x, *args, **kwargs):
+            return super().forward(_rms(x, self.layer_norm_weight, self.norm_eps), *args, **kwargs)
+
+    return NormColumnParallelLinear
+
+
+def block_spec(config, vp_stage: int):
+    """megatron-core's experimental-attention-variant block spec for `config` at `vp_stage`, on the
+    CPU backend described above, with GatedDeltaNet's deterministic torch kernels."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as specs
+    from megatron.core.ssm.gated_delta_net import common
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    common.HAVE_FLA = True
+    common.l2norm = lambda x: x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+    config.deterministic_mode = True
+    norm_linear = _norm_linear()
+
+    class Backend(LocalSpecProvider):
+        def fuse_layernorm_and_linear(self):
+            return True
+
+        def column_parallel_layer_norm_linear(self):
+            return norm_linear
+
+        def layer_norm(self, rms_norm=False, for_qk=False, has_residual=False):
+            return ZeroCentredNorm
+
+    def self_attention(config, backend):  # the TE layer spec's attention, from the backend's modules
+        norm = backend.layer_norm(rms_norm=True, for_qk=True)
+        return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                          submodules=SelfAttentionSubmodules(
+                              linear_qkv=backend.column_parallel_layer_norm_linear(),
+                              core_attention=backend.core_attention(), linear_proj=backend.row_parallel_linear(),
+                              q_layernorm=norm, k_layernorm=norm),
+                          metainfo={"fuse_input_layernorm": True})
+
+    specs._get_backend_spec_provider = lambda config: Backend()
+    specs._get_self_attention_module_spec = self_attention
+    from megatron.core import parallel_state as ps
+
+    return specs.get_transformer_block_with_experimental_attention_variant_spec(
+        config, vp_stage=vp_stage, pp_rank=ps.get_pipeline_model_parallel_rank())

@@ -1,0 +1,149 @@
+"""Qwen3.5 text (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) and Qwen3-Next: round trips, and the oracle: megatron-core's own GPTModel with
+its GatedDeltaNet and gated attention (tests/qwen3_5_oracle.py), built from the args hf2mcore stores,
+loads what hf2mcore writes (strict) and gives transformers' logits."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fixtures.make_fixtures import make_qwen3_5
+from mconv import Layout, MconvError, hf2mcore, mcore2hf
+from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors
+from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
+from tests.qwen3_5_oracle import block_spec
+from tests.test_oracle_megatron import stored_args
+
+TOKENS = list(range(3, 283, 4))  # 70 tokens: more than one 64-token chunk of the delta rule
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_dir():
+    return FIXTURES / "qwen3-5-tiny"  # fixtures/make_fixtures.py's make_qwen3_5 (the docs convert it)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_dir(tmp_path_factory):
+    """Qwen3.5-MoE with its experts fused, as the official checkpoints hold them."""
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe") / "hf", seed=8, moe=True, fused_experts=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_dir(tmp_path_factory):
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_next") / "hf", seed=9, next=True)
+
+
+@pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2), "te", "torch"), (dict(tp=2, pp=2), "local", "torch"),
+                                            (dict(tp=2), "local", "torch_dist")])
+def test_round_trip_is_bit_identical(tmp_path, qwen3_5_dir, sizes, spec, fmt):
+    round_trip(tmp_path, qwen3_5_dir, sizes, spec, fmt)
+
+
+@pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2, ep=2), "te", "torch"), (dict(ep=2, pp=2), "local", "torch"),
+                                            (dict(tp=2, ep=2), "local", "torch_dist")])
+def test_moe_round_trip_is_bit_identical(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt):
+    round_trip(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt)
+
+
+def test_per_expert_moe_comes_back_per_expert(tmp_path):
+    """Experts as transformers' save_pretrained writes them come back in that form (fused ones fused)."""
+    hf_dir = make_qwen3_5(tmp_path / "hf", seed=8, moe=True, num_hidden_layers=2,
+                          layer_types=["linear_attention", "full_attention"])
+    round_trip(tmp_path, hf_dir, dict(tp=2, ep=2), "te", "torch")
+
+
+@pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2, ep=2, pp=2), "te", "torch"), (dict(), "local", "torch_dist")])
+def test_next_round_trip_is_bit_identical(tmp_path, qwen3_next_dir, sizes, spec, fmt):
+    round_trip(tmp_path, qwen3_next_dir, sizes, spec, fmt)
+
+
+@pytest.mark.parametrize("moe,sizes", [(False, dict(tp=2, pp=2)), (True, dict(tp=2, ep=2))], ids=["dense", "moe"])
+def test_vl_round_trip_is_bit_identical(tmp_path, moe, sizes):
+    """Qwen3.5-VL: Qwen3-VL's vision tower (its rules, proven by tests/test_qwen3_vl_oracle.py) without
+    deepstack, and the Qwen3.5 language model."""
+    hf_dir = make_qwen3_5(tmp_path / "hf", seed=10, vl=True, moe=moe, fused_experts=moe)
+    round_trip(tmp_path, hf_dir, sizes, "te", "torch")
+
+
+def round_trip(tmp_path, hf_dir, sizes, spec, fmt):
+    hf2mcore(hf_dir, tmp_path / "megatron", Layout(**sizes), spec=spec, fmt=fmt, progress=False)
+    mcore2hf(tmp_path / "megatron", tmp_path / "back", progress=False)
+    assert_hf_bits_equal(hf_tensors(hf_dir), tmp_path / "back")
+
+
+def megatron_forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
+    """The oracle run: hf2mcore writes a torch_dist checkpoint (at TP1) and legacy rank files (`--spec
+    te`) at `sizes`; megatron-core's model at `sizes`, built from the stored args, loads the torch_dist
+    one (resharded by megatron-core itself, strict), checks the rank files hold exactly what it loaded,
+    and gives its logits."""
+    hf2mcore(hf_dir, tmp_path / "dist", Layout(), fmt="torch_dist", progress=False)
+    summary = hf2mcore(hf_dir, tmp_path / "ranks", Layout(**sizes), spec="te", fmt="torch", progress=False)
+    run = MegatronRun(tmp_path / "dist", read_config(hf_dir), **sizes, padded_vocab=summary.plan.padded_vocab,
+                      tokens=TOKENS, fmt="torch_dist", block_spec=block_spec, same_as=tmp_path / "ranks")
+    run.args = trainer_args(stored_args(tmp_path / "ranks"), run)
+    return megatron_logits(run, tmp_path)
+
+
+@pytest.mark.slow
+# Delta-net sections at TP2 in the MoE runs; the dense run splits the two layer kinds over two stages,
+# where each stage numbers its layers from 0 and the kind follows the global index.
+@pytest.mark.parametrize("model,sizes", [("qwen3_5_dir", dict(pp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
+                                         ("qwen3_next_dir", dict(tp=2, ep=2, etp=1))],
+                         ids=["dense-pp2", "moe-tp2-ep2", "next-tp2-ep2"])
+def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
+    hf_dir = request.getfixturevalue(model)
+    ours = megatron_forward(tmp_path, hf_dir, sizes)
+    reference = hf_logits(hf_dir, TOKENS)
+    assert (ours - reference).abs().max().item() < 1e-4
+
+
+def _with_config(tmp_path, hf_dir, **changes):
+    copy = shutil.copytree(hf_dir, tmp_path / "hf")
+    (copy / "config.json").write_text(json.dumps({**read_config(hf_dir), **changes}))
+    return copy
+
+
+@pytest.mark.parametrize("changes,sizes,message", [
+    (dict(linear_num_value_heads=5), dict(), "linear_num_value_heads=5 is not a multiple of linear_num_key_heads=2"),
+    (dict(linear_num_key_heads=1), dict(tp=2), "linear_num_key_heads=1 is not divisible by tp=2"),
+    (dict(layer_types=["linear_attention"] * 3), dict(), "layer_types must give one of"),
+], ids=["value-heads", "tp", "layer-types"])
+def test_bad_config_is_refused_in_one_sentence(tmp_path, qwen3_5_dir, changes, sizes, message):
+    hf_dir = _with_config(tmp_path, qwen3_5_dir, **changes)
+    with pytest.raises(MconvError, match=re.escape(message)):
+        hf2mcore(hf_dir, tmp_path / "out", Layout(**sizes), fmt="torch", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_transposed_fused_experts_are_refused(tmp_path, qwen3_5_moe_dir):
+    """transformers refuses Qwen3.5-MoE experts stacked as [E, h, 2I] (4.x's orientation); so does hf2mcore."""
+    hf_dir = shutil.copytree(qwen3_5_moe_dir, tmp_path / "hf")
+    tensors = load_file(hf_dir / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MconvError, match=r"stacked experts model\.layers\.0\.mlp\.experts\.\w+ are transposed"):
+        hf2mcore(hf_dir, tmp_path / "out", Layout(), fmt="torch", progress=False)
+
+
+def test_layer_kinds_from_full_attention_interval():
+    """A config.json with `full_attention_interval` and no `layer_types` (transformers fills them in)."""
+    from mconv.mappings.qwen3_5 import layer_types
+
+    config = {"num_hidden_layers": 8, "full_attention_interval": 4}
+    assert layer_types(config) == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert layer_types({"num_hidden_layers": 4}) == ["linear_attention"] * 3 + ["full_attention"]  # default 4
+
+
+def test_a_missing_section_is_named(tmp_path, qwen3_5_dir):
+    hf_dir = shutil.copytree(qwen3_5_dir, tmp_path / "hf")
+    tensors = load_file(hf_dir / "model.safetensors")
+    del tensors["model.layers.1.linear_attn.in_proj_z.weight"]
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MconvError, match=r"tensor model\.layers\.1\.linear_attn\.in_proj_z\.weight is missing"):
+        hf2mcore(hf_dir, tmp_path / "out", Layout(tp=2), fmt="torch", progress=False)
