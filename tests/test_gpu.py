@@ -1,6 +1,9 @@
 """The live-engine API on a GPU (skipped without one): a megatron-core GPTModel on the device,
 loaded with load_hf_weights through the pinned staging path, gives back every HF tensor bit for
-bit through iter_hf_weights, and its forward matches transformers."""
+bit through iter_hf_weights, and its forward matches transformers; sync_weights' CUDA IPC path
+puts every tensor bit for bit into another process's preallocated parameters."""
+import multiprocessing
+import os
 import tempfile
 
 import pytest
@@ -26,21 +29,28 @@ def process_group():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen3-moe-tiny"])
-def test_gpu_load_and_export_are_exact(process_group, fixture):
+def _gpu_model(hf_dir):
+    """megatron-core's GPTModel for the fixture `hf_dir`, on the GPU (weights not loaded)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    import mconv.live
-    from mconv.converter.hf_io import HFCheckpoint
-    from tests.megatron_oracle import MegatronRun, _transformer_config, hf_logits, read_config
+    from tests.megatron_oracle import MegatronRun, _transformer_config, read_config
 
-    hf_dir = FIXTURES / fixture
     config, theta = _transformer_config(MegatronRun(hf_dir, read_config(hf_dir)))
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", qk_l2_norm=False)
     with torch.device("cuda"):
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=384, max_sequence_length=256,
-                         position_embedding_type="rope", rotary_base=theta, parallel_output=False).eval()
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=384, max_sequence_length=256,
+                        position_embedding_type="rope", rotary_base=theta, parallel_output=False).eval()
+
+
+@pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_gpu_load_and_export_are_exact(process_group, fixture):
+    import mconv.live
+    from mconv.converter.hf_io import HFCheckpoint
+    from tests.megatron_oracle import hf_logits
+
+    hf_dir = FIXTURES / fixture
+    model = _gpu_model(hf_dir)
     mconv.live.load.STAGE_BYTES = 50_000  # many staging batches even for a tiny model
     mconv.live.load_hf_weights([model], hf_dir)
     source = HFCheckpoint(hf_dir)
@@ -74,3 +84,61 @@ def test_fp8_quantize_on_gpu_gives_the_cpu_bytes():
             (q, scale), (gq, gscale) = fp8.quantize(tensor, fmt), fp8.quantize(tensor.cuda(), fmt)
             assert gq.is_cuda and torch.equal(gq.cpu().view(torch.uint8), q.view(torch.uint8))
             assert torch.equal(gscale.cpu(), scale)
+
+
+def _ipc_receiver(hf_dir, address, authkey, ready, done, out):
+    """The engine's process: zeroed CUDA parameters shaped as the checkpoint's, filled by syncs;
+    saved to `out` (with the last version) once `done` is set."""
+    from safetensors.torch import load_file, save_file
+
+    from mconv.transport.cuda_ipc import ParameterReceiver
+
+    params = {}
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        params.update((name, torch.zeros_like(t, device="cuda")) for name, t in load_file(path).items())
+    receiver = ParameterReceiver(params, address, authkey)
+    receiver.start()
+    ready.set()
+    done.wait()
+    with receiver.lock:
+        save_file({name: t.cpu() for name, t in params.items()}, out, metadata={"version": str(receiver.version)})
+
+
+def test_gpu_ipc_sync_is_exact(process_group, tmp_path):
+    """sync_weights through IPCEngine (one CUDA IPC handle per bucket, two reused buffers) into a
+    receiver process that owns preallocated parameters: every HF tensor of the MoE fixture (loaded
+    into megatron-core from the checkpoint) arrives bit for bit, over many buckets, twice."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    import mconv.live
+    from mconv.converter.hf_io import HFCheckpoint
+    from mconv.live.sync import IPCEngine, sync_weights
+
+    hf_dir = FIXTURES / "qwen3-moe-tiny"
+    model = _gpu_model(hf_dir)
+    mconv.live.load_hf_weights([model], hf_dir)
+    context = multiprocessing.get_context("spawn")
+    address, authkey = str(tmp_path / "engine.sock"), os.urandom(16)
+    ready, done = context.Event(), context.Event()
+    receiver = context.Process(target=_ipc_receiver, args=(hf_dir, address, authkey, ready, done,
+                                                           str(tmp_path / "received.safetensors")))
+    receiver.start()
+    engine = IPCEngine(address, authkey)
+    try:
+        assert ready.wait(120), "the receiver process did not start"
+        for step in (1, 2):
+            result = sync_weights([model], hf_dir, engine, version=f"step-{step}", bucket_bytes=100_000,
+                                  dtype=torch.bfloat16)
+        assert result.buckets > 4
+    finally:
+        engine.close()
+        done.set()
+        receiver.join(120)
+    assert receiver.exitcode == 0
+    received, source = load_file(tmp_path / "received.safetensors"), HFCheckpoint(hf_dir)
+    with safe_open(tmp_path / "received.safetensors", "pt") as f:
+        assert f.metadata()["version"] == "step-2"
+    assert sorted(received) == sorted(source.tensors)
+    for name, tensor in received.items():
+        assert torch.equal(tensor, source.read(name)), name

@@ -8,6 +8,7 @@ import json
 import mmap
 import os
 import tempfile
+import threading
 from multiprocessing.connection import Client, Connection, Listener
 
 import torch
@@ -65,6 +66,32 @@ def send(conn: Connection, message: dict) -> None:
 
 def receive(conn: Connection) -> dict:
     return json.loads(conn.recv_bytes().decode())
+
+
+def serve(listener: Listener, handle) -> threading.Thread:
+    """Accept connections on a daemon thread, each served on a thread of its own: every request
+    goes to `handle(message)`; its dict is the reply, an exception becomes {"error": its text}
+    (which `request` raises on the other side)."""
+    def answer(conn: Connection) -> None:
+        with conn:
+            while True:
+                try:
+                    message = receive(conn)
+                except (EOFError, OSError):
+                    return
+                try:
+                    reply = handle(message)
+                except Exception as e:
+                    reply = {"error": f"{type(e).__name__}: {e}"}
+                send(conn, reply)
+
+    def accept() -> None:
+        while True:
+            threading.Thread(target=answer, args=(listener.accept(),), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    return thread
 
 
 def request(conn: Connection, message: dict) -> dict:

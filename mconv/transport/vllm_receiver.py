@@ -135,27 +135,7 @@ class Receiver:
 
     def start(self) -> threading.Thread:
         """Accept trainer connections on a daemon thread, each served on its own thread."""
-        def accept():
-            while True:
-                conn = self._listener.accept()
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-        thread = threading.Thread(target=accept, daemon=True)
-        thread.start()
-        return thread
-
-    def _serve(self, conn) -> None:
-        with conn:
-            while True:
-                try:
-                    message = shm.receive(conn)
-                except (EOFError, OSError):
-                    return
-                try:
-                    reply = self.handle(message)
-                except Exception as e:  # told to the trainer, which raises it
-                    reply = {"error": f"{type(e).__name__}: {e}"}
-                shm.send(conn, reply)
+        return shm.serve(self._listener, self.handle)
 
     def handle(self, message: dict) -> dict:
         op = message["op"]

@@ -12,11 +12,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from mconv.converter import fp8
 from mconv.converter.planner import make_plan
 from mconv.errors import MconvError
 from mconv.live.chunks import _config
 from mconv.live.export import DEFAULT_BUCKET_BYTES, _prepared, iter_hf_weights
 from mconv.live.sync.engines import FlatBucket, as_engine
+from mconv.mappings import architecture_for
 from mconv.transport.flat import layout, pack
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -38,7 +40,8 @@ class SyncResult:
 
 def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path | dict, engine, *,
                  version: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 dtype: torch.dtype | None = None, revision: str | None = None) -> SyncResult:
+                 dtype: torch.dtype | None = None, revision: str | None = None, quantize: str | None = None,
+                 fp8_scale: str | None = None) -> SyncResult:
     """Push the model's current weights into `engine`; call it on every rank of the trainer.
 
     `engine` is an `mconv.live.sync.Engine` (e.g. `VLLMEngine`) or a callable taking one
@@ -47,7 +50,9 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     (HF names and shapes), each packed into one contiguous uint8 buffer, on a background thread:
     the next bucket is gathered and packed while the engine loads the previous one (two buffers,
     at most two buckets in flight). With tied embeddings and an engine that asks for it (vLLM),
-    `lm_head.weight` goes beside `model.embed_tokens.weight`, sharing its bytes.
+    `lm_head.weight` goes beside `model.embed_tokens.weight`, sharing its bytes. `quantize="fp8"`
+    (`fp8_scale`) sends each weight iter_hf_weights quantizes as its FP8 weight and float32
+    `_scale_inv` (MconvError as iter_hf_weights raises it for other values).
 
     Before any bucket, rank 0 compares the names and shapes it will send with the engine's
     `expected()`: names the engine does not know, names it expects and does not get, and shapes
@@ -60,6 +65,7 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     engine = as_engine(engine)
     version = str(next(_VERSIONS)) if version is None else str(version)
     config = _config(hf_config, revision)
+    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale)
     chunks = list(model_chunks)
     live, schedule = _prepared(chunks, config, bucket_bytes)
     tied = bool(config.get("tie_word_embeddings")) and engine.sends_tied_lm_head
@@ -69,7 +75,7 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
 
     refused = None
     if first:
-        refused = _attempt(lambda: _check(engine.expected(), _sent_shapes(live, config, tied)))
+        refused = _attempt(lambda: _check(engine.expected(), _sent_shapes(live, config, tied, quantization)))
         refused = refused or _attempt(lambda: engine.start(version))
     refused = _shared(refused)
     if refused is not None:
@@ -77,7 +83,8 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
 
     rounds = torch.tensor([len(schedule)])
     dist.all_reduce(rounds, op=dist.ReduceOp.MAX)  # every rank agrees once per round, stage or not
-    buckets = iter_hf_weights(chunks, config, bucket_bytes=bucket_bytes, dtype=dtype)
+    buckets = iter_hf_weights(chunks, config, bucket_bytes=bucket_bytes, dtype=dtype, quantize=quantize,
+                              fp8_scale=fp8_scale)
     workers = ThreadPoolExecutor(1, thread_name_prefix="mconv-sync") if sender else None
     pending: list[Future] = []
     failure = None
@@ -141,10 +148,13 @@ def _is_sender(live) -> bool:
             and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
 
 
-def _sent_shapes(live, config: dict, tied: bool) -> dict[str, list[int]]:
+def _sent_shapes(live, config: dict, tied: bool, quantization) -> dict[str, list[int]]:
     """{HF name: shape} of everything a sync sends, all stages together."""
     full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
     shapes = {name: list(shape) for task in full.exports() for name, shape in zip(task.hf, task.hf_shapes)}
+    if quantization is not None:
+        shapes.update((fp8.scale_name(name), list(fp8.grid(shape))) for name, shape in list(shapes.items())
+                      if quantization.applies(name, shape))
     if tied and EMBEDDING in shapes:
         shapes[LM_HEAD] = shapes[EMBEDDING]
     return shapes

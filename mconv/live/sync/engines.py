@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import threading
+
 import torch
 
+from mconv.transport import shm
 from mconv.transport.flat import Entry, unpack
 
 
@@ -78,6 +81,42 @@ class CallableEngine(Engine):
 
     def update(self, bucket: FlatBucket) -> None:
         self.fn(bucket)
+
+
+class RemoteEngine(Engine):
+    """An engine in another process that answers mconv's JSON requests (`expected`, `start`,
+    `update`, `finish`, `abort`; mconv.transport.shm) on `address` (a Unix socket path or
+    "host:port"), authenticated with `authkey`. Subclasses say how a bucket travels (`update`)."""
+
+    def __init__(self, address: str, authkey: bytes):
+        super().__init__()
+        self.address, self.authkey = address, authkey
+        self._conn = None
+        self._lock = threading.Lock()  # rank 0 talks from the caller's thread and the update thread
+
+    def _request(self, message: dict) -> dict:
+        with self._lock:
+            if self._conn is None:
+                self._conn = shm.connect(self.address, self.authkey)
+            return shm.request(self._conn, message)
+
+    def expected(self) -> dict[str, list[int]]:
+        return self._request({"op": "expected"})["tensors"]
+
+    def start(self, version: str) -> None:
+        self._request({"op": "start", "version": version})
+
+    def finish(self, version: str) -> None:
+        self._request({"op": "finish", "version": version})
+
+    def abort(self, version: str, reason: str) -> None:
+        self._request({"op": "abort", "version": version, "reason": reason})
+
+    def close(self) -> None:
+        super().close()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 def as_engine(engine) -> Engine:

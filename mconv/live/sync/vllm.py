@@ -3,15 +3,13 @@
 mconv.transport.vllm_receiver.Receiver there, with each bucket in a shared-memory file."""
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from mconv.live.sync.engines import Engine, FlatBucket
+from mconv.live.sync.engines import FlatBucket, RemoteEngine
 from mconv.transport import shm
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(RemoteEngine):
     """A vLLM `LLM` on this host, served by `mconv.transport.vllm_receiver.Receiver(llm, address,
     authkey)` in its process (a separate process, or another Python, is fine). Each sender rank
     keeps two shared-memory bucket buffers (grown as needed, removed by `close()`); a bucket
@@ -24,23 +22,9 @@ class VLLMEngine(Engine):
     sends_tied_lm_head = True
 
     def __init__(self, address: str, authkey: bytes, reset_prefix_cache: bool = True):
-        super().__init__()
-        self.address, self.authkey, self.reset_prefix_cache = address, authkey, reset_prefix_cache
-        self._conn = None
-        self._lock = threading.Lock()  # rank 0 talks from the caller's thread and the update thread
+        super().__init__(address, authkey)
+        self.reset_prefix_cache = reset_prefix_cache
         self._shared: dict[int, shm.SharedBuffer] = {}
-
-    def _request(self, message: dict) -> dict:
-        with self._lock:
-            if self._conn is None:
-                self._conn = shm.connect(self.address, self.authkey)
-            return shm.request(self._conn, message)
-
-    def expected(self) -> dict[str, list[int]]:
-        return self._request({"op": "expected"})["tensors"]
-
-    def start(self, version: str) -> None:
-        self._request({"op": "start", "version": version})
 
     def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         current = self._shared.get(slot)
@@ -58,13 +42,8 @@ class VLLMEngine(Engine):
     def finish(self, version: str) -> None:
         self._request({"op": "finish", "version": version, "reset_prefix_cache": self.reset_prefix_cache})
 
-    def abort(self, version: str, reason: str) -> None:
-        self._request({"op": "abort", "version": version, "reason": reason})
-
     def close(self) -> None:
         for buffer in self._shared.values():
             buffer.close()
         self._shared.clear()
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        super().close()

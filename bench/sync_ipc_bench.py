@@ -1,0 +1,147 @@
+"""GPU benchmark of the colocated weight sync (sync_weights through IPCEngine, CUDA IPC on one GPU).
+
+On the Qwen3-30B-A3B-shaped model of bench/live_bench.py (layers reduced), bf16, TP1, a receiver
+process on the same GPU owns preallocated parameters (mconv.transport.cuda_ipc.ParameterReceiver)
+and copies every tensor into them. In one run, best of 3 each:
+  - floor: one device-to-device copy of the synced bytes (a flat torch copy);
+  - export: iter_hf_weights alone (the gathers and splits the sync starts from);
+  - ipc: sync_weights into the receiver, one CUDA IPC handle per flat bucket;
+  - per_tensor: the same buckets from iter_hf_weights into the same receiver, one CUDA IPC handle
+    per tensor (one request per bucket), as trainers without flat buckets do.
+Then bf16 and FP8 (quantize="fp8") each: the receiver's parameters are checked bit for bit against
+the exported tensors (a positional checksum per tensor, computed in both processes), and the peak
+extra device memory of the trainer's process during a sync. Prints one JSON line per dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.live_bench import MODELS, build, log, timed  # noqa: E402
+
+BUCKET = 512 << 20
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """A positional checksum of the tensor's bytes (equal bytes give equal sums; a moved or
+    changed byte almost surely not)."""
+    data = tensor.contiguous().view(-1).view(torch.uint8).to(torch.int64)
+    weights = torch.arange(data.numel(), device=data.device, dtype=torch.int64) % 65521 + 1
+    return int((data * weights).sum())
+
+
+def receive(shapes, address, authkey, ready, done, sums):
+    from mconv.transport.cuda_ipc import ParameterReceiver
+
+    params = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+              for name, (shape, dtype) in shapes.items()}
+    receiver = ParameterReceiver(params, address, authkey)
+    receiver.start()
+    ready.set()
+    done.wait()
+    with receiver.lock:
+        sums.put({name: checksum(t) for name, t in params.items()})
+    receiver.close()
+
+
+def run(hf: dict, model, quantize: str | None) -> dict:
+    from mconv.live import iter_hf_weights
+    from mconv.live.sync import IPCEngine, sync_weights
+    from mconv.transport import cuda_ipc
+    from mconv.transport.flat import Entry, dtype_name
+
+    def export():
+        return iter_hf_weights([model], hf, bucket_bytes=BUCKET, quantize=quantize)
+
+    sent = {name: (list(t.shape), dtype_name(t.dtype), checksum(t)) for bucket in export() for name, t in bucket}
+    nbytes = sum(torch.Size(s).numel() * getattr(torch, d).itemsize for s, d, _ in sent.values())
+    largest = max(torch.Size(s).numel() * getattr(torch, d).itemsize for s, d, _ in sent.values())
+    context = multiprocessing.get_context("spawn")
+    address, authkey = os.path.join(tempfile.mkdtemp(), "engine.sock"), os.urandom(16)
+    ready, done, sums = context.Event(), context.Event(), context.Queue()
+    receiver = context.Process(target=receive, args=({n: v[:2] for n, v in sent.items()}, address, authkey,
+                                                     ready, done, sums))
+    receiver.start()
+    assert ready.wait(300), "receiver did not start"
+    engine = IPCEngine(address, authkey)
+    result = {"quantize": quantize or "bf16", "tensors": len(sent), "bytes": nbytes, "bucket_bytes": BUCKET}
+
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
+                                                                                  device="cuda")
+    result["floor_copy_s"] = timed(lambda: dst.copy_(src), repeats=3)
+    del src, dst
+    result["export_s"] = timed(lambda: [None for bucket in export() for _ in bucket], repeats=3)
+
+    def ipc():
+        result["last"] = sync_weights([model], hf, engine, bucket_bytes=BUCKET, quantize=quantize).seconds
+
+    ipc()  # buffers allocated and mapped once, as in every sync after a trainer's first
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result["ipc_s"] = timed(ipc, repeats=3)
+    result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+    result["two_buckets_plus_largest_bytes"] = 2 * BUCKET + largest
+
+    def per_tensor():
+        engine.start("per-tensor")
+        for bucket in export():
+            torch.cuda.synchronize()
+            engine._request({"op": "update", "buffers": [
+                {"ipc": cuda_ipc.share(t.contiguous().view(-1).view(torch.uint8)),
+                 "entries": [Entry(name, dtype_name(t.dtype), tuple(t.shape), 0, t.numel() * t.element_size())
+                             .to_json()]} for name, t in bucket]})
+        engine.finish("per-tensor")
+
+    result["per_tensor_s"] = timed(per_tensor, repeats=3)
+    ipc()  # the receiver ends holding what the flat path sent
+    done.set()
+    received = sums.get(timeout=600)
+    receiver.join(60)
+    engine.close()
+    result["verified"] = received == {name: v[2] for name, v in sent.items()}
+    result["ipc_vs_floor"] = result["ipc_s"] / result["floor_copy_s"]
+    result["ipc_vs_per_tensor"] = result["ipc_s"] / result["per_tensor_s"]
+    result["ipc_GBps"] = nbytes / result["ipc_s"] / 1e9
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--quantize", nargs="+", default=["bf16", "fp8"])
+    options = parser.parse_args()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("nccl", init_method=f"file://{store}/store", rank=0, world_size=1)
+        ps.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(0)
+        hf = dict(MODELS["qwen3-30b-a3b"], num_hidden_layers=options.layers)
+        log("building the model")
+        model, _ = build(hf)
+        for quantize in options.quantize:
+            log("syncing", quantize)
+            started = time.perf_counter()
+            line = run(hf, model, None if quantize == "bf16" else quantize)
+            print(json.dumps({"model": "qwen3-30b-a3b", "layers": options.layers, **line,
+                              "wall_s": time.perf_counter() - started}), flush=True)
+            torch.cuda.empty_cache()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
