@@ -49,8 +49,7 @@ def receive(shapes, address, authkey, ready, done, sums):
     receiver.start()
     ready.set()
     done.wait()
-    with receiver.lock:
-        sums.put({name: checksum(t) for name, t in params.items()})
+    sums.put({name: checksum(t) for name, t in params.items()})
     receiver.close()
 
 
@@ -70,9 +69,9 @@ def run(hf: dict, model, quantize: str | None) -> dict:
     address, authkey = os.path.join(tempfile.mkdtemp(), "engine.sock"), os.urandom(16)
     ready, done, sums = context.Event(), context.Event(), context.Queue()
     receiver = context.Process(target=receive, args=({n: v[:2] for n, v in sent.items()}, address, authkey,
-                                                     ready, done, sums))
+                                                     ready, done, sums), daemon=True)
     receiver.start()
-    assert ready.wait(300), "receiver did not start"
+    assert ready.wait(120), "receiver did not start"
     engine = IPCEngine(address, authkey)
     result = {"quantize": quantize or "bf16", "tensors": len(sent), "bytes": nbytes, "bucket_bytes": BUCKET}
 

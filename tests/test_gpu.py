@@ -100,12 +100,11 @@ def _ipc_receiver(hf_dir, address, authkey, ready, done, out):
     receiver.start()
     ready.set()
     done.wait()
-    with receiver.lock:
-        save_file({name: t.cpu() for name, t in params.items()}, out, metadata={"version": str(receiver.version)})
+    save_file({name: t.cpu() for name, t in params.items()}, out, metadata={"version": str(receiver.version)})
 
 
 def test_gpu_ipc_sync_is_exact(process_group, tmp_path):
-    """sync_weights through IPCEngine (one CUDA IPC handle per bucket, two reused buffers) into a
+    """sync_weights (NCCL alone: its agreement tensors on the GPU) through IPCEngine (one CUDA IPC handle per bucket, two reused buffers) into a
     receiver process that owns preallocated parameters: every HF tensor of the MoE fixture (loaded
     into megatron-core from the checkpoint) arrives bit for bit, over many buckets, twice."""
     from safetensors import safe_open
@@ -122,7 +121,7 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path):
     address, authkey = str(tmp_path / "engine.sock"), os.urandom(16)
     ready, done = context.Event(), context.Event()
     receiver = context.Process(target=_ipc_receiver, args=(hf_dir, address, authkey, ready, done,
-                                                           str(tmp_path / "received.safetensors")))
+                                                           str(tmp_path / "received.safetensors")), daemon=True)
     receiver.start()
     engine = IPCEngine(address, authkey)
     try:

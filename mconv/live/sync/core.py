@@ -81,7 +81,7 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     if refused is not None:
         raise MconvError(f"weight sync {version} refused before any bucket was sent: {refused}")
 
-    rounds = torch.tensor([len(schedule)])
+    rounds = torch.tensor([len(schedule)], device=_collective_device())
     dist.all_reduce(rounds, op=dist.ReduceOp.MAX)  # every rank agrees once per round, stage or not
     buckets = iter_hf_weights(chunks, config, bucket_bytes=bucket_bytes, dtype=dtype, quantize=quantize,
                               fp8_scale=fp8_scale)
@@ -185,9 +185,17 @@ def _attempt(action) -> Exception | None:
 
 def _any(failure: Exception | None) -> bool:
     """A collective: whether any rank has failed."""
-    flag = torch.tensor([failure is not None], dtype=torch.int32)
+    flag = torch.tensor([failure is not None], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def _collective_device() -> torch.device:
+    """Where the agreement tensors live: the CPU with gloo, the current GPU with NCCL alone (which
+    has no CPU tensors)."""
+    if "gloo" in str(dist.get_backend()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _shared(failure: Exception | None) -> str | None:
