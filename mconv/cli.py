@@ -370,11 +370,12 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
               help="Largest safetensors shard (a larger tensor gets a shard of its own)." + SIZE_HELP)
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--expert-orientation", type=click.Choice(["4.x", "5.x"]), default=None,
-              help="Stacked HF experts (Qwen3-VL-MoE only; refused for other models): 4.x (default) writes"
-                   " gate_up_proj [E, hidden, 2I] / down_proj "
+              help="Stacked HF experts (Qwen3-VL-MoE and Qwen3.5-MoE; refused for other models): for "
+                   "Qwen3-VL-MoE 4.x (default) writes gate_up_proj [E, hidden, 2I] / down_proj "
                    "[E, I, hidden], which transformers 4.57 and 5.x both load; 5.x writes [E, 2I, hidden] / "
                    "[E, hidden, I], as transformers 5.x saves. Required when hidden == 2I or hidden == I: a "
-                   "square stacked tensor is read right by only one of transformers 4.x and 5.x.")
+                   "square stacked tensor is read right by only one of transformers 4.x and 5.x. Qwen3.5-MoE: "
+                   "5.x only (fused experts, the default), or per expert as hf2mcore's input had them.")
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
               help="Write block-wise FP8 (128x128 blocks, float8_e4m3fn weights with float32 weight_scale_inv) "
                    "as the model's FP8 releases hold it: the linear projections quantized, embeddings, lm_head, "

@@ -92,7 +92,7 @@ def test_live_load_and_export_with_mtp(tmp_path, mtp_model):
     logits match the HF reference) and iter_hf_weights yields every HF tensor, MTP layers included,
     bit-identically."""
     hf2mcore(mtp_model, tmp_path / "m", Layout(tp=2), fmt="torch", progress=False, mtp=True)  # only its args are used
-    logits, exported = megatron_run(tmp_path / "m", mtp_model, 2, 1, tmp_path, live=True)
+    logits, (exported, _) = megatron_run(tmp_path / "m", mtp_model, 2, 1, tmp_path, live=True)
     reference = HFReference(mtp_model)(TOKENS)
     assert logits.shape[0] == 3 and ((logits - reference).abs().max() / reference.abs().max()).item() < 1e-5
     assert_bit_identical(read_all(mtp_model), exported)

@@ -75,8 +75,9 @@ def test_every_block_is_run_shown_or_skipped_with_a_reason():
         if block.marker == "file":
             assert re.fullmatch(r"[\w.-]+", block.argument), f"{block.where}: `file` needs a file name"
     skipped = [b for b in ALL if b.marker == "skip"]
-    # skips stay rare (the eighth: the vLLM trainer example, which needs a running vLLM engine)
-    assert len(skipped) <= 8, [b.where for b in skipped]
+    # skips stay rare: other shells' syntax, whole-suite and multi-node commands, trainer fragments (each
+    # pointing to the complete example that runs), and what needs a running vLLM engine or a CUDA GPU
+    assert len(skipped) <= 10, [b.where for b in skipped]
 
 
 def test_no_indented_code_blocks():

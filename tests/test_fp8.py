@@ -291,7 +291,8 @@ def test_quantized_output_loads_in_transformers(models, tmp_path):
 
 @needs_compressed_tensors
 def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
-    """A missing, mis-shaped or non-finite scale, an unknown quant_method / fmt / block size, and
+    """A missing, mis-shaped, non-finite or negative scale, a zero one for a block that is not all
+    zeros (an all-zero block's is read), an unknown quant_method / fmt / block size, and
     --fp8-scale without --quantize: one line naming the tensor or field, nothing written."""
     import json
     import shutil
@@ -324,19 +325,40 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
         t[weight + "_scale_inv"][0, 1] = float("nan")
         return t
 
+    def negative(t):  # dequantized with it, the block's weights would flip sign
+        t[weight + "_scale_inv"][0, 0] *= -1
+        return t
+
+    def zero(t):  # dequantized with it, the block's weights would all be zero
+        t[weight + "_scale_inv"][0, 0] = 0
+        return t
+
+    def zero_block(t):  # an all-zero block may have a zero scale: it dequantizes to zeros either way
+        t[weight][:128, :128] = 0
+        t[weight + "_scale_inv"][0, 0] = 0
+        return t
+
     cases = [(variant("missing", without_scale), (weight, "no block scale")),
              (variant("shape", reshaped), (weight + "_scale_inv", "[1, 1]", "[1, 2]")),
-             (variant("nan", nan), (weight + "_scale_inv", "inf or NaN")),
+             (variant("nan", nan), (weight + "_scale_inv", "inf, NaN or negative")),
+             (variant("negative", negative), (weight + "_scale_inv", "inf, NaN or negative")),
+             (variant("zero", zero), (weight + "_scale_inv", f"zero block scale for a block of {weight}")),
              (variant("method", quantization={"quant_method": "gptq"}), ("quant_method is 'gptq'",)),
              (variant("fmt", quantization={"fmt": "e5m2"}), ("quantization_config.fmt is 'e5m2'",)),
              (variant("block", quantization={"weight_block_size": [128]}), ("quantization_config.weight_block_size",))]
     for hf, fragments in cases:
         assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", *fragments)
+    assert mconv("hf2mcore", variant("zero-block", zero_block), tmp_path / "zero-block-out", "-q").exit_code == 0
     assert mconv("hf2mcore", models["fp8"], tmp_path / "m", "-q").exit_code == 0
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--fp8-scale", "ue8m0"), tmp_path / "out",
                    "--fp8-scale ue8m0 applies with --quantize fp8")
     result = mconv("inspect", models["fp8"])
     assert result.exit_code == 0 and "block-wise FP8" in result.stdout and "14 weights" in " ".join(result.stdout.split())
+    # equal bytes under another scale format are other weights: verify says so
+    result = mconv("verify", models["fp8"], variant("scale-fmt", quantization={"scale_fmt": "ue8m0"}))
+    assert result.exit_code == 1 and 'quantization_config.scale_fmt: null vs "ue8m0"' in result.output, result.output
+    said = " ".join(mconv("inspect", tmp_path / "fmt").stdout.split())  # what hf2mcore refuses, inspect says so
+    assert "quantization_config.fmt is 'e5m2'" in said and "refuse it" in said and "dequantize them" not in said
 
 
 @pytest.mark.slow

@@ -363,8 +363,8 @@ def test_expert_orientation_is_refused_for_models_without_stacked_experts(tmp_pa
     """An option that would change nothing is refused, not ignored (CLI: one line, exit 1, no output),
     saying why: a dense model has no experts at all."""
     hf2mcore(FIXTURES / fixture, tmp_path / "m", Layout(), fmt="torch", progress=False)
-    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "back", "--expert-orientation", "5.x"),
-                   tmp_path / "back", "--expert-orientation applies to stacked HF experts (Qwen3-VL-MoE)" + why)
+    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "back", "--expert-orientation", "5.x"), tmp_path / "back",
+                   "--expert-orientation applies to stacked HF experts (Qwen3-VL-MoE, Qwen3.5-MoE)" + why)
 
 
 def test_buckets_keep_a_stacked_tensors_experts_together():

@@ -57,7 +57,7 @@ def expert_orientation_for(arch, dims, value: str | None) -> str | None:
             raise MconvError(f"{option('expert_orientation')} must be one of {', '.join(ORIENTATIONS)}, got {value!r}")
         if not arch.stacked_experts:
             experts = any("{expert}" in rule.megatron for rule in arch.rules)
-            raise MconvError(f"{option('expert_orientation')} applies to stacked HF experts (Qwen3-VL-MoE); " + (
+            raise MconvError(f"{option('expert_orientation')} applies to stacked HF experts (Qwen3-VL-MoE, Qwen3.5-MoE); " + (
                 f"{arch.name} checkpoints keep their experts per expert" if experts else
                 f"{arch.name} has no experts"))
         if value not in arch.expert_orientations:
@@ -322,8 +322,14 @@ def fp8_note(config: dict, tensors, where) -> str | None:
         return None
     if method not in ("fp8", None):
         return f"{where} is a quantized checkpoint (quant_method {method!r}), which mconv does not convert"
-    block = quantization.get("weight_block_size") if isinstance(quantization, dict) else None
-    return (f"{where} is block-wise FP8 (quant_method {method!r}, blocks {block}): {scales} weights in "
+    if method is None:
+        return (f"{where} has {scales} weights with weight_scale_inv block scales but config.json has no FP8 "
+                "quantization_config, which says what they mean; hf2mcore and load_hf_weights refuse it")
+    try:
+        block = fp8.block_size(config, where)
+    except MconvError as e:  # what hf2mcore would refuse, said here rather than promised to work
+        return f"{e}; hf2mcore and load_hf_weights refuse it"
+    return (f"{where} is block-wise FP8 (quant_method 'fp8', blocks {list(block)}): {scales} weights in "
             "float8_e4m3fn with their weight_scale_inv; hf2mcore and load_hf_weights dequantize them "
             "(bfloat16 by default), the other tensors are kept as stored")
 
@@ -464,7 +470,8 @@ class HFCheckpoint:
     def _dequantize_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
         """An FP8 weight's range, dequantized straight into `out`'s dtype from the FP8 bytes of the
         range and the scales of the blocks it touches (never the whole weight). MconvError naming the
-        scale tensor where those scales are not finite."""
+        scale tensor where those scales are not finite, are negative, or are zero for a block that is not
+        all zeros (a corrupt file: no quantizer writes them)."""
         info, scale_info, scale_name = self.quantized[name]
         shape = list(info.shape)
         shape[dim] = stop - start
@@ -476,9 +483,15 @@ class HFCheckpoint:
         scale_shape[dim] = last - first
         scale = torch.empty(scale_shape, dtype=scale_info.dtype)
         self._read_stored(scale_info, dim, first, last, scale)
-        if not torch.isfinite(scale).all():
-            raise MconvError(f"{self.dir}: tensor {scale_name} holds inf or NaN block scales")
-        out.copy_(fp8.dequantize(q, scale, out.dtype, (start, 0) if dim == 0 else (0, start), self.block))
+        if not torch.isfinite(scale).all() or (scale < 0).any():
+            raise MconvError(f"{self.dir}: tensor {scale_name} holds inf, NaN or negative block scales")
+        origin = (start, 0) if dim == 0 else (0, start)
+        if (scale == 0).any():  # a zero scale is only what an all-zero block may have: elsewhere it zeroes weights
+            per_element = fp8.dequantize(torch.ones(q.shape), scale, torch.float32, origin, self.block)
+            if ((per_element == 0) & (q.float() != 0)).any():
+                raise MconvError(f"{self.dir}: tensor {scale_name} holds a zero block scale for a block of "
+                                 f"{name} that is not all zeros")
+        out.copy_(fp8.dequantize(q, scale, out.dtype, origin, self.block))
 
     def _read_stored(self, info: TensorInfo, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
         """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor, into `out` of its dtype."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 from collections import Counter
@@ -617,6 +618,9 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
         raise
 
 
+QUANTIZATION_MEANING = ("quant_method", "fmt", "weight_block_size", "activation_scheme", "scale_fmt")
+
+
 def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[int, int, list[str]]:
     """Compare two HF models (directories or hub names) tensor by tensor (names, dtypes, shapes,
     bytes), one tensor in memory at a time; or two PEFT adapters (adapter_dir.compare_adapters).
@@ -640,6 +644,15 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
             a, b = (f"{list(s)}" if s else "per-expert tensors" for s in shapes)
             differences.append(f"{name}: stored as {a} vs {b} (stacked experts in another orientation or form; "
                                "the experts' values are compared one by one)")
+    # FP8 bytes mean what quantization_config says (method, format, block size, scale format): equal
+    # bytes under different settings are different weights. Which modules it keeps in 16-bit shows
+    # in the tensors themselves.
+    settings = [{key: (side.config.get("quantization_config") or {}).get(key) for key in QUANTIZATION_MEANING}
+                for side in (left, right)]
+    for key in QUANTIZATION_MEANING:
+        if settings[0][key] != settings[1][key]:
+            differences.append(f"config.json quantization_config.{key}: {json.dumps(settings[0][key])} vs "
+                               f"{json.dumps(settings[1][key])}")
     common = sorted(left.tensors.keys() & right.tensors.keys())
     total = 0
     with _bar(sum(left.tensors[n].nbytes for n in common), "verify", progress) as bar:
