@@ -394,7 +394,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
 
 
 def _attempt(action) -> Exception | None:
-    """Run `action`; return what it raised (None if nothing), for `_agree` to share with the other ranks."""
+    """Run `action`; return what it raised (None if nothing), for the ranks to agree on (`_agree` here,
+    sync.core's collectives)."""
     try:
         action()
     except Exception as e:

@@ -16,7 +16,7 @@ from mconv.converter import fp8
 from mconv.converter.planner import make_plan
 from mconv.errors import MconvError
 from mconv.live.chunks import _config
-from mconv.live.export import DEFAULT_BUCKET_BYTES, _prepared, iter_hf_weights
+from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _prepared, iter_hf_weights
 from mconv.live.sync.engines import FlatBucket, as_engine
 from mconv.mappings import architecture_for
 from mconv.transport.flat import layout, pack
@@ -173,14 +173,6 @@ def _check(expected: dict | None, sent: dict) -> None:
                [f"{n} is {sent[n]} in the trainer, {list(expected[n])} in the engine" for n in shapes[:3]]
     if problems:
         raise MconvError("the trainer's model does not match the engine's: " + "; ".join(problems))
-
-
-def _attempt(action) -> Exception | None:
-    try:
-        action()
-    except Exception as e:
-        return e
-    return None
 
 
 def _any(failure: Exception | None) -> bool:
