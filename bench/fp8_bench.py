@@ -2,7 +2,10 @@
 bytes (edge blocks, all-zero blocks, values beyond +-448, both scale formats); (2) quantization
 throughput against the device's copy bandwidth, on Qwen3-30B-A3B-shaped expert weights (one
 [1536, 2048] gate_up and one [2048, 768] down per expert, 128 experts): eager per tensor, and under
-torch.compile. Prints one JSON line per measurement.
+torch.compile, and batched (fp8.quantize_tensors: the Triton kernels of fp8_batch, a whole bucket of
+weights per launch, as the live export quantizes), whose bytes are checked equal to the CPU's
+fp8.quantize of every weight. Copy floors: the same tensors cloned one by one, and copied in one
+launch (torch.cat). Prints one JSON line per measurement.
 
     python bench/fp8_bench.py [--experts 128] [--repeat 5]
 """
@@ -45,29 +48,56 @@ def timed(fn, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def throughput(experts: int, repeat: int) -> list[dict]:
+def batched_bytes_equal_cpu(weights: list[torch.Tensor], scale_fmt: str) -> dict:
+    """fp8.quantize_tensors on the GPU (batched) against fp8.quantize on the CPU, every weight."""
+    quantization = fp8.Quantization(lambda name: True, scale_fmt)
+    out = fp8.quantize_tensors([(str(i), w) for i, w in enumerate(weights)], quantization)
+    differing_bytes = differing_scales = 0
+    for i, w in enumerate(weights):
+        q, s = fp8.quantize(w.cpu(), scale_fmt)
+        gq, gs = out[2 * i][1].cpu(), out[2 * i + 1][1].cpu()
+        differing_bytes += int((gq.view(torch.uint8) != q.view(torch.uint8)).sum())
+        differing_scales += int((gs.view(torch.int32) != s.view(torch.int32)).sum())
+    return {"check": f"batched cuda quantize_tensors == cpu quantize ({scale_fmt})", "weights": len(weights),
+            "differing bytes": differing_bytes, "differing scales": differing_scales}
+
+
+def throughput(experts: int, repeat: int, compiled: bool) -> list[dict]:
     weights = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(experts) for shape in ((1536, 2048), (2048, 768))]
     nbytes = sum(w.nbytes for w in weights)
+    quantization = fp8.Quantization(lambda name: True)
+    named = [(str(i), w) for i, w in enumerate(weights)]
     copy = timed(lambda: [w.clone() for w in weights], repeat)
-    eager = timed(lambda: [fp8.quantize(w, check=False) for w in weights], repeat)
-    compiled_quantize = torch.compile(fp8.quantize, dynamic=False)
-    compiled = timed(lambda: [compiled_quantize(w, check=False) for w in weights], repeat)
-    results = []
-    for name, seconds in (("copy (clone)", copy), ("quantize eager", eager), ("quantize torch.compile", compiled)):
-        results.append({"what": name, "tensors": len(weights), "GB": round(nbytes / 1e9, 3),
-                        "GB/s": round(nbytes / seconds / 1e9, 1), "ratio to copy": round(copy / seconds, 3)})
-    return results
+    runs = [("copy one by one (clone)", copy),
+            ("copy in one launch (torch.cat)", timed(lambda: torch.cat([w.view(-1) for w in weights]), repeat)),
+            ("quantize eager, per tensor", timed(lambda: [fp8.quantize(w, check=False) for w in weights], repeat)),
+            ("quantize batched (quantize_tensors)", timed(lambda: fp8.quantize_tensors(named, quantization), repeat))]
+    if compiled:
+        compiled_quantize = torch.compile(fp8.quantize, dynamic=False)
+        runs.append(("quantize torch.compile, per tensor",
+                     timed(lambda: [compiled_quantize(w, check=False) for w in weights], repeat)))
+    return [{"what": name, "tensors": len(weights), "GB": round(nbytes / 1e9, 3),
+             "GB/s": round(nbytes / seconds / 1e9, 1), "ratio to copy one by one": round(copy / seconds, 3),
+             "ratio to copy in one launch": round(runs[1][1] / seconds, 3)} for name, seconds in runs]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--compiled", action="store_true", help="also time per-tensor torch.compile")
     args = parser.parse_args()
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}))
     print(json.dumps(same_bytes_on_gpu()))
-    for line in throughput(args.experts, args.repeat):
+    torch.manual_seed(1)
+    awkward = [torch.randn(shape, device="cuda") * 3 for shape in ((300, 200), (1536, 2048), (2048, 768), (130, 4100))]
+    awkward[0][:128, :128] = 0
+    awkward[0][200, 5] = 5000.0
+    mixed = awkward + [w.bfloat16() for w in awkward] + [awkward[1].bfloat16().t(), awkward[2][100:1000, 3:700]]
+    for scale_fmt in fp8.SCALE_FORMATS:
+        print(json.dumps(batched_bytes_equal_cpu(mixed, scale_fmt)))
+    for line in throughput(args.experts, args.repeat, args.compiled):
         print(json.dumps(line))
 
 

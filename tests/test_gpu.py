@@ -86,6 +86,31 @@ def test_fp8_quantize_on_gpu_gives_the_cpu_bytes():
             assert torch.equal(gscale.cpu(), scale)
 
 
+def test_fp8_batched_quantize_on_gpu_gives_the_cpu_bytes():
+    """quantize_tensors on CUDA (fp8_batch's Triton kernels: many weights, mixed dtypes, strided
+    views, edge blocks, in one batch) gives fp8.quantize's CPU bytes and scales, both scale formats;
+    a weight holding NaN is refused by name. (Triton's CPU interpreter casts to e4m3 wrongly, so
+    the hardware cast is checked here only.)"""
+    from mconv.converter import fp8
+    from mconv.errors import MconvError
+
+    torch.manual_seed(0)
+    w = torch.randn(300, 200, device="cuda") * 3
+    w[:128, :128] = 0
+    w[200, 5], w[130, :10] = 5000.0, -1e-7
+    big = torch.randn(1536, 2048, device="cuda") * 0.02
+    weights = [w, w.bfloat16(), big.bfloat16(), big.bfloat16().t(), big[100:1000, 3:700], w.half()]
+    for fmt in fp8.SCALE_FORMATS:
+        out = fp8.quantize_tensors([(str(i), x) for i, x in enumerate(weights)], fp8.Quantization(lambda n: True, fmt))
+        for i, x in enumerate(weights):
+            q, scale = fp8.quantize(x.cpu(), fmt)
+            assert out[2 * i][1].is_cuda and torch.equal(out[2 * i][1].cpu().view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(out[2 * i + 1][1].cpu(), scale)
+    w[3, 3] = float("nan")
+    with pytest.raises(MconvError, match="^w holds inf or NaN"):
+        fp8.quantize_tensors([("big", big), ("w", w)], fp8.Quantization(lambda n: True))
+
+
 def _ipc_receiver(hf_dir, address, authkey, ready, done, out):
     """The engine's process: zeroed CUDA parameters shaped as the checkpoint's, filled by syncs;
     saved to `out` (with the last version) once `done` is set."""

@@ -55,16 +55,20 @@ def quantize(w: torch.Tensor, scale_fmt: str = "float", name: str = "tensor",
     amax = blocks.abs().amax(dim=(1, 3))
     if check and not torch.isfinite(amax).all():
         raise _not_finite(name)
+    scale = scales(amax, scale_fmt)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(blocks.shape[0] * BLOCK, -1)[:w.shape[0], :w.shape[1]].contiguous(), scale
+
+
+def scales(amax: torch.Tensor, scale_fmt: str) -> torch.Tensor:
+    """The float32 scales of blocks whose max |w| is `amax` (float32, any shape), by the module's rule."""
     # A tensor divisor, not the number: torch's CUDA kernels divide by a Python number as a multiply
     # by its reciprocal, one ulp off amax / 448 in a third of the blocks on the H200 (bench/fp8_bench.py).
     fp8_max = torch.full_like(amax, FP8_MAX)
     if scale_fmt == "ue8m0":
-        scale = torch.pow(2.0, torch.ceil(torch.log2(amax.clamp(min=1e-4) / fp8_max)))
-    else:
-        scale = amax / fp8_max
-        scale = torch.where(scale == 0, torch.tensor(ZERO_BLOCK_SCALE, device=scale.device), scale)
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(blocks.shape[0] * BLOCK, -1)[:w.shape[0], :w.shape[1]].contiguous(), scale
+        return torch.pow(2.0, torch.ceil(torch.log2(amax.clamp(min=1e-4) / fp8_max)))
+    scale = amax / fp8_max
+    return torch.where(scale == 0, torch.tensor(ZERO_BLOCK_SCALE, device=scale.device), scale)
 
 
 def _not_finite(name: str) -> MconvError:
@@ -177,17 +181,26 @@ def quantize_tensors(tensors: list[tuple[str, torch.Tensor]],
                      quantization: Quantization) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with each weight to quantize replaced by (name, FP8 weight) and
     (name + "_scale_inv", float32 scale), on the tensors' device; one host synchronisation for the
-    whole list (MconvError naming the first weight holding inf or NaN)."""
-    out, scales = [], []
-    for name, tensor in tensors:
-        if not quantization.applies(name, tensor.shape):
-            out.append((name, tensor))
-            continue
-        q, scale = quantize(tensor, quantization.scale_fmt, name, check=False)
-        out += [(name, q), (scale_name(name), scale)]
-        scales.append((name, scale))
-    if scales:
+    whole list (MconvError naming the first weight holding inf or NaN). On a GPU all the weights are
+    quantized together, in a few kernel launches (fp8_batch); elsewhere one by one."""
+    picked = [(name, t) for name, t in tensors if quantization.applies(name, t.shape)]
+    if not picked:
+        return list(tensors)
+    if picked[0][1].is_cuda:
+        from mconv.converter.fp8_batch import quantize_batch
+
+        quantized = dict(zip((name for name, _ in picked), quantize_batch(picked, quantization.scale_fmt)))
+    else:
+        quantized = {name: quantize(t, quantization.scale_fmt, name, check=False) for name, t in picked}
+        scales = [(name, scale) for name, (_, scale) in quantized.items()]
         finite = torch.stack([torch.isfinite(scale).all() for _, scale in scales])
         if not finite.all():
             raise _not_finite(scales[int((~finite).nonzero()[0])][0])
+    out = []
+    for name, tensor in tensors:
+        if name in quantized:
+            q, scale = quantized[name]
+            out += [(name, q), (scale_name(name), scale)]
+        else:
+            out.append((name, tensor))
     return out
