@@ -16,31 +16,35 @@ import triton.language as tl
 
 from mconv.converter import fp8
 
-# Per tensor, int64: address, rows, columns, row stride, column stride (elements), first block,
-# scale-grid columns, offset of its FP8 output (elements).
-_FIELDS = 8
+# Per tensor, int64: address, rows, columns, row stride (elements; columns are contiguous), first
+# block, scale-grid columns, offset of its FP8 output (elements).
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
 def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-            QUANTIZE: tl.constexpr):
+            QUANTIZE: tl.constexpr, ALIGNED: tl.constexpr):
     """Block `base + program id` of the batch (a launch's blocks start at `base`), zero outside its
-    tensor: its amax into `scale` (not QUANTIZE), or its values divided by `scale` into `out`."""
+    tensor: its amax into `scale` (not QUANTIZE), or its values divided by `scale` into `out`.
+    ALIGNED: every address, row stride and output offset of the launch is a multiple of 16 bytes
+    (then loads and stores are vectorised; without the hint they go element by element)."""
     pid = tl.program_id(0).to(tl.int64)
-    row = table + tl.load(block_tensor + pid).to(tl.int64) * 8
-    rows, cols = tl.load(row + 1), tl.load(row + 2)
-    b = base + pid - tl.load(row + 5)
-    grid_cols = tl.load(row + 6)
+    row = table + tl.load(block_tensor + pid).to(tl.int64) * 7
+    rows, cols, stride = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+    src, dst = tl.load(row).to(tl.pointer_type(DTYPE)), out + tl.load(row + 6)
+    if ALIGNED:
+        src, dst = tl.multiple_of(src, 16), tl.multiple_of(dst, 16)
+        stride, cols = tl.multiple_of(stride, 16), tl.multiple_of(cols, 16)
+    b = base + pid - tl.load(row + 4)
+    grid_cols = tl.load(row + 5)
     r = (b // grid_cols) * BLOCK + tl.arange(0, BLOCK)[:, None]
     c = (b % grid_cols) * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = (r < rows) & (c < cols)
-    src = tl.load(row).to(tl.pointer_type(DTYPE))
-    x = tl.load(src + r * tl.load(row + 3) + c * tl.load(row + 4), mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(src + r * stride + c, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZE:
         s = tl.full((BLOCK, BLOCK), 0.0, tl.float32) + tl.load(scale + base + pid)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
-        tl.store(out + tl.load(row + 7) + r * cols + c, q.to(tl.float8e4nv), mask=mask)
+        tl.store(dst + r * cols + c, q.to(tl.float8e4nv), mask=mask)
     else:
         magnitude = tl.where(x != x, float("inf"), tl.abs(x))
         tl.store(scale + base + pid, tl.max(tl.max(magnitude, axis=1), axis=0))
@@ -60,34 +64,40 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     device), bit for bit, in two kernel launches per dtype: (q float8_e4m3fn [out, in], scale float32
     [ceil(out/128), ceil(in/128)]) per weight, views of one flat FP8 buffer and one flat scale
     buffer. One host synchronisation: MconvError naming the first weight that holds inf or NaN."""
-    weights = [w for _, w in named]
+    weights = [w if w.stride(-1) == 1 else w.contiguous() for _, w in named]  # (transposed views)
     device = weights[0].device
-    order = sorted(range(len(weights)), key=lambda i: str(weights[i].dtype))  # a dtype's blocks together
+    aligned = [w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0 and w.shape[1] % 16 == 0 for w in weights]
+    key = [(str(w.dtype), a) for w, a in zip(weights, aligned)]
+    order = sorted(range(len(weights)), key=key.__getitem__)  # a launch's blocks are consecutive
     grids = {i: fp8.grid(weights[i].shape) for i in order}
     block_starts = torch.tensor([0] + [grids[i][0] * grids[i][1] for i in order]).cumsum(0).tolist()
     starts = dict(zip(order, block_starts))
-    offsets = dict(zip(order, torch.tensor([0] + [weights[i].numel() for i in order]).cumsum(0).tolist()))
-    out = torch.empty(sum(w.numel() for w in weights), dtype=fp8.FP8, device=device)
+    padded = [-(-weights[i].numel() // 16) * 16 for i in order]  # every output starts 16-byte aligned
+    offsets = dict(zip(order, torch.tensor([0] + padded).cumsum(0).tolist()))
+    out = torch.empty(sum(padded), dtype=fp8.FP8, device=device)
     amax = torch.empty(block_starts[-1], dtype=torch.float32, device=device)
     launches = []
-    for dtype in dict.fromkeys(weights[i].dtype for i in order):
-        members = [i for i in order if weights[i].dtype == dtype]
-        table = torch.tensor([[weights[i].data_ptr(), *weights[i].shape, *weights[i].stride(), starts[i],
-                               grids[i][1], offsets[i]] for i in members], dtype=torch.int64)
+    for group in dict.fromkeys(key[i] for i in order):
+        members = [i for i in order if key[i] == group]
         counts = torch.tensor([grids[i][0] * grids[i][1] for i in members])
         if not counts.sum():
             continue  # empty weights only: nothing to launch
+        table = torch.tensor([[weights[i].data_ptr(), *weights[i].shape, weights[i].stride(0), starts[i],
+                               grids[i][1], offsets[i]] for i in members], dtype=torch.int64)
         block_tensor = torch.repeat_interleave(torch.arange(len(members), dtype=torch.int32), counts)
-        launches.append((_DTYPES[dtype], table.to(device), block_tensor.to(device), starts[members[0]]))
+        launches.append((table.to(device), block_tensor.to(device), starts[members[0]],
+                         _DTYPES[weights[members[0]].dtype], group[1]))
     kernel = _launcher(device)
-    for dtype, table, block_tensor, base in launches:
-        kernel[(block_tensor.numel(),)](table, block_tensor, base, amax, out, dtype, fp8.BLOCK, False, num_warps=8)
+    for table, block_tensor, base, dtype, aligned_ in launches:
+        kernel[(block_tensor.numel(),)](table, block_tensor, base, amax, out, dtype, fp8.BLOCK, False, aligned_,
+                                        num_warps=8)
     scale = fp8.scales(amax, scale_fmt)
     finite = torch.isfinite(scale)
     if not finite.all():
         first = int((~finite).nonzero()[0])
         raise fp8._not_finite(named[order[torch.searchsorted(torch.tensor(block_starts), first, right=True) - 1]][0])
-    for dtype, table, block_tensor, base in launches:
-        kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, True, num_warps=8)
-    qs = [out[offsets[i]:offsets[i] + w.numel()].view(w.shape) for i, w in enumerate(weights)]
-    return [(q, scale[starts[i]:starts[i] + grids[i][0] * grids[i][1]].view(grids[i])) for i, q in enumerate(qs)]
+    for table, block_tensor, base, dtype, aligned_ in launches:
+        kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, True, aligned_,
+                                        num_warps=8)
+    return [(out[offsets[i]:offsets[i] + w.numel()].view(w.shape),
+             scale[starts[i]:starts[i] + grids[i][0] * grids[i][1]].view(grids[i])) for i, w in enumerate(weights)]
