@@ -17,7 +17,7 @@ import triton.language as tl
 from mconv.converter import fp8
 
 # Per tensor, int64: address, rows, columns, row stride (elements; columns are contiguous), first
-# block, scale-grid columns, offset of its FP8 output (elements).
+# block, scale-grid columns, offset of its FP8 output (elements), number of blocks.
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -29,7 +29,7 @@ def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: t
     ALIGNED: every address, row stride and output offset of the launch is a multiple of 16 bytes
     (then loads and stores are vectorised; without the hint they go element by element)."""
     pid = tl.program_id(0).to(tl.int64)
-    row = table + tl.load(block_tensor + pid).to(tl.int64) * 7
+    row = table + tl.load(block_tensor + pid).to(tl.int64) * 8
     rows, cols, stride = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
     src, dst = tl.load(row).to(tl.pointer_type(DTYPE)), out + tl.load(row + 6)
     if ALIGNED:
@@ -79,25 +79,27 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     launches = []
     for group in dict.fromkeys(key[i] for i in order):
         members = [i for i in order if key[i] == group]
-        counts = torch.tensor([grids[i][0] * grids[i][1] for i in members])
-        if not counts.sum():
+        rows = [[weights[i].data_ptr(), *weights[i].shape, weights[i].stride(0), starts[i], grids[i][1], offsets[i],
+                 grids[i][0] * grids[i][1]] for i in members]
+        blocks = sum(row[7] for row in rows)
+        if not blocks:
             continue  # empty weights only: nothing to launch
-        table = torch.tensor([[weights[i].data_ptr(), *weights[i].shape, weights[i].stride(0), starts[i],
-                               grids[i][1], offsets[i]] for i in members], dtype=torch.int64)
-        block_tensor = torch.repeat_interleave(torch.arange(len(members), dtype=torch.int32), counts)
-        launches.append((table.to(device), block_tensor.to(device), starts[members[0]],
-                         _DTYPES[weights[members[0]].dtype], group[1]))
+        table = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        block_tensor = torch.repeat_interleave(torch.arange(len(members), dtype=torch.int32, device=device),
+                                               table[:, 7], output_size=blocks)
+        launches.append((table, block_tensor, starts[members[0]], _DTYPES[weights[members[0]].dtype], group[1]))
     kernel = _launcher(device)
     for table, block_tensor, base, dtype, aligned_ in launches:
         kernel[(block_tensor.numel(),)](table, block_tensor, base, amax, out, dtype, fp8.BLOCK, False, aligned_,
                                         num_warps=8)
     scale = fp8.scales(amax, scale_fmt)
-    finite = torch.isfinite(scale)
-    if not finite.all():
-        first = int((~finite).nonzero()[0])
-        raise fp8._not_finite(named[order[torch.searchsorted(torch.tensor(block_starts), first, right=True) - 1]][0])
     for table, block_tensor, base, dtype, aligned_ in launches:
         kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, True, aligned_,
                                         num_warps=8)
-    return [(out[offsets[i]:offsets[i] + w.numel()].view(w.shape),
-             scale[starts[i]:starts[i] + grids[i][0] * grids[i][1]].view(grids[i])) for i, w in enumerate(weights)]
+    quantized = [(out.as_strided(w.shape, (w.shape[1], 1), offsets[i]),
+                  scale.as_strided(grids[i], (grids[i][1], 1), starts[i])) for i, w in enumerate(weights)]
+    finite = torch.isfinite(scale)  # checked once all is launched: the host waits for the GPU once
+    if not finite.all():
+        first = int((~finite).nonzero()[0])
+        raise fp8._not_finite(named[order[torch.searchsorted(torch.tensor(block_starts), first, right=True) - 1]][0])
+    return quantized
