@@ -97,6 +97,53 @@ def test_quantize_refuses_non_finite():
         fp8.quantize(w, name="model.x.weight")
 
 
+# fp8_batch's Triton kernels under Triton's CPU interpreter (which must be chosen before triton is
+# imported: a fresh interpreter). The interpreter's own float32 -> e4m3 cast is wrong (it rounds half
+# up and loses the carry into the exponent: 127.35 becomes 64), so torch's cast stands in for the
+# GPU's cvt.rn.satfinite, which tests/test_gpu.py checks on the GPU; everything else (block
+# indexing, masks, strides, amax, scales, division, clamp) is the kernels' own.
+BATCH_SCRIPT = """
+import numpy as np, torch, triton.language as tl
+from triton.runtime import interpreter
+plain = interpreter._convert_float
+def cast(values, src, dst, rounding):
+    if dst == tl.float8e4nv:
+        return torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    return plain(values, src, dst, rounding)
+interpreter._convert_float = cast
+from mconv.converter import fp8
+from mconv.converter.fp8_batch import quantize_batch
+from mconv.errors import MconvError
+from tests.test_fp8 import awkward_weight
+w = awkward_weight(torch.float32)
+big = (torch.randn(256, 256) * 0.02).bfloat16()
+named = [("a", w.bfloat16()), ("b", w), ("c", big.t()), ("d", big[:, 100:300]), ("e", big.half())]
+for fmt in fp8.SCALE_FORMATS:
+    for (name, x), (q, scale) in zip(named, quantize_batch(named, fmt)):
+        expected_q, expected_scale = fp8.quantize(x, fmt)
+        assert q.dtype == fp8.FP8 and torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8)), (name, fmt)
+        assert torch.equal(scale, expected_scale), (name, fmt)
+w[3, 3] = float("nan")
+try:
+    quantize_batch([("big", big), ("model.x.weight", w)])
+except MconvError as e:
+    print(e)
+"""
+
+
+def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
+    """fp8_batch.quantize_batch (the GPU path of the live export: all a bucket's weights in one kernel
+    launch sequence) gives fp8.quantize's bytes and scales, checked above against compressed-tensors',
+    for float32/bfloat16/float16 weights, a transposed and a column-sliced view, edge and all-zero
+    blocks, values beyond 448, both scale formats; a NaN weight is refused by name."""
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    run = subprocess.run([sys.executable, "-c", BATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "model.x.weight holds inf or NaN values, which FP8 cannot quantize"
+
+
 # ----------------------------------------------------------------------------- FP8 checkpoints
 # Tiny models with every quantized dimension a multiple of 128 (transformers' dequantizing reader is
 # exact only there: reference fp8.md, 3.1), quantized here by compressed-tensors.
