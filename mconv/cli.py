@@ -92,6 +92,12 @@ def fail(message: str):
     sys.exit(1)
 
 
+def fp8_scale_needs_quantize(quantize, fp8_scale) -> None:
+    """--fp8-scale without --quantize: a usage error (exit 2), as click's own."""
+    if fp8_scale is not None and quantize is None:
+        raise click.UsageError(f"--fp8-scale {fp8_scale} applies with --quantize fp8")
+
+
 def run(action):
     """Turn user errors into one line on stderr and exit status 1 (tracebacks are for bugs only).
 
@@ -392,6 +398,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
     CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
     directory. The parallel layout is read from the checkpoint's saved args.
     """
+    fp8_scale_needs_quantize(quantize, fp8_scale)
     from mconv.converter.pipelines import mcore2hf
 
     started = time.perf_counter()
@@ -505,6 +512,7 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     for name, why in (("dtype", "an adapter keeps the dtype it was trained in"), ("max_shard_size", "an adapter is one file")):
         if not merge and ctx.get_parameter_source(name).name != "DEFAULT":
             fail(f"--{name.replace('_', '-')} applies only with --merge ({why})")
+    fp8_scale_needs_quantize(quantize, fp8_scale)
     from mconv.converter.lora import export_lora
 
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,

@@ -397,8 +397,12 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
         assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", *fragments)
     assert mconv("hf2mcore", variant("zero-block", zero_block), tmp_path / "zero-block-out", "-q").exit_code == 0
     assert mconv("hf2mcore", models["fp8"], tmp_path / "m", "-q").exit_code == 0
-    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--fp8-scale", "ue8m0"), tmp_path / "out",
-                   "--fp8-scale ue8m0 applies with --quantize fp8")
+    for command in ("mcore2hf", "export-lora"):  # a usage error, click's exit status 2
+        result = mconv(command, tmp_path / "m", tmp_path / "out", "--fp8-scale", "ue8m0")
+        assert result.exit_code == 2 and not (tmp_path / "out").exists(), result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            "mconv: error: --fp8-scale ue8m0 applies with --quantize fp8 (see '"), result.stderr
     result = mconv("inspect", models["fp8"])
     assert result.exit_code == 0 and "block-wise FP8" in result.stdout and "14 weights" in " ".join(result.stdout.split())
     # equal bytes under another scale format are other weights: verify says so
