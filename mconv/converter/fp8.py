@@ -132,10 +132,14 @@ class Quantization:
         return len(shape) == 2 and self.quantized(name)
 
 
-def writer_quantization(arch, quantize: str | None, fp8_scale: str | None) -> Quantization | None:
+def writer_quantization(arch, quantize: str | None, fp8_scale: str | None,
+                        config: dict | None = None) -> Quantization | None:
     """The Quantization a writer's `quantize` / `fp8_scale` options ask for (None: write 16-bit).
-    MconvError naming the option for a method other than "fp8", a scale format other than
-    SCALE_FORMATS, `fp8_scale` without `quantize`, or an architecture mconv writes no FP8 for."""
+    Without `fp8_scale`, the scale format of `config`'s quantization_config (the model's HF config:
+    a checkpoint hf2mcore made of a UE8M0 FP8 model keeps its config.json, so the way back needs no
+    `fp8_scale` again), else "float". MconvError naming the option for a method other than "fp8",
+    a scale format other than SCALE_FORMATS, `fp8_scale` without `quantize`, or an architecture
+    mconv writes no FP8 for."""
     if quantize is None:
         if fp8_scale is not None:
             raise MconvError(f"{option('fp8_scale', fp8_scale)} applies with {option('quantize', 'fp8')}")
@@ -149,7 +153,9 @@ def writer_quantization(arch, quantize: str | None, fp8_scale: str | None) -> Qu
     if arch.fp8 is None:
         raise MconvError(f"{option('quantize', 'fp8')}: mconv does not write FP8 checkpoints of {arch.name} yet "
                          "(Qwen3, Qwen3-MoE and Qwen3-VL dense)")
-    return Quantization(arch.fp8, fp8_scale or "float")
+    source = (config or {}).get("quantization_config")
+    source_scale = source.get("scale_fmt") if isinstance(source, dict) and source.get("quant_method") == "fp8" else None
+    return Quantization(arch.fp8, fp8_scale or (source_scale if source_scale in SCALE_FORMATS else "float"))
 
 
 def quantized_entries(entries: list, quantization: Quantization) -> tuple[list, list[str]]:

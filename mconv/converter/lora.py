@@ -457,7 +457,7 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     Raises MconvError where the cast turns finite values into inf (transforms.check_cast)."""
     base = HFCheckpoint(base_dir, dequantize=dtype or torch.bfloat16)
     arch = architecture_for(base.config, base.dir / "config.json")
-    quantization = fp8.writer_quantization(arch, quantize, fp8_scale)
+    quantization = fp8.writer_quantization(arch, quantize, fp8_scale, base.config)
     if arch.name != adapter.arch:
         raise MconvError(f"{base.dir} is a {arch.name}, the adapter is for {adapter.arch}")
     deltas = adapter.deltas()

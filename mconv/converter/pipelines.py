@@ -530,7 +530,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress, parameter="hf_config")
     ckpt = open_checkpoint(ckpt_dir, hf_config)
     arch = ckpt.plan.arch
-    quantization = fp8.writer_quantization(arch, quantize, fp8_scale)
+    quantization = fp8.writer_quantization(arch, quantize, fp8_scale, ckpt.config)
     exports = ckpt.plan.exports()
     stack = expert_orientation_for(arch, ckpt.plan.dims, expert_orientation)
     if arch.experts_as_input and expert_orientation is None and ckpt.metadata.get("hf_experts") == "per_expert":

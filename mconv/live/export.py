@@ -277,7 +277,7 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     if expert_orientation is not None and not stacked_experts:
         raise MconvError("expert_orientation applies with stacked_experts=True (experts come per expert otherwise)")
     stacked = _orientation(config, expert_orientation) if stacked_experts else None
-    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale)
+    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes, stacked_experts)
     if not gather_pp or live.layout.pp == 1:
         yield from _stage_buckets(live, schedule, dtype, stacked, quantization)
@@ -342,7 +342,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     source = _model_dir(str(hf_config), revision, False)
     config = read_config(source)
     stacked = _orientation(config, expert_orientation)
-    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale)
+    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes)
     full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
     dtypes: dict[str, torch.dtype] = {}

@@ -65,7 +65,7 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     engine = as_engine(engine)
     version = str(next(_VERSIONS)) if version is None else str(version)
     config = _config(hf_config, revision)
-    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale)
+    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
     chunks = list(model_chunks)
     live, schedule = _prepared(chunks, config, bucket_bytes)
     tied = bool(config.get("tie_word_embeddings")) and engine.sends_tied_lm_head
