@@ -314,9 +314,22 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
     if run.live_out is not None:
         from mconv.live import iter_hf_weights, save_hf_weights
 
+        import mconv.live.export as export
+        from megatron.core import parallel_state as ps
+
+        gathers, all_gather = [], export._all_gather  # which group gathered which dtypes (FP8 before the gather?)
+
+        def recorded(tensors, group):
+            kind = ("tp" if group is ps.get_tensor_model_parallel_group() else
+                    "ep" if group is ps.get_expert_model_parallel_group() else "etp")
+            gathers.append((kind, sorted({str(t.dtype) for t in tensors})))
+            return all_gather(tensors, group)
+
+        export._all_gather = recorded
         yielded = [[(name, tensor.clone()) for name, tensor in bucket]
                    for bucket in iter_hf_weights(chunks, run.live_hf, bucket_bytes=40_000, quantize=run.live_quantize)]
-        torch.save({"pp": pp_rank, "buckets": yielded}, run.live_out / f"rank{rank}.pt")
+        export._all_gather = all_gather
+        torch.save({"pp": pp_rank, "buckets": yielded, "gathers": gathers}, run.live_out / f"rank{rank}.pt")
         everything = [name for bucket in iter_hf_weights(chunks, run.live_hf, gather_pp=True) for name, _ in bucket]
         torch.save(everything, run.live_out / f"all{rank}.pt")
         if run.pp > 1:  # a cast refused on the last stage only: every rank is told, none waits for its buckets

@@ -420,7 +420,8 @@ def test_live_fp8_load_and_export(models, tmp_path):
     """megatron-core's MoE model at TP2/EP2 (gloo, CPU): load_hf_weights of an FP8 checkpoint gives
     transformers' logits (its own dequantization, float32); iter_hf_weights(quantize="fp8") yields every
     tensor of `mcore2hf --quantize fp8`'s output once per stage, bit for bit, each scale in its weight's
-    bucket (the live model is float32: its FP8 bytes equal those quantized from the bfloat16 checkpoint,
+    bucket, the attention weights (block-aligned TP shards) and the experts (over EP) quantized before
+    their gathers (the live model is float32: its FP8 bytes equal those quantized from the bfloat16 checkpoint,
     the other tensors are compared by value); save_hf_weights(quantize="fp8") writes the same values."""
     from mconv import Layout, hf2mcore, mcore2hf
     from mconv.converter.transforms import padded_vocab_size
@@ -437,7 +438,10 @@ def test_live_fp8_load_and_export(models, tmp_path):
     mcore2hf(tmp_path / "m", tmp_path / "offline", progress=False, quantize="fp8")
     offline = hf_tensors(tmp_path / "offline")
     for rank in range(run.world):
-        buckets = torch.load(out / f"rank{rank}.pt")["buckets"]
+        buckets, gathers = (torch.load(out / f"rank{rank}.pt")[key] for key in ("buckets", "gathers"))
+        # quantized before the gathers: attention over TP (128-row / 128-column shards), experts over EP
+        fp8_gathers = {kind for kind, dtypes in gathers if "torch.float8_e4m3fn" in dtypes}
+        assert fp8_gathers >= {"tp", "ep"}, gathers
         names = [name for bucket in buckets for name, _ in bucket]
         assert sorted(names) == sorted(offline), rank
         for bucket in buckets:

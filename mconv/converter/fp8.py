@@ -183,25 +183,30 @@ def output_config(config: dict, quantization: Quantization | None, kept: list[st
     return config
 
 
-def quantize_tensors(tensors: list[tuple[str, torch.Tensor]],
-                     quantization: Quantization) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs with each weight to quantize replaced by (name, FP8 weight) and
-    (name + "_scale_inv", float32 scale), on the tensors' device; one host synchronisation for the
-    whole list (MconvError naming the first weight holding inf or NaN). On a GPU all the weights are
-    quantized together, in a few kernel launches (fp8_batch); elsewhere one by one."""
-    picked = [(name, t) for name, t in tensors if quantization.applies(name, t.shape)]
-    if not picked:
-        return list(tensors)
-    if picked[0][1].is_cuda:
+def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float") -> list[tuple]:
+    """(q, scale) of each (name, 2-D weight), by `quantize`, on the weights' device (one device); one
+    host synchronisation for the list (MconvError naming the first weight holding inf or NaN). On
+    a GPU all the weights are quantized together, in a few kernel launches (fp8_batch); elsewhere
+    one by one."""
+    if not named:
+        return []
+    if named[0][1].is_cuda:
         from mconv.converter.fp8_batch import quantize_batch
 
-        quantized = dict(zip((name for name, _ in picked), quantize_batch(picked, quantization.scale_fmt)))
-    else:
-        quantized = {name: quantize(t, quantization.scale_fmt, name, check=False) for name, t in picked}
-        scales = [(name, scale) for name, (_, scale) in quantized.items()]
-        finite = torch.stack([torch.isfinite(scale).all() for _, scale in scales])
-        if not finite.all():
-            raise _not_finite(scales[int((~finite).nonzero()[0])][0])
+        return quantize_batch(named, scale_fmt)
+    quantized = [quantize(t, scale_fmt, name, check=False) for name, t in named]
+    finite = torch.stack([torch.isfinite(scale).all() for _, scale in quantized])
+    if not finite.all():
+        raise _not_finite(named[int((~finite).nonzero()[0])][0])
+    return quantized
+
+
+def quantize_tensors(tensors: list[tuple[str, torch.Tensor]], quantization: Quantization,
+                     done: frozenset = frozenset()) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with each weight to quantize (but those named in `done`, quantized
+    already) replaced by (name, FP8 weight) and (name + "_scale_inv", float32 scale): `quantize_all`."""
+    picked = [(name, t) for name, t in tensors if name not in done and quantization.applies(name, t.shape)]
+    quantized = dict(zip((name for name, _ in picked), quantize_all(picked, quantization.scale_fmt)))
     out = []
     for name, tensor in tensors:
         if name in quantized:

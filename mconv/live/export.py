@@ -20,7 +20,7 @@ from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.output import SharedStaging, output_path, write_failure
 from mconv.converter.options import DEFAULT_SHARD_BYTES, shard_bytes
 from mconv.converter.planner import RankPlan, TensorTask, make_plan, model_dims
-from mconv.converter.transforms import cast_dtype, check_cast, merge, merge_single
+from mconv.converter.transforms import Piece, ShardLayout, cast_dtype, check_cast, merge, merge_single
 from mconv.errors import MconvError
 from mconv.live.chunks import LiveModel, _buckets, _config, _model_dir
 from mconv.mappings import architecture_for
@@ -42,7 +42,8 @@ def _all_gather(tensors: list[torch.Tensor], group) -> list[list[torch.Tensor]]:
     for dtype, indices in by_dtype.items():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
         gathered = torch.empty(size * flat.numel(), dtype=dtype, device=flat.device)
-        dist.all_gather_into_tensor(gathered, flat, group=group)
+        raw = (lambda t: t.view(torch.uint8)) if dtype == fp8.FP8 else (lambda t: t)  # gloo has no float8
+        dist.all_gather_into_tensor(raw(gathered), raw(flat), group=group)
         for r in range(size):
             offset = r * flat.numel()
             for i in indices:
@@ -201,8 +202,10 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
 
     groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group()}
     ep_group = ps.get_expert_model_parallel_group()
+    early = quantization if stacked is None else None  # (stacked experts are not written in FP8)
     for steps in schedule:
         out: Bucket = []
+        done: set[str] = set()  # quantized before a gather: weights and scales
         for group, step in zip(("tp", "etp"), steps):
             if not (step.static or step.gathered or step.permuted):
                 continue  # no collectives to line up: every rank of the stage has the same schedule
@@ -210,26 +213,90 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
             for local, dim, order, sizes, names in step.permuted:
                 rebuilt += zip(names, local.index_select(dim, order).split(sizes, dim))
             if step.gathered:
-                shards = _all_gather([local for local, _, _, _ in step.gathered], groups[group])
-                for i, (_, layouts, names, shapes) in enumerate(step.gathered):
-                    rebuilt += zip(names, merge(layouts, [rank_shards[i] for rank_shards in shards], shapes))
+                rebuilt += _gather_and_merge(step.gathered, groups[group], early, done)
             if group == "tp":
                 out += rebuilt
                 continue
-            # Experts: every EP rank holds other experts; gather the rebuilt HF tensors over EP.
+            # Experts: every EP rank holds other experts; gather the rebuilt HF tensors over EP, in FP8
+            # where they are quantized (whole HF tensors: the bytes are those quantized after the gather).
             order = {name: i for i, (name, _) in enumerate(rebuilt)}
-            mine = [rebuilt[order[name]][1] for name in step.ep_names[live.rank.ep]]
-            for names, tensors in zip(step.ep_names, _all_gather(mine, ep_group)):
-                out += zip(names, tensors)
+            mine = [rebuilt[order[n]] for name in step.ep_names[live.rank.ep]
+                    for n in ((name, fp8.scale_name(name)) if name in done else (name,))]  # (quantized over ETP)
+            if early is not None:
+                mine = fp8.quantize_tensors(mine, early, frozenset(done))
+            for names, tensors in zip(step.ep_names, _all_gather([t for _, t in mine], ep_group)):
+                out += zip(names if early is None else _with_scales(names, mine, done), tensors)
         if stacked is not None:
             out = _stack_bucket(out, stacked == "4.x", live.dims.experts)
         if dtype is not None:  # but the tensors the model keeps in float32 (transforms.cast_dtype), and
             # the weights to quantize, which are quantized from the model's own values
-            casts = {n: None if quantization and quantization.applies(n, x.shape)
+            casts = {n: None if n in done or (quantization and quantization.applies(n, x.shape))
                      else cast_dtype(dtype, live.arch.fp32_kind(n) is not None) for n, x in out}
             check_cast([(n, x) for n, x in out if casts[n] == dtype], dtype)  # one host synchronisation per bucket
             out = [(n, x if casts[n] is None else x.to(casts[n])) for n, x in out]
-        yield out if quantization is None else fp8.quantize_tensors(out, quantization)
+        yield out if quantization is None else fp8.quantize_tensors(out, quantization, frozenset(done))
+
+
+def _with_scales(names: list[str], mine: Bucket, done: set[str]) -> list[str]:
+    """An EP peer's HF names (`names`, in the order of this rank's) as this rank's quantized tensors
+    `mine` lay them out, each FP8 weight followed by its scale (the same on every EP rank: same
+    shapes in the same order); those go into `done`."""
+    out: list[str] = []
+    for name in names:
+        if mine[len(out)][1].dtype == fp8.FP8:
+            out += [name, fp8.scale_name(name)]
+            done.update(out[-2:])
+        else:
+            out.append(name)
+    return out
+
+
+def _block_layout(layout: ShardLayout) -> ShardLayout:
+    """The layout of a shard's FP8 scales, where `layout`'s pieces start on block boundaries."""
+    return ShardLayout(layout.dim, tuple(Piece(p.source, p.start // fp8.BLOCK, -(-p.stop // fp8.BLOCK))
+                                         for p in layout.pieces))
+
+
+def _block_aligned(layouts: list[ShardLayout], names, shapes, quantization: fp8.Quantization | None) -> bool:
+    """Whether every rank's shard can be quantized in place, giving the bytes of the gathered HF
+    tensors' quantization: all its HF tensors are quantized, and each piece starts on a block
+    boundary and holds whole blocks (the last may end with the HF tensor's edge block), so the
+    shard's blocks are the HF tensors' blocks (reference fp8.md 1.6; 192-row shards would not be)."""
+    if quantization is None or not all(quantization.applies(n, s) for n, s in zip(names, shapes)):
+        return False
+    for layout in layouts:
+        if layout.pad or layout.offset:
+            return False
+        for i, p in enumerate(layout.pieces):
+            last = i == len(layout.pieces) - 1 and p.stop == shapes[p.source][layout.dim]
+            if p.start % fp8.BLOCK or (p.length % fp8.BLOCK and not last):
+                return False
+    return True
+
+
+def _gather_and_merge(gathered: list, group, quantization: fp8.Quantization | None, done: set[str]) -> Bucket:
+    """The HF tensors of the shards `gathered` ((local shard, every rank's layout, HF names, HF
+    shapes)), gathered over `group` (one collective per dtype) and merged. Where `_block_aligned`,
+    each rank quantizes its shard first and the FP8 shards and their scales are gathered and
+    merged (half the bytes; the names come quantized, with their scales, and go into `done`)."""
+    early = [_block_aligned(layouts, names, shapes, quantization) for _, layouts, names, shapes in gathered]
+    picked = [(names[0], local) for (local, _, names, _), e in zip(gathered, early) if e]
+    quantized = iter(fp8.quantize_all(picked, quantization.scale_fmt) if picked else [])
+    sent = [list(next(quantized)) if e else [local] for (local, _, _, _), e in zip(gathered, early)]
+    shards = _all_gather([t for tensors in sent for t in tensors], group)
+    out, k = [], 0
+    for (_, layouts, names, shapes), tensors in zip(gathered, sent):
+        pieces = [[rank_shards[k + j] for rank_shards in shards] for j in range(len(tensors))]
+        k += len(tensors)
+        if len(tensors) == 1:
+            out += zip(names, merge(layouts, pieces[0], shapes))
+            continue
+        qs = merge(layouts, [q.view(torch.uint8) for q in pieces[0]], shapes)
+        scales = merge([_block_layout(layout) for layout in layouts], pieces[1], [fp8.grid(s) for s in shapes])
+        for name, q, scale in zip(names, qs, scales):
+            out += [(name, q.view(fp8.FP8)), (fp8.scale_name(name), scale)]
+            done.update((name, fp8.scale_name(name)))
+    return out
 
 
 def _orientation(config: dict, value: str | None) -> str | None:
