@@ -5,6 +5,7 @@
     .venv/bin/python bench/convert.py --size-gb 0.5          # quick debug run (smaller vocabulary / experts)
     .venv/bin/python bench/convert.py --workers 1,2,4,8 --formats torch --peers none   # choose a default
     .venv/bin/python bench/convert.py --model dense --workdir /data/b --reuse --json-out bench/convert.json
+    .venv/bin/python bench/convert.py --size-gb 11 --formats torch --layouts TP1 --peers none --fp8   # FP8 writer
 
 In one run, on a synthetic HF checkpoint (random bf16 bits, transformers' on-disk names, written by
 fixtures.make_fixtures.make_synthetic), it times and takes the peak RSS of:
@@ -117,20 +118,20 @@ def fit_config(model: str, size: float, layers: int | None) -> tuple[dict, str]:
     return kwargs, note
 
 
-def prepare_input(workdir: Path, model: str, kwargs: dict, reuse: bool) -> Path:
+def prepare_input(workdir: Path, model: str, kwargs: dict, reuse: bool, finite: bool) -> Path:
     """The synthetic HF checkpoint; with --reuse, the one a previous run left in workdir if it was
     made with the same settings (recorded in a spec file beside it)."""
     from fixtures.make_fixtures import make_synthetic
 
     hf, spec_file = workdir / f"hf-{model}", workdir / f"hf-{model}.spec.json"
-    spec = json.dumps(dict(model=model, kwargs=kwargs, shard_bytes=SHARD_BYTES, seed=0), sort_keys=True)
+    spec = json.dumps(dict(model=model, kwargs=kwargs, shard_bytes=SHARD_BYTES, seed=0, finite=finite), sort_keys=True)
     if reuse and spec_file.exists() and spec_file.read_text() == spec:
         log(f"reusing {hf}")
         return hf
     shutil.rmtree(hf, ignore_errors=True)
     spec_file.unlink(missing_ok=True)
     log(f"writing synthetic checkpoint {hf}")
-    make_synthetic(hf, make_config(model, **kwargs), shard_bytes=SHARD_BYTES, seed=0)
+    make_synthetic(hf, make_config(model, **kwargs), shard_bytes=SHARD_BYTES, seed=0, finite=finite)
     spec_file.write_text(spec)  # written last: an interrupted generation is never reused
     return hf
 
@@ -233,6 +234,8 @@ def main() -> None:
     parser.add_argument("--peers", default="transformers,mbridge", help="Peers to time (default: both).")
     parser.add_argument("--mbridge", choices=("auto", "gpu", "cpu", "off"), default="auto",
                         help="auto: run the mbridge peer where a GPU is; cpu: on the CPU (model in host memory).")
+    parser.add_argument("--fp8", action="store_true",
+                        help="Also time mcore2hf --quantize fp8 after each mcore2hf (ratio to the plain one).")
     parser.add_argument("--json-out", type=Path, default=None, help="Also write the JSON line to this file.")
     args = parser.parse_args()
 
@@ -257,7 +260,7 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
 
     load_before = os.getloadavg()[0]  # other work on the machine skews the times; say how busy it was
     kwargs, note = fit_config(args.model, args.size_gb * 1e9, args.layers)
-    hf = prepare_input(workdir, args.model, kwargs, args.reuse)
+    hf = prepare_input(workdir, args.model, kwargs, args.reuse, finite=args.fp8)  # (FP8 quantizes finite values)
     size = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
     tiny = ROOT / "fixtures" / ("qwen3-moe-tiny" if args.model == "moe" else "qwen3-tiny")
     mconv = [sys.executable, "-m", "mconv.cli"]
@@ -298,6 +301,15 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
             rows[-1]["check"] = verify(src, back)
             if rows[-1]["check"] != "exact":
                 raise SystemExit(f"round trip is not exact: {rows[-1]['method']}: {rows[-1]['check']}")
+        if args.fp8:  # the same mcore2hf writing block-wise FP8, against the plain one just timed
+            plain, fp8_out = rows[-1], scratch / "hf-fp8"
+            command = f"mcore2hf {fmt} --quantize fp8"
+            row = timed(f"{label}{command}{suffix}", command, [*mconv, "mcore2hf", str(ckpt), str(fp8_out), "--quantize",
+                                                              "fp8", *common], ckpt, fp8_out, workers=workers or default_workers())
+            row["x plain mcore2hf"] = round(row["seconds"] / plain["seconds"], 2)
+            if label == TINY:
+                fixed[command] = row["seconds"]
+            shutil.rmtree(fp8_out)
         shutil.rmtree(ckpt)
         shutil.rmtree(back)
 
@@ -349,7 +361,7 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
             result["x_transformers"] = round(r["seconds"] / transformers, 2)
         if mine and r["command"] in by_mbridge:
             result["x_mbridge"] = round(r["seconds"] / by_mbridge[r["command"]], 2)
-        for key in ("workers", "check"):
+        for key in ("workers", "check", "x plain mcore2hf"):
             if key in r:
                 result[key] = r[key]
         results.append(result)
