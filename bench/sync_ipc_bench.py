@@ -41,7 +41,7 @@ def checksum(tensor: torch.Tensor) -> int:
 
 
 def receive(shapes, address, authkey, ready, done, sums):
-    from mconv.transport.cuda_ipc import ParameterReceiver
+    from mconv.transport.receiver import ParameterReceiver
 
     params = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
               for name, (shape, dtype) in shapes.items()}

