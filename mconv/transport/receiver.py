@@ -176,7 +176,7 @@ class ParameterReceiver(UpdateReceiver):
         self._cuda = any(t.is_cuda for t in params.values())
         self._received: set[str] = set()
         self._mapped: OrderedDict[str, object] = OrderedDict()  # key -> (tensor, SharedBuffer or None)
-        self._plans: dict[tuple[str, str], tuple[list, list[str]]] = {}
+        self._plans: dict[tuple, tuple[list, list[str]]] = {}  # (mapping, start, stop, entries) -> plan
 
     def expected(self) -> dict[str, list[int]]:
         return {name: list(t.shape) for name, t in self.params.items()}
@@ -186,12 +186,15 @@ class ParameterReceiver(UpdateReceiver):
 
     def load(self, buffers: list[dict]) -> None:
         for item in buffers:
-            key = item["ipc"]["handle"] + f":{item['ipc']['offset_bytes']}" if "ipc" in item else item["path"]
-            storage = self._map(key, item)
+            ipc = item.get("ipc")
+            key = f"{ipc['handle']}:{ipc['offset_bytes']}" if ipc else item["path"]
+            start, stop = (ipc["offset"], ipc["offset"] + ipc["numel"]) if ipc else (0, None)
+            mapped = self._map(key, item)
             entries = json.dumps(item["entries"])
-            plan = self._plans.get((key, entries))
+            plan = self._plans.get((key, start, stop, entries))
             if plan is None:
-                plan = self._plans[key, entries] = self._plan(storage, [Entry.from_json(e) for e in item["entries"]])
+                plan = self._plans[key, start, stop, entries] = self._plan(mapped[start:stop], [
+                    Entry.from_json(e) for e in item["entries"]])
             copy_all(plan[0])
             self._received.update(plan[1])
         if self._cuda:
@@ -215,13 +218,20 @@ class ParameterReceiver(UpdateReceiver):
         self._mapped.clear()
 
     def _map(self, key: str, item: dict) -> torch.Tensor:
-        if key in self._mapped:
-            self._mapped.move_to_end(key)
-            return self._mapped[key][0]
+        """The whole buffer `item` names (a CUDA storage or a shared-memory file), mapped once. A CUDA
+        handle is rebuilt at every request even so: torch then finds the storage in its cache and
+        releases the sender's reference count for that handle (the sender's memory leaks otherwise)."""
         if "ipc" in item:
             from mconv.transport import cuda_ipc
 
-            mapped = (cuda_ipc.attach(item["ipc"], torch.cuda.current_device()), None)
+            whole = {**item["ipc"], "numel": item["ipc"]["size_bytes"], "offset": 0}  # the sender's whole storage
+            mapped = (cuda_ipc.attach(whole, torch.cuda.current_device()), None)
+            if key in self._mapped:
+                self._mapped.move_to_end(key)
+                return self._mapped[key][0]
+        elif key in self._mapped:
+            self._mapped.move_to_end(key)
+            return self._mapped[key][0]
         else:
             shared = shm.SharedBuffer.attach(item["path"])
             mapped = (shared.tensor, shared)

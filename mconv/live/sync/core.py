@@ -95,7 +95,7 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
         rounds = _started(refused, len(schedule))  # every rank agrees once per round, stage or not
         if rounds is None:
             raise MconvError(f"weight sync {version} refused before any bucket was sent: {_shared(refused)}")
-        failure = _buckets(index_count=rounds, schedule=schedule, chunks=chunks, config=config, engine=engine,
+        failure = _buckets(rounds=rounds, schedule=schedule, chunks=chunks, config=config, engine=engine,
                            sender=sender, tied=tied, version=version, result=result, sums=sums,
                            options=dict(bucket_bytes=bucket_bytes, dtype=dtype, quantize=quantize,
                                         fp8_scale=fp8_scale))
@@ -122,7 +122,7 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     return result
 
 
-def _buckets(index_count, schedule, chunks, config, engine, sender, tied, version, result, sums,
+def _buckets(rounds, schedule, chunks, config, engine, sender, tied, version, result, sums,
              options) -> Exception | None:
     """The bucket rounds of one sync on this rank; returns this rank's first error (None if none)
     once the ranks have agreed that one failed, or after every round and the engine's last bucket."""
@@ -131,7 +131,7 @@ def _buckets(index_count, schedule, chunks, config, engine, sender, tied, versio
     pending: list[Future] = []
     failure = None
     try:
-        for index in range(index_count):
+        for index in range(rounds):
             if index < len(schedule) and failure is None:
                 failure = _attempt(lambda: _send(index, buckets, engine, sender, tied, version, pending, workers,
                                                  result, sums))
