@@ -63,7 +63,8 @@ class UpdateReceiver:
     def handle(self, message: dict, peer: dict | None = None) -> dict:
         """Answer one request (`peer`: the connection's own dict, which remembers its rank)."""
         peer = {} if peer is None else peer
-        peer.setdefault("rank", message.get("rank"))
+        if message.get("rank") is not None:
+            peer["rank"] = message["rank"]
         op = message["op"]
         if op == "expected":
             if self._digest is None:
@@ -91,6 +92,7 @@ class UpdateReceiver:
             self._last = time.monotonic()
             if op == "update":
                 self.load(message["buffers"])
+                self._last = time.monotonic()  # the timeout counts the trainer's silence, not our loading
                 return {}
             if op == "finish":
                 try:
