@@ -1,13 +1,14 @@
 """GPU benchmark of the colocated weight sync (sync_weights through IPCEngine, CUDA IPC on one GPU).
 
 On the Qwen3-30B-A3B-shaped model of bench/live_bench.py (layers reduced), bf16, TP1, a receiver
-process on the same GPU owns preallocated parameters (mconv.transport.cuda_ipc.ParameterReceiver)
+process on the same GPU owns preallocated parameters (mconv.transport.receiver.ParameterReceiver)
 and copies every tensor into them. In one run, best of 3 each:
   - floor: one device-to-device copy of the synced bytes (a flat torch copy);
   - export: iter_hf_weights alone (the gathers and splits the sync starts from);
   - ipc: sync_weights into the receiver, one CUDA IPC handle per flat bucket;
   - per_tensor: the same buckets from iter_hf_weights into the same receiver, one CUDA IPC handle
     per tensor (one request per bucket), as trainers without flat buckets do.
+  - verify: one sync with verify=True (the receiver's parameters read back and compared per tensor).
 Then bf16 and FP8 (quantize="fp8") each: the receiver's parameters are checked bit for bit against
 the exported tensors (a positional checksum per tensor, computed in both processes), and the peak
 extra device memory of the trainer's process during a sync. Prints one JSON line per dtype.
@@ -41,7 +42,7 @@ def checksum(tensor: torch.Tensor) -> int:
 
 
 def receive(shapes, address, authkey, ready, done, sums):
-    from mconv.transport.cuda_ipc import ParameterReceiver
+    from mconv.transport.receiver import ParameterReceiver
 
     params = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
               for name, (shape, dtype) in shapes.items()}
@@ -103,7 +104,12 @@ def run(hf: dict, model, quantize: str | None) -> dict:
         engine.finish("per-tensor")
 
     result["per_tensor_s"] = timed(per_tensor, repeats=3)
-    ipc()  # the receiver ends holding what the flat path sent
+
+    def verified():
+        sync_weights([model], hf, engine, bucket_bytes=BUCKET, quantize=quantize, verify=True)
+        result["engine_verified"] = True  # an MconvError names the tensors otherwise
+
+    result["verify_s"] = timed(verified, repeats=1)  # the receiver ends holding what the flat path sent
     done.set()
     received = sums.get(timeout=600)
     receiver.join(60)

@@ -116,7 +116,7 @@ def _ipc_receiver(hf_dir, address, authkey, ready, done, out):
     saved to `out` (with the last version) once `done` is set."""
     from safetensors.torch import load_file, save_file
 
-    from mconv.transport.cuda_ipc import ParameterReceiver
+    from mconv.transport.receiver import ParameterReceiver
 
     params = {}
     for path in sorted(hf_dir.glob("*.safetensors")):

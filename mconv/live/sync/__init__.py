@@ -2,8 +2,8 @@
 flat buckets into an Engine adapter (vLLM, CUDA IPC into a colocated engine, any callable), all ranks agreeing on the outcome; and
 the payload SGLang's `update_weights_from_tensor` reads. See docs/weight-sync.md."""
 from mconv.live.sync.core import SyncResult, sync_weights
-from mconv.live.sync.engines import CallableEngine, Engine, FlatBucket, RemoteEngine
+from mconv.live.sync.engines import CallableEngine, Engine, FlatBucket, RemoteEngine, SharedMemoryEngine
 from mconv.live.sync.ipc import IPCEngine
 from mconv.live.sync.vllm import VLLMEngine
 
-__all__ = ["sync_weights", "SyncResult", "Engine", "CallableEngine", "FlatBucket", "RemoteEngine", "VLLMEngine", "IPCEngine"]
+__all__ = ["sync_weights", "SyncResult", "Engine", "CallableEngine", "FlatBucket", "RemoteEngine", "SharedMemoryEngine", "VLLMEngine", "IPCEngine"]

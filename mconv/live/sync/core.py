@@ -19,7 +19,7 @@ from mconv.live.chunks import _config
 from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _prepared, iter_hf_weights
 from mconv.live.sync.engines import FlatBucket, as_engine
 from mconv.mappings import architecture_for
-from mconv.transport.flat import layout, pack
+from mconv.transport.flat import checksums, copy_all, layout, unpack
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _VERSIONS = itertools.count(1)
@@ -41,7 +41,7 @@ class SyncResult:
 def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path | dict, engine, *,
                  version: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  dtype: torch.dtype | None = None, revision: str | None = None, quantize: str | None = None,
-                 fp8_scale: str | None = None) -> SyncResult:
+                 fp8_scale: str | None = None, verify: bool = False) -> SyncResult:
     """Push the model's current weights into `engine`; call it on every rank of the trainer.
 
     `engine` is an `mconv.live.sync.Engine` (e.g. `VLLMEngine`) or a callable taking one
@@ -61,6 +61,15 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     rank raises one MconvError naming that rank and its error, the engine is told `abort` (never
     `finish`), and the next sync starts clean. `version` (default: "1", "2", ... per process) is
     given to the engine's `start` / `finish`. Returns this rank's SyncResult.
+
+    A rank that dies mid-sync (the process group raises in a collective: gloo does at once, NCCL
+    after its timeout) gives every surviving rank one MconvError saying so; rank 0 aborts the
+    engine's update, or, if rank 0 is the one lost, the receiver does when its connection closes.
+
+    `verify=True`: after `finish`, rank 0 asks the engine for a checksum of every tensor it now
+    holds (`Engine.checksums`; refused before any bucket for an engine that cannot) and compares
+    each with the checksum of what was sent: the names that differ are one MconvError on every
+    rank (the engine has finished the update by then; sync again).
     """
     engine = as_engine(engine)
     version = str(next(_VERSIONS)) if version is None else str(version)
@@ -75,24 +84,57 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
 
     refused = None
     if first:
-        refused = _attempt(lambda: _check(engine.expected(), _sent_shapes(live, config, tied, quantization)))
-        refused = refused or _attempt(lambda: engine.start(version))
-    refused = _shared(refused)
-    if refused is not None:
-        raise MconvError(f"weight sync {version} refused before any bucket was sent: {refused}")
+        if verify and not engine.verifiable:
+            refused = MconvError(f"verify=True: {type(engine).__name__} cannot read the engine's weights back (give "
+                                 "CallableEngine a checksums function)")
+        refused = refused or _attempt(lambda: _agree_models(engine, lambda: _sent_shapes(
+            live, config, tied, quantize, fp8_scale, quantization)))
+        refused = refused or _attempt(lambda: engine.start(version, verify=True) if verify else engine.start(version))
+    sums: dict | None = {} if verify else None
+    try:
+        rounds = _started(refused, len(schedule))  # every rank agrees once per round, stage or not
+        if rounds is None:
+            raise MconvError(f"weight sync {version} refused before any bucket was sent: {_shared(refused)}")
+        failure = _buckets(rounds=rounds, schedule=schedule, chunks=chunks, config=config, engine=engine,
+                           sender=sender, tied=tied, version=version, result=result, sums=sums,
+                           options=dict(bucket_bytes=bucket_bytes, dtype=dtype, quantize=quantize,
+                                        fp8_scale=fp8_scale))
+        reason = _shared(failure) if _any(failure) else None
+        if reason is not None:
+            if first:
+                aborted = _attempt(lambda: engine.abort(version, reason))
+                if aborted is not None:
+                    reason += f" (and telling the engine failed: {aborted})"
+            raise MconvError(f"weight sync {version} failed; the engine was told to abort it: {reason}")
+        finished = _attempt(lambda: engine.finish(version)) if first else None
+        if _any(finished):
+            raise MconvError(f"weight sync {version}: the engine did not finish it: {_shared(finished)}")
+        if verify:
+            sent = _gathered(sums)
+            differ = _attempt(lambda: _compare(engine, sent)) if first else None
+            if _any(differ):
+                raise MconvError(f"weight sync {version} is not what the engine holds: {_shared(differ)}")
+    except _Lost as lost:
+        if first and refused is None:
+            _attempt(lambda: engine.abort(version, f"a trainer rank was lost: {lost}"))
+        raise MconvError(f"weight sync {version} failed: a trainer rank was lost mid-sync ({lost}); the engine's "
+                         "update was aborted (by rank 0, or by the receiver when rank 0's connection closed)") from None
+    return result
 
-    rounds = torch.tensor([len(schedule)], device=_collective_device())
-    dist.all_reduce(rounds, op=dist.ReduceOp.MAX)  # every rank agrees once per round, stage or not
-    buckets = iter_hf_weights(chunks, config, bucket_bytes=bucket_bytes, dtype=dtype, quantize=quantize,
-                              fp8_scale=fp8_scale)
+
+def _buckets(rounds, schedule, chunks, config, engine, sender, tied, version, result, sums,
+             options) -> Exception | None:
+    """The bucket rounds of one sync on this rank; returns this rank's first error (None if none)
+    once the ranks have agreed that one failed, or after every round and the engine's last bucket."""
+    buckets = iter_hf_weights(chunks, config, **options)
     workers = ThreadPoolExecutor(1, thread_name_prefix="mconv-sync") if sender else None
     pending: list[Future] = []
     failure = None
     try:
-        for index in range(int(rounds)):
+        for index in range(rounds):
             if index < len(schedule) and failure is None:
                 failure = _attempt(lambda: _send(index, buckets, engine, sender, tied, version, pending, workers,
-                                                 result))
+                                                 result, sums))
             if _any(failure):
                 break
         if workers is not None:
@@ -103,20 +145,10 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
         buckets.close()
         if workers is not None:
             workers.shutdown(wait=True)
-    reason = _shared(failure)
-    if reason is not None:
-        if first:
-            aborted = _attempt(lambda: engine.abort(version, reason))
-            if aborted is not None:
-                reason += f" (and telling the engine failed: {aborted})"
-        raise MconvError(f"weight sync {version} failed; the engine was told to abort it: {reason}")
-    finished = _shared(_attempt(lambda: engine.finish(version)) if first else None)
-    if finished is not None:
-        raise MconvError(f"weight sync {version}: the engine did not finish it: {finished}")
-    return result
+    return failure
 
 
-def _send(index, buckets, engine, sender, tied, version, pending, workers, result) -> None:
+def _send(index, buckets, engine, sender, tied, version, pending, workers, result, sums) -> None:
     """Gather bucket `index` (every rank of the stage takes part) and, on the sender, pack it into
     slot index % 2 once the bucket that used that slot is loaded, and queue it for the engine."""
     started = time.perf_counter()
@@ -128,16 +160,17 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
     if len(pending) >= 2:
         pending[-2].result()  # the engine is done with this slot's previous bucket (raises its error)
     waited = time.perf_counter()
-    entries, nbytes = layout(named, {LM_HEAD: EMBEDDING} if tied else None)
     device = named[0][1].device if named else torch.device("cpu")
-    buffer = engine.buffer(index % 2, nbytes, device)
-    pack(named, entries, buffer)
+    entries, buffer = _pack(engine, index % 2, named, {LM_HEAD: EMBEDDING} if tied else None, device)
+    nbytes = buffer.numel()
     result.seconds["engine"] += waited - packed
     result.seconds["pack"] += time.perf_counter() - waited
     result.buckets += 1
     result.tensors += len(entries)
     result.bytes += nbytes
     bucket = FlatBucket(version, index, buffer, entries)
+    if sums is not None:
+        sums.update(checksums(list(bucket)))  # before the engine may reuse the buffer
     pending.append(workers.submit(engine.update, bucket))
 
 
@@ -148,16 +181,59 @@ def _is_sender(live) -> bool:
             and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
 
 
-def _sent_shapes(live, config: dict, tied: bool, quantization) -> dict[str, list[int]]:
-    """{HF name: shape} of everything a sync sends, all stages together."""
-    full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
-    shapes = {name: list(shape) for task in full.exports() for name, shape in zip(task.hf, task.hf_shapes)}
-    if quantization is not None:
-        shapes.update((fp8.scale_name(name), list(fp8.grid(shape))) for name, shape in list(shapes.items())
-                      if quantization.applies(name, shape))
-    if tied and EMBEDDING in shapes:
-        shapes[LM_HEAD] = shapes[EMBEDDING]
-    return shapes
+def _pack(engine, slot: int, named, aliases, device) -> tuple[list, torch.Tensor]:
+    """Pack `named` into the engine's buffer for `slot`: its entries and the buffer. A bucket's
+    layout is computed once per signature (names, dtypes, shapes), and its views of the slot's
+    buffer once while the engine keeps that buffer, so a later sync's packing is one grouped copy
+    (flat.copy_all) plus a few Python operations per tensor."""
+    layouts = engine.__dict__.setdefault("_layouts", {})  # signature -> (entries, nbytes)
+    views = engine.__dict__.setdefault("_views", {})  # (slot, signature) -> (buffer, [(name, view)])
+    signature = (tuple((name, t.dtype, t.shape) for name, t in named), tuple(sorted((aliases or {}).items())))
+    if signature not in layouts:
+        layouts[signature] = layout(named, aliases)
+    entries, nbytes = layouts[signature]
+    buffer = engine.buffer(slot, nbytes, device)
+    tensors = dict(named)
+    hit = views.get((slot, signature))
+    if hit is None or hit[0].data_ptr() != buffer.data_ptr() or hit[0].device != buffer.device:
+        for key in [k for k, v in views.items() if k[0] == slot and v[0].data_ptr() != buffer.data_ptr()]:
+            del views[key]  # views of a buffer the engine replaced: they would keep it alive
+        hit = views[slot, signature] = (buffer, [(name, view) for name, view in unpack(buffer, entries)
+                                                 if name in tensors])
+    copy_all([(view, tensors[name]) for name, view in hit[1]])
+    return entries, buffer
+
+
+def _sent_shapes(live, config: dict, tied: bool, quantize, fp8_scale, quantization) -> dict[str, list[int]]:
+    """{HF name: shape} of everything a sync sends, all stages together; planned once per model
+    (the cache lives on the LiveModel, which _prepared replaces when the model's parameters change)."""
+    cache = live.__dict__.setdefault("_mconv_sent_shapes", {})
+    key = (tied, quantize, fp8_scale)
+    if key not in cache:
+        full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
+        shapes = {name: list(shape) for task in full.exports() for name, shape in zip(task.hf, task.hf_shapes)}
+        if quantization is not None:
+            shapes.update((fp8.scale_name(name), list(fp8.grid(shape))) for name, shape in list(shapes.items())
+                          if quantization.applies(name, shape))
+        if tied and EMBEDDING in shapes:
+            shapes[LM_HEAD] = shapes[EMBEDDING]
+        cache[key] = shapes
+    return cache[key]
+
+
+def _agree_models(engine, sent) -> None:
+    """_check the engine's expected() against `sent()` (a callable: planned only when the engine can
+    tell), skipped when the engine returns the very dict it returned last time for the same sent
+    shapes (RemoteEngine does when the receiver reports its model unchanged)."""
+    expected = engine.expected()
+    if expected is None:
+        return
+    shapes = sent()
+    agreed = engine.__dict__.get("_agreed")
+    if agreed is not None and agreed[0] is expected and agreed[1] is shapes:
+        return
+    _check(expected, shapes)
+    engine.__dict__["_agreed"] = (expected, shapes)
 
 
 def _check(expected: dict | None, sent: dict) -> None:
@@ -175,11 +251,52 @@ def _check(expected: dict | None, sent: dict) -> None:
         raise MconvError("the trainer's model does not match the engine's: " + "; ".join(problems))
 
 
+class _Lost(Exception):
+    """A collective of the sync failed: the process group lost a rank (its message: torch's)."""
+
+
+def _collective(fn):
+    def wrapped(*args):
+        try:
+            return fn(*args)
+        except MconvError:
+            raise
+        except Exception as e:
+            raise _Lost(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+@_collective
 def _any(failure: Exception | None) -> bool:
     """A collective: whether any rank has failed."""
     flag = torch.tensor([failure is not None], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+@_collective
+def _started(refused: Exception | None, rounds: int) -> int | None:
+    """A collective: the number of bucket rounds (the largest stage's), or None if any rank refused."""
+    flags = torch.tensor([refused is not None, rounds], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return None if flags[0] else int(flags[1])
+
+
+@_collective
+def _gathered(sums: dict) -> dict:
+    """A collective: every sender's {name: checksum}, merged."""
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, sums)
+    return {name: value for part in parts for name, value in part.items()}
+
+
+def _compare(engine, sent: dict[str, int]) -> None:
+    held = engine.checksums(sorted(sent))
+    differ = sorted(name for name, value in sent.items() if held.get(name) != value)
+    if differ:
+        raise MconvError(f"the engine holds other bytes than were sent for {', '.join(differ[:5])}"
+                         + (" ..." if len(differ) > 5 else "") + f" ({len(differ)} of {len(sent)} tensors)")
 
 
 def _collective_device() -> torch.device:
@@ -190,6 +307,7 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+@_collective
 def _shared(failure: Exception | None) -> str | None:
     """A collective: the first failing rank's error as one line ("rank R: ..."), on every rank."""
     mine = None if failure is None else (str(failure) if isinstance(failure, MconvError)

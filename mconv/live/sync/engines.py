@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import threading
+import weakref
 
 import torch
+import torch.distributed as dist
 
 from mconv.transport import shm
 from mconv.transport.flat import Entry, unpack
@@ -34,9 +36,10 @@ class FlatBucket:
 
 class Engine:
     """An inference engine as `sync_weights` drives it. On global rank 0: `expected()` (before
-    anything is sent), `start(version)`, then `finish(version)` once every rank's buckets were
-    taken, or `abort(version, reason)` when any rank failed (never `finish` then). On each sender
-    rank (TP/EP/ETP/DP rank 0 of every pipeline stage): `buffer(slot, nbytes, device)` and
+    anything is sent), `start(version)` (`start(version, verify=True)` when the sync verifies),
+    then `finish(version)` once every rank's buckets were taken, or `abort(version, reason)` when
+    any rank failed (never `finish` then), and with verify `checksums(names)`. On each sender rank
+    (TP/EP/ETP/DP rank 0 of every pipeline stage): `buffer(slot, nbytes, device)` and
     `update(bucket)`, from one background thread, at most two buckets in flight (slots 0 and 1)."""
 
     sends_tied_lm_head = False  # send lm_head.weight beside model.embed_tokens.weight for tied embeddings
@@ -45,10 +48,11 @@ class Engine:
         self._buffers: dict[int, torch.Tensor] = {}
 
     def expected(self) -> dict[str, list[int]] | None:
-        """{HF name: shape} of the engine's model, or None if the engine cannot tell."""
+        """{HF name: shape} of the engine's model, or None if the engine cannot tell. Returning the
+        same dict object as at the last sync says the model is unchanged: the check is skipped."""
         return None
 
-    def start(self, version: str) -> None:
+    def start(self, version: str, verify: bool = False) -> None:
         pass
 
     def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -67,50 +71,86 @@ class Engine:
     def abort(self, version: str, reason: str) -> None:
         pass
 
+    @property
+    def verifiable(self) -> bool:
+        """Whether `checksums` can read the engine's weights back (verify=True needs it)."""
+        return type(self).checksums is not Engine.checksums
+
+    def checksums(self, names: list[str]) -> dict[str, int]:
+        """{name: mconv.transport.flat.checksums value of what the engine holds}, for `names` after
+        a finished sync; a name it cannot read back is left out (verify reports it)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         self._buffers.clear()
 
 
 class CallableEngine(Engine):
     """`engine=fn`: `fn(bucket)` on each sender rank, per bucket (a FlatBucket: iterate it for
-    (name, tensor) views, or ship `bucket.buffer` and `bucket.entries` with your own transport)."""
+    (name, tensor) views, or ship `bucket.buffer` and `bucket.entries` with your own transport).
+    verify=True needs `checksums`: a function of a list of names returning {name:
+    mconv.transport.flat.checksums value of what your engine holds}."""
 
-    def __init__(self, fn: Callable[[FlatBucket], object]):
+    def __init__(self, fn: Callable[[FlatBucket], object],
+                 checksums: Callable[[list[str]], dict[str, int]] | None = None):
         super().__init__()
-        self.fn = fn
+        self.fn, self._checksums = fn, checksums
 
     def update(self, bucket: FlatBucket) -> None:
         self.fn(bucket)
 
+    @property
+    def verifiable(self) -> bool:
+        return self._checksums is not None
+
+    def checksums(self, names: list[str]) -> dict[str, int]:
+        return self._checksums(names)
+
 
 class RemoteEngine(Engine):
-    """An engine in another process that answers mconv's JSON requests (`expected`, `start`,
-    `update`, `finish`, `abort`; mconv.transport.shm) on `address` (a Unix socket path or
-    "host:port"), authenticated with `authkey`. Subclasses say how a bucket travels (`update`)."""
+    """An engine in another process that serves mconv's JSON requests (a
+    mconv.transport.receiver.UpdateReceiver) on `address` (a Unix socket path or "host:port"),
+    authenticated with `authkey`. Subclasses say how a bucket travels (`update`). A request
+    unanswered within `timeout` seconds raises (and the connection is reopened at the next)."""
 
-    def __init__(self, address: str, authkey: bytes):
+    def __init__(self, address: str, authkey: bytes, timeout: float | None = 600.0):
         super().__init__()
-        self.address, self.authkey = address, authkey
+        self.address, self.authkey, self.timeout = address, authkey, timeout
         self._conn = None
         self._lock = threading.Lock()  # rank 0 talks from the caller's thread and the update thread
+        self._expected: tuple[str, dict] | None = None  # the receiver's model digest and shapes
 
     def _request(self, message: dict) -> dict:
         with self._lock:
             if self._conn is None:
                 self._conn = shm.connect(self.address, self.authkey)
-            return shm.request(self._conn, message)
+            if dist.is_initialized():
+                message = {**message, "rank": dist.get_rank()}
+            try:
+                return shm.request(self._conn, message, self.timeout)
+            except (TimeoutError, OSError, EOFError) as e:
+                self._conn.close()
+                self._conn = None
+                raise RuntimeError(f"the engine at {self.address} did not answer {message['op']!r}: "
+                                   f"{type(e).__name__}: {e}") from None
 
     def expected(self) -> dict[str, list[int]]:
-        return self._request({"op": "expected"})["tensors"]
+        reply = self._request({"op": "expected", "digest": self._expected and self._expected[0]})
+        if "tensors" in reply or self._expected is None:
+            self._expected = (reply["digest"], reply["tensors"])
+        return self._expected[1]
 
-    def start(self, version: str) -> None:
-        self._request({"op": "start", "version": version})
+    def start(self, version: str, verify: bool = False) -> None:
+        self._request({"op": "start", "version": version, "verify": verify})
 
     def finish(self, version: str) -> None:
         self._request({"op": "finish", "version": version})
 
     def abort(self, version: str, reason: str) -> None:
         self._request({"op": "abort", "version": version, "reason": reason})
+
+    def checksums(self, names: list[str]) -> dict[str, int]:
+        return self._request({"op": "checksums", "names": names})["checksums"]
 
     def close(self) -> None:
         super().close()
@@ -119,9 +159,46 @@ class RemoteEngine(Engine):
             self._conn = None
 
 
+class SharedMemoryEngine(RemoteEngine):
+    """An engine process on this host (mconv.transport.receiver.ParameterReceiver, or vLLM's
+    Receiver): each sender rank keeps two bucket buffers as files in /dev/shm (grown as needed,
+    removed by `close()`), and a bucket crosses as its file's path and entries."""
+
+    def __init__(self, address: str, authkey: bytes, timeout: float | None = 600.0):
+        super().__init__(address, authkey, timeout)
+        self._shared: dict[int, shm.SharedBuffer] = {}
+
+    def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        current = self._shared.get(slot)
+        if current is None or current.nbytes < nbytes:
+            if current is not None:
+                current.close()
+            self._shared[slot] = current = shm.SharedBuffer.create(nbytes)
+        return current.tensor[:nbytes]
+
+    def update(self, bucket: FlatBucket) -> None:
+        slot = next(s for s, b in self._shared.items() if b.tensor.data_ptr() == bucket.buffer.data_ptr())
+        self._request({"op": "update", "buffers": [{"path": self._shared[slot].path,
+                                                    "entries": [e.to_json() for e in bucket.entries]}]})
+
+    def close(self) -> None:
+        for buffer in self._shared.values():
+            buffer.close()
+        self._shared.clear()
+        super().close()
+
+
+_CALLABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def as_engine(engine) -> Engine:
+    """`engine` itself, or the CallableEngine of a callable: the same one for the same callable at
+    every sync, so its buffers and bucket layouts are reused."""
     if isinstance(engine, Engine):
         return engine
     if callable(engine):
-        return CallableEngine(engine)
+        try:
+            return _CALLABLES.setdefault(engine, CallableEngine(engine))
+        except TypeError:  # not weakly referenceable
+            return CallableEngine(engine)
     raise TypeError(f"engine must be an mconv.live.sync.Engine or a callable taking a bucket, not {type(engine).__name__}")

@@ -11,7 +11,7 @@ from mconv.transport import cuda_ipc
 
 
 class IPCEngine(RemoteEngine):
-    """An engine process on this GPU serving `mconv.transport.cuda_ipc.ParameterReceiver(params,
+    """An engine process on this GPU serving `mconv.transport.receiver.ParameterReceiver(params,
     address, authkey)`. Buckets are packed on the model's CUDA device into two reused buffers;
     each bucket crosses as one IPC handle and its entries, and the buffer is reused only after the
     receiver has copied from it (its reply). Raises MconvError for a model that is not on CUDA."""

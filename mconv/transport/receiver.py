@@ -1,0 +1,259 @@
+"""The engine's side of a weight sync, whatever the engine: `UpdateReceiver` serves a trainer's
+requests (JSON over mconv.transport.shm) and keeps the update session safe (one update at a time,
+`lock` held from `start` to `finish` / `abort`, an update whose trainer disappears is aborted);
+`ParameterReceiver` is the receiver of an engine whose process owns its parameters as
+{HF name: tensor}, on a GPU (CUDA IPC buckets) or on the CPU (shared-memory buckets). Imports
+torch only, not megatron-core.
+
+    from mconv.transport.receiver import ParameterReceiver
+    receiver = ParameterReceiver(params, "/tmp/engine.sock", authkey=b"...")  # {HF name: tensor}
+    receiver.start()              # threads; the trainer syncs with IPCEngine or SharedMemoryEngine
+    with receiver.lock:           # generation never sees a half-updated model
+        ...
+
+Requests: `expected` ({"digest"} -> the model's {HF name: shape}, sent only when the trainer's
+digest of it is not current), `start` {"version"}, `update` {"buffers": [{"ipc": cuda_ipc.share(...)
+| "path": shared-memory file, "entries": [Entry.to_json()]}]}, `finish` {"version"}, `abort`
+{"version", "reason"}, `checksums` {"names"} (flat.checksums of what the engine holds). Every
+request may carry the trainer's "rank", used to name it in errors.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+
+from mconv.transport import shm
+from mconv.transport.flat import Entry, checksums, copy_all, unpack
+
+DEFAULT_TIMEOUT = 600.0
+
+
+class UpdateReceiver:
+    """Serves a trainer's weight syncs on `address` (a Unix socket path or "host:port"),
+    authenticated with `authkey`; subclasses say what an engine does at each step (`expected`,
+    `begin`, `load`, `complete`, `abandon`, `held_checksums`).
+
+    An update in progress is aborted (`version` becomes "failed:<version>", `failure` says why,
+    `lock` is released) when a connection that took part in it closes before `finish` (a trainer
+    rank died) or when no request comes for `timeout` seconds (a trainer rank hangs)."""
+
+    def __init__(self, address: str, authkey: bytes, timeout: float = DEFAULT_TIMEOUT):
+        self.lock = threading.Lock()
+        self.version: str | None = None
+        self.failure: str | None = None
+        self.timeout = timeout
+        self._listener = shm.listen(address, authkey)
+        self._mutex = threading.Lock()  # one request, or the watchdog's abort, at a time
+        self._session: str | None = None  # the version being updated
+        self._peers: set[int] = set()  # the connections that took part in it
+        self._last = 0.0
+        self._digest: tuple[str, dict] | None = None
+
+    def start(self) -> threading.Thread:
+        """Accept trainer connections on a daemon thread, each served on its own thread, and watch
+        for updates that went silent."""
+        threading.Thread(target=self._watch, daemon=True).start()
+        return shm.serve(self._listener, self.handle, self._closed)
+
+    def handle(self, message: dict, peer: dict | None = None) -> dict:
+        """Answer one request (`peer`: the connection's own dict, which remembers its rank)."""
+        peer = {} if peer is None else peer
+        if message.get("rank") is not None:
+            peer["rank"] = message["rank"]
+        op = message["op"]
+        if op == "expected":
+            if self._digest is None:
+                tensors = {name: [int(n) for n in shape] for name, shape in self.expected().items()}
+                self._digest = (hashlib.sha256(json.dumps(sorted(tensors.items())).encode()).hexdigest(), tensors)
+            digest, tensors = self._digest
+            return {"digest": digest} if message.get("digest") == digest else {"digest": digest, "tensors": tensors}
+        if op == "start":
+            self.lock.acquire()  # waits for generation, or for an update in progress to end
+            with self._mutex:
+                self._session, self._peers, self._last = str(message["version"]), {id(peer)}, time.monotonic()
+                try:
+                    self.begin(message)
+                except BaseException:
+                    self._end()
+                    raise
+            return {}
+        with self._mutex:
+            if op == "checksums":
+                return {"checksums": self.held_checksums(list(message["names"]))}
+            if self._session is None:
+                raise RuntimeError(f"{op} without a weight update in progress"
+                                   + (f" (the last one was aborted: {self.failure})" if self.failure else ""))
+            self._peers.add(id(peer))
+            self._last = time.monotonic()
+            if op == "update":
+                self.load(message["buffers"])
+                self._last = time.monotonic()  # the timeout counts the trainer's silence, not our loading
+                return {}
+            if op == "finish":
+                try:
+                    self.complete(message)
+                except BaseException as e:
+                    self._fail(f"{type(e).__name__}: {e}")
+                    raise
+                self.version, self.failure = self._session, None
+                self._end()
+            elif op == "abort":
+                self._fail(str(message["reason"]))
+            else:
+                raise ValueError(f"unknown request {json.dumps(op)}")
+            return {"version": self.version}
+
+    # What an engine does; ParameterReceiver and vllm_receiver.Receiver fill these in.
+    def expected(self) -> dict[str, list[int]]:
+        """{HF name: shape} of the engine's model (asked once; the model must not change after)."""
+        raise NotImplementedError
+
+    def begin(self, message: dict) -> None:
+        """An update starts: the `start` request ({"version", "verify": the trainer will ask for
+        checksums after it, and whatever an engine's adapter adds})."""
+
+    def load(self, buffers: list[dict]) -> None:
+        raise NotImplementedError
+
+    def complete(self, message: dict) -> None:
+        pass
+
+    def abandon(self, version: str, reason: str) -> None:
+        pass
+
+    def held_checksums(self, names: list[str]) -> dict[str, int]:
+        """{name: flat.checksum of what the engine holds} for the names it can read back."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _fail(self, reason: str) -> None:
+        """Abort the update in progress (the caller holds _mutex)."""
+        try:
+            self.abandon(self._session, reason)
+        finally:
+            self.version, self.failure = f"failed:{self._session}", reason
+            self._end()
+
+    def _end(self) -> None:
+        self._session, self._peers = None, set()
+        self.lock.release()
+
+    def _closed(self, peer: dict) -> None:
+        with self._mutex:
+            if self._session is not None and id(peer) in self._peers:
+                rank = "" if peer.get("rank") is None else f" (trainer rank {peer['rank']})"
+                self._fail(f"the trainer's connection{rank} closed in the middle of update {self._session}")
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            with self._mutex:
+                if self._session is not None and time.monotonic() - self._last > self.timeout:
+                    self._fail(f"no request from the trainer for {self.timeout:g} s in the middle of update "
+                               f"{self._session}")
+
+
+class ParameterReceiver(UpdateReceiver):
+    """The receiver of an engine that owns `params` ({HF name: tensor}, preallocated, as an engine's
+    model does; all on one CUDA device, or on the CPU): each bucket entry is copied into its
+    parameter (same dtype and shape, else the update fails naming it); `finish` fails if a
+    parameter got nothing since `start`; `held_checksums` reads the parameters back.
+
+    A bucket arrives as one CUDA IPC handle (from IPCEngine) or one shared-memory file (from
+    SharedMemoryEngine). The two most recent mappings stay open, so a sender's two reused buffers
+    are mapped once (for CUDA IPC, torch's rebuild_cuda_tensor then finds them in its cache), and
+    each (mapping, entries) pair's copy plan is built once: a later sync of the same model is one
+    grouped copy per bucket (flat.copy_all). The receiver replies only after its copies finished."""
+
+    def __init__(self, params: dict[str, torch.Tensor], address: str, authkey: bytes,
+                 timeout: float = DEFAULT_TIMEOUT):
+        super().__init__(address, authkey, timeout)
+        self.params = params
+        self._cuda = any(t.is_cuda for t in params.values())
+        self._received: set[str] = set()
+        self._mapped: OrderedDict[str, object] = OrderedDict()  # key -> (tensor, SharedBuffer or None)
+        self._plans: dict[tuple, tuple[list, list[str]]] = {}  # (mapping, start, stop, entries) -> plan
+
+    def expected(self) -> dict[str, list[int]]:
+        return {name: list(t.shape) for name, t in self.params.items()}
+
+    def begin(self, message: dict) -> None:
+        self._received = set()
+
+    def load(self, buffers: list[dict]) -> None:
+        for item in buffers:
+            ipc = item.get("ipc")
+            key = f"{ipc['handle']}:{ipc['offset_bytes']}" if ipc else item["path"]
+            start, stop = (ipc["offset"], ipc["offset"] + ipc["numel"]) if ipc else (0, None)
+            mapped = self._map(key, item)
+            entries = json.dumps(item["entries"])
+            plan = self._plans.get((key, start, stop, entries))
+            if plan is None:
+                plan = self._plans[key, start, stop, entries] = self._plan(mapped[start:stop], [
+                    Entry.from_json(e) for e in item["entries"]])
+            copy_all(plan[0])
+            self._received.update(plan[1])
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we reply
+
+    def complete(self, message: dict) -> None:
+        missing = sorted(set(self.params) - self._received)
+        if missing:
+            raise RuntimeError(f"weight update {message['version']} did not send {', '.join(missing[:3])}"
+                               + (" ..." if len(missing) > 3 else ""))
+
+    def held_checksums(self, names: list[str]) -> dict[str, int]:
+        return checksums([(name, self.params[name]) for name in names if name in self.params])
+
+    def close(self) -> None:
+        super().close()
+        self._plans.clear()  # views of the mappings
+        for _, shared in self._mapped.values():
+            if shared is not None:
+                shared.close()
+        self._mapped.clear()
+
+    def _map(self, key: str, item: dict) -> torch.Tensor:
+        """The whole buffer `item` names (a CUDA storage or a shared-memory file), mapped once. A CUDA
+        handle is rebuilt at every request even so: torch then finds the storage in its cache and
+        releases the sender's reference count for that handle (the sender's memory leaks otherwise)."""
+        if "ipc" in item:
+            from mconv.transport import cuda_ipc
+
+            whole = {**item["ipc"], "numel": item["ipc"]["size_bytes"], "offset": 0}  # the sender's whole storage
+            mapped = (cuda_ipc.attach(whole, torch.cuda.current_device()), None)
+            if key in self._mapped:
+                self._mapped.move_to_end(key)
+                return self._mapped[key][0]
+        elif key in self._mapped:
+            self._mapped.move_to_end(key)
+            return self._mapped[key][0]
+        else:
+            shared = shm.SharedBuffer.attach(item["path"])
+            mapped = (shared.tensor, shared)
+        self._mapped[key] = mapped
+        while len(self._mapped) > 2:
+            old, (_, shared) = self._mapped.popitem(last=False)
+            self._plans = {k: v for k, v in self._plans.items() if k[0] != old}  # they hold views of it
+            if shared is not None:
+                shared.close()
+        return mapped[0]
+
+    def _plan(self, storage: torch.Tensor, entries: list[Entry]) -> tuple[list, list[str]]:
+        pairs, names = [], []
+        for name, view in unpack(storage, entries):
+            target = self.params.get(name)
+            if target is None or target.shape != view.shape or target.dtype != view.dtype:
+                raise ValueError(f"weight update tensor {name} ({view.dtype} {list(view.shape)}) does not match the "
+                                 f"engine's " + ("model: no such parameter" if target is None else
+                                                 f"{target.dtype} {list(target.shape)}"))
+            pairs.append((target, view))
+            names.append(name)
+        return pairs, names
