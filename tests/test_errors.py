@@ -37,6 +37,16 @@ def assert_refused(result, out: Path, *fragments):
     assert not out.parent.exists() or not [p for p in out.parent.iterdir() if ".mconv-partial-" in p.name]
 
 
+def documented(start: str, out: Path) -> str:
+    """The message docs/trust-and-errors.md quotes (a `...` span beginning with `start`), with OUT
+    replaced by `out` and a line end: the tests hold what mconv says to what the docs say it says."""
+    import re
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "trust-and-errors.md").read_text().split())
+    [quoted] = [q for q in re.findall(r"`([^`]+)`", text) if q.startswith(start)]
+    return quoted.replace("OUT", str(out)) + "\n"
+
+
 def copy_model(tmp_path, source=TINY) -> Path:
     return Path(shutil.copytree(source, tmp_path / "hf"))
 
@@ -172,8 +182,8 @@ def test_an_output_that_is_not_a_directory_is_named_at_once(tmp_path, kind, over
     result = mconv("hf2mcore", TINY, out, "-q", *(["--overwrite"] if overwrite else []))
     what = {"FIFO": "a FIFO", "character device": "a character device",
             "dangling symlink": f"a symlink to {tmp_path / 'gone'}, which does not exist"}[kind]
-    assert result.exit_code == 1 and result.stderr == f"mconv: error: {out} is {what}, not a directory; remove " \
-                                                      "it or choose another output directory\n", result.stderr
+    said = documented("mconv: error: OUT is a FIFO", out).replace("a FIFO", what)
+    assert result.exit_code == 1 and result.stderr == said, result.stderr
     assert os.path.lexists(out) and leftovers(tmp_path) == []
 
 
@@ -215,8 +225,7 @@ def test_an_output_that_appears_while_mconv_writes_is_left_alone(tmp_path, monke
 
     monkeypatch.setattr(output.tempfile, "mkdtemp", mkdtemp)
     result = mconv(*args, "-q")
-    assert result.exit_code == 1 and result.stderr == (f"mconv: error: {out} appeared while mconv was writing it; it "
-                                                       "was left as it is and the new output was removed\n"), result.stderr
+    assert result.exit_code == 1 and result.stderr == documented("mconv: error: OUT appeared", out), result.stderr
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     assert leftovers(tmp_path) == []
 
@@ -801,7 +810,7 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_status_130(tmp_path):
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate()
     assert process.returncode == 130, stderr
-    assert stderr == f"mconv: interrupted; nothing was written to {tmp_path / 'out'}\n" and stdout == ""
+    assert stderr == documented("mconv: interrupted; nothing", tmp_path / "out") and stdout == ""
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -901,7 +910,7 @@ def test_interrupt_while_writing_leaves_nothing(tmp_path, command, signame):
     stdout, stderr = process.communicate()
     what = "interrupted" if signame == "SIGINT" else "terminated"
     assert process.returncode == 128 + signum, stderr
-    assert stderr == f"mconv: {what}; nothing was written to {out}\n", stderr
+    assert stderr == documented("mconv: interrupted; nothing", out).replace("interrupted", what), stderr
     assert (out / "config.json").read_text() == "{}" and [p.name for p in out.iterdir()] == ["config.json"]
     assert leftovers(tmp_path) == []
 
@@ -929,7 +938,7 @@ def test_of_two_runs_to_one_output_one_wins_and_the_other_says_so(tmp_path):
     finally:
         process.send_signal(signal.SIGCONT)
     stdout, stderr = process.communicate(timeout=300)
-    refusal = f"mconv: error: another mconv run is writing {out}; wait for it to end or choose another output directory\n"
+    refusal = documented("mconv: error: another mconv run", out)
     assert [(r.exit_code, r.stderr) for r in second] == [(1, refusal)] * 2
     assert (process.returncode, stdout, stderr) == (0, "", "")
     assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
@@ -1067,7 +1076,8 @@ def test_a_signal_after_the_closing_line_exits_0_and_says_so(tmp_path, signame, 
         time.sleep(0.001)
     stdout, stderr = process.communicate(timeout=10)
     what = "interrupted" if signame == "SIGINT" else "terminated"
-    assert (process.returncode, stderr) == (0, f"mconv: {what} after {out} was complete; it is in place\n"), stderr
+    said = documented("mconv: interrupted after", out).replace("interrupted", what)
+    assert (process.returncode, stderr) == (0, said), stderr
     assert stdout.startswith(f"wrote {out} ({fmt})") and sent >= 3, (stdout, sent)
     assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
 
