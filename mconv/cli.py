@@ -535,7 +535,7 @@ def entry(early: list[int] | None = None) -> None:
     then kills the process, status 143, after the output was complete) and can meet a thread that
     is still running (a thread woken then is ended in the middle of torch's C++ code: "terminate
     called without an active exception", status 134). Every worker thread has been joined by
-    then (`parallel.run_ordered`, `torch_dist_io.write`)."""
+    then (`parallel.run_ordered`, `torch_dist_write.write`)."""
     from mconv import program
 
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
-from mconv.converter import fp8, torch_dist, torch_dist_io, torch_save
+from mconv.converter import fp8, torch_dist, torch_dist_write, torch_save
 from mconv.converter.adapter_dir import compare_adapters, is_adapter
 from mconv.converter.hf_io import (HFCheckpoint, copy_side_files, expert_orientation_for, stacked_expert,
                                    tensor_difference, write_config_dtype, write_hf_config)
@@ -320,11 +320,11 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
             _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration, workers, cast)
         else:  # a torchrun rank: its own .distcp file
             iter_dir.mkdir(parents=True, exist_ok=True)
-            torch_dist_io.write_share(iter_dir, dist_entries(), index, size, report)
+            torch_dist_write.write_share(iter_dir, dist_entries(), index, size, report)
 
     def finish(_, staging: Path, dist_members: int = 0) -> None:
         if dist_members:  # torchrun: one .metadata for all ranks' files
-            torch_dist_io.finish(staging / mio.iteration_dir_name(iteration), dist_entries(), dist_members, common,
+            torch_dist_write.finish(staging / mio.iteration_dir_name(iteration), dist_entries(), dist_members, common,
                                  str(out / mio.iteration_dir_name(iteration)))
         mio.write_tracker(staging, iteration)
         (staging / mio.HF_CONFIG_DIR).mkdir()
@@ -347,7 +347,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     with staged_directory(out, overwrite, inputs=(Path(hf_dir),)) as staging:
         with _bar(summary.bytes, "hf2mcore", progress) as bar:
             if fmt == "torch_dist":  # threads, each writing its own .distcp file, one .metadata
-                torch_dist_io.write(staging / mio.iteration_dir_name(iteration), dist_entries(), workers, common,
+                torch_dist_write.write(staging / mio.iteration_dir_name(iteration), dist_entries(), workers, common,
                                     bar.update, checkpoint_id=str(out / mio.iteration_dir_name(iteration)))
             else:
                 write_share(staging, 0, 1, bar.update)
