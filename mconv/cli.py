@@ -330,7 +330,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
         sizes = run(lambda: parse_layout_string(layout_string))
     layout = run(lambda: Layout(vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
                                 vocab_divisor=vocab_divisor, **sizes))
-    from mconv.converter.pipelines import hf2mcore  # imports torch: not needed for --help
+    from mconv.converter.hf2mcore import hf2mcore  # imports torch: not needed for --help
 
     started = time.perf_counter()
     summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration, mtp=mtp,
@@ -392,7 +392,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
     CKPT_DIR is the save directory (with latest_checkpointed_iteration.txt) or an iter_*/release
     directory. The parallel layout is read from the checkpoint's saved args.
     """
-    from mconv.converter.pipelines import mcore2hf
+    from mconv.converter.mcore2hf import mcore2hf
 
     started = time.perf_counter()
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=max_shard_size,

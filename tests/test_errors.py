@@ -995,13 +995,13 @@ def test_an_interrupt_once_the_output_is_in_place_says_so_and_exits_0(tmp_path):
     out.mkdir()
     (out / "config.json").write_text("{}")
     script = ("import os, signal\n"
-              "from mconv.converter import pipelines\n"
-              "real = pipelines.hf2mcore\n"
+              "from mconv.converter import hf2mcore as module\n"
+              "real = module.hf2mcore\n"
               "def hf2mcore(*args, **kwargs):\n"
               "    summary = real(*args, **kwargs)\n"
               "    os.kill(os.getpid(), signal.SIGINT)\n"
               "    return summary\n"
-              "pipelines.hf2mcore = hf2mcore\n"
+              "module.hf2mcore = hf2mcore\n"
               "from mconv.cli import entry\n"
               "entry()\n")
     done = subprocess.run([sys.executable, "-c", script, "hf2mcore", str(TINY), str(out), "--overwrite", "-q"],
