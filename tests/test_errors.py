@@ -1204,7 +1204,8 @@ def test_live_save_failures_are_one_sentence_and_leave_nothing(tmp_path):
     system raises it: ENOSPC at os.pwrite, EROFS at os.mkdir, EACCES at os.open. Each raises
     MconvError `cannot write OUT: <cause>; nothing was written`, leaves no `.OUT.mconv-partial-live`,
     and an existing output stays as it was. An output that appears while the model is saved, and a
-    directory no mconv command wrote, are refused and left as they are."""
+    directory no mconv command wrote, are refused and left as they are; so is a second save to an
+    output a save is writing. The saved files get the modes mkdir / cp give under the umask."""
 
     from tests.megatron_oracle import MegatronRun, read_config
 
@@ -1218,6 +1219,13 @@ def test_live_save_failures_are_one_sentence_and_leave_nothing(tmp_path):
         assert leftovers(tmp_path) == [] and not out.exists()
     assert results["existing"][0] == "MconvError" and results["existing"][1].startswith(f"cannot write {tmp_path / 'saved'}")
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == results["saved files"]
+    shell = modes_made_by_the_shell(tmp_path / "shell", results["umask"], TINY)
+    assert results["modes"] == {name: shell["dir"] if name == "." else shell.get(name, shell["file"])
+                                for name in results["modes"]}
+    busy = tmp_path / "busy"
+    assert results["busy"] == ["MconvError", f"another mconv run is writing {busy}; wait for it to end or choose "
+                                             "another output directory"]
+    assert mconv("verify", busy, TINY, "-q").exit_code == 0  # the first save went on
     assert mconv("verify", tmp_path / "saved", TINY, "-q").exit_code == 0  # the earlier save, intact
     appeared, foreign = tmp_path / "appeared", tmp_path / "foreign"  # nor is any other directory replaced
     assert results["appeared"] == ["MconvError", f"{appeared} appeared while mconv was writing it; it was left as it "
@@ -1236,6 +1244,7 @@ def _live_save_worker(rank, run, where: Path):
 
     warnings.filterwarnings("ignore")
     import mconv.live
+    from mconv.converter.output import umask as output_umask
     from tests.megatron_oracle import one_process_gpt
 
     with one_process_gpt(run) as model:
@@ -1261,6 +1270,9 @@ def _live_save_worker(rank, run, where: Path):
                     results[case] = [type(e).__name__, str(e)]
         mconv.live.save_hf_weights([model], where / "saved", TINY)
         results["saved files"] = sorted(p.name for p in (where / "saved").iterdir())
+        results["umask"] = output_umask()
+        results["modes"] = {"." if p == where / "saved" else p.name: p.stat().st_mode & 0o7777
+                            for p in [where / "saved", *(where / "saved").iterdir()]}
         with mock.patch.object(os, "pwrite", failing("pwrite", errno.ENOSPC, os.pwrite)):
             try:
                 mconv.live.save_hf_weights([model], where / "saved", TINY)
@@ -1274,6 +1286,16 @@ def _live_save_worker(rank, run, where: Path):
             (where / "appeared" / "notes.txt").write_text("mine")
             return real_copy(*args)
 
+        def second_save(*args):  # another save to the output this one is writing
+            try:
+                mconv.live.save_hf_weights([model], where / "busy", TINY)
+                results["busy"] = ["saved"]
+            except Exception as e:
+                results["busy"] = [type(e).__name__, str(e)]
+            return real_copy(*args)
+
+        with mock.patch.object(mconv.live.export, "copy_side_files", second_save):
+            mconv.live.save_hf_weights([model], where / "busy", TINY)
         (where / "foreign").mkdir()
         (where / "foreign" / "thesis.txt").write_text("mine")
         for case in ("appeared", "foreign"):
