@@ -15,10 +15,14 @@ def __getattr__(name: str):
         from mconv.errors import MconvError
 
         return MconvError
-    if name in ("hf2mcore", "mcore2hf"):
-        from mconv.converter import pipelines
+    if name == "hf2mcore":
+        from mconv.converter.hf2mcore import hf2mcore
 
-        return getattr(pipelines, name)
+        return hf2mcore
+    if name == "mcore2hf":
+        from mconv.converter.mcore2hf import mcore2hf
+
+        return mcore2hf
     if name == "inspect_path":
         from mconv.converter.describe import inspect_path
 

@@ -336,7 +336,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
         sizes = run(lambda: parse_layout_string(layout_string))
     layout = run(lambda: Layout(vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
                                 vocab_divisor=vocab_divisor, **sizes))
-    from mconv.converter.pipelines import hf2mcore  # imports torch: not needed for --help
+    from mconv.converter.hf2mcore import hf2mcore  # imports torch: not needed for --help
 
     started = time.perf_counter()
     summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration, mtp=mtp,
@@ -399,7 +399,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
     directory. The parallel layout is read from the checkpoint's saved args.
     """
     fp8_scale_needs_quantize(quantize, fp8_scale)
-    from mconv.converter.pipelines import mcore2hf
+    from mconv.converter.mcore2hf import mcore2hf
 
     started = time.perf_counter()
     summary = run(lambda: mcore2hf(ckpt_dir, out_dir, hf_config=hf_config, max_shard_bytes=max_shard_size,
@@ -543,7 +543,7 @@ def entry(early: list[int] | None = None) -> None:
     then kills the process, status 143, after the output was complete) and can meet a thread that
     is still running (a thread woken then is ended in the middle of torch's C++ code: "terminate
     called without an active exception", status 134). Every worker thread has been joined by
-    then (`parallel.run_ordered`, `torch_dist_io.write`)."""
+    then (`parallel.run_ordered`, `torch_dist_write.write`)."""
     from mconv import program
 
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}

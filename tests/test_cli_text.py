@@ -64,8 +64,8 @@ LAYOUTS = [[], ["--tp", "2"], ["--pp", "3", "--first-stage-layers", "2"], ["--pp
 
 @pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen3-moe-tiny", "bailing-v3-tiny", "qwen3-vl-tiny"])
 def test_no_reprs_in_any_commands_text_or_json(tmp_path, fixture):
-    """Dry runs (text and JSON) at every layout kind, accepted or refused; a legacy conversion at an
-    uneven layout, and inspect, mcore2hf and verify of it, in text and JSON."""
+    """Dry runs (text and JSON) at every layout kind, accepted or refused; a conversion at an uneven
+    layout in both formats, and inspect, mcore2hf and verify of it, in text and JSON."""
     hf = FIXTURES / fixture
     for layout in LAYOUTS:
         for fmt in ("torch", "torch_dist"):
@@ -73,10 +73,14 @@ def test_no_reprs_in_any_commands_text_or_json(tmp_path, fixture):
                 result = mconv("hf2mcore", hf, tmp_path / "plan", "--format", fmt, "--dry-run", *layout, *extra)
                 assert_readable_output(result, bool(extra))
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
-    uneven = ["--pp", "2", "--last-stage-layers", "1", "--format", "torch"]
+    uneven = ["--pp", "2", "--last-stage-layers", "1"]
+    result = mconv("hf2mcore", hf, tmp_path / "dist", *uneven)  # torch_dist's own text: its layout and TP sizes
+    assert result.exit_code == 0, result.output
+    assert_readable_output(result)
     for extra in ([], ["--json"]):
+        assert_readable_output(mconv("inspect", tmp_path / "dist", *extra), bool(extra))
         shutil.rmtree(ckpt, ignore_errors=True)
-        result = mconv("hf2mcore", hf, ckpt, *uneven, *extra)
+        result = mconv("hf2mcore", hf, ckpt, *uneven, "--format", "torch", *extra)
         assert result.exit_code == 0, result.output
         assert_readable_output(result, bool(extra))
         assert_readable_output(mconv("inspect", ckpt, *extra), bool(extra))
@@ -86,6 +90,7 @@ def test_no_reprs_in_any_commands_text_or_json(tmp_path, fixture):
     assert "(last stage 1 layer)" in mconv("inspect", ckpt).stdout
     assert json.loads(mconv("inspect", ckpt, "--json").stdout)["layout"]["text"] == "TP1 PP2 (last stage 1 layer)"
     assert_readable_output(mconv("verify", hf, back))
+    assert_readable_output(mconv("verify", hf, FIXTURES / "qwen3-tiny-tied"))  # a difference, in detail
 
 
 def test_library_results_have_short_reprs(tmp_path):
@@ -224,7 +229,12 @@ def test_inspect_and_verify_take_peft_adapters(tmp_path):
 
     lora, _ = lora_checkpoint(tmp_path / "lora", TINY, Layout(tp=2))
     adapter = tmp_path / "adapter"
-    assert mconv("export-lora", lora, adapter, "--alpha", 16, "--base-model", "Qwen/Qwen3-8B", "-q").exit_code == 0
+    wrote = mconv("export-lora", lora, adapter, "--alpha", 16, "--base-model", "Qwen/Qwen3-8B")
+    assert wrote.exit_code == 0 and wrote.stdout.startswith(f"wrote {adapter}: PEFT adapter"), wrote.output
+    assert_readable_output(wrote)
+    merged = mconv("export-lora", lora, tmp_path / "merged", "--alpha", 16, "--merge", "--base-model", TINY)
+    assert merged.exit_code == 0 and merged.stdout.startswith(f"wrote {tmp_path / 'merged'}: merged model"), merged.output
+    assert_readable_output(merged)
     info = json.loads(mconv("inspect", adapter, "--json").stdout)
     config, tensors = PeftConfig.from_pretrained(adapter), hf_tensors_of(adapter)
     assert info["adapter"] == {"peft_type": "LORA", "base_model": "Qwen/Qwen3-8B", "r": config.r,

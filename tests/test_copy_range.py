@@ -18,7 +18,8 @@ import torch
 from mconv import Layout
 from mconv.converter import megatron_io as mio
 from mconv.converter.layout import Rank
-from mconv.converter.pipelines import hf2mcore, mcore2hf
+from mconv.converter.hf2mcore import hf2mcore
+from mconv.converter.mcore2hf import mcore2hf
 from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors, load_rank_file
 
 pytestmark = pytest.mark.usefixtures("kernel_copies")  # the path under test, whatever the machine's default (file_io)

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader
 
 from mconv import Layout, hf2mcore
-from mconv.converter import dcp_stand_in, torch_dist, torch_dist_io
+from mconv.converter import dcp_stand_in, torch_dist, torch_dist_write
 from mconv.converter.dcp_stand_in import filesystem, metadata
 from tests.conftest import FIXTURES
 from tests.test_torch_dist_keys import _dtype, config, flat_plan_and_args
@@ -81,10 +81,10 @@ def placements(entries, members: int):
     placed = []
     for member in range(members):
         at = 0
-        for i in torch_dist_io.member_share(entries, member, members):
+        for i in torch_dist_write.member_share(entries, member, members):
             entry, length = entries[i], 700 + entries[i].nbytes
             placed.append((entry.key, entry.offsets if entry.global_shape is not None else None,
-                           torch_dist_io.data_file(member), at, length))
+                           torch_dist_write.data_file(member), at, length))
             at += length
     return placed
 
@@ -103,7 +103,7 @@ CASES = {
 def test_metadata_bytes_equal_torchs_pickle_and_torch_reads_them(tmp_path, case):
     hf_config, layout, members = CASES[case]
     entries = checkpoint_entries(hf_config, layout)
-    ours = torch_dist_io.dcp_metadata(entries, placements(entries, members), str(tmp_path), "a-save-id")
+    ours = torch_dist_write.dcp_metadata(entries, placements(entries, members), str(tmp_path), "a-save-id")
     data = dcp_stand_in.dumps(ours)
     theirs = to_torch(ours)
     assert data == pickle.dumps(theirs)

@@ -37,6 +37,16 @@ def assert_refused(result, out: Path, *fragments):
     assert not out.parent.exists() or not [p for p in out.parent.iterdir() if ".mconv-partial-" in p.name]
 
 
+def documented(start: str, out: Path) -> str:
+    """The message docs/trust-and-errors.md quotes (a `...` span beginning with `start`), with OUT
+    replaced by `out` and a line end: the tests hold what mconv says to what the docs say it says."""
+    import re
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs" / "trust-and-errors.md").read_text().split())
+    [quoted] = [q for q in re.findall(r"`([^`]+)`", text) if q.startswith(start)]
+    return quoted.replace("OUT", str(out)) + "\n"
+
+
 def copy_model(tmp_path, source=TINY) -> Path:
     return Path(shutil.copytree(source, tmp_path / "hf"))
 
@@ -172,8 +182,8 @@ def test_an_output_that_is_not_a_directory_is_named_at_once(tmp_path, kind, over
     result = mconv("hf2mcore", TINY, out, "-q", *(["--overwrite"] if overwrite else []))
     what = {"FIFO": "a FIFO", "character device": "a character device",
             "dangling symlink": f"a symlink to {tmp_path / 'gone'}, which does not exist"}[kind]
-    assert result.exit_code == 1 and result.stderr == f"mconv: error: {out} is {what}, not a directory; remove " \
-                                                      "it or choose another output directory\n", result.stderr
+    said = documented("mconv: error: OUT is a FIFO", out).replace("a FIFO", what)
+    assert result.exit_code == 1 and result.stderr == said, result.stderr
     assert os.path.lexists(out) and leftovers(tmp_path) == []
 
 
@@ -215,8 +225,7 @@ def test_an_output_that_appears_while_mconv_writes_is_left_alone(tmp_path, monke
 
     monkeypatch.setattr(output.tempfile, "mkdtemp", mkdtemp)
     result = mconv(*args, "-q")
-    assert result.exit_code == 1 and result.stderr == (f"mconv: error: {out} appeared while mconv was writing it; it "
-                                                       "was left as it is and the new output was removed\n"), result.stderr
+    assert result.exit_code == 1 and result.stderr == documented("mconv: error: OUT appeared", out), result.stderr
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     assert leftovers(tmp_path) == []
 
@@ -801,7 +810,7 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_status_130(tmp_path):
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate()
     assert process.returncode == 130, stderr
-    assert stderr == f"mconv: interrupted; nothing was written to {tmp_path / 'out'}\n" and stdout == ""
+    assert stderr == documented("mconv: interrupted; nothing", tmp_path / "out") and stdout == ""
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -901,7 +910,7 @@ def test_interrupt_while_writing_leaves_nothing(tmp_path, command, signame):
     stdout, stderr = process.communicate()
     what = "interrupted" if signame == "SIGINT" else "terminated"
     assert process.returncode == 128 + signum, stderr
-    assert stderr == f"mconv: {what}; nothing was written to {out}\n", stderr
+    assert stderr == documented("mconv: interrupted; nothing", out).replace("interrupted", what), stderr
     assert (out / "config.json").read_text() == "{}" and [p.name for p in out.iterdir()] == ["config.json"]
     assert leftovers(tmp_path) == []
 
@@ -929,7 +938,7 @@ def test_of_two_runs_to_one_output_one_wins_and_the_other_says_so(tmp_path):
     finally:
         process.send_signal(signal.SIGCONT)
     stdout, stderr = process.communicate(timeout=300)
-    refusal = f"mconv: error: another mconv run is writing {out}; wait for it to end or choose another output directory\n"
+    refusal = documented("mconv: error: another mconv run", out)
     assert [(r.exit_code, r.stderr) for r in second] == [(1, refusal)] * 2
     assert (process.returncode, stdout, stderr) == (0, "", "")
     assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
@@ -986,13 +995,13 @@ def test_an_interrupt_once_the_output_is_in_place_says_so_and_exits_0(tmp_path):
     out.mkdir()
     (out / "config.json").write_text("{}")
     script = ("import os, signal\n"
-              "from mconv.converter import pipelines\n"
-              "real = pipelines.hf2mcore\n"
+              "from mconv.converter import hf2mcore as module\n"
+              "real = module.hf2mcore\n"
               "def hf2mcore(*args, **kwargs):\n"
               "    summary = real(*args, **kwargs)\n"
               "    os.kill(os.getpid(), signal.SIGINT)\n"
               "    return summary\n"
-              "pipelines.hf2mcore = hf2mcore\n"
+              "module.hf2mcore = hf2mcore\n"
               "from mconv.cli import entry\n"
               "entry()\n")
     done = subprocess.run([sys.executable, "-c", script, "hf2mcore", str(TINY), str(out), "--overwrite", "-q"],
@@ -1067,7 +1076,8 @@ def test_a_signal_after_the_closing_line_exits_0_and_says_so(tmp_path, signame, 
         time.sleep(0.001)
     stdout, stderr = process.communicate(timeout=10)
     what = "interrupted" if signame == "SIGINT" else "terminated"
-    assert (process.returncode, stderr) == (0, f"mconv: {what} after {out} was complete; it is in place\n"), stderr
+    said = documented("mconv: interrupted after", out).replace("interrupted", what)
+    assert (process.returncode, stderr) == (0, said), stderr
     assert stdout.startswith(f"wrote {out} ({fmt})") and sent >= 3, (stdout, sent)
     assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
 
@@ -1194,7 +1204,8 @@ def test_live_save_failures_are_one_sentence_and_leave_nothing(tmp_path):
     system raises it: ENOSPC at os.pwrite, EROFS at os.mkdir, EACCES at os.open. Each raises
     MconvError `cannot write OUT: <cause>; nothing was written`, leaves no `.OUT.mconv-partial-live`,
     and an existing output stays as it was. An output that appears while the model is saved, and a
-    directory no mconv command wrote, are refused and left as they are."""
+    directory no mconv command wrote, are refused and left as they are; so is a second save to an
+    output a save is writing. The saved files get the modes mkdir / cp give under the umask."""
 
     from tests.megatron_oracle import MegatronRun, read_config
 
@@ -1208,6 +1219,13 @@ def test_live_save_failures_are_one_sentence_and_leave_nothing(tmp_path):
         assert leftovers(tmp_path) == [] and not out.exists()
     assert results["existing"][0] == "MconvError" and results["existing"][1].startswith(f"cannot write {tmp_path / 'saved'}")
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == results["saved files"]
+    shell = modes_made_by_the_shell(tmp_path / "shell", results["umask"], TINY)
+    assert results["modes"] == {name: shell["dir"] if name == "." else shell.get(name, shell["file"])
+                                for name in results["modes"]}
+    busy = tmp_path / "busy"
+    assert results["busy"] == ["MconvError", f"another mconv run is writing {busy}; wait for it to end or choose "
+                                             "another output directory"]
+    assert mconv("verify", busy, TINY, "-q").exit_code == 0  # the first save went on
     assert mconv("verify", tmp_path / "saved", TINY, "-q").exit_code == 0  # the earlier save, intact
     appeared, foreign = tmp_path / "appeared", tmp_path / "foreign"  # nor is any other directory replaced
     assert results["appeared"] == ["MconvError", f"{appeared} appeared while mconv was writing it; it was left as it "
@@ -1226,6 +1244,7 @@ def _live_save_worker(rank, run, where: Path):
 
     warnings.filterwarnings("ignore")
     import mconv.live
+    from mconv.converter.output import umask as output_umask
     from tests.megatron_oracle import one_process_gpt
 
     with one_process_gpt(run) as model:
@@ -1251,6 +1270,9 @@ def _live_save_worker(rank, run, where: Path):
                     results[case] = [type(e).__name__, str(e)]
         mconv.live.save_hf_weights([model], where / "saved", TINY)
         results["saved files"] = sorted(p.name for p in (where / "saved").iterdir())
+        results["umask"] = output_umask()
+        results["modes"] = {"." if p == where / "saved" else p.name: p.stat().st_mode & 0o7777
+                            for p in [where / "saved", *(where / "saved").iterdir()]}
         with mock.patch.object(os, "pwrite", failing("pwrite", errno.ENOSPC, os.pwrite)):
             try:
                 mconv.live.save_hf_weights([model], where / "saved", TINY)
@@ -1264,6 +1286,16 @@ def _live_save_worker(rank, run, where: Path):
             (where / "appeared" / "notes.txt").write_text("mine")
             return real_copy(*args)
 
+        def second_save(*args):  # another save to the output this one is writing
+            try:
+                mconv.live.save_hf_weights([model], where / "busy", TINY)
+                results["busy"] = ["saved"]
+            except Exception as e:
+                results["busy"] = [type(e).__name__, str(e)]
+            return real_copy(*args)
+
+        with mock.patch.object(mconv.live.export, "copy_side_files", second_save):
+            mconv.live.save_hf_weights([model], where / "busy", TINY)
         (where / "foreign").mkdir()
         (where / "foreign" / "thesis.txt").write_text("mine")
         for case in ("appeared", "foreign"):

@@ -387,7 +387,12 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
         t[weight + "_scale_inv"][0, 0] = 0
         return t
 
-    cases = [(variant("missing", without_scale), (weight, "no block scale")),
+    unlabelled = variant("no-config")  # scales without a quantization_config: not "unexpected tensor ..."
+    config = json.loads((unlabelled / "config.json").read_text())
+    del config["quantization_config"]
+    (unlabelled / "config.json").write_text(json.dumps(config))
+    cases = [(unlabelled, ("_scale_inv is a block scale, but", "config.json has no quantization_config")),
+             (variant("missing", without_scale), (weight, "no block scale")),
              (variant("shape", reshaped), (weight + "_scale_inv", "[1, 1]", "[1, 2]")),
              (variant("nan", nan), (weight + "_scale_inv", "inf, NaN or negative")),
              (variant("negative", negative), (weight + "_scale_inv", "inf, NaN or negative")),

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mconv.converter import torch_dist_io, torch_save
+from mconv.converter import torch_dist_io, torch_dist_write, torch_save
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
-from mconv.converter.torch_dist_io import DistEntry
+from mconv.converter.torch_dist_write import DistEntry
 
 
 def _archive(value) -> bytes:
@@ -60,8 +60,8 @@ def test_written_chunks_are_torch_save_archives(tmp_path):
     """Oracle: torch.load (weights_only) of each chunk's bytes, as DCP's reader loads it; and the
     chunk of a view holds the view's bytes only (torch.save alone would store the whole storage)."""
     entries, full = _entries()
-    torch_dist_io.write(tmp_path, entries)
-    data = (tmp_path / torch_dist_io.data_file(0)).read_bytes()
+    torch_dist_write.write(tmp_path, entries)
+    data = (tmp_path / torch_dist_write.data_file(0)).read_bytes()
     reader = torch_dist_io.TorchDistReader(tmp_path)
     loaded = {}
     for key, info in reader.tensors.items():
@@ -78,7 +78,7 @@ def test_written_chunks_are_torch_save_archives(tmp_path):
 
 def test_reader_threads_open_one_descriptor_per_file(tmp_path, monkeypatch):
     entries, full = _entries()
-    torch_dist_io.write(tmp_path, entries)
+    torch_dist_write.write(tmp_path, entries)
     reader = torch_dist_io.TorchDistReader(tmp_path)
     reader.close()
     opened, real_open, gate = [], os.open, threading.Barrier(8)

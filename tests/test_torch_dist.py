@@ -76,7 +76,7 @@ def test_torch_dist_round_trip_is_bit_identical(tmp_path_factory, case, seed):
     hf = make(tmp / "hf", seed=seed, tokenizer=False, **model)
     hf2mcore(hf, tmp / "megatron", Layout(tp=tp), fmt="torch_dist", progress=False)
     with pytest.MonkeyPatch.context() as patch:  # load one tensor group at a time, as a large model would
-        patch.setattr("mconv.converter.pipelines.LOAD_BATCH_BYTES", 1)
+        patch.setattr("mconv.converter.mcore2hf.LOAD_BATCH_BYTES", 1)
         mcore2hf(tmp / "megatron", tmp / "back", progress=False)
     assert_bit_identical(read_all(hf), read_all(tmp / "back"))
 
@@ -124,7 +124,7 @@ def test_metadata_is_parsed_once_per_process(tmp_path, monkeypatch):
     parsed = []
     real = safe_load.load_pickle
     monkeypatch.setattr(safe_load, "load_pickle", lambda path, *a: parsed.append(path.name) or real(path, *a))
-    monkeypatch.setattr("mconv.converter.pipelines.LOAD_BATCH_BYTES", 1)  # one tensor group per batch
+    monkeypatch.setattr("mconv.converter.mcore2hf.LOAD_BATCH_BYTES", 1)  # one tensor group per batch
     before = torch_dist_io.metadata_reads
     mcore2hf(tmp_path / "m", tmp_path / "hf", progress=False)
     assert parsed == [".metadata"] and torch_dist_io.metadata_reads == before + 1

@@ -12,7 +12,7 @@ import torch
 from mconv.converter import megatron_io as mio
 from mconv.converter import torch_dist
 from mconv.converter.layout import Layout
-from mconv.converter.pipelines import _flat_plan
+from mconv.converter.hf2mcore import _flat_plan
 from mconv.converter.planner import make_plan
 from mconv.mappings import architecture_for
 from tests.conftest import FIXTURES

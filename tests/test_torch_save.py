@@ -135,7 +135,7 @@ def test_files_the_kernel_cannot_copy_between_give_the_same_bytes(tmp_path, monk
     (the writer is deterministic: two runs give identical files)."""
     import errno
 
-    from mconv.converter.pipelines import hf2mcore
+    from mconv.converter.hf2mcore import hf2mcore
     from mconv.converter.layout import Layout
     from tests.conftest import FIXTURES
 
@@ -178,7 +178,7 @@ def test_metadata_names_the_final_directory(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from mconv.converter.layout import Layout
-    from mconv.converter.pipelines import hf2mcore
+    from mconv.converter.hf2mcore import hf2mcore
     from tests.conftest import FIXTURES
 
     hf2mcore(FIXTURES / "qwen3-tiny", tmp_path / "m", Layout(), progress=False, workers=2)

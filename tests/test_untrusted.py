@@ -16,7 +16,7 @@ import torch
 from mconv import Layout, hf2mcore
 from mconv.converter.lora import export_lora
 from mconv.converter.describe import inspect_path
-from mconv.converter.pipelines import mcore2hf
+from mconv.converter.mcore2hf import mcore2hf
 from mconv.errors import MconvError
 from tests.conftest import FIXTURES, load_rank_file
 from tests.test_errors import assert_refused, mconv

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from mconv import Layout
 from mconv.cli import main
 from mconv.converter import file_io
-from mconv.converter.pipelines import hf2mcore, mcore2hf
+from mconv.converter.hf2mcore import hf2mcore
+from mconv.converter.mcore2hf import mcore2hf
 from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors
 
 MOE = FIXTURES / "qwen3-moe-tiny"

@@ -26,8 +26,9 @@ local-spec name and shape) and megatron-core's conventions (megatron-core 0.19.2
 - every linear's `_extra_state` is a ShardedObject over the prepended axes, unique key
   `{key}._extra_state/shard_{offsets}_{shape}`, holding None; GPTModel drops the output layer's;
 - a TP1/DP1 writer holds the main replica of everything: replica id (0, 0, 0).
-Only the bytes come from mconv's format-level reader and writer (`torch_dist_io`): each box is built
-from the HF slices when the writer gets to it, one parameter per writer thread in memory at a time.
+Only the bytes come from mconv's format-level reader and writer (`torch_dist_io`, `torch_dist_write`):
+each box is built from the HF slices when the writer gets to it, one parameter per writer thread in
+memory at a time.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ import torch
 
 from mconv.converter import torch_dist_io
 from mconv.converter.planner import Plan, TensorTask
-from mconv.converter.torch_dist_io import COMMON_KEY, DistEntry
+from mconv.converter.torch_dist_io import COMMON_KEY
+from mconv.converter.torch_dist_write import DistEntry
 from mconv.converter.transforms import EXTRA_STATE, GLU, VOCAB
 from mconv.converter.options import option
 from mconv.errors import MconvError
