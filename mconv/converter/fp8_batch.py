@@ -61,9 +61,9 @@ def _launcher(device: torch.device):
 
 def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float") -> list[tuple]:
     """fp8.quantize of each (name, 2-D weight) (bfloat16, float16 or float32; any strides; all on one
-    device), bit for bit, in two kernel launches per dtype: (q float8_e4m3fn [out, in], scale float32
-    [ceil(out/128), ceil(in/128)]) per weight, views of one flat FP8 buffer and one flat scale
-    buffer. One host synchronisation: MconvError naming the first weight that holds inf or NaN."""
+    device), bit for bit, in two kernel launches per dtype and alignment: (q float8_e4m3fn [out, in],
+    scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one flat FP8 buffer and one flat
+    scale buffer. One host synchronisation: MconvError naming the first weight that holds inf or NaN."""
     weights = [w if w.stride(-1) == 1 else w.contiguous() for _, w in named]  # (transposed views)
     device = weights[0].device
     aligned = [w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0 and w.shape[1] % 16 == 0 for w in weights]
