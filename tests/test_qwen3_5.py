@@ -16,6 +16,7 @@ from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
 from tests.qwen3_5_oracle import block_spec
+from tests.test_live import assert_every_hf_tensor_once
 from tests.test_oracle_megatron import stored_args
 
 TOKENS = list(range(3, 283, 4))  # 70 tokens: more than one 64-token chunk of the delta rule
@@ -75,17 +76,21 @@ def round_trip(tmp_path, hf_dir, sizes, spec, fmt):
     assert_hf_bits_equal(hf_tensors(hf_dir), tmp_path / "back")
 
 
-def megatron_forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
+def megatron_forward(tmp_path, hf_dir, sizes) -> tuple[torch.Tensor, MegatronRun]:
     """The oracle run: hf2mcore writes a torch_dist checkpoint (at TP1) and legacy rank files (`--spec
     te`) at `sizes`; megatron-core's model at `sizes`, built from the stored args, loads the torch_dist
     one (resharded by megatron-core itself, strict), checks the rank files hold exactly what it loaded,
-    and gives its logits."""
+    then mconv.live's load_hf_weights must give it the same tensors (tests/megatron_oracle.py's
+    live_over_checkpoint); it gives its logits, and iter_hf_weights / save_hf_weights write to
+    `tmp_path / "live"`."""
     hf2mcore(hf_dir, tmp_path / "dist", Layout(), fmt="torch_dist", progress=False)
     summary = hf2mcore(hf_dir, tmp_path / "ranks", Layout(**sizes), spec="te", fmt="torch", progress=False)
+    (tmp_path / "live").mkdir()
     run = MegatronRun(tmp_path / "dist", read_config(hf_dir), **sizes, padded_vocab=summary.plan.padded_vocab,
-                      tokens=TOKENS, fmt="torch_dist", block_spec=block_spec, same_as=tmp_path / "ranks")
+                      tokens=TOKENS, fmt="torch_dist", block_spec=block_spec, same_as=tmp_path / "ranks",
+                      live_hf=hf_dir, live_out=tmp_path / "live", live_over_checkpoint=True)
     run.args = trainer_args(stored_args(tmp_path / "ranks"), run)
-    return megatron_logits(run, tmp_path)
+    return megatron_logits(run, tmp_path), run
 
 
 @pytest.mark.slow
@@ -97,9 +102,10 @@ def megatron_forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
 def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
     hf_dir = request.getfixturevalue(model)
-    ours = megatron_forward(tmp_path, hf_dir, sizes)
+    ours, run = megatron_forward(tmp_path, hf_dir, sizes)
     reference = hf_logits(hf_dir, TOKENS)
     assert (ours - reference).abs().max().item() < 1e-4
+    assert_every_hf_tensor_once(tmp_path / "live", run, hf_dir)  # mconv.live's export of the same model
 
 
 def _with_config(tmp_path, hf_dir, **changes):
