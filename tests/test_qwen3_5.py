@@ -15,7 +15,7 @@ from fixtures.make_fixtures import make_qwen3_5
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
-from tests.qwen3_5_oracle import block_spec
+from tests.qwen3_5_oracle import block_spec, mtp_spec
 from tests.test_live import assert_every_hf_tensor_once
 from tests.test_oracle_megatron import stored_args
 
@@ -29,13 +29,13 @@ def qwen3_5_dir():
 
 @pytest.fixture(scope="session")
 def qwen3_5_moe_dir(tmp_path_factory):
-    """Qwen3.5-MoE with its experts fused, as the official checkpoints hold them."""
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe") / "hf", seed=8, moe=True, fused_experts=True)
+    """Qwen3.5-MoE as the official checkpoints hold it: experts fused, the MTP layer's per expert."""
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe") / "hf", seed=8, moe=True, fused_experts=True, mtp=True)
 
 
 @pytest.fixture(scope="session")
 def qwen3_next_dir(tmp_path_factory):
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_next") / "hf", seed=9, next=True)
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_next") / "hf", seed=9, next=True, mtp=True)
 
 
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2), "te", "torch"), (dict(tp=2, pp=2), "local", "torch"),
@@ -44,36 +44,43 @@ def test_round_trip_is_bit_identical(tmp_path, qwen3_5_dir, sizes, spec, fmt):
     round_trip(tmp_path, qwen3_5_dir, sizes, spec, fmt)
 
 
-@pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2, ep=2), "te", "torch"), (dict(ep=2, pp=2), "local", "torch"),
-                                            (dict(tp=2, ep=2), "local", "torch_dist")])
-def test_moe_round_trip_is_bit_identical(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt):
-    round_trip(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt)
+@pytest.mark.parametrize("sizes,spec,fmt,mtp", [(dict(tp=2, ep=2), "te", "torch", True),
+                                                (dict(ep=2, pp=2), "local", "torch", False),
+                                                (dict(tp=2, ep=2), "local", "torch_dist", True)])
+def test_moe_round_trip_is_bit_identical(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt, mtp):
+    """With --mtp, the MTP layer's experts come back per expert beside the fused ones, as they were."""
+    round_trip(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt, mtp)
 
 
 def test_per_expert_moe_comes_back_per_expert(tmp_path):
-    """Experts as transformers' save_pretrained writes them come back in that form (fused ones fused)."""
+    """Experts as transformers' save_pretrained writes them come back in that form, the MTP layer's
+    fused ones fused."""
     hf_dir = make_qwen3_5(tmp_path / "hf", seed=8, moe=True, num_hidden_layers=2,
-                          layer_types=["linear_attention", "full_attention"])
-    round_trip(tmp_path, hf_dir, dict(tp=2, ep=2), "te", "torch")
+                          layer_types=["linear_attention", "full_attention"], mtp=True, fused_mtp_experts=True)
+    round_trip(tmp_path, hf_dir, dict(tp=2, ep=2), "te", "torch", mtp=True)
 
 
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2, ep=2, pp=2), "te", "torch"), (dict(), "local", "torch_dist")])
 def test_next_round_trip_is_bit_identical(tmp_path, qwen3_next_dir, sizes, spec, fmt):
-    round_trip(tmp_path, qwen3_next_dir, sizes, spec, fmt)
+    round_trip(tmp_path, qwen3_next_dir, sizes, spec, fmt, mtp=True)
 
 
 @pytest.mark.parametrize("moe,sizes", [(False, dict(tp=2, pp=2)), (True, dict(tp=2, ep=2))], ids=["dense", "moe"])
 def test_vl_round_trip_is_bit_identical(tmp_path, moe, sizes):
     """Qwen3.5-VL: Qwen3-VL's vision tower (its rules, proven by tests/test_qwen3_vl_oracle.py) without
-    deepstack, and the Qwen3.5 language model."""
-    hf_dir = make_qwen3_5(tmp_path / "hf", seed=10, vl=True, moe=moe, fused_experts=moe)
-    round_trip(tmp_path, hf_dir, sizes, "te", "torch")
+    deepstack, and the Qwen3.5 language model with its MTP (the MoE model's MTP experts fused, as Qwen3.6's)."""
+    hf_dir = make_qwen3_5(tmp_path / "hf", seed=10, vl=True, moe=moe, fused_experts=moe, mtp=True,
+                          fused_mtp_experts=moe)
+    round_trip(tmp_path, hf_dir, sizes, "te", "torch", mtp=True)
 
 
-def round_trip(tmp_path, hf_dir, sizes, spec, fmt):
-    hf2mcore(hf_dir, tmp_path / "megatron", Layout(**sizes), spec=spec, fmt=fmt, progress=False)
+def round_trip(tmp_path, hf_dir, sizes, spec, fmt, mtp=False):
+    """hf2mcore then mcore2hf gives back every HF tensor bit for bit, in the same form (fused or per
+    expert); without `mtp`, all but the MTP tensors."""
+    hf2mcore(hf_dir, tmp_path / "megatron", Layout(**sizes), spec=spec, fmt=fmt, mtp=mtp, progress=False)
     mcore2hf(tmp_path / "megatron", tmp_path / "back", progress=False)
-    assert_hf_bits_equal(hf_tensors(hf_dir), tmp_path / "back")
+    expected = {name: t for name, t in hf_tensors(hf_dir).items() if mtp or not name.startswith("mtp.")}
+    assert_hf_bits_equal(expected, tmp_path / "back")
 
 
 def megatron_forward(tmp_path, hf_dir, sizes) -> tuple[torch.Tensor, MegatronRun]:
@@ -83,11 +90,12 @@ def megatron_forward(tmp_path, hf_dir, sizes) -> tuple[torch.Tensor, MegatronRun
     then mconv.live's load_hf_weights must give it the same tensors (tests/megatron_oracle.py's
     live_over_checkpoint); it gives its logits, and iter_hf_weights / save_hf_weights write to
     `tmp_path / "live"`."""
-    hf2mcore(hf_dir, tmp_path / "dist", Layout(), fmt="torch_dist", progress=False)
-    summary = hf2mcore(hf_dir, tmp_path / "ranks", Layout(**sizes), spec="te", fmt="torch", progress=False)
+    mtp = "mtp_num_hidden_layers" in read_config(hf_dir)  # converted with --mtp: megatron-core's MTP block
+    hf2mcore(hf_dir, tmp_path / "dist", Layout(), fmt="torch_dist", mtp=mtp, progress=False)
+    summary = hf2mcore(hf_dir, tmp_path / "ranks", Layout(**sizes), spec="te", fmt="torch", mtp=mtp, progress=False)
     (tmp_path / "live").mkdir()
     run = MegatronRun(tmp_path / "dist", read_config(hf_dir), **sizes, padded_vocab=summary.plan.padded_vocab,
-                      tokens=TOKENS, fmt="torch_dist", block_spec=block_spec, same_as=tmp_path / "ranks",
+                      tokens=TOKENS, fmt="torch_dist", block_spec=block_spec, mtp_spec=mtp_spec, same_as=tmp_path / "ranks",
                       live_hf=hf_dir, live_out=tmp_path / "live", live_over_checkpoint=True)
     run.args = trainer_args(stored_args(tmp_path / "ranks"), run)
     return megatron_logits(run, tmp_path), run

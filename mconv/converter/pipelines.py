@@ -256,6 +256,25 @@ def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict, cast
     return torch_dist.entries(flat, args, common, windows, dtypes)
 
 
+# HF names of the multi-token-prediction layers kept outside the decoder (Qwen3.5 / Qwen3.6 / Qwen3-Next)
+MTP_PREFIX = "mtp."
+
+
+def _expert_forms(ckpt: HFCheckpoint, plan: Plan) -> dict[str, str]:
+    """mconv.json's record of how the input held its routed experts, stacked or per expert, for
+    mcore2hf to write them alike: the decoder layers' (`hf_experts`) and, converted with --mtp, the MTP
+    layers' (`hf_mtp_experts`: Qwen3.5 keeps them per expert, Qwen3.6 stacked)."""
+    def form(mtp: bool) -> str:
+        return "stacked" if any(name.startswith(MTP_PREFIX) == mtp for name in ckpt.stacked) else "per_expert"
+    return {"hf_experts": form(False), **({"hf_mtp_experts": form(True)} if plan.dims.mtp_layers else {})}
+
+
+def _kept_per_expert(metadata: dict, name: str) -> bool:
+    """Whether the HF experts tensor `name` was per expert in hf2mcore's input (mconv.json, _expert_forms)."""
+    key = "hf_mtp_experts" if name.startswith(MTP_PREFIX) else "hf_experts"
+    return metadata.get(key) == "per_expert"
+
+
 def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
              progress: bool = True, workers: int = 1, revision: str | None = None, mtp: bool = False,
@@ -332,8 +351,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         mio.write_metadata(staging, {"mconv_version": __version__, "architecture": arch.name, "spec": spec,
                                      "format": fmt, "layout": layout.to_dict(),
                                      "dtype": str(dtype).removeprefix("torch."),
-                                     **({"hf_experts": "stacked" if ckpt.stacked else "per_expert"}
-                                        if arch.experts_as_input else {})})
+                                     **(_expert_forms(ckpt, plan) if arch.experts_as_input else {})})
 
     out = output_path(out_dir)
     team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
@@ -533,8 +551,9 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     quantization = fp8.writer_quantization(arch, quantize, fp8_scale)
     exports = ckpt.plan.exports()
     stack = expert_orientation_for(arch, ckpt.plan.dims, expert_orientation)
-    if arch.experts_as_input and expert_orientation is None and ckpt.metadata.get("hf_experts") == "per_expert":
-        stack = None  # as hf2mcore's input had them
+    per_expert = None
+    if arch.experts_as_input and expert_orientation is None:  # as hf2mcore's input had them
+        per_expert = functools.partial(_kept_per_expert, ckpt.metadata)
 
     def cast(names: tuple[str, ...]) -> torch.dtype | None:
         return cast_dtype(dtype, any(arch.fp32_kind(name) for name in names))
@@ -550,7 +569,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         summary.notes += filter(None, [fp32_note(arch, [name for name, _, _ in entries], dtype)])
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack, per_expert)
             writer.create()
             writer.close()
             summary.files = len(writer.files)
@@ -564,7 +583,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
             write_config_dtype(staging, plain)  # the unquantized dtype, as the FP8 releases' config.json has it
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack, per_expert)
             writer.open_existing()
             _write_exports(session, exports, index, size, writer, report, cast, workers, quantization)
             writer.close()
