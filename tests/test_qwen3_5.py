@@ -134,6 +134,29 @@ def test_bad_config_is_refused_in_one_sentence(tmp_path, qwen3_5_dir, changes, s
     assert not (tmp_path / "out").exists()
 
 
+def test_mtp_is_left_out_by_default_in_one_note(tmp_path, qwen3_5_moe_dir):
+    """transformers drops `mtp.*` on load; without --mtp hf2mcore leaves it out and says so once, and
+    mcore2hf's config.json says there is no MTP layer (vLLM would look for its weights)."""
+    summary = hf2mcore(qwen3_5_moe_dir, tmp_path / "m", Layout(), fmt="torch", progress=False)
+    assert [note for note in summary.notes if "mtp" in note] == [
+        "left out mtp.* (multi-token prediction, which transformers drops on load: not converted; --mtp keeps it in "
+        "megatron-core's MTP block)"]
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    assert read_config(tmp_path / "back")["mtp_num_hidden_layers"] == 0
+
+
+@pytest.mark.parametrize("model,changes,message", [
+    ("qwen3_5_moe_dir", dict(mtp_num_hidden_layers=2), "mtp_num_hidden_layers=2: these MTP layers share one mtp.fc"),
+    ("qwen3_next_dir", dict(mlp_only_layers=[3]), "config.json gives the MTP layer MoE and the last decoder layer a "
+                                                 "dense MLP"),
+], ids=["two-layers", "other-mlp"])
+def test_mtp_megatron_core_cannot_build_is_refused(tmp_path, request, model, changes, message):
+    hf_dir = _with_config(tmp_path, request.getfixturevalue(model), **changes)
+    with pytest.raises(MconvError, match=re.escape(message)):
+        hf2mcore(hf_dir, tmp_path / "out", Layout(), fmt="torch", mtp=True, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_transposed_fused_experts_are_refused(tmp_path, qwen3_5_moe_dir):
     """transformers refuses Qwen3.5-MoE experts stacked as [E, h, 2I] (4.x's orientation); so does hf2mcore."""
     hf_dir = shutil.copytree(qwen3_5_moe_dir, tmp_path / "hf")

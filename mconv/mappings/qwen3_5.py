@@ -82,34 +82,32 @@ def dims(config: dict, groups: int = 4) -> SimpleNamespace:
 
 
 def check_layout(d: SimpleNamespace, layout) -> None:
-    """megatron-core's TransformerConfig: the delta-net key and value heads divide by TP."""
+    """megatron-core's TransformerConfig: the delta-net key and value heads divide by TP; and check_mtp."""
+    check_mtp(d)
     for field, value in (("linear_num_key_heads", d.key_heads), ("linear_num_value_heads", d.value_heads)):
         if value % layout.tp:
             raise MconvError(f"config.json's {field}={value} is not divisible by {option('tp', layout.tp)}")
 
 
-def mtp_args(d: SimpleNamespace) -> dict:
-    """Megatron-LM's MTP args for hf2mcore --mtp. Raises MconvError where megatron-core's MTP block
-    cannot hold the HF model's: several MTP layers (transformers' and vLLM's share one `fc` and its
-    norms over them, megatron-core has one per depth), or an MTP layer whose MLP (MoE or dense) is not
-    the last decoder layer's, from which megatron-core builds it."""
-    if not d.mtp_layers:
-        return {}
+def check_mtp(d: SimpleNamespace) -> None:
+    """hf2mcore --mtp: megatron-core's MTP block cannot hold several MTP layers (transformers' and
+    vLLM's share one `fc` and its norms over them, megatron-core has one per depth), nor an MTP layer
+    whose MLP (MoE or dense) is not the last decoder layer's, from which it builds it."""
     if d.mtp_layers > 1:
         raise MconvError(f"{option('mtp', True)}: config.json's {MTP_KEY}={d.mtp_layers}: these MTP layers share one "
                          "mtp.fc and its norms, while megatron-core's MTP block has its own per layer")
     kind = {True: "MoE", False: "a dense MLP"}
     last, mtp = d.layers - 1 in d.moe_layers, d.layers in d.moe_layers
-    if last != mtp:
+    if d.mtp_layers and last != mtp:
         raise MconvError(f"{option('mtp', True)}: config.json gives the MTP layer {kind[mtp]} and the last decoder "
                          f"layer {kind[last]}; megatron-core builds its MTP layer with the last decoder layer's MLP")
-    return dict(mtp_num_layers=d.mtp_layers, mtp_loss_scaling_factor=0.1)
 
 
 def megatron_args(d: SimpleNamespace, base=qwen3.megatron_args) -> dict:
     # Megatron-LM 0.19 parses --apply-layernorm-1p into layernorm_zero_centered_gamma but restores
     # apply_layernorm_1p from checkpoint args: store both.
-    return dict(base(d), **mtp_args(d), apply_layernorm_1p=True, layernorm_zero_centered_gamma=True, attention_output_gate=True,
+    mtp = dict(mtp_num_layers=d.mtp_layers, mtp_loss_scaling_factor=0.1) if d.mtp_layers else {}  # check_mtp: one
+    return dict(base(d), **mtp, apply_layernorm_1p=True, layernorm_zero_centered_gamma=True, attention_output_gate=True,
                 experimental_attention_variant="gated_delta_net",
                 linear_attention_freq=[int(i in d.linear_layers) for i in range(d.layers)],
                 linear_conv_kernel_dim=d.conv_kernel, linear_key_head_dim=d.key_dim, linear_value_head_dim=d.value_dim,
