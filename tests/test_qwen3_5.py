@@ -184,3 +184,55 @@ def test_a_missing_section_is_named(tmp_path, qwen3_5_dir):
     save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(MconvError, match=r"tensor model\.layers\.1\.linear_attn\.in_proj_z\.weight is missing"):
         hf2mcore(hf_dir, tmp_path / "out", Layout(tp=2), fmt="torch", progress=False)
+
+
+def test_export_lora_peft_merge_equals_megatron_layout_merge(tmp_path, qwen3_5_dir):
+    """Megatron-Bridge LoRA at TP2 (`--spec te`) on the delta-net in_proj (one A; B rows in the rank's
+    [Q; K; V; Z; B; A] sections) and out_proj, the gated linear_qkv (B rows [q heads; gate heads; k; v]
+    per group), linear_proj and the MLP: peft, merging export-lora's adapter into transformers' model,
+    must give mcore2hf of the rank files with the adapters merged in Megatron layout (W + alpha/r * B @ A
+    per rank shard, tests/test_lora.py)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_lora import export, lora_checkpoint
+    from tests.test_roundtrip import read_all
+
+    lora, merged = lora_checkpoint(tmp_path, qwen3_5_dir, Layout(tp=2), spec="te")
+    export(lora, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    # (longer suffixes where the MTP layer, without adapters here, has a module of the same name)
+    assert config["target_modules"] == ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "mlp.down_proj",
+                                        "mlp.gate_proj", "mlp.up_proj", "out_proj", "self_attn.k_proj",
+                                        "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    base = AutoModelForCausalLM.from_pretrained(qwen3_5_dir, dtype=torch.float32)
+    ours = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
+    mcore2hf(merged, tmp_path / "theirs", progress=False)
+    theirs, original = read_all(tmp_path / "theirs"), read_all(qwen3_5_dir)
+    assert ours.keys() == theirs.keys()
+    changed = 0
+    for name, tensor in ours.items():
+        assert torch.allclose(tensor, theirs[name].float(), atol=1e-6, rtol=0), name
+        changed += not torch.equal(tensor, original[name].float())
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert changed == sum("lora_B" in name for name in adapter) == 30  # every linear layer's HF projections
+
+
+def test_next_export_lora_merge_equals_megatron_layout_merge(tmp_path, qwen3_next_dir):
+    """Qwen3-Next at TP2/EP2: an in_proj adapter's B rows go back to in_proj_qkvz / in_proj_ba grouped by
+    key head (one A for both); export-lora --merge must equal mcore2hf of the Megatron-layout merge.
+    (peft cannot be the oracle here: transformers 5 fuses the experts its per-expert adapters name.)"""
+    from tests.test_lora import export, lora_checkpoint
+    from tests.test_roundtrip import read_all
+
+    lora, merged = lora_checkpoint(tmp_path, qwen3_next_dir, Layout(tp=2, ep=2), spec="te")
+    export(lora, tmp_path / "ours", "--merge", "--base-model", qwen3_next_dir, "--dtype", "float32")
+    mcore2hf(merged, tmp_path / "theirs", progress=False)
+    ours, theirs, base = read_all(tmp_path / "ours"), read_all(tmp_path / "theirs"), hf_tensors(qwen3_next_dir)
+    mtp = [name for name in ours if name.startswith("mtp.")]  # --merge keeps the base model's MTP, untouched
+    assert mtp and all(torch.equal(ours.pop(name), base[name].float()) for name in mtp)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.allclose(ours[name], theirs[name].float(), atol=1e-6, rtol=0), name
+    assert not torch.equal(ours["model.layers.1.linear_attn.in_proj_qkvz.weight"],
+                           base["model.layers.1.linear_attn.in_proj_qkvz.weight"].float())
