@@ -308,9 +308,9 @@ def main(ctx: click.Context):
                    "router expert_bias, KDA A_log / dt_bias), which stay float32 (a note counts them). Default: "
                    "each tensor keeps its HF dtype (FP8 weights are dequantized into bfloat16).")
 @click.option("--mtp", is_flag=True,
-              help="Keep the multi-token-prediction layers (config.json num_nextn_predict_layers) in "
-                   "megatron-core's MTP block (mtp.layers.N., last pipeline stage; stored args mtp_num_layers); "
-                   "by default they are left out with a note. mcore2hf brings them back.")
+              help="Keep the multi-token-prediction layers (config.json num_nextn_predict_layers; Qwen3.5's "
+                   "mtp_num_hidden_layers) in megatron-core's MTP block (mtp.layers.N., last pipeline stage; stored "
+                   "args mtp_num_layers); by default they are left out with a note. mcore2hf brings them back.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)

@@ -57,10 +57,15 @@ class MegatronRun:
     live_hf: Path | None = None  # instead of loading: mconv.live.load_hf_weights from this HF directory,
     live_out: Path | None = None  # then, after the forward, iter_hf_weights / save_hf_weights into this
     live_quantize: str | None = None  # their `quantize` (the gather_pp and refused-cast checks stay unquantized)
+    # With live_hf: load `checkpoint` first (and check `same_as`), then zero every parameter and
+    # load_hf_weights, which must give back every tensor megatron-core loaded, bit for bit
+    live_over_checkpoint: bool = False
     args: argparse.Namespace | None = None  # Megatron-LM's validated args: build the model from them
     # (config, vp_stage) -> the decoder block spec, instead of megatron-core's local GPT spec (a
     # top-level function: it reaches the spawned workers by pickling)
     block_spec: Callable | None = None
+    # (config, decoder block spec, vp_stage) -> GPTModel's mtp_block_spec, for a config with MTP layers
+    mtp_spec: Callable | None = None
     # A legacy checkpoint of this layout whose rank files must hold exactly the tensors loaded from
     # `checkpoint` (a torch_dist one, resharded by megatron-core)
     same_as: Path | None = None
@@ -271,7 +276,8 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
                          share_embeddings_and_output_weights=tied, parallel_output=False, vp_stage=v,
-                         **rotary)
+                         mtp_block_spec=(run.mtp_spec(config, spec, v) if run.mtp_spec and config.mtp_num_layers
+                                         else None), **rotary)
         chunks.append(model.eval())
 
     if run.save_to is not None:
@@ -284,7 +290,7 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         state = {"model": chunks[0].sharded_state_dict()} if run.vpp == 1 else {
             f"model{v}": m.sharded_state_dict() for v, m in enumerate(chunks)}
         dist_checkpointing.save(state, str(run.save_to))
-    elif run.live_hf is not None:
+    elif run.live_hf is not None and not run.live_over_checkpoint:
         from mconv.live import load_hf_weights
 
         load_hf_weights(chunks, run.live_hf)
@@ -309,6 +315,8 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
             for name, tensor in ours.items():
                 assert tensor.shape == theirs[name].shape and torch.equal(tensor.to(theirs[name].dtype),
                                                                          theirs[name]), name
+    if run.live_over_checkpoint:
+        _load_live_over(chunks, run.live_hf)
 
     forward_logits(chunks, run, config.hidden_size, out)
     if run.live_out is not None:
@@ -349,6 +357,23 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         save_hf_weights(chunks, run.live_out / "saved", run.live_hf, max_shard_bytes=100_000, quantize=run.live_quantize)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _load_live_over(chunks: list, hf_dir: Path) -> None:
+    """load_hf_weights into the chunks, their parameters zeroed first, must give back the tensors
+    they held (loaded by megatron-core), bit for bit: none missed, none misplaced."""
+    from mconv.live import load_hf_weights
+
+    loaded = [{n: t.clone() for n, t in m.state_dict().items() if isinstance(t, torch.Tensor)} for m in chunks]
+    with torch.no_grad():
+        for model in chunks:
+            for param in model.parameters():
+                param.zero_()
+    load_hf_weights(chunks, hf_dir)
+    for model, before in zip(chunks, loaded):
+        for name, tensor in model.state_dict().items():
+            if isinstance(tensor, torch.Tensor):
+                assert torch.equal(tensor, before[name]), f"load_hf_weights: {name} differs"
 
 
 def _rank_state(checkpoint: Path, run: MegatronRun, v: int) -> dict:

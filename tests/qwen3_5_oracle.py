@@ -58,15 +58,10 @@ def _norm_linear():
     return NormColumnParallelLinear
 
 
-def block_spec(config, vp_stage: int):
-    """megatron-core's experimental-attention-variant block spec for `config` at `vp_stage`, on the
-    CPU backend described above, with GatedDeltaNet's deterministic torch kernels."""
+def _backend(config):
+    """megatron-core's local backend with the stand-ins above, and GatedDeltaNet's deterministic torch kernels."""
     from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.models.gpt import experimental_attention_variant_module_specs as specs
     from megatron.core.ssm.gated_delta_net import common
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     common.HAVE_FLA = True
     common.l2norm = lambda x: x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
@@ -83,6 +78,20 @@ def block_spec(config, vp_stage: int):
         def layer_norm(self, rms_norm=False, for_qk=False, has_residual=False):
             return ZeroCentredNorm
 
+    return Backend()
+
+
+def block_spec(config, vp_stage: int):
+    """megatron-core's experimental-attention-variant block spec for `config` at `vp_stage`, on the
+    CPU backend described above."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as specs
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    backend = _backend(config)
+
     def self_attention(config, backend):  # the TE layer spec's attention, from the backend's modules
         norm = backend.layer_norm(rms_norm=True, for_qk=True)
         return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
@@ -92,9 +101,19 @@ def block_spec(config, vp_stage: int):
                               q_layernorm=norm, k_layernorm=norm),
                           metainfo={"fuse_input_layernorm": True})
 
-    specs._get_backend_spec_provider = lambda config: Backend()
+    specs._get_backend_spec_provider = lambda config: backend
     specs._get_self_attention_module_spec = self_attention
-    from megatron.core import parallel_state as ps
-
     return specs.get_transformer_block_with_experimental_attention_variant_spec(
         config, vp_stage=vp_stage, pp_rank=ps.get_pipeline_model_parallel_rank())
+
+
+def mtp_spec(config, spec, vp_stage: int):
+    """megatron-core's MTP block spec (`get_gpt_mtp_block_spec_for_backend`, multi_token_prediction.py:
+    enorm, hnorm, column-parallel eh_proj, final_layernorm around an inner layer) on the CPU backend,
+    its layer the decoder block's last layer spec (a gated full-attention layer with the last layer's
+    MLP), as Megatron-Bridge builds it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+
+    return get_gpt_mtp_block_spec_for_backend(config, spec, backend=_backend(config), vp_stage=vp_stage,
+                                              pp_rank=ps.get_pipeline_model_parallel_rank())

@@ -34,27 +34,7 @@ def test_live_load_export_and_save(tmp_path, fixture, sizes):
     logits = megatron_logits(run, tmp_path)
     assert (logits - hf_logits(hf_dir, TOKENS)).abs().max().item() < 1e-4
 
-    source = HFCheckpoint(hf_dir)
-    by_stage: dict[int, dict[str, torch.Tensor]] = {}
-    for rank in range(run.world):
-        result = torch.load(out / f"rank{rank}.pt")
-        names = [name for bucket in result["buckets"] for name, _ in bucket]
-        assert len(names) == len(set(names)), "a tensor was yielded twice"
-        tensors = {name: t for bucket in result["buckets"] for name, t in bucket}
-        stage = by_stage.setdefault(result["pp"], tensors)
-        assert stage.keys() == tensors.keys()  # every rank of a stage yields the same tensors
-        assert len(torch.load(out / f"all{rank}.pt")) == len(source.tensors)  # gather_pp: the whole model
-        if sizes.get("pp", 1) > 1:  # a cast refused on one stage reaches every rank (no rank hangs)
-            assert (out / f"refused{rank}.txt").read_text() == \
-                "cannot cast model.norm.weight to float16: values up to 1e+30 are beyond float16's range (65504)"
-    seen = [name for stage in by_stage.values() for name in stage]
-    assert sorted(seen) == sorted(source.tensors)  # each HF tensor from exactly one stage, nothing else
-    for stage in by_stage.values():
-        for name, tensor in stage.items():
-            expected = source.read(name)
-            assert tensor.dtype == torch.float32 or tensor.dtype == expected.dtype
-            assert torch.equal(tensor.to(expected.dtype).reshape(-1).view(torch.uint8),
-                               expected.reshape(-1).view(torch.uint8)), name
+    assert_every_hf_tensor_once(out, run, hf_dir)
 
     # mcore2hf of the same model at the same layout writes the same bytes (the live model holds fp32
     # parameters, so compare with a checkpoint converted from an fp32 copy of the HF model).
@@ -70,6 +50,33 @@ def test_live_load_export_and_save(tmp_path, fixture, sizes):
     assert offline == sorted(p.name for p in (out / "saved").iterdir())
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "offline", out / "saved", offline, shallow=False)
     assert not mismatch and not errors
+
+
+def assert_every_hf_tensor_once(out, run: MegatronRun, hf_dir) -> None:
+    """What the worker's iter_hf_weights wrote to `out`: each rank yields every tensor of its pipeline
+    stage once (the ranks of a stage the same ones), the stages together every tensor of `hf_dir`
+    exactly once, bit-identical to it (float32 where the model is), and gather_pp the whole model."""
+    source = HFCheckpoint(hf_dir)
+    by_stage: dict[int, dict[str, torch.Tensor]] = {}
+    for rank in range(run.world):
+        result = torch.load(out / f"rank{rank}.pt")
+        names = [name for bucket in result["buckets"] for name, _ in bucket]
+        assert len(names) == len(set(names)), "a tensor was yielded twice"
+        tensors = {name: t for bucket in result["buckets"] for name, t in bucket}
+        stage = by_stage.setdefault(result["pp"], tensors)
+        assert stage.keys() == tensors.keys()  # every rank of a stage yields the same tensors
+        assert len(torch.load(out / f"all{rank}.pt")) == len(source.tensors)  # gather_pp: the whole model
+        if run.pp > 1:  # a cast refused on one stage reaches every rank (no rank hangs)
+            assert (out / f"refused{rank}.txt").read_text() == \
+                "cannot cast model.norm.weight to float16: values up to 1e+30 are beyond float16's range (65504)"
+    seen = [name for stage in by_stage.values() for name in stage]
+    assert sorted(seen) == sorted(source.tensors)  # each HF tensor from exactly one stage, nothing else
+    for stage in by_stage.values():
+        for name, tensor in stage.items():
+            expected = source.read(name)
+            assert tensor.dtype == torch.float32 or tensor.dtype == expected.dtype
+            assert torch.equal(tensor.to(expected.dtype).reshape(-1).view(torch.uint8),
+                               expected.reshape(-1).view(torch.uint8)), name
 
 
 def test_staged_load_casts_and_places_every_piece(tmp_path):

@@ -32,8 +32,9 @@ from tests.test_roundtrip import read_all
 R, ALPHA = 4, 8.0
 SCALE = ALPHA / R
 TOKENS = list(range(3, 60, 4))
-MODULE = re.compile(r"(?:language_model\.)?decoder\.layers\.(\d+)\.(.+?)\.?(linear_qkv|linear_proj|linear_fc1|linear_fc2)"
-                    r"\.weight(\d*)")  # a vision-language model's language layers too
+# a vision-language model's language layers too, and a gated delta-net's in_proj / out_proj (Qwen3.5)
+MODULE = re.compile(r"(?:language_model\.)?decoder\.layers\.(\d+)\.(.+?)\.?(linear_qkv|linear_proj|linear_fc1|linear_fc2|"
+                    r"in_proj|out_proj)\.weight(\d*)")
 LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)")
 VISION_MODULE = re.compile(r"vision_model\..+\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight")
 
@@ -80,7 +81,7 @@ class Adapters:
                 size, group_rank, ident, prefix = self.layout.tp, rank.tp, name, name.removesuffix(".weight")
             else:
                 layer, path, module, grouped = MODULE.fullmatch(name).groups()
-                expert = "experts" in path
+                expert = re.search(r"(^|\.)experts(\.|$)", path) is not None  # routed, not shared_experts (TP)
                 size, group_rank = (self.layout.etp, rank.etp) if expert else (self.layout.tp, rank.tp)
                 local = LOCAL_EXPERT.search(path)
                 if grouped:  # TE grouped GEMM: one adapter for all of the EP rank's experts
@@ -90,7 +91,7 @@ class Adapters:
                     ident = f"{layers.start + int(layer)}.{LOCAL_EXPERT.sub('e', path)}{global_expert}.{module}"
                     prefix = name.removesuffix(".weight")
             weight = chunk[name]
-            column = module in ("linear_qkv", "linear_fc1")
+            column = module in ("linear_qkv", "linear_fc1", "in_proj")
             out, fan_in = weight.shape[0] * (size if column else 1), weight.shape[1] * (1 if column else size)
             canonical = self.canonical and not grouped and not name.startswith("vision_model.")  # language only
             if canonical and module == "linear_qkv":

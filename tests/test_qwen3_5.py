@@ -15,7 +15,8 @@ from fixtures.make_fixtures import make_qwen3_5
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
-from tests.qwen3_5_oracle import block_spec
+from tests.qwen3_5_oracle import block_spec, mtp_spec
+from tests.test_live import assert_every_hf_tensor_once
 from tests.test_oracle_megatron import stored_args
 
 TOKENS = list(range(3, 283, 4))  # 70 tokens: more than one 64-token chunk of the delta rule
@@ -28,13 +29,13 @@ def qwen3_5_dir():
 
 @pytest.fixture(scope="session")
 def qwen3_5_moe_dir(tmp_path_factory):
-    """Qwen3.5-MoE with its experts fused, as the official checkpoints hold them."""
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe") / "hf", seed=8, moe=True, fused_experts=True)
+    """Qwen3.5-MoE as the official checkpoints hold it: experts fused, the MTP layer's per expert."""
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe") / "hf", seed=8, moe=True, fused_experts=True, mtp=True)
 
 
 @pytest.fixture(scope="session")
 def qwen3_next_dir(tmp_path_factory):
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_next") / "hf", seed=9, next=True)
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_next") / "hf", seed=9, next=True, mtp=True)
 
 
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2), "te", "torch"), (dict(tp=2, pp=2), "local", "torch"),
@@ -43,49 +44,61 @@ def test_round_trip_is_bit_identical(tmp_path, qwen3_5_dir, sizes, spec, fmt):
     round_trip(tmp_path, qwen3_5_dir, sizes, spec, fmt)
 
 
-@pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2, ep=2), "te", "torch"), (dict(ep=2, pp=2), "local", "torch"),
-                                            (dict(tp=2, ep=2), "local", "torch_dist")])
-def test_moe_round_trip_is_bit_identical(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt):
-    round_trip(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt)
+@pytest.mark.parametrize("sizes,spec,fmt,mtp", [(dict(tp=2, ep=2), "te", "torch", True),
+                                                (dict(ep=2, pp=2), "local", "torch", False),
+                                                (dict(tp=2, ep=2), "local", "torch_dist", True)])
+def test_moe_round_trip_is_bit_identical(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt, mtp):
+    """With --mtp, the MTP layer's experts come back per expert beside the fused ones, as they were."""
+    round_trip(tmp_path, qwen3_5_moe_dir, sizes, spec, fmt, mtp)
 
 
 def test_per_expert_moe_comes_back_per_expert(tmp_path):
-    """Experts as transformers' save_pretrained writes them come back in that form (fused ones fused)."""
+    """Experts as transformers' save_pretrained writes them come back in that form, the MTP layer's
+    fused ones fused."""
     hf_dir = make_qwen3_5(tmp_path / "hf", seed=8, moe=True, num_hidden_layers=2,
-                          layer_types=["linear_attention", "full_attention"])
-    round_trip(tmp_path, hf_dir, dict(tp=2, ep=2), "te", "torch")
+                          layer_types=["linear_attention", "full_attention"], mtp=True, fused_mtp_experts=True)
+    round_trip(tmp_path, hf_dir, dict(tp=2, ep=2), "te", "torch", mtp=True)
 
 
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2, ep=2, pp=2), "te", "torch"), (dict(), "local", "torch_dist")])
 def test_next_round_trip_is_bit_identical(tmp_path, qwen3_next_dir, sizes, spec, fmt):
-    round_trip(tmp_path, qwen3_next_dir, sizes, spec, fmt)
+    round_trip(tmp_path, qwen3_next_dir, sizes, spec, fmt, mtp=True)
 
 
 @pytest.mark.parametrize("moe,sizes", [(False, dict(tp=2, pp=2)), (True, dict(tp=2, ep=2))], ids=["dense", "moe"])
 def test_vl_round_trip_is_bit_identical(tmp_path, moe, sizes):
     """Qwen3.5-VL: Qwen3-VL's vision tower (its rules, proven by tests/test_qwen3_vl_oracle.py) without
-    deepstack, and the Qwen3.5 language model."""
-    hf_dir = make_qwen3_5(tmp_path / "hf", seed=10, vl=True, moe=moe, fused_experts=moe)
-    round_trip(tmp_path, hf_dir, sizes, "te", "torch")
+    deepstack, and the Qwen3.5 language model with its MTP (the MoE model's MTP experts fused, as Qwen3.6's)."""
+    hf_dir = make_qwen3_5(tmp_path / "hf", seed=10, vl=True, moe=moe, fused_experts=moe, mtp=True,
+                          fused_mtp_experts=moe)
+    round_trip(tmp_path, hf_dir, sizes, "te", "torch", mtp=True)
 
 
-def round_trip(tmp_path, hf_dir, sizes, spec, fmt):
-    hf2mcore(hf_dir, tmp_path / "megatron", Layout(**sizes), spec=spec, fmt=fmt, progress=False)
+def round_trip(tmp_path, hf_dir, sizes, spec, fmt, mtp=False):
+    """hf2mcore then mcore2hf gives back every HF tensor bit for bit, in the same form (fused or per
+    expert); without `mtp`, all but the MTP tensors."""
+    hf2mcore(hf_dir, tmp_path / "megatron", Layout(**sizes), spec=spec, fmt=fmt, mtp=mtp, progress=False)
     mcore2hf(tmp_path / "megatron", tmp_path / "back", progress=False)
-    assert_hf_bits_equal(hf_tensors(hf_dir), tmp_path / "back")
+    expected = {name: t for name, t in hf_tensors(hf_dir).items() if mtp or not name.startswith("mtp.")}
+    assert_hf_bits_equal(expected, tmp_path / "back")
 
 
-def megatron_forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
+def megatron_forward(tmp_path, hf_dir, sizes) -> tuple[torch.Tensor, MegatronRun]:
     """The oracle run: hf2mcore writes a torch_dist checkpoint (at TP1) and legacy rank files (`--spec
     te`) at `sizes`; megatron-core's model at `sizes`, built from the stored args, loads the torch_dist
     one (resharded by megatron-core itself, strict), checks the rank files hold exactly what it loaded,
-    and gives its logits."""
-    hf2mcore(hf_dir, tmp_path / "dist", Layout(), fmt="torch_dist", progress=False)
-    summary = hf2mcore(hf_dir, tmp_path / "ranks", Layout(**sizes), spec="te", fmt="torch", progress=False)
+    then mconv.live's load_hf_weights must give it the same tensors (tests/megatron_oracle.py's
+    live_over_checkpoint); it gives its logits, and iter_hf_weights / save_hf_weights write to
+    `tmp_path / "live"`."""
+    mtp = "mtp_num_hidden_layers" in read_config(hf_dir)  # converted with --mtp: megatron-core's MTP block
+    hf2mcore(hf_dir, tmp_path / "dist", Layout(), fmt="torch_dist", mtp=mtp, progress=False)
+    summary = hf2mcore(hf_dir, tmp_path / "ranks", Layout(**sizes), spec="te", fmt="torch", mtp=mtp, progress=False)
+    (tmp_path / "live").mkdir()
     run = MegatronRun(tmp_path / "dist", read_config(hf_dir), **sizes, padded_vocab=summary.plan.padded_vocab,
-                      tokens=TOKENS, fmt="torch_dist", block_spec=block_spec, same_as=tmp_path / "ranks")
+                      tokens=TOKENS, fmt="torch_dist", block_spec=block_spec, mtp_spec=mtp_spec, same_as=tmp_path / "ranks",
+                      live_hf=hf_dir, live_out=tmp_path / "live", live_over_checkpoint=True)
     run.args = trainer_args(stored_args(tmp_path / "ranks"), run)
-    return megatron_logits(run, tmp_path)
+    return megatron_logits(run, tmp_path), run
 
 
 @pytest.mark.slow
@@ -97,9 +110,10 @@ def megatron_forward(tmp_path, hf_dir, sizes) -> torch.Tensor:
 def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
     hf_dir = request.getfixturevalue(model)
-    ours = megatron_forward(tmp_path, hf_dir, sizes)
+    ours, run = megatron_forward(tmp_path, hf_dir, sizes)
     reference = hf_logits(hf_dir, TOKENS)
     assert (ours - reference).abs().max().item() < 1e-4
+    assert_every_hf_tensor_once(tmp_path / "live", run, hf_dir)  # mconv.live's export of the same model
 
 
 def _with_config(tmp_path, hf_dir, **changes):
@@ -117,6 +131,29 @@ def test_bad_config_is_refused_in_one_sentence(tmp_path, qwen3_5_dir, changes, s
     hf_dir = _with_config(tmp_path, qwen3_5_dir, **changes)
     with pytest.raises(MconvError, match=re.escape(message)):
         hf2mcore(hf_dir, tmp_path / "out", Layout(**sizes), fmt="torch", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_mtp_is_left_out_by_default_in_one_note(tmp_path, qwen3_5_moe_dir):
+    """transformers drops `mtp.*` on load; without --mtp hf2mcore leaves it out and says so once, and
+    mcore2hf's config.json says there is no MTP layer (vLLM would look for its weights)."""
+    summary = hf2mcore(qwen3_5_moe_dir, tmp_path / "m", Layout(), fmt="torch", progress=False)
+    assert [note for note in summary.notes if "mtp" in note] == [
+        "left out mtp.* (multi-token prediction, which transformers drops on load: not converted; --mtp keeps it in "
+        "megatron-core's MTP block)"]
+    mcore2hf(tmp_path / "m", tmp_path / "back", progress=False)
+    assert read_config(tmp_path / "back")["mtp_num_hidden_layers"] == 0
+
+
+@pytest.mark.parametrize("model,changes,message", [
+    ("qwen3_5_moe_dir", dict(mtp_num_hidden_layers=2), "mtp_num_hidden_layers=2: these MTP layers share one mtp.fc"),
+    ("qwen3_next_dir", dict(mlp_only_layers=[3]), "config.json gives the MTP layer MoE and the last decoder layer a "
+                                                 "dense MLP"),
+], ids=["two-layers", "other-mlp"])
+def test_mtp_megatron_core_cannot_build_is_refused(tmp_path, request, model, changes, message):
+    hf_dir = _with_config(tmp_path, request.getfixturevalue(model), **changes)
+    with pytest.raises(MconvError, match=re.escape(message)):
+        hf2mcore(hf_dir, tmp_path / "out", Layout(), fmt="torch", mtp=True, progress=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -147,3 +184,55 @@ def test_a_missing_section_is_named(tmp_path, qwen3_5_dir):
     save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(MconvError, match=r"tensor model\.layers\.1\.linear_attn\.in_proj_z\.weight is missing"):
         hf2mcore(hf_dir, tmp_path / "out", Layout(tp=2), fmt="torch", progress=False)
+
+
+def test_export_lora_peft_merge_equals_megatron_layout_merge(tmp_path, qwen3_5_dir):
+    """Megatron-Bridge LoRA at TP2 (`--spec te`) on the delta-net in_proj (one A; B rows in the rank's
+    [Q; K; V; Z; B; A] sections) and out_proj, the gated linear_qkv (B rows [q heads; gate heads; k; v]
+    per group), linear_proj and the MLP: peft, merging export-lora's adapter into transformers' model,
+    must give mcore2hf of the rank files with the adapters merged in Megatron layout (W + alpha/r * B @ A
+    per rank shard, tests/test_lora.py)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_lora import export, lora_checkpoint
+    from tests.test_roundtrip import read_all
+
+    lora, merged = lora_checkpoint(tmp_path, qwen3_5_dir, Layout(tp=2), spec="te")
+    export(lora, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    # (longer suffixes where the MTP layer, without adapters here, has a module of the same name)
+    assert config["target_modules"] == ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "mlp.down_proj",
+                                        "mlp.gate_proj", "mlp.up_proj", "out_proj", "self_attn.k_proj",
+                                        "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    base = AutoModelForCausalLM.from_pretrained(qwen3_5_dir, dtype=torch.float32)
+    ours = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
+    mcore2hf(merged, tmp_path / "theirs", progress=False)
+    theirs, original = read_all(tmp_path / "theirs"), read_all(qwen3_5_dir)
+    assert ours.keys() == theirs.keys()
+    changed = 0
+    for name, tensor in ours.items():
+        assert torch.allclose(tensor, theirs[name].float(), atol=1e-6, rtol=0), name
+        changed += not torch.equal(tensor, original[name].float())
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert changed == sum("lora_B" in name for name in adapter) == 30  # every linear layer's HF projections
+
+
+def test_next_export_lora_merge_equals_megatron_layout_merge(tmp_path, qwen3_next_dir):
+    """Qwen3-Next at TP2/EP2: an in_proj adapter's B rows go back to in_proj_qkvz / in_proj_ba grouped by
+    key head (one A for both); export-lora --merge must equal mcore2hf of the Megatron-layout merge.
+    (peft cannot be the oracle here: transformers 5 fuses the experts its per-expert adapters name.)"""
+    from tests.test_lora import export, lora_checkpoint
+    from tests.test_roundtrip import read_all
+
+    lora, merged = lora_checkpoint(tmp_path, qwen3_next_dir, Layout(tp=2, ep=2), spec="te")
+    export(lora, tmp_path / "ours", "--merge", "--base-model", qwen3_next_dir, "--dtype", "float32")
+    mcore2hf(merged, tmp_path / "theirs", progress=False)
+    ours, theirs, base = read_all(tmp_path / "ours"), read_all(tmp_path / "theirs"), hf_tensors(qwen3_next_dir)
+    mtp = [name for name in ours if name.startswith("mtp.")]  # --merge keeps the base model's MTP, untouched
+    assert mtp and all(torch.equal(ours.pop(name), base[name].float()) for name in mtp)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.allclose(ours[name], theirs[name].float(), atol=1e-6, rtol=0), name
+    assert not torch.equal(ours["model.layers.1.linear_attn.in_proj_qkvz.weight"],
+                           base["model.layers.1.linear_attn.in_proj_qkvz.weight"].float())

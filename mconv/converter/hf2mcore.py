@@ -21,7 +21,7 @@ from mconv.converter.layout import Layout
 from mconv.converter.options import FORMATS, MAX_ITERATION, check_count, option, torch_dtype
 from mconv.converter.output import check_output_path, output_path, staged_directory
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
-from mconv.converter.pipelines import _bar, _run_team, refuse_megatron
+from mconv.converter.pipelines import MTP_PREFIX, _bar, _run_team, refuse_megatron
 from mconv.converter.planner import Plan, TensorTask, make_plan
 from mconv.converter.summary import Summary, describe_files
 from mconv.converter.summary import nbytes as _nbytes
@@ -231,6 +231,15 @@ def _torch_dist_entries(plan: Plan, ckpt: HFCheckpoint, args, common: dict, cast
     return torch_dist.entries(flat, args, common, windows, dtypes)
 
 
+def _expert_forms(ckpt: HFCheckpoint, plan: Plan) -> dict[str, str]:
+    """mconv.json's record of how the input held its routed experts, stacked or per expert, for
+    mcore2hf to write them alike: the decoder layers' (`hf_experts`) and, converted with --mtp, the MTP
+    layers' (`hf_mtp_experts`: Qwen3.5 keeps them per expert, Qwen3.6 stacked)."""
+    def form(mtp: bool) -> str:
+        return "stacked" if any(name.startswith(MTP_PREFIX) == mtp for name in ckpt.stacked) else "per_expert"
+    return {"hf_experts": form(False), **({"hf_mtp_experts": form(True)} if plan.dims.mtp_layers else {})}
+
+
 def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
              progress: bool = True, workers: int = 1, revision: str | None = None, mtp: bool = False,
@@ -307,8 +316,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         mio.write_metadata(staging, {"mconv_version": __version__, "architecture": arch.name, "spec": spec,
                                      "format": fmt, "layout": layout.to_dict(),
                                      "dtype": str(dtype).removeprefix("torch."),
-                                     **({"hf_experts": "stacked" if ckpt.stacked else "per_expert"}
-                                        if arch.experts_as_input else {})})
+                                     **(_expert_forms(ckpt, plan) if arch.experts_as_input else {})})
 
     out = output_path(out_dir)
     team = TorchrunTeam.from_environment(f"hf2mcore:{out}")

@@ -7,6 +7,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -58,15 +59,16 @@ class ShardedSafetensorsWriter:
     """
 
     def __init__(self, directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 max_shard_bytes: int, stack_experts: str | None = None):
+                 max_shard_bytes: int, stack_experts: str | None = None,
+                 per_expert: Callable[[str], bool] | None = None):
         """`stack_experts` ("4.x" or "5.x", see ORIENTATIONS): per-expert tensors
         `<p>.mlp.experts.{e}.gate_proj.weight` ... are written into stacked `<p>.mlp.experts.gate_up_proj`
-        / `down_proj` tensors of that orientation."""
+        / `down_proj` tensors of that orientation, but those for whose name `per_expert` holds."""
         self.dir = Path(directory)
         self.views: dict[str, tuple[str, int, int, int]] = {}  # per-expert name -> (stacked, expert, part, parts)
         self.experts: dict[str, int] = {}  # stacked name -> experts
         if stack_experts is not None:
-            entries = self._stack(entries, stack_experts == "4.x")
+            entries = self._stack(entries, stack_experts == "4.x", per_expert or (lambda name: False))
         self.transposed = stack_experts == "4.x"
         self._pending: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
         self.entries = entries
@@ -95,12 +97,12 @@ class ShardedSafetensorsWriter:
         self.total_size = sum(nbytes for _, _, nbytes in self.location.values())
         self._fds: dict[str, int] = {}
 
-    def _stack(self, entries: list, transposed: bool) -> list:
+    def _stack(self, entries: list, transposed: bool, per_expert: Callable[[str], bool]) -> list:
         """The entries with per-expert tensors replaced by their stacked tensors (placed where the
         first expert's first module was)."""
         grouped: dict[str, list] = {}
         for name, dtype, shape in entries:
-            view = stacked_expert(name)
+            view = None if per_expert(name) else stacked_expert(name)
             if view is not None:
                 self.views[name] = view
                 grouped.setdefault(view[0], []).append((dtype, shape))

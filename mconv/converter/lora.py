@@ -290,10 +290,11 @@ def _refuse_unknown(states: RankStates, arch: Architecture, expected: set, layou
 
 
 def _not_exportable(what: str, arch: Architecture) -> MconvError:
+    modules = sorted({t.a.megatron.partition(".adapter")[0].rsplit(".", 1)[-1] for t in targets(arch)})
     return MconvError(f"{what} is not a LoRA A or B tensor mconv can export: {arch.name} (as the HF config and layout "
-                      "describe it) has LoRA or CanonicalLoRA adapters on linear_qkv, linear_proj, linear_fc1, "
-                      "linear_fc2 and the experts' linear_fc1/fc2 only; other modules, layers the model lacks and "
-                      "other adapter kinds (DoRA) have no form a vLLM PEFT adapter can express")
+                      f"describe it) has LoRA or CanonicalLoRA adapters on {', '.join(modules)} only; other modules, "
+                      "layers the model lacks and other adapter kinds (DoRA) have no form a vLLM PEFT adapter can "
+                      "express")
 
 
 # ----------------------------------------------------------------------------- reading checkpoints

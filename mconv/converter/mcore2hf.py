@@ -17,7 +17,7 @@ from mconv.converter.megatron_checkpoint import open_checkpoint
 from mconv.converter.options import DEFAULT_SHARD_BYTES, check_count, shard_bytes, torch_dtype
 from mconv.converter.output import check_output_path, output_path, staged_directory
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
-from mconv.converter.pipelines import _bar, _run_team
+from mconv.converter.pipelines import _bar, _kept_per_expert, _run_team
 from mconv.converter.planner import ExportTask, ShardSource
 from mconv.converter.summary import Summary
 from mconv.converter.summary import nbytes as _nbytes
@@ -205,8 +205,9 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     quantization = fp8.writer_quantization(arch, quantize, fp8_scale, ckpt.config)
     exports = ckpt.plan.exports()
     stack = expert_orientation_for(arch, ckpt.plan.dims, expert_orientation)
-    if arch.experts_as_input and expert_orientation is None and ckpt.metadata.get("hf_experts") == "per_expert":
-        stack = None  # as hf2mcore's input had them
+    per_expert = None
+    if arch.experts_as_input and expert_orientation is None:  # as hf2mcore's input had them
+        per_expert = functools.partial(_kept_per_expert, ckpt.metadata)
 
     def cast(names: tuple[str, ...]) -> torch.dtype | None:
         return cast_dtype(dtype, any(arch.fp32_kind(name) for name in names))
@@ -222,7 +223,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         summary.notes += filter(None, [fp32_note(arch, [name for name, _, _ in entries], dtype)])
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack, per_expert)
             writer.create()
             writer.close()
             summary.files = len(writer.files)
@@ -236,7 +237,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
             write_config_dtype(staging, plain)  # the unquantized dtype, as the FP8 releases' config.json has it
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack)
+            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack, per_expert)
             writer.open_existing()
             _write_exports(session, exports, index, size, writer, report, cast, workers, quantization)
             writer.close()

@@ -88,7 +88,7 @@ def read_metadata(save_dir: Path) -> dict | None:
         return None
     info = read_json(path, "mconv's record of how it wrote this checkpoint")
     for key, allowed in (("spec", ("local", "te")), ("format", ("torch", "torch_dist")),
-                         ("hf_experts", ("stacked", "per_expert"))):
+                         ("hf_experts", ("stacked", "per_expert")), ("hf_mtp_experts", ("stacked", "per_expert"))):
         if key in info and info[key] not in allowed:
             raise MconvError(f"{path}: {key} is {info[key]!r}, not one of {', '.join(allowed)}")
     if not isinstance(info.get("mconv_version", ""), str):

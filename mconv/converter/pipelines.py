@@ -34,6 +34,17 @@ def refuse_megatron(path: str | Path, why: str) -> None:
         raise MconvError(f"{path} is a Megatron checkpoint; {why}")
 
 
+# HF names of the multi-token-prediction layers kept outside the decoder (Qwen3.5 / Qwen3.6 / Qwen3-Next)
+MTP_PREFIX = "mtp."
+
+
+def _kept_per_expert(metadata: dict, name: str) -> bool:
+    """Whether the HF experts tensor `name` was per expert in hf2mcore's input (mconv.json, hf2mcore's
+    _expert_forms)."""
+    key = "hf_mtp_experts" if name.startswith(MTP_PREFIX) else "hf_experts"
+    return metadata.get(key) == "per_expert"
+
+
 def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, write_share, total: int,
               label: str, progress: bool) -> None:
     """The torchrun protocol: rank 0 prepares a staging directory every rank can compute the name

@@ -167,7 +167,8 @@ def model_dims(arch: Architecture, config: dict, mtp: bool = False) -> SimpleNam
     available = getattr(dims, "hf_mtp_layers", 0)
     if mtp and not available:
         raise MconvError(f"{option('mtp', True)}: {arch.name} as config.json describes it has no multi-token-prediction layers "
-                         "(num_nextn_predict_layers is 0 or absent, or mconv's table has no MTP rules for it)")
+                         "(num_nextn_predict_layers, or mtp_num_hidden_layers, is 0 or absent, or mconv's table has no MTP "
+                         "rules for it)")
     dims.mtp_layers = available if mtp else 0
     return dims
 

@@ -3,6 +3,7 @@ what loading and exporting share: the HF config or directory a call names, and b
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -15,6 +16,11 @@ from mconv.converter.layout import Layout, Rank
 from mconv.converter.planner import RankPlan, model_dims, plan_rank, validate_layout
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
+
+# Transformer Engine's grouped experts name expert e's weight `experts.linear_fc1.weight{e}` (the tables'
+# TE name); a TE model with SequentialMLP experts (moe_grouped_gemm off) names it as the local spec does.
+_SEQUENTIAL_EXPERT = re.compile(r"experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
 
 def _canonical(name: str) -> str:
     while name.startswith("module."):
@@ -59,6 +65,8 @@ class LiveModel:
         tp = ps.get_tensor_model_parallel_world_size()
         # Norms fused into a linear (linear_qkv, MLA up projections, dense fc1) exist only under TE.
         fused = any(k.endswith(".layer_norm_weight") for s in states for k in s)
+        if fused:
+            states = [{_SEQUENTIAL_EXPERT.sub(r"experts.\2.weight\1", k): v for k, v in s.items()} for s in states]
         arch = architecture_for(hf_config)
         dims = model_dims(arch, hf_config, mtp=bool(getattr(core.config, "mtp_num_layers", None)))
         # A dense model has no expert groups to follow, though megatron-core sizes them anyway

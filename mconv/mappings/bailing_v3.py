@@ -29,8 +29,7 @@ from mconv.errors import MconvError
 from mconv.mappings.common import config_value, rope_parameters, rope_theta
 from mconv.mappings.qwen3 import DENSE_MLP, H, L, embedding_and_output
 from mconv.mappings.qwen3_moe import MOE_MLP, moe
-from mconv.mappings.schema import (LAST, MTP_LAYER, MTP_REPEAT, Architecture, DistKeys, Rule, extra_state, linear,
-                                   mtp_layer_rules)
+from mconv.mappings.schema import Architecture, DistKeys, Rule, extra_state, linear, mtp_block_rules
 
 A, HA = L + "self_attention.", H + "attention."
 
@@ -248,23 +247,10 @@ MOE_EXTRAS = (
             ROW, when=_when(moe, shared)),
 )
 
-M = MTP_LAYER
+MTP = mtp_block_rules(INPUT_NORM + MLA + DENSE_MLP + MOE_MLP + MOE_EXTRAS, None,
+                      {name: f"{H}{name}.weight" for name in ("enorm", "hnorm", "final_layernorm", "eh_proj")},
+                      "model.word_embeddings.weight")
 
-
-def mtp_copy_of_embedding(d):
-    # GPTModel builds an embedding wherever MTP runs; off the first chunk it is a copy (tied by megatron-core).
-    return d.mtp_layers and (d.pp > 1 or d.vpp > 1)
-
-
-MTP = (
-    *mtp_layer_rules(INPUT_NORM + MLA + DENSE_MLP + MOE_MLP + MOE_EXTRAS),
-    *(rule for norm in ("enorm", "hnorm", "final_layernorm") for rule in (
-        Rule(f"{M}{norm}.weight", {f"{H}{norm}.weight": "hidden"}, REPLICATED, stage=LAST, repeat=MTP_REPEAT),
-        extra_state(M + norm, stage=LAST, specs=("te",), repeat=MTP_REPEAT))),
-    *linear(M + "eh_proj", {H + "eh_proj.weight": "hidden eh_in"}, COLUMN, stage=LAST, repeat=MTP_REPEAT),
-    Rule("embedding.word_embeddings.weight", {"model.word_embeddings.weight": "vocab hidden"}, VOCAB, stage=LAST,
-         when=mtp_copy_of_embedding, exported=False),
-)
 
 def hf_config(config: dict, d: SimpleNamespace) -> dict:
     """config.json of a conversion without MTP layers (hf2mcore without --mtp) says there are none, so

@@ -16,13 +16,15 @@ import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from mconv.converter.transforms import COLUMN, GLU, QKV, ROW, SECTIONED, Kind
+from mconv.converter.transforms import COLUMN, GATED_QKV, GLU, QKV, ROW, SECTIONED, Kind
 from mconv.mappings.schema import Architecture, Rule
 
 RANK = "lora_rank"  # the model dimension the adapter shapes use
-# A sectioned projection (KDA in_proj) is column-parallel: its B rows follow the per-rank sections.
-A_KIND: dict[Kind, Kind] = {QKV: COLUMN, GLU: COLUMN, SECTIONED: COLUMN, COLUMN: COLUMN, ROW: ROW}
-B_KIND: dict[Kind, Kind] = {QKV: QKV, GLU: GLU, SECTIONED: SECTIONED, COLUMN: COLUMN, ROW: COLUMN}
+# A sectioned projection (KDA and gated delta-net in_proj) is column-parallel: its B rows follow the
+# per-rank sections; a gated linear_qkv's B rows are the base's [q heads; gate heads; k; v] per group.
+A_KIND: dict[Kind, Kind] = {QKV: COLUMN, GATED_QKV: COLUMN, GLU: COLUMN, SECTIONED: COLUMN, COLUMN: COLUMN, ROW: ROW}
+B_KIND: dict[Kind, Kind] = {QKV: QKV, GATED_QKV: GATED_QKV, GLU: GLU, SECTIONED: SECTIONED, COLUMN: COLUMN,
+                            ROW: COLUMN}
 CANONICAL: dict[Kind, tuple[str, ...]] = {QKV: ("adapter_q", "adapter_k", "adapter_v"),
                                           GLU: ("adapter_gate", "adapter_up")}
 GROUPED_WEIGHT = ".weight{expert}"  # TE grouped-GEMM expert weights: one adapter shared by the rank's experts

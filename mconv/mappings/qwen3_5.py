@@ -28,9 +28,10 @@ from mconv.errors import MconvError
 from mconv.mappings import qwen3, qwen3_moe
 from mconv.mappings.common import config_value
 from mconv.mappings.qwen3 import DENSE_MLP, EMBEDDING_AND_OUTPUT, H, L
-from mconv.mappings.schema import Architecture, DistKeys, Rule, extra_state, linear
+from mconv.mappings.schema import Architecture, DistKeys, Rule, extra_state, linear, mtp_block_rules
 
 A, HA, HS = L + "self_attention.", H + "linear_attn.", H + "self_attn."
+MTP_KEY = "mtp_num_hidden_layers"
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -73,20 +74,40 @@ def dims(config: dict, groups: int = 4) -> SimpleNamespace:
     if d.value_heads % d.key_heads:
         raise MconvError(f"config.json's linear_num_value_heads={d.value_heads} is not a multiple of "
                          f"linear_num_key_heads={d.key_heads}")
+    # MTP: the HF model's layers (an undeclared config key transformers keeps), those converted
+    # (planner.model_dims sets it for --mtp), and eh_proj's input width [embedding; hidden].
+    d.hf_mtp_layers = config.get(MTP_KEY, config.get("num_nextn_predict_layers", 0)) or 0
+    d.mtp_layers, d.eh_in = 0, 2 * d.hidden
     return d
 
 
 def check_layout(d: SimpleNamespace, layout) -> None:
-    """megatron-core's TransformerConfig: the delta-net key and value heads divide by TP."""
+    """megatron-core's TransformerConfig: the delta-net key and value heads divide by TP; and check_mtp."""
+    check_mtp(d)
     for field, value in (("linear_num_key_heads", d.key_heads), ("linear_num_value_heads", d.value_heads)):
         if value % layout.tp:
             raise MconvError(f"config.json's {field}={value} is not divisible by {option('tp', layout.tp)}")
 
 
+def check_mtp(d: SimpleNamespace) -> None:
+    """hf2mcore --mtp: megatron-core's MTP block cannot hold several MTP layers (transformers' and
+    vLLM's share one `fc` and its norms over them, megatron-core has one per depth), nor an MTP layer
+    whose MLP (MoE or dense) is not the last decoder layer's, from which it builds it."""
+    if d.mtp_layers > 1:
+        raise MconvError(f"{option('mtp', True)}: config.json's {MTP_KEY}={d.mtp_layers}: these MTP layers share one "
+                         "mtp.fc and its norms, while megatron-core's MTP block has its own per layer")
+    kind = {True: "MoE", False: "a dense MLP"}
+    last, mtp = d.layers - 1 in d.moe_layers, d.layers in d.moe_layers
+    if d.mtp_layers and last != mtp:
+        raise MconvError(f"{option('mtp', True)}: config.json gives the MTP layer {kind[mtp]} and the last decoder "
+                         f"layer {kind[last]}; megatron-core builds its MTP layer with the last decoder layer's MLP")
+
+
 def megatron_args(d: SimpleNamespace, base=qwen3.megatron_args) -> dict:
     # Megatron-LM 0.19 parses --apply-layernorm-1p into layernorm_zero_centered_gamma but restores
     # apply_layernorm_1p from checkpoint args: store both.
-    return dict(base(d), apply_layernorm_1p=True, layernorm_zero_centered_gamma=True, attention_output_gate=True,
+    mtp = dict(mtp_num_layers=d.mtp_layers, mtp_loss_scaling_factor=0.1) if d.mtp_layers else {}  # check_mtp: one
+    return dict(base(d), **mtp, apply_layernorm_1p=True, layernorm_zero_centered_gamma=True, attention_output_gate=True,
                 experimental_attention_variant="gated_delta_net",
                 linear_attention_freq=[int(i in d.linear_layers) for i in range(d.layers)],
                 linear_conv_kernel_dim=d.conv_kernel, linear_key_head_dim=d.key_dim, linear_value_head_dim=d.value_dim,
@@ -135,9 +156,40 @@ NEEDS_BRIDGE = ("megatron-core builds gated delta-net layers only with Transform
                 "(get_transformer_block_with_experimental_attention_variant_spec); Megatron-Bridge's Qwen3.5 bridge "
                 "builds the model, which load_hf_weights fills")
 
-QWEN3_5 = Architecture("Qwen3_5ForCausalLM", dims, EMBEDDING_AND_OUTPUT + GDN + GATED_ATTENTION + DENSE_MLP,
-                       megatron_args, model_type="qwen3_5_text", check_layout=check_layout, torch_dist=DIST_KEYS,
-                       needs_bridge=NEEDS_BRIDGE)
+
+def mtp(mlp: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """The HF model's MTP (`mtp.*`, which transformers drops on load): `fc` over [pre_fc_norm_embedding
+    (next token's embedding); pre_fc_norm_hidden (hidden state)], one gated full-attention layer with
+    the model's MLP (`mtp.layers.0.`), `norm`; in megatron-core's MTP block (hf2mcore --mtp)."""
+    return mtp_block_rules(GATED_ATTENTION + mlp, "mtp.layers.{mtp}.", {
+        "enorm": "mtp.pre_fc_norm_embedding.weight", "hnorm": "mtp.pre_fc_norm_hidden.weight",
+        "final_layernorm": "mtp.norm.weight", "eh_proj": "mtp.fc.weight"}, "model.embed_tokens.weight")
+
+
+def dropped(d: SimpleNamespace) -> dict[str, str]:
+    return {} if d.mtp_layers else {"mtp.": "multi-token prediction, which transformers drops on load: not converted; "
+                                            "--mtp keeps it in megatron-core's MTP block"}
+
+
+def hf_config(config: dict, d: SimpleNamespace) -> dict:
+    """config.json of a conversion without the MTP layers (hf2mcore without --mtp) says there are none,
+    so loaders that build them (vLLM's Qwen3.5 MTP) do not look for their weights."""
+    if not d.hf_mtp_layers or d.mtp_layers:
+        return config
+    if "text_config" in config:
+        return {**config, "text_config": hf_config(config["text_config"], d)}
+    return {**config, **{key: 0 for key in (MTP_KEY, "num_nextn_predict_layers") if key in config}}
+
+
+def architecture(name: str, dims, mlp: tuple[Rule, ...], args, **options) -> Architecture:
+    """A Qwen3.5 text model (or Qwen3-Next) whose decoder layers' MLP rules are `mlp`."""
+    gdn_rules = options.pop("gdn", GDN)
+    return Architecture(name, dims, EMBEDDING_AND_OUTPUT + gdn_rules + GATED_ATTENTION + mlp + mtp(mlp), args,
+                        check_layout=check_layout, torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE, dropped=dropped,
+                        hf_config=hf_config, **options)
+
+
+QWEN3_5 = architecture("Qwen3_5ForCausalLM", dims, DENSE_MLP, megatron_args, model_type="qwen3_5_text")
 
 
 def moe_dims(config: dict) -> SimpleNamespace:
@@ -148,7 +200,7 @@ def moe_dims(config: dict) -> SimpleNamespace:
     d.experts = config.get("num_local_experts") or config_value(config, "num_experts")
     d.moe_ffn, d.top_k = moe_ffn, config_value(config, "num_experts_per_tok")
     d.shared_ffn = config_value(config, "shared_expert_intermediate_size")
-    d.norm_topk_prob, d.moe_layers = True, frozenset(range(d.layers))
+    d.norm_topk_prob, d.moe_layers = True, frozenset(range(d.layers + d.hf_mtp_layers))  # MTP layers too
     return d
 
 
@@ -169,13 +221,12 @@ SHARED_EXPERT = (
 )
 # The official checkpoints hold the routed experts fused, `gate_up_proj [E, 2I, h]` (transformers
 # 5.x's orientation; transformers refuses the transposed one for this model); `save_pretrained` writes
-# them per expert. transformers loads both: mcore2hf writes the form hf2mcore read.
-QWEN3_5_MOE = Architecture("Qwen3_5MoeForCausalLM", moe_dims,
-                           EMBEDDING_AND_OUTPUT + GDN + GATED_ATTENTION + qwen3_moe.MOE_MLP + SHARED_EXPERT,
-                           moe_megatron_args, model_type="qwen3_5_moe_text", check_layout=check_layout,
-                           stacked_experts=True, expert_orientations=("5.x",), experts_as_input=True,
-                           torch_dist=DIST_KEYS,
-                           needs_bridge=NEEDS_BRIDGE)
+# them per expert, Qwen3.5's MTP layer holds them per expert, Qwen3.6's fused. transformers loads both:
+# mcore2hf writes the form hf2mcore read.
+MOE_MLP = qwen3_moe.MOE_MLP + SHARED_EXPERT
+QWEN3_5_MOE = architecture("Qwen3_5MoeForCausalLM", moe_dims, MOE_MLP, moe_megatron_args,
+                           model_type="qwen3_5_moe_text", stacked_experts=True, expert_orientations=("5.x",),
+                           experts_as_input=True)
 
 
 def next_dims(config: dict) -> SimpleNamespace:
@@ -188,7 +239,10 @@ def next_dims(config: dict) -> SimpleNamespace:
     d.shared_ffn = config_value(config, "shared_expert_intermediate_size")
     d.norm_topk_prob = bool(config.get("norm_topk_prob", True))
     step, dense_layers = config.get("decoder_sparse_step", 1) or 1, set(config.get("mlp_only_layers") or [])
-    d.moe_layers = frozenset(i for i in range(d.layers) if i not in dense_layers and (i + 1) % step == 0)
+    moe = [i not in dense_layers and (i + 1) % step == 0 for i in range(max(d.layers, d.hf_mtp_layers))]
+    # MTP layer j is built as decoder layer j is (vLLM's Qwen3NextMTP numbers its layers from 0).
+    d.moe_layers = frozenset([i for i in range(d.layers) if moe[i]] +
+                             [d.layers + j for j in range(d.hf_mtp_layers) if moe[j]])
     # One key head's group of in_proj_qkvz holds its value heads' rows: r = value heads / key heads.
     d.group_values, d.group_v_rows = d.value_heads // d.key_heads, d.vd // d.key_heads
     return d
@@ -197,7 +251,5 @@ def next_dims(config: dict) -> SimpleNamespace:
 # Qwen3-Next's spelling of the same six sections: per key head g, [q_g; k_g; v_g; z_g] and [b_g; a_g].
 NEXT_GDN = gated_delta_net({HA + "in_proj_qkvz.weight": "key_heads*(key_dim+key_dim+group_v_rows+group_v_rows) hidden",
                             HA + "in_proj_ba.weight": "key_heads*(group_values+group_values) hidden"})
-QWEN3_NEXT = Architecture("Qwen3NextForCausalLM", next_dims,
-                          EMBEDDING_AND_OUTPUT + NEXT_GDN + GATED_ATTENTION + DENSE_MLP + qwen3_moe.MOE_MLP
-                          + SHARED_EXPERT, moe_megatron_args, model_type="qwen3_next", check_layout=check_layout,
-                          torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE)
+QWEN3_NEXT = architecture("Qwen3NextForCausalLM", next_dims, DENSE_MLP + MOE_MLP, moe_megatron_args,
+                          model_type="qwen3_next", gdn=NEXT_GDN)

@@ -9,7 +9,7 @@ torch_dist keys of this model are not checked against a Megatron model here.
 """
 from types import SimpleNamespace
 
-from mconv.mappings import qwen3_5, qwen3_moe, qwen3_vl
+from mconv.mappings import qwen3_5, qwen3_vl
 from mconv.mappings.qwen3 import DENSE_MLP, EMBEDDING_AND_OUTPUT
 from mconv.mappings.schema import Architecture, prefixed
 
@@ -39,13 +39,18 @@ def _language(rules):
     return prefixed(rules, "language_model.", qwen3_vl.hf_language)
 
 
-LANGUAGE = EMBEDDING_AND_OUTPUT + qwen3_5.GDN + qwen3_5.GATED_ATTENTION
+def _language_model(mlp):
+    """The language model's rules, its MTP (top-level `mtp.*` in the HF checkpoint) included."""
+    return _language(EMBEDDING_AND_OUTPUT + qwen3_5.GDN + qwen3_5.GATED_ATTENTION + mlp + qwen3_5.mtp(mlp))
+
+
 NEEDS_BRIDGE = ("megatron-core has no Qwen3.5 vision-language model; Megatron-Bridge's Qwen3.5 VL bridge builds its "
                 "Qwen3VLModel, which load_hf_weights fills")
 QWEN3_5_VL = Architecture("Qwen3_5ForConditionalGeneration", dims,
-                          qwen3_vl.VISION + _language(LANGUAGE + DENSE_MLP), megatron_args, check_layout=check_layout,
-                          needs_bridge=NEEDS_BRIDGE)
+                          qwen3_vl.VISION + _language_model(DENSE_MLP), megatron_args, check_layout=check_layout,
+                          needs_bridge=NEEDS_BRIDGE, dropped=qwen3_5.dropped, hf_config=qwen3_5.hf_config)
 QWEN3_5_VL_MOE = Architecture("Qwen3_5MoeForConditionalGeneration", moe_dims,
-                              qwen3_vl.VISION + _language(LANGUAGE + qwen3_moe.MOE_MLP + qwen3_5.SHARED_EXPERT),
-                              moe_megatron_args, check_layout=check_layout, stacked_experts=True,
-                              expert_orientations=("5.x",), experts_as_input=True, needs_bridge=NEEDS_BRIDGE)
+                              qwen3_vl.VISION + _language_model(qwen3_5.MOE_MLP), moe_megatron_args,
+                              check_layout=check_layout, stacked_experts=True, expert_orientations=("5.x",),
+                              experts_as_input=True, needs_bridge=NEEDS_BRIDGE, dropped=qwen3_5.dropped,
+                              hf_config=qwen3_5.hf_config)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Callable
 
-from mconv.converter.transforms import EXTRA_STATE, Kind
+from mconv.converter.transforms import COLUMN, EXTRA_STATE, REPLICATED, VOCAB, Kind
 
 FIRST, LAST = "first", "last"  # pipeline placement of non-layer tensors
 
@@ -132,18 +132,44 @@ def prefixed(rules: tuple[Rule, ...], megatron: str, hf: Callable[[str], str]) -
 
 
 DECODER_LAYER = "decoder.layers.{layer}."
+HF_LAYER = "model.layers.{layer}."
 MTP_LAYER = "mtp.layers.{mtp}."  # megatron-core's MultiTokenPredictionBlock, on the last pipeline stage
 MTP_REPEAT = ("mtp", "mtp_layers", "layers")  # MTP layer j is HF layer num_hidden_layers + j
 
 
-def mtp_layer_rules(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+def mtp_layer_rules(rules: tuple[Rule, ...], hf_layer: str | None = None) -> tuple[Rule, ...]:
     """Decoder-layer rules as the inner layer of megatron-core's MTP layers
     (`mtp.layers.{j}.mtp_model_layer.`, multi_token_prediction.py), placed with the final norm on the
-    last pipeline stage, for HF layer num_hidden_layers + j; their `when` picks the layer kind there."""
+    last pipeline stage, for HF layer num_hidden_layers + j; their `when` picks the layer kind there.
+    `hf_layer`: where the HF model keeps its MTP layers, if not among its decoder layers (Qwen3.5's
+    `mtp.layers.{mtp}.`)."""
     def move(name: str) -> str:
         return name.replace(DECODER_LAYER, MTP_LAYER + "mtp_model_layer.")
-    return tuple(replace(r, megatron=move(r.megatron), te=r.te and move(r.te), stage=LAST, repeat=MTP_REPEAT)
+    return tuple(replace(r, megatron=move(r.megatron), te=r.te and move(r.te), stage=LAST, repeat=MTP_REPEAT,
+                         hf={name.replace(HF_LAYER, hf_layer or HF_LAYER): shape for name, shape in r.hf.items()})
                  for r in rules if r.per_layer)
+
+
+def mtp_copy_of_embedding(d) -> bool:
+    # GPTModel builds an embedding wherever MTP runs; off the first chunk it is a copy (tied by megatron-core).
+    return bool(d.mtp_layers) and (d.pp > 1 or d.vpp > 1)
+
+
+def mtp_block_rules(layer_rules: tuple[Rule, ...], hf_layer: str | None, hf: dict[str, str],
+                    embedding: str) -> tuple[Rule, ...]:
+    """megatron-core's MTP block: per depth j, the inner layer (mtp_layer_rules), the norms `enorm`
+    (of the next token's embedding), `hnorm` (of the hidden state), `final_layernorm`, and `eh_proj`
+    [h, 2h] (column-parallel, input [embedding; hidden] as in the HF models), whose HF names `hf` gives
+    by those four names; and GPTModel's copy of the word embedding (HF `embedding`) where MTP runs
+    off the first pipeline chunk."""
+    m = MTP_LAYER
+    norms = tuple(rule for norm in ("enorm", "hnorm", "final_layernorm") for rule in (
+        Rule(f"{m}{norm}.weight", {hf[norm]: "hidden"}, REPLICATED, stage=LAST, repeat=MTP_REPEAT),
+        extra_state(m + norm, stage=LAST, specs=("te",), repeat=MTP_REPEAT)))
+    return (*mtp_layer_rules(layer_rules, hf_layer), *norms,
+            *linear(m + "eh_proj", {hf["eh_proj"]: "hidden eh_in"}, COLUMN, stage=LAST, repeat=MTP_REPEAT),
+            Rule("embedding.word_embeddings.weight", {embedding: "vocab hidden"}, VOCAB, stage=LAST,
+                 when=mtp_copy_of_embedding, exported=False))
 
 
 def extra_state(module: str, stage: str | None = None, specs=("local", "te"), when=None, repeat=None) -> Rule:
