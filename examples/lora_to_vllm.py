@@ -24,7 +24,9 @@ if __name__ == "__main__":
     base, adapter, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     with open(os.path.join(adapter, "adapter_config.json")) as f:
         rank = json.load(f)["r"]
-    llm = LLM(model=base, enable_lora=True, max_lora_rank=rank, max_loras=1,
+    # vLLM's LoRAConfig takes one of these sizes for the largest rank it serves
+    max_lora_rank = next(n for n in (1, 8, 16, 32, 64, 128, 256, 320, 512) if n >= rank)
+    llm = LLM(model=base, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
               dtype="float32", max_model_len=128, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=128,
               kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni")
     request = LoRARequest("exported", 1, adapter)

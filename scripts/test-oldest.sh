@@ -10,6 +10,7 @@ scripts/install-oldest.sh
 TESTS=(
     tests/test_install.py tests/test_imports.py tests/test_torch_save.py tests/test_io_paths.py
     tests/test_dcp_metadata.py::test_hf2mcore_metadata_is_torchs_pickle_of_what_torch_reads
+    tests/test_dcp_metadata.py::test_checkpoint_resaved_by_torchs_own_dcp_converts_back
     tests/test_untrusted.py tests/test_bin_checkpoints.py tests/test_dtype.py tests/test_lora.py
     tests/test_cli_text.py
 )
