@@ -29,13 +29,7 @@ fi
 if [ ! -d .venv/mcore-0.14/megatron ]; then
     "$UV" pip install --quiet --no-deps --only-binary=:all: --target .venv/mcore-0.14 megatron-core==0.14.0
 fi
-# transformers 4.57 beside ours, for the test that it loads mconv's Qwen3-VL output (run with PYTHONPATH
-# pointing here). It needs huggingface_hub < 1.0, tokenizers <= 0.23.0 and requests, which ours do not
-# have: those go into the same dir, shadowing the venv's only in that subprocess.
-if [ ! -d .venv/tf-4.57/transformers ]; then
-    "$UV" pip install --quiet --no-deps --only-binary=:all: --target .venv/tf-4.57 transformers==4.57.6 \
-        huggingface_hub==0.36.2 tokenizers==0.22.2 requests==2.34.2 urllib3==2.8.0 charset_normalizer==3.5.3
-fi
+install_transformers_4 .venv
 # compressed-tensors beside ours (pure torch; loguru is the one dependency it needs that the venv lacks),
 # the oracle of the FP8 block quantization's bytes (tests/test_fp8.py puts this dir on sys.path).
 if [ ! -d .venv/compressed-tensors/compressed_tensors ]; then

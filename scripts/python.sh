@@ -20,7 +20,18 @@ find_python() {
 UV_VERSION=0.13.9
 find_uv() {
     if ! [ -x .uv/bin/uv ] || [ "$(.uv/bin/uv --version | cut -d' ' -f2)" != "$UV_VERSION" ]; then
-        "$(find_python)" -m pip install --quiet --target .uv --upgrade "uv==$UV_VERSION" >&2
+        "$(find_python)" -m pip install --quiet --root-user-action=ignore --target .uv --upgrade "uv==$UV_VERSION" >&2
     fi
     echo "$PWD/.uv/bin/uv"
+}
+
+# install_transformers_4 VENV: transformers 4.57 beside VENV's own, in VENV/tf-4.57, for the tests that
+# run it with PYTHONPATH pointing there (test_qwen3_vl's 4.x loads, test_bin_checkpoints' .bin files).
+# It needs huggingface_hub < 1.0, tokenizers <= 0.23.0 and requests, which ours do not have: those go
+# into the same dir, shadowing the venv's only in that subprocess. Uses $UV (find_uv).
+install_transformers_4() {
+    [ -d "$1/tf-4.57/transformers" ] && return 0
+    "$UV" pip install --quiet --python "$1/bin/python" --no-deps --only-binary=:all: --target "$1/tf-4.57" \
+        transformers==4.57.6 huggingface_hub==0.36.2 tokenizers==0.22.2 requests==2.34.2 urllib3==2.8.0 \
+        charset_normalizer==3.5.3
 }
