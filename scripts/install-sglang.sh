@@ -7,4 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHONPATH=.sglang:tests/vllm_site .venv/vllm311/bin/python -c \
     'import sglang.srt.weight_sync.tensor_bucket, sglang.srt.utils' 2>/dev/null && exit 0
-.venv/vllm311/bin/pip install --quiet --no-deps --upgrade --target .sglang sglang==0.5.23 orjson ipython traitlets
+source scripts/python.sh
+"$(find_uv)" pip install --quiet --python .venv/vllm311/bin/python --no-deps --upgrade --target .sglang \
+    sglang==0.5.23 orjson ipython traitlets

@@ -1,12 +1,37 @@
-# Sourced by install.sh and demo.sh: find_python prints a Python 3.12 interpreter (MCONV_PYTHON,
-# python3.12, then pyenv's) or says how to name one.
+# Sourced by the install scripts and demo.sh.
+# find_python [VERSION]: prints a Python VERSION interpreter (default 3.12; MCONV_PYTHON for 3.12,
+# MCONV_PYTHON310 for 3.10, then pythonVERSION on PATH, then pyenv's) or says how to name one.
 find_python() {
-    for candidate in "${MCONV_PYTHON:-}" python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+    local version="${1:-3.12}" var=MCONV_PYTHON
+    [ "$version" = 3.12 ] || var="MCONV_PYTHON${version/./}"
+    for candidate in "${!var:-}" "python$version" "$HOME"/.pyenv/versions/"$version".*/bin/python"$version"; do
         [ -n "$candidate" ] || continue
-        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+        if "$candidate" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$version'" 2>/dev/null; then
             echo "$candidate"; return 0
         fi
     done
-    echo "mconv: error: Python 3.12 not found (set MCONV_PYTHON=/path/to/python3.12)" >&2
+    echo "mconv: error: Python $version not found (set $var=/path/to/python$version)" >&2
     return 1
+}
+
+# find_uv: prints the uv binary the install scripts use (pinned; put in .uv/ by pip on first use).
+# uv fetches wheels in parallel and installs them by hard link from its cache: the CUDA torch wheel
+# and its NVIDIA libraries are most of an install's time under pip.
+UV_VERSION=0.13.9
+find_uv() {
+    if ! [ -x .uv/bin/uv ] || [ "$(.uv/bin/uv --version | cut -d' ' -f2)" != "$UV_VERSION" ]; then
+        "$(find_python)" -m pip install --quiet --root-user-action=ignore --target .uv --upgrade "uv==$UV_VERSION" >&2
+    fi
+    echo "$PWD/.uv/bin/uv"
+}
+
+# install_transformers_4 VENV: transformers 4.57 beside VENV's own, in VENV/tf-4.57, for the tests that
+# run it with PYTHONPATH pointing there (test_qwen3_vl's 4.x loads, test_bin_checkpoints' .bin files).
+# It needs huggingface_hub < 1.0, tokenizers <= 0.23.0 and requests, which ours do not have: those go
+# into the same dir, shadowing the venv's only in that subprocess. Uses $UV (find_uv).
+install_transformers_4() {
+    [ -d "$1/tf-4.57/transformers" ] && return 0
+    "$UV" pip install --quiet --python "$1/bin/python" --no-deps --only-binary=:all: --target "$1/tf-4.57" \
+        transformers==4.57.6 huggingface_hub==0.36.2 tokenizers==0.22.2 requests==2.34.2 urllib3==2.8.0 \
+        charset_normalizer==3.5.3
 }

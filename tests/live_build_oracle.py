@@ -54,7 +54,9 @@ def _comparable(value):
 
 def config_differences(ours, theirs) -> dict:
     """{field: [ours, theirs]} for every field of either config whose values differ."""
-    names = {f.name for f in dataclasses.fields(theirs)} | {f.name for f in dataclasses.fields(ours)}
+    names = {f.name for c in (ours, theirs) for f in dataclasses.fields(c)}
+    # Megatron-LM's _apply_yarn_config_from_args sets GPTModel's YaRN settings as plain attributes.
+    names |= {name for c in (ours, theirs) for name in vars(c) if name.startswith("yarn_")}
     return {name: [repr(getattr(ours, name, "<absent>")), repr(getattr(theirs, name, "<absent>"))]
             for name in sorted(names)
             if _comparable(getattr(ours, name, None)) != _comparable(getattr(theirs, name, None))}

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader
 
-from mconv import Layout, hf2mcore
+from mconv import Layout, hf2mcore, mcore2hf
 from mconv.converter import dcp_stand_in, torch_dist, torch_dist_write
 from mconv.converter.dcp_stand_in import filesystem, metadata
 from tests.conftest import FIXTURES
@@ -126,3 +126,28 @@ def test_hf2mcore_metadata_is_torchs_pickle_of_what_torch_reads(tmp_path, fixtur
     read.storage_meta.load_id = None
     assert {info.relative_path for info in read.storage_data.values()} == {f"__{m}_0.distcp" for m in range(workers)}
     assert pickle.dumps(read) == (iter_dir / ".metadata").read_bytes()
+
+
+def test_checkpoint_resaved_by_torchs_own_dcp_converts_back(tmp_path):
+    """torch's DCP (`dcp.load`, then `dcp.save`: this torch's own `.metadata` and `.distcp` files, the
+    records of whatever version is installed, 2.6 in the oldest set-up) rewrites hf2mcore's torch_dist
+    output; mcore2hf of that gives the HF model back bit for bit."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    from tests.conftest import assert_hf_bits_equal, hf_tensors
+
+    hf2mcore(FIXTURES / "qwen3-moe-tiny", tmp_path / "m", Layout(tp=2), progress=False)
+    written, resaved = tmp_path / "m" / "release", tmp_path / "resaved"
+    state = {key: io.BytesIO() if isinstance(item, dcp_metadata.BytesStorageMetadata)
+             else torch.empty(item.size, dtype=item.properties.dtype)
+             for key, item in FileSystemReader(written).read_metadata().state_dict_metadata.items()}
+    dcp.load(state, checkpoint_id=written)  # one process, no process group
+    dcp.save(state, checkpoint_id=resaved)
+    for path in [written / ".metadata", *written.glob("*.distcp")]:  # common.pt and metadata.json stay
+        path.unlink()
+    for path in resaved.iterdir():
+        path.rename(written / path.name)
+    mcore2hf(tmp_path / "m", tmp_path / "hf", progress=False)
+    assert_hf_bits_equal(hf_tensors(FIXTURES / "qwen3-moe-tiny"), tmp_path / "hf")

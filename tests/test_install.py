@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 from mconv import Layout, hf2mcore
 from tests.conftest import FIXTURES, ROOT
@@ -87,6 +88,33 @@ def lora_checkpoint(directory: Path) -> Path:
 
 def test_install_requires_leave_out_what_only_the_extras_need():
     assert not {canonical(r.name) for r in install_requires()} & EXTRAS_ONLY
+
+
+def pins(constraints: str) -> dict[str, str]:
+    """name -> version of each `name==version` line of a constraints file at the repository root."""
+    found = {}
+    for line in (ROOT / constraints).read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==")
+            found[canonical(name)] = version.strip()
+    return found
+
+
+def test_lower_bounds_are_the_oldest_tested_versions():
+    """Each of install_requires' lower bounds is the version scripts/install-oldest.sh installs (the
+    oldest set-up CI tests), and python_requires' is its Python; in that set-up, what is installed."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    oldest = pins("constraints-oldest.txt")
+    bounds = {}
+    for requirement in install_requires():
+        (spec,) = requirement.specifier
+        assert spec.operator == ">=", requirement
+        bounds[canonical(requirement.name)] = spec.version
+    assert {name: Version(oldest[name]) for name in bounds} == {name: Version(v) for name, v in bounds.items()}
+    assert config["options"]["python_requires"].strip() == ">=3.10"
+    if sys.version_info[:2] == (3, 10):
+        assert {name: importlib.metadata.version(name) for name in oldest} == oldest
 
 
 def test_every_command_runs_without_megatron_core_transformers_and_peft(tmp_path):

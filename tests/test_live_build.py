@@ -5,6 +5,7 @@ live_build_oracle.py); the one-line error without megatron-core; and the refusal
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,40 @@ def test_built_model_matches_megatron_lm_config_and_transformers_logits(tmp_path
             f"build_model: the layout has TP{3 - tp}, megatron-core's parallel_state TP{tp}")
         if megatron == "0.19":  # Megatron-LM's megatron.training comes with the 0.19 install only
             assert json.loads((tmp_path / f"{case}.config.json").read_text()) == {}, case
+
+
+def test_yarn_config_is_megatron_lms(tmp_path):
+    """YaRN as transformers 4.x wrote it (every setting changed, MoE TP2/EP2): transformer_config's
+    fields and the yarn_* settings GPTModel reads equal what Megatron-LM's
+    core_transformer_config_from_args makes from the args hf2mcore stores (one process: neither
+    needs a process group)."""
+    from mconv.live import transformer_config
+    from tests.live_build_oracle import RUNTIME, config_differences
+    from tests.megatron_oracle import MegatronRun, _config_from_args, trainer_args
+    from tests.test_oracle_megatron import YARN_CASES, stored_args
+
+    fixture, sizes, rope = YARN_CASES[1]
+    hf_dir = shutil.copytree(FIXTURES / fixture, tmp_path / "hf")
+    config = {k: v for k, v in {**read_config(hf_dir), **rope}.items() if v is not None}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    hf2mcore(hf_dir, tmp_path / "megatron", Layout(**sizes), fmt="torch", progress=False)
+    theirs, rotary = _config_from_args(trainer_args(stored_args(tmp_path / "megatron"),
+                                                    MegatronRun(tmp_path / "megatron", config, **sizes)))
+    ours = transformer_config(config, Layout(**sizes), dtype=torch.float32, **RUNTIME)
+    assert rotary["position_embedding_type"] == "yarn" and theirs.yarn_rotary_scaling_factor == 8.0
+    assert config_differences(ours, theirs) == {}
+
+
+def test_te_spec_without_transformer_engine_is_one_line(monkeypatch):
+    """spec="te" where Transformer Engine cannot be imported: one MconvError saying so and naming
+    spec='local', before anything else is asked of megatron-core (no parallel_state here)."""
+    from mconv.live import build_model
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # what import finds for a missing package
+    with pytest.raises(MconvError) as raised:
+        build_model(FIXTURES / "qwen3-tiny", Layout(tp=2), spec="te")
+    assert str(raised.value) == ("build_model: spec='te' needs Transformer Engine, which is not installed; "
+                                 "spec='local' builds megatron-core's own layers")
 
 
 def test_import_without_megatron_core_names_the_extra():

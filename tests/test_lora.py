@@ -24,7 +24,7 @@ from mconv import Layout, hf2mcore, mcore2hf
 from mconv.converter import megatron_io as mio
 from mconv.converter.layout import Rank
 from mconv.converter.lora import ADAPTER_WEIGHTS, adapter_to_peft
-from tests.conftest import FIXTURES, load_rank_file
+from tests.conftest import FIXTURES, ROOT, load_rank_file
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config
 from tests.test_errors import assert_refused, mconv
 from tests.test_roundtrip import read_all
@@ -375,24 +375,8 @@ def test_options_are_checked(tmp_path):
 # ----------------------------------------------------------------------------- a real client: vLLM on the CPU
 
 VLLM_PYTHON = Path(os.environ.get("MCONV_VLLM_PYTHON", FIXTURES.parent / ".venv" / "vllm311" / "bin" / "python"))
-VLLM_SCRIPT = """
-import json, os, sys
-os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
-if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.lora.request import LoRARequest
-
-    model, adapter, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    llm = LLM(model=model, enable_lora=True, max_lora_rank=8, max_loras=1, dtype="float32", max_model_len=128,
-              enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20,
-              distributed_executor_backend="uni")
-    request = LoRARequest("exported", 1, adapter)
-    llm.llm_engine.add_lora(request)  # vLLM's own adapter loader: raises ValueError for an adapter it rejects
-    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)],
-                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), lora_request=request)
-    print("TOKENS " + json.dumps(list(out[0].outputs[0].token_ids)))
-"""
+# The LoRA-to-vLLM example (docs/lora.md), run in the vLLM venv by the test below.
+VLLM_SCRIPT = (ROOT / "examples" / "lora_to_vllm.py").read_text()
 
 
 # Skipped only outside CI: .ci/run installs the venv, so in CI a missing venv is a failure, not a skip.
@@ -407,7 +391,7 @@ def run_vllm(tmp_path: Path, script: str, *args, marker: str = "TOKENS "):
     import subprocess
 
     (tmp_path / "vllm_check.py").write_text(script)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "vllm_site")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "vllm_site"), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([str(VLLM_PYTHON), str(tmp_path / "vllm_check.py"), *map(str, args)], capture_output=True,
                           text=True, timeout=480, cwd=tmp_path, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]

@@ -151,13 +151,13 @@ def build_model(hf_config: str | Path | dict, layout: Layout, spec: str = "local
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     args = _megatron_args(_config(hf_config, revision), layout, spec, dtype)
-    _check_parallel_state(layout, bool(args.num_experts))
-    if spec == "te":
+    if spec == "te":  # before parallel_state: what is missing from the environment comes first
         try:
             import transformer_engine  # noqa: F401
         except ImportError:
             raise MconvError("build_model: spec='te' needs Transformer Engine, which is not installed; "
                              "spec='local' builds megatron-core's own layers") from None
+    _check_parallel_state(layout, bool(args.num_experts))
     gpt_rope = inspect.signature(GPTModel.__init__).parameters["position_embedding_type"].annotation
     if repr(args.position_embedding_type) not in str(gpt_rope):
         raise MconvError(f"build_model: this megatron-core's GPTModel has no {args.position_embedding_type!r} "
