@@ -95,7 +95,7 @@ def checksums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
     A tensor's checksum is the sum over its bytes, read as little-endian int16 words w[i] (a zero
     byte appended to an odd count), of w[i] * (i % 65521 + 1). The tensors of a device are summed
     together, a chunk of words at a time (small tensors concatenated into one chunk, large ones
-    split), so the work is a few operators per chunk and one host transfer per device, not a few
+    split), so the work is a few operators per chunk and two host transfers per device, not a few
     operators per tensor (on a GPU, each a kernel launch). The temporaries stay below 16 bytes per
     word of a chunk: about 130 MiB on a GPU, 1 MiB on the CPU (cache-sized, which is faster)."""
     by_device: dict[torch.device, list] = defaultdict(list)
@@ -126,7 +126,7 @@ def _device_checksums(tensors: list[torch.Tensor], device: torch.device) -> torc
     size = _CHUNK.get(device.type, _DEVICE_CHUNK)
     # the weight of word s of a tensor is weights[s % _PERIOD], so a piece's weights are a view
     weights = torch.arange(_PERIOD + min(size, words), dtype=torch.int32, device=device) % _PERIOD + 1
-    chunk, room = [], size  # chunk: [(tensor index, its first word, its bytes)], room: words left
+    chunks, chunk, room = [], [], size  # a chunk: [(tensor index, its first word, its bytes)]; room: words left
     for index, raw in enumerate(data):
         start = 0
         while start < raw.numel():
@@ -135,29 +135,27 @@ def _device_checksums(tensors: list[torch.Tensor], device: torch.device) -> torc
             room -= (stop - start) // 2
             start = stop
             if not room:
-                _add_chunk(chunk, weights, sums)
+                chunks.append(chunk)
                 chunk, room = [], size
-    if chunk:
-        _add_chunk(chunk, weights, sums)
+    chunks += [chunk] if chunk else []
+    # where each piece of a shared chunk ends, and its tensor: one host-to-device copy for all chunks
+    shared = [chunk for chunk in chunks if len(chunk) > 1]
+    ends = [end for chunk in shared for end in itertools.accumulate(raw.numel() // 2 for *_, raw in chunk)]
+    places = torch.tensor([ends, [index for chunk in shared for index, *_ in chunk]], device=device)
+    taken = 0
+    for chunk in chunks:
+        spans = [weights[first % _PERIOD:][:raw.numel() // 2] for _, first, raw in chunk]
+        if len(chunk) == 1:
+            index, _, raw = chunk[0]
+            if raw.data_ptr() % 2:  # a 1-byte dtype at an odd offset (in a flat bucket) cannot be viewed as int16
+                raw = raw.clone()
+            sums[index] += (raw.view(torch.int16) * spans[0]).sum(dtype=torch.int64)  # int32 products: exact
+            continue
+        products = torch.cat([raw for *_, raw in chunk]).view(torch.int16) * torch.cat(spans)
+        at_ends = products.cumsum(0, dtype=torch.int64)[places[0, taken:taken + len(chunk)] - 1]
+        sums.index_add_(0, places[1, taken:taken + len(chunk)], torch.diff(at_ends, prepend=at_ends.new_zeros(1)))
+        taken += len(chunk)
     return sums
-
-
-def _add_chunk(chunk: list[tuple[int, int, torch.Tensor]], weights: torch.Tensor, sums: torch.Tensor) -> None:
-    """sums[index] += the weighted sum of each piece of `chunk` (one cat, one product and one prefix
-    sum for all its pieces together)."""
-    spans = [weights[first % _PERIOD:][:raw.numel() // 2] for _, first, raw in chunk]
-    if len(chunk) == 1:
-        index, _, raw = chunk[0]
-        if raw.data_ptr() % 2:  # a 1-byte dtype at an odd offset (of a flat bucket): cannot be viewed as int16
-            raw = raw.clone()
-        sums[index] += (raw.view(torch.int16) * spans[0]).sum(dtype=torch.int64)
-        return
-    products = torch.cat([raw for _, _, raw in chunk]).view(torch.int16) * torch.cat(spans)  # int32, exact
-    prefix = products.cumsum(0, dtype=torch.int64)
-    ends, indices = torch.tensor([list(itertools.accumulate(raw.numel() // 2 for _, _, raw in chunk)),
-                                  [index for index, _, _ in chunk]], device=sums.device)
-    at_ends = prefix[ends - 1]
-    sums.index_add_(0, indices, torch.diff(at_ends, prepend=at_ends.new_zeros(1)))
 
 
 def unpack(buffer: torch.Tensor, entries: Sequence[Entry]) -> list[tuple[str, torch.Tensor]]:
