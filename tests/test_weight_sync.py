@@ -346,3 +346,90 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
                                            r"TimeoutError: no reply to 'start' within 0.3 s"):
         RemoteEngine(str(tmp_path / "mute.sock"), b"key", timeout=0.3).start("v3")
     listener.close()
+
+
+def _reference_checksum(tensor: torch.Tensor) -> int:
+    """The checksum flat.checksums documents, computed by numpy: sum of int16 words w[i] of the
+    bytes (little-endian, a zero byte appended to an odd count) times (i % 65521 + 1)."""
+    import numpy as np
+
+    raw = tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    words = np.frombuffer(raw + b"\0" * (len(raw) % 2), dtype="<i2").astype(np.int64)
+    return int((words * (np.arange(len(words)) % 65521 + 1)).sum())
+
+
+CHECKED = [("a", (63,), torch.bfloat16), ("b", (100, 257), torch.float32), ("c", (7,), torch.uint8),
+           ("d", (10,), torch.int8), ("e", (), torch.float32), ("f", (0,), torch.float32),
+           ("g", (70001,), torch.float8_e4m3fn), ("h", (3,), torch.bool), ("i", (5, 4), torch.float16)]
+
+
+@pytest.mark.parametrize("chunk", [1000, None])
+def test_checksums_are_exact_and_batched(monkeypatch, chunk):
+    """flat.checksums equals numpy's computation of its formula for every dtype a bucket holds,
+    as separate tensors and as views of a flat bucket (1-byte tensors at odd offsets included,
+    which could not be viewed as int16 word by word), whether the tensors are split across chunks
+    (chunk=1000 words) or share one; and its work is a few operators per chunk, not per tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mconv.transport import flat
+
+    if chunk:
+        monkeypatch.setitem(flat._CHUNK, "cpu", chunk)
+    generator = torch.Generator().manual_seed(0)
+    named = [(name, (torch.randn(shape, generator=generator) * 100).to(dtype)) for name, shape, dtype in CHECKED]
+    named.append(("t", torch.randn(4, 6, generator=generator).t()))  # not contiguous
+    expected = {name: _reference_checksum(t) for name, t in named}
+    entries, nbytes = flat.layout(named)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    flat.pack(named, entries, buffer)
+    assert any(e.offset % 2 and not e.nbytes % 2 for e in entries)
+    assert flat.checksums(named) == expected
+    assert flat.checksums(flat.unpack(buffer, entries)) == expected
+    if chunk:
+        return
+
+    class Kernels(TorchDispatchMode):  # operators that compute (each a kernel launch on a GPU), not views
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Kernels.calls += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    many = [(str(i), torch.full((i % 5 + 1, 8), i, dtype=torch.bfloat16)) for i in range(400)]
+    with Kernels():
+        flat.checksums(many)
+    assert Kernels.calls < 20
+
+
+def test_verify_names_a_changed_byte_and_swapped_tensors(tmp_path):
+    """verify's comparison (sync_weights' _compare) against a CPU ParameterReceiver that, after
+    loading a bucket, changes one byte of one tensor and swaps two tensors of the same size: it
+    names exactly those three."""
+    from mconv import MconvError
+    from mconv.live.sync import SharedMemoryEngine, core
+    from mconv.transport.flat import checksums, layout, pack
+    from mconv.transport.receiver import ParameterReceiver
+
+    generator = torch.Generator().manual_seed(0)
+    named = [(f"w{i}", torch.randn(16, 8, generator=generator).bfloat16()) for i in range(6)]
+    named.append(("odd", torch.randint(0, 255, (5,), dtype=torch.uint8, generator=generator)))
+
+    class Spoiling(ParameterReceiver):
+        def load(self, buffers):
+            super().load(buffers)
+            self.params["w1"].view(torch.uint8).view(-1)[3] += 1
+            self.params["w2"], self.params["w4"] = self.params["w4"], self.params["w2"]
+
+    receiver = Spoiling({name: torch.zeros_like(t) for name, t in named}, str(tmp_path / "engine.sock"), b"key")
+    receiver.start()
+    engine = SharedMemoryEngine(str(tmp_path / "engine.sock"), b"key")
+    entries, nbytes = layout(named)
+    pack(named, entries, engine.buffer(0, nbytes, torch.device("cpu")))
+    engine.start("v1", verify=True)
+    engine.update(core.FlatBucket("v1", 0, engine.buffer(0, nbytes, torch.device("cpu")), entries))
+    engine.finish("v1")
+    with pytest.raises(MconvError, match=r"^the engine holds other bytes than were sent for w1, w2, w4 \(3 of 7 "
+                                         r"tensors\)$"):
+        core._compare(engine, checksums(named))
+    engine.close()
+    receiver.close()

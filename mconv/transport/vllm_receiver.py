@@ -232,12 +232,6 @@ def _finalize(worker) -> None:
 
 def _worker_checksums(worker, names: list[str]) -> dict[str, int]:
     held = dict(worker.model_runner.model.named_parameters())
-    out = {}
-    for name in names:
-        if name not in _LOADED:
-            continue
-        shape, loaded = _LOADED[name]
-        param = held.get(name)
-        out[name] = (checksums([(name, param.data)])[name] if param is not None and list(param.shape) == shape
-                     else loaded)
-    return out
+    readable = [(name, held[name].data) for name in names
+                if name in _LOADED and name in held and list(held[name].shape) == _LOADED[name][0]]
+    return {**{name: _LOADED[name][1] for name in names if name in _LOADED}, **checksums(readable)}
