@@ -55,7 +55,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 @needs_compressed_tensors
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_quantize_equals_compressed_tensors(dtype):
+def test_quantize_equals_compressed_tensors(dtype, monkeypatch):
+    """Whole, and (as on a large weight) one window of block rows at a time into given tensors."""
     w = awkward_weight(dtype)
     q, scale = fp8.quantize(w)
     expected_q, expected_scale = reference_quantize(w)
@@ -65,6 +66,10 @@ def test_quantize_equals_compressed_tensors(dtype):
     assert torch.equal(bits(q), bits(expected_q))
     assert scale[0, 0] == torch.finfo(torch.float32).eps and not q.float().isnan().any()
     assert q.float().abs().max() == 448
+    monkeypatch.setattr(fp8, "WINDOW_ELEMENTS", 1)
+    out = torch.empty_like(q), torch.empty_like(scale)
+    assert all(a is b for a, b in zip(fp8.quantize(w, out=out), out))
+    assert torch.equal(bits(out[0]), bits(expected_q)) and torch.equal(bits(out[1]), bits(expected_scale))
 
 
 def test_ue8m0_scales_are_sglangs_power_of_two_rule():
