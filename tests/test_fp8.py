@@ -55,7 +55,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 @needs_compressed_tensors
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_quantize_equals_compressed_tensors(dtype):
+def test_quantize_equals_compressed_tensors(dtype, monkeypatch):
+    """Whole, and (as on a large weight) one window of block rows at a time into given tensors."""
     w = awkward_weight(dtype)
     q, scale = fp8.quantize(w)
     expected_q, expected_scale = reference_quantize(w)
@@ -65,6 +66,10 @@ def test_quantize_equals_compressed_tensors(dtype):
     assert torch.equal(bits(q), bits(expected_q))
     assert scale[0, 0] == torch.finfo(torch.float32).eps and not q.float().isnan().any()
     assert q.float().abs().max() == 448
+    monkeypatch.setattr(fp8, "WINDOW_ELEMENTS", 1)
+    out = torch.empty_like(q), torch.empty_like(scale)
+    assert all(a is b for a, b in zip(fp8.quantize(w, out=out), out))
+    assert torch.equal(bits(out[0]), bits(expected_q)) and torch.equal(bits(out[1]), bits(expected_scale))
 
 
 def test_ue8m0_scales_are_sglangs_power_of_two_rule():
@@ -270,7 +275,7 @@ def test_hf2mcore_dequantizes_as_transformers(models, tmp_path, fixture, sizes):
 def test_round_trip_gives_the_input_bytes(models, tmp_path):
     """FP8 (quantized by compressed-tensors; UE8M0 by SGLang's rule) -> Megatron (bfloat16) ->
     `mcore2hf --quantize fp8` gives the input's tensors back bit for bit (`mconv verify`), dense at TP1
-    and MoE at TP2/EP2 (so the bytes do not depend on the layout); a bf16-scale input comes back with
+    (legacy format: read by pread) and MoE at TP2/EP2 (so the bytes do not depend on the layout); a bf16-scale input comes back with
     fp32 scales whose bf16 cast is the input's."""
     import json
 
@@ -281,9 +286,11 @@ def test_round_trip_gives_the_input_bytes(models, tmp_path):
     ue8m0 = write_fp8(models["bf16"], tmp_path / "ue8m0", quantizer=sglang_ue8m0, ue8m0=True)
     # UE8M0 comes back without fp8_scale: the checkpoint keeps the source's config.json, whose
     # quantization_config.scale_fmt says it
-    for name, source, sizes in [("dense", models["fp8"], dict()), ("moe", models["moe-fp8-fp32"], dict(tp=2, ep=2)),
-                                ("ue8m0", ue8m0, dict(tp=2)), ("bf16-scales", models["fp8-bf16-scales"], dict())]:
-        hf2mcore(source, tmp_path / f"{name}-m", Layout(**sizes), progress=False)
+    for name, source, sizes, fmt in [("dense", models["fp8"], dict(), "torch"),
+                                     ("moe", models["moe-fp8-fp32"], dict(tp=2, ep=2), "torch_dist"),
+                                     ("ue8m0", ue8m0, dict(tp=2), "torch_dist"),
+                                     ("bf16-scales", models["fp8-bf16-scales"], dict(), "torch_dist")]:
+        hf2mcore(source, tmp_path / f"{name}-m", Layout(**sizes), fmt=fmt, progress=False)
         mcore2hf(tmp_path / f"{name}-m", tmp_path / f"{name}-back", progress=False, quantize="fp8")
         if name == "bf16-scales":
             expected, written = hf_tensors(source), hf_tensors(tmp_path / f"{name}-back")

@@ -25,6 +25,7 @@ SCALE_SUFFIX = "_scale_inv"  # `<module>.weight` -> `<module>.weight_scale_inv`
 SCALE_FORMATS = FP8_SCALES
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the releases store (reference 1.2)
 ZERO_BLOCK_SCALE = torch.finfo(torch.float32).eps
+WINDOW_ELEMENTS = 2**21  # quantized together: bounds `quantize`'s float32 temporaries (8 MiB each)
 
 
 def scale_name(weight: str) -> str:
@@ -43,21 +44,32 @@ def _blocks(w: torch.Tensor) -> torch.Tensor:
     return padded.view(rows, BLOCK, cols, BLOCK)
 
 
-def quantize(w: torch.Tensor, scale_fmt: str = "float", name: str = "tensor",
-             check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(w: torch.Tensor, scale_fmt: str = "float", name: str = "tensor", check: bool = True,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn [out, in], scale_inv float32 [ceil(out/128), ceil(in/128)]) of a 2-D floating
-    weight, on its device, by the module's rule. MconvError naming `name` where `w` holds inf or NaN
-    (no finite scale exists: one host synchronisation per call; `check=False` leaves it to the
-    caller, whose scales are then not finite) or `scale_fmt` is unknown."""
+    weight, on its device, by the module's rule; written into `out` (q, scale_inv), contiguous
+    tensors of those shapes and dtypes, where given. MconvError naming `name` where `w` holds inf
+    or NaN (no finite scale exists: one host synchronisation per call; `check=False` leaves it to
+    the caller, whose scales are then not finite) or `scale_fmt` is unknown.
+    A window of block rows at a time (about WINDOW_ELEMENTS elements): each block lies in one
+    window, so the bytes are the whole tensor's, and the float32 temporaries stay a few times
+    WINDOW_ELEMENTS x 4 bytes whatever the weight's size."""
     if scale_fmt not in SCALE_FORMATS:
         raise MconvError(f"the FP8 scale format must be one of {', '.join(SCALE_FORMATS)}, got {scale_fmt!r}")
-    blocks = _blocks(w.float())
-    amax = blocks.abs().amax(dim=(1, 3))
-    if check and not torch.isfinite(amax).all():
+    rows, cols = grid(w.shape)
+    q, scale = out if out is not None else (torch.empty(w.shape, dtype=FP8, device=w.device),
+                                            torch.empty((rows, cols), dtype=torch.float32, device=w.device))
+    step = BLOCK * max(1, WINDOW_ELEMENTS // (BLOCK * BLOCK * max(cols, 1)))
+    for first in range(0, w.shape[0], step):
+        window = w[first:first + step]
+        blocks = _blocks(window.float())
+        window_scale = scales(blocks.abs().amax(dim=(1, 3)), scale_fmt)
+        scale[first // BLOCK:first // BLOCK + len(window_scale)] = window_scale
+        window_q = (blocks / window_scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        q[first:first + len(window)] = window_q.view(-1, cols * BLOCK)[:len(window), :w.shape[1]]
+    if check and not torch.isfinite(scale).all():
         raise _not_finite(name)
-    scale = scales(amax, scale_fmt)
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(blocks.shape[0] * BLOCK, -1)[:w.shape[0], :w.shape[1]].contiguous(), scale
+    return q, scale
 
 
 def scales(amax: torch.Tensor, scale_fmt: str) -> torch.Tensor:

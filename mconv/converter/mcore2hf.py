@@ -140,9 +140,14 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 return written
         staged = writer.stage(outputs, local.buffer)
         views = staged.views
+        # A weight to quantize is built exact (the shards' dtype) beside the staged memory, read
+        # (pread) like the others rather than through a memory-mapped rank file, which would stay
+        # resident: the batch's HF tensors, not the checkpoint.
+        targets = {name: torch.empty(shape, dtype=session.dtype_of(task.sources[0])) if quantized(name, shape)
+                   else views[name] for task in batch for name, shape in zip(task.hf, task.hf_shapes)}
         parts, merged = [], []
         for task in batch:
-            rows = _row_parts(task, {name: views[name] for name in task.hf}, session.dtype_of)
+            rows = _row_parts(task, {name: targets[name] for name in task.hf}, session.dtype_of)
             parts.extend(rows or [])
             if rows is None:
                 merged.append(task)
@@ -154,15 +159,12 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in task_shards)
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
-            exact = [torch.empty(shape, dtype=task_shards[0].dtype) if quantized(name, shape) else views[name]
-                     for name, shape in zip(task.hf, task.hf_shapes)]
             if cast(task.hf) is not None and not any(map(quantized, task.hf, task.hf_shapes)):
                 check_cast([(", ".join(task.hf), shard) for shard in task_shards], cast(task.hf))  # as hf2mcore names it
-            merge([s.shard for s in task.sources], task_shards, task.hf_shapes, exact)
-            if quantization is not None:
-                for name, tensor in fp8.quantize_tensors(list(zip(task.hf, exact)), quantization):
-                    if tensor is not views[name]:
-                        views[name].copy_(tensor)
+            merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [targets[name] for name in task.hf])
+        for name, exact in targets.items():
+            if exact is not views[name]:
+                fp8.quantize(exact, quantization.scale_fmt, name, out=(views[name], views[fp8.scale_name(name)]))
         staged.flush()
         return sum(views[name].nbytes for name, _, _ in outputs)
 
