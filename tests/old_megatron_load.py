@@ -1,7 +1,7 @@
-"""Run by test_torch_dist with PYTHONPATH pointing at an older megatron-core release: load an mconv
-torch_dist checkpoint with that release's `dist_checkpointing.load` (strict) into its GPTModel, one
-process, and save the logits of its forward pass.
-Usage: old_megatron_load.py CKPT_ITER_DIR HF_DIR PADDED_VOCAB OUT."""
+"""Run by test_torch_dist with PYTHONPATH pointing at a megatron-core release (none: the venv's own):
+load each mconv torch_dist checkpoint with that release's `dist_checkpointing.load` (strict) into a
+new GPTModel, one process, and save the logits of their forward passes (a list, in argument order).
+Usage: old_megatron_load.py HF_DIR PADDED_VOCAB OUT CKPT_ITER_DIR..."""
 import sys
 import tempfile
 import warnings
@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.megatron_oracle import MegatronRun, _cpu_shims, _transformer_config, read_config  # noqa: E402
 
 
-def main(iter_dir: str, hf_dir: str, padded_vocab: str, out: str) -> None:
+def main(hf_dir: str, padded_vocab: str, out: str, *iter_dirs: str) -> None:
     warnings.filterwarnings("ignore")
     _cpu_shims()
     import torch.distributed as dist
@@ -30,20 +30,23 @@ def main(iter_dir: str, hf_dir: str, padded_vocab: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    run = MegatronRun(Path(iter_dir), read_config(hf_dir), padded_vocab=0, tokens=list(range(5, 70, 5)))
+    run = MegatronRun(Path(iter_dirs[0]), read_config(hf_dir), padded_vocab=0, tokens=list(range(5, 70, 5)))
     config, rope_theta = _transformer_config(run)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=int(padded_vocab),
-                     max_sequence_length=run.hf_config["max_position_embeddings"],
-                     share_embeddings_and_output_weights=bool(run.hf_config.get("tie_word_embeddings")),
-                     position_embedding_type="rope", rotary_base=rope_theta, parallel_output=False).eval()
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, iter_dir)
-    model.load_state_dict(loaded["model"], strict=True)
     tokens = torch.tensor([run.tokens])
     seq = tokens.shape[1]
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
-    with torch.no_grad():
-        torch.save(model(tokens, torch.arange(seq).unsqueeze(0), mask).float(), out)
+    logits = []
+    for iter_dir in iter_dirs:
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=int(padded_vocab),
+                         max_sequence_length=run.hf_config["max_position_embeddings"],
+                         share_embeddings_and_output_weights=bool(run.hf_config.get("tie_word_embeddings")),
+                         position_embedding_type="rope", rotary_base=rope_theta, parallel_output=False).eval()
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, iter_dir)
+        model.load_state_dict(loaded["model"], strict=True)
+        with torch.no_grad():
+            logits.append(model(tokens, torch.arange(seq).unsqueeze(0), mask).float())
+    torch.save(logits, out)
     dist.destroy_process_group()
 
 

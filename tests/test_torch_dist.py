@@ -1,5 +1,6 @@
 """torch_dist: written by mconv and loaded by megatron-core at another layout; written by
 megatron-core and read by mconv; bit-exact round trips."""
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from fixtures.make_fixtures import make_qwen3, make_qwen3_moe
 from mconv import Layout, hf2mcore, mcore2hf
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, ROOT
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config
 from tests.test_roundtrip import assert_bit_identical, read_all
 
@@ -151,27 +152,64 @@ def test_mconv_reads_all_moe_torch_dist_with_per_layer_keys(tmp_path):
 
 
 OLD_MEGATRON = Path(sys.prefix) / "mcore-0.14"  # scripts/install.sh: megatron-core 0.14.0 in its own target dir
+OLDEST_PYTHON = ROOT / ".venv-oldest" / "bin" / "python"  # scripts/install-oldest.sh: Python 3.10, torch 2.6.0
+
+
+def megatron_core_load(iter_dirs: list[Path], hf_dir: Path, megatron_path: Path | None,
+                       tmp_path: Path) -> tuple[str, list[torch.Tensor]]:
+    """(version, logits of each checkpoint) of the megatron-core at `megatron_path` (the main venv's
+    if None) loading each of `iter_dirs` with its own `dist_checkpointing.load` (strict), one process."""
+    from mconv.converter.torch_dist_io import TorchDistReader
+
+    out = tmp_path / "logits.pt"
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("old_megatron_load.py")), str(hf_dir),
+                             str(TorchDistReader(iter_dirs[0]).args.padded_vocab_size), str(out), *map(str, iter_dirs)],
+                            env={**os.environ, "PYTHONPATH": str(megatron_path or "")},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert str(megatron_path or sys.prefix) in result.stdout
+    vocab = read_config(hf_dir)["vocab_size"]
+    return result.stdout.split()[0], [logits[..., :vocab] for logits in torch.load(out)]
+
+
+def write_with_oldest_torch(hf_dir: Path, out: Path) -> None:
+    """hf2mcore --format torch_dist run by .venv-oldest's Python (torch 2.6.0, no megatron-core)."""
+    site = next((ROOT / ".venv-oldest" / "lib").glob("python3.10/site-packages"))
+    assert next(importlib.metadata.distributions(name="torch", path=[str(site)])).version.startswith("2.6.0")
+    assert not importlib.metadata.version("torch").startswith("2.6.")  # the loaders' torch is another
+    result = subprocess.run([str(OLDEST_PYTHON), "-m", "mconv", "hf2mcore", str(hf_dir), str(out), "--format",
+                             "torch_dist", "-q"], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.slow
-# Skipped only outside CI: scripts/install.sh installs it, so in CI its absence is a failure, not a skip.
+# Skipped only outside CI: scripts/install.sh and scripts/install-oldest.sh (which .ci/run runs first)
+# install them, so in CI their absence is a failure, not a skip.
 @pytest.mark.skipif(not OLD_MEGATRON.is_dir() and not os.environ.get("CI"),
                     reason=f"no older megatron-core at {OLD_MEGATRON} (scripts/install.sh installs 0.14.0 there)")
 def test_older_megatron_core_loads_mconv_torch_dist(tmp_path):
     """Issue 10.2: megatron-core 0.14.0 (the oldest release with a wheel for this Python; releases
     before 0.19 read the common state only from `common.pt`) loads what mconv writes with its own
-    `dist_checkpointing.load` (strict), and its forward pass equals transformers'."""
+    `dist_checkpointing.load` (strict), and its forward pass equals transformers'. Issue 25: so do
+    0.14.0 and 0.19 for the checkpoint mconv writes under the oldest supported torch (2.6.0,
+    `.venv-oldest`), both in one launch per megatron-core."""
     hf_dir = FIXTURES / "qwen3-moe-tiny"
-    summary = hf2mcore(hf_dir, tmp_path / "m", Layout(), progress=False)
-    env = {**os.environ, "PYTHONPATH": str(OLD_MEGATRON)}
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("old_megatron_load.py")),
-                             str(tmp_path / "m" / "release"), str(hf_dir), str(summary.plan.padded_vocab),
-                             str(tmp_path / "logits.pt")],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("0.14.0 ") and str(OLD_MEGATRON) in result.stdout
-    logits = torch.load(tmp_path / "logits.pt")[..., :read_config(hf_dir)["vocab_size"]]
-    assert (logits - hf_logits(hf_dir, TOKENS)).abs().max().item() < 1e-4
+    hf2mcore(hf_dir, tmp_path / "main", Layout(), progress=False)
+    oldest = OLDEST_PYTHON.exists() or bool(os.environ.get("CI"))
+    if oldest:
+        write_with_oldest_torch(hf_dir, tmp_path / "oldest")
+    expected = hf_logits(hf_dir, TOKENS)
+    for version, megatron_path, writers in (("0.14.0", OLD_MEGATRON, ["main", "oldest"][:1 + oldest]),
+                                            ("0.19.", None, ["oldest"][:oldest])):
+        if writers:
+            loaded, logits = megatron_core_load([tmp_path / name / "release" for name in writers], hf_dir,
+                                                megatron_path, tmp_path)
+            assert loaded.startswith(version) and len(logits) == len(writers)
+            for name, each in zip(writers, logits):
+                assert (each - expected).abs().max().item() < 1e-4, name
+    if not oldest:
+        pytest.skip(f"only the main writer checked: no oldest set-up at {OLDEST_PYTHON} (scripts/install-oldest.sh)")
 
 
 @pytest.mark.slow
