@@ -174,7 +174,8 @@ def megatron_core_load(iter_dirs: list[Path], hf_dir: Path, megatron_path: Path 
 
 def write_with_oldest_torch(hf_dir: Path, out: Path) -> None:
     """hf2mcore --format torch_dist run by .venv-oldest's Python (torch 2.6.0, no megatron-core)."""
-    site = next((ROOT / ".venv-oldest" / "lib").glob("python3.10/site-packages"))
+    assert OLDEST_PYTHON.exists(), "no .venv-oldest: .ci/run runs scripts/install-oldest.sh before the tests"
+    site = ROOT / ".venv-oldest" / "lib" / "python3.10" / "site-packages"
     assert next(importlib.metadata.distributions(name="torch", path=[str(site)])).version.startswith("2.6.0")
     assert not importlib.metadata.version("torch").startswith("2.6.")  # the loaders' torch is another
     result = subprocess.run([str(OLDEST_PYTHON), "-m", "mconv", "hf2mcore", str(hf_dir), str(out), "--format",
