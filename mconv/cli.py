@@ -387,7 +387,9 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                    "as the model's FP8 releases hold it: the linear projections quantized, embeddings, lm_head, "
                    "norms, router and vision tower kept (in --dtype, or as stored). See docs/fp8.md.")
 @click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
-              help="With --quantize fp8: 'float' (default, amax/448) or 'ue8m0' (powers of two, DeepGEMM / SGLang).")
+              help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two, DeepGEMM / SGLang). "
+                   "Default: the stored HF config's quantization_config.scale_fmt (a UE8M0 model comes back "
+                   "UE8M0), else 'float'.")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
@@ -483,7 +485,8 @@ def verify_command(first, second, quiet):
               help="With --merge: write the merged model as block-wise FP8, as `mcore2hf --quantize fp8` does "
                    "(merged first, then quantized). See docs/fp8.md.")
 @click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
-              help="With --quantize fp8: 'float' (default, amax/448) or 'ue8m0' (powers of two).")
+              help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two). Default: the base "
+                   "model config's quantization_config.scale_fmt (a UE8M0 model comes back UE8M0), else 'float'.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, revision, merge, dtype,

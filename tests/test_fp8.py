@@ -348,8 +348,11 @@ def test_quantized_output_loads_in_transformers(models, tmp_path):
 @needs_compressed_tensors
 def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
     """A missing, mis-shaped, non-finite or negative scale, a zero one for a block that is not all
-    zeros (an all-zero block's is read), an unknown quant_method / fmt / block size, and
-    --fp8-scale without --quantize: one line naming the tensor or field, nothing written."""
+    zeros (an all-zero block's is read), one below float32's smallest normal, one so large the weight
+    overflows to inf (bfloat16 and float32), an unknown quant_method / fmt / block size, and
+    --fp8-scale without --quantize: one line naming the tensor or field, nothing written (inspect
+    says a mis-shaped scale too). hf2mcore notes that it dequantizes; mcore2hf --quantize fp8 notes
+    blocks other than 128x128 and names the checkpoint of a weight holding inf."""
     import json
     import shutil
 
@@ -389,6 +392,14 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
         t[weight + "_scale_inv"][0, 0] = 0
         return t
 
+    def huge(t):  # finite, but 448 x 1e36 overflows float32 (and bfloat16): the weights would be inf
+        t[weight + "_scale_inv"][0, 1] = 1e36
+        return t
+
+    def subnormal(t):  # 1e-45 is float32's smallest subnormal: the block's weights would be zero
+        t[weight + "_scale_inv"][0, 0] = 1e-45
+        return t
+
     def zero_block(t):  # an all-zero block may have a zero scale: it dequantizes to zeros either way
         t[weight][:128, :128] = 0
         t[weight + "_scale_inv"][0, 0] = 0
@@ -404,13 +415,35 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
              (variant("nan", nan), (weight + "_scale_inv", "inf, NaN or negative")),
              (variant("negative", negative), (weight + "_scale_inv", "inf, NaN or negative")),
              (variant("zero", zero), (weight + "_scale_inv", f"zero block scale for a block of {weight}")),
+             (variant("huge", huge), ("huge/model.safetensors: tensor " + weight + "_scale_inv",
+                                      f"so large that {weight} dequantized into bfloat16 overflows to inf")),
+             (variant("subnormal", subnormal), ("subnormal/model.safetensors: tensor " + weight + "_scale_inv",
+                                                "below float32's smallest normal", "no FP8 quantizer writes")),
              (variant("method", quantization={"quant_method": "gptq"}), ("quant_method is 'gptq'",)),
              (variant("fmt", quantization={"fmt": "e5m2"}), ("quantization_config.fmt is 'e5m2'",)),
              (variant("block", quantization={"weight_block_size": [128]}), ("quantization_config.weight_block_size",))]
     for hf, fragments in cases:
         assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", *fragments)
     assert mconv("hf2mcore", variant("zero-block", zero_block), tmp_path / "zero-block-out", "-q").exit_code == 0
+    assert_refused(mconv("hf2mcore", tmp_path / "huge", tmp_path / "out", "--dtype", "float32"), tmp_path / "out",
+                   "dequantized into float32 overflows to inf")
+    result = mconv("hf2mcore", models["fp8"], tmp_path / "dry", "--dry-run")  # says it dequantizes, and how back
+    assert result.exit_code == 0 and (f"mconv: note: {models['fp8']} is FP8 (blocks 128x128): its weights are "
+                                      "dequantized into bfloat16; pass --quantize fp8 to mcore2hf") in result.stderr
     assert mconv("hf2mcore", models["fp8"], tmp_path / "m", "-q").exit_code == 0
+    # blocks other than 128x128 are read, but written back in 128x128: the note says so
+    result = mconv("mcore2hf", tmp_path / "m", tmp_path / "b64-out", "--quantize", "fp8",
+                   "--hf-config", variant("b64", quantization={"weight_block_size": [64, 64]}))
+    assert result.exit_code == 0, result.stderr
+    assert "FP8 blocks were [64, 64]; mconv writes FP8 in 128x128 blocks" in result.stderr
+    # a weight holding inf cannot be quantized: refused naming the Megatron checkpoint and the tensor
+    infinite = Path(shutil.copytree(models["bf16"], tmp_path / "inf-hf"))
+    tensors = load_file(infinite / "model.safetensors")
+    tensors[weight][3, 3] = float("inf")
+    save_file(tensors, infinite / "model.safetensors", metadata={"format": "pt"})
+    assert mconv("hf2mcore", infinite, tmp_path / "inf-m", "-q").exit_code == 0
+    assert_refused(mconv("mcore2hf", tmp_path / "inf-m", tmp_path / "out", "--quantize", "fp8"), tmp_path / "out",
+                   f"{tmp_path / 'inf-m'}: tensor {weight} holds inf or NaN values, which FP8 cannot quantize")
     for command in ("mcore2hf", "export-lora"):  # a usage error, click's exit status 2
         result = mconv(command, tmp_path / "m", tmp_path / "out", "--fp8-scale", "ue8m0")
         assert result.exit_code == 2 and not (tmp_path / "out").exists(), result.output
@@ -424,6 +457,8 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
     assert result.exit_code == 1 and 'quantization_config.scale_fmt: null vs "ue8m0"' in result.output, result.output
     said = " ".join(mconv("inspect", tmp_path / "fmt").stdout.split())  # what hf2mcore refuses, inspect says so
     assert "quantization_config.fmt is 'e5m2'" in said and "refuse it" in said and "dequantize them" not in said
+    said = " ".join(mconv("inspect", tmp_path / "shape").stdout.split())  # scale shapes are checked from the headers
+    assert f"tensor {weight}_scale_inv is float32 [1, 1]" in said and "refuse it" in said, said
 
 
 @pytest.mark.slow

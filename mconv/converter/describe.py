@@ -195,7 +195,7 @@ def _describe_hf(path: Path, shown: str) -> dict:
     for info in ckpt.tensors.values():
         _count(dtypes, info.dtype, info.nbytes)
     ckpt.close()
-    quantized = fp8_note(ckpt.config, ckpt.tensors, shown)
+    quantized = fp8_note(ckpt.config, ckpt.tensors, shown, path)
     return {"kind": "huggingface", "path": shown, "model": {**_model(args, arch.name), **_attention_layers(dims)},
             "dtypes": {k: {"tensors": n, "bytes": b} for k, (n, b) in dtypes.items()},
             "size": {**_sizes(dtypes), "files": len({i.file for i in ckpt.tensors.values()})},

@@ -170,6 +170,24 @@ def writer_quantization(arch, quantize: str | None, fp8_scale: str | None,
     return Quantization(arch.fp8, fp8_scale or (source_scale if source_scale in SCALE_FORMATS else "float"))
 
 
+def block_note(config: dict | None, quantization: Quantization | None) -> str | None:
+    """What a writer quantizing with `quantization` says where the model's HF `config` (an FP8 source's)
+    had FP8 blocks other than BLOCK x BLOCK: they are written back in BLOCK x BLOCK; None otherwise."""
+    source = (config or {}).get("quantization_config")
+    size = source.get("weight_block_size") if isinstance(source, dict) else None
+    if quantization is None or size in (None, [BLOCK, BLOCK]):
+        return None
+    return (f"the source model's FP8 blocks were {size}; mconv writes FP8 in {BLOCK}x{BLOCK} blocks only, "
+            f"so the output's quantization_config says [{BLOCK}, {BLOCK}]")
+
+
+def dequantized_note(where, block: tuple[int, int], dtype: torch.dtype) -> str:
+    """What hf2mcore says of the FP8 checkpoint `where` (blocks `block`) it reads dequantized into `dtype`."""
+    return (f"{where} is FP8 (blocks {block[0]}x{block[1]}): its weights are dequantized into "
+            f"{str(dtype).removeprefix('torch.')}; pass --quantize fp8 to mcore2hf to write FP8 again "
+            f"(in {BLOCK}x{BLOCK} blocks)")
+
+
 def quantized_entries(entries: list, quantization: Quantization) -> tuple[list, list[str]]:
     """The output entries (name, dtype, shape) with each weight to quantize replaced by its FP8
     weight and float32 `weight_scale_inv`; and the modules kept in 16-bit (full names of the other

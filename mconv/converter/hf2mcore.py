@@ -13,7 +13,7 @@ import torch
 
 from mconv import __version__
 from mconv.converter import megatron_io as mio
-from mconv.converter import torch_dist, torch_dist_write, torch_save
+from mconv.converter import fp8, torch_dist, torch_dist_write, torch_save
 from mconv.converter.hf_io import HFCheckpoint, copy_side_files, stacked_expert
 from mconv.converter.hf_write import StagingBuffer
 from mconv.converter.hub import resolve_model
@@ -274,6 +274,8 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     arch = architecture_for(ckpt.config, ckpt.dir / "config.json")
     plan = make_plan(arch, ckpt.config, layout, spec, mtp)
     notes = check_hf_tensors(plan, ckpt)
+    if ckpt.block is not None:
+        notes.append(fp8.dequantized_note(ckpt.dir, ckpt.block, dtype or torch.bfloat16))
     arch_args = arch.megatron_args(plan.dims)
     if fmt == "torch_dist":
         torch_dist.check_model(plan)

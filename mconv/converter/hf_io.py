@@ -312,9 +312,11 @@ def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[s
     return plain
 
 
-def fp8_note(config: dict, tensors, where) -> str | None:
+def fp8_note(config: dict, tensors, where, directory: Path) -> str | None:
     """What inspect says of a quantized checkpoint: block-wise FP8 (config.json's `quantization_config`
-    with quant_method fp8, or `weight_scale_inv` block scales) is read dequantized; None otherwise."""
+    with quant_method fp8, or `weight_scale_inv` block scales) is read dequantized, unless the checks
+    hf2mcore makes from the headers of `directory` (`HFCheckpoint._present_dequantized`: each scale's
+    shape and dtype) refuse it, which it then says; None otherwise. Scale values are not read."""
     quantization = config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
     scales = sum(name.endswith(".weight" + fp8.SCALE_SUFFIX) for name in tensors)
@@ -327,6 +329,7 @@ def fp8_note(config: dict, tensors, where) -> str | None:
                 "quantization_config, which says what they mean; hf2mcore and load_hf_weights refuse it")
     try:
         block = fp8.block_size(config, where)
+        HFCheckpoint(directory, dequantize=torch.bfloat16).close()
     except MconvError as e:  # what hf2mcore would refuse, said here rather than promised to work
         return f"{e}; hf2mcore and load_hf_weights refuse it"
     return (f"{where} is block-wise FP8 (quant_method 'fp8', blocks {list(block)}): {scales} weights in "
@@ -470,8 +473,9 @@ class HFCheckpoint:
     def _dequantize_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
         """An FP8 weight's range, dequantized straight into `out`'s dtype from the FP8 bytes of the
         range and the scales of the blocks it touches (never the whole weight). MconvError naming the
-        scale tensor where those scales are not finite, are negative, or are zero for a block that is not
-        all zeros (a corrupt file: no quantizer writes them)."""
+        scale tensor where those scales are not finite, are negative, are zero for a block that is not
+        all zeros, are positive but below float32's smallest normal, or make a weight overflow `out`'s
+        dtype to inf (a corrupt file: no quantizer writes them)."""
         info, scale_info, scale_name = self.quantized[name]
         shape = list(info.shape)
         shape[dim] = stop - start
@@ -485,13 +489,22 @@ class HFCheckpoint:
         self._read_stored(scale_info, dim, first, last, scale)
         if not torch.isfinite(scale).all() or (scale < 0).any():
             raise MconvError(f"{self.dir}: tensor {scale_name} holds inf, NaN or negative block scales")
+        tiny = torch.finfo(torch.float32).tiny
+        if ((scale > 0) & (scale.float() < tiny)).any():  # it would zero its block, or nearly
+            raise MconvError(f"{self.dir / scale_info.file}: tensor {scale_name} holds a block scale below "
+                             f"float32's smallest normal ({tiny:.3g}), which no FP8 quantizer writes (an all-zero "
+                             "block's is 2^-23)")
         origin = (start, 0) if dim == 0 else (0, start)
         if (scale == 0).any():  # a zero scale is only what an all-zero block may have: elsewhere it zeroes weights
             per_element = fp8.dequantize(torch.ones(q.shape), scale, torch.float32, origin, self.block)
             if ((per_element == 0) & (q.float() != 0)).any():
                 raise MconvError(f"{self.dir}: tensor {scale_name} holds a zero block scale for a block of "
                                  f"{name} that is not all zeros")
-        out.copy_(fp8.dequantize(q, scale, out.dtype, origin, self.block))
+        dequantized = fp8.dequantize(q, scale, out.dtype, origin, self.block)
+        if torch.isinf(dequantized).any():  # e4m3 holds no inf: a scale too large for the dtype made it
+            raise MconvError(f"{self.dir / scale_info.file}: tensor {scale_name} holds block scales so large "
+                             f"that {name} dequantized into {str(out.dtype).removeprefix('torch.')} overflows to inf")
+        out.copy_(dequantized)
 
     def _read_stored(self, info: TensorInfo, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
         """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor, into `out` of its dtype."""

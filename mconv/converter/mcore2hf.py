@@ -84,10 +84,11 @@ def _row_parts(task: ExportTask, views: dict[str, torch.Tensor], dtype_of, first
 
 def _write_exports(session, exports: list[ExportTask], index: int, size: int, writer: ShardedSafetensorsWriter,
                    progress: Callable[[int], None], cast: Callable[[tuple[str, ...]], torch.dtype | None],
-                   threads: int = 1, quantization: fp8.Quantization | None = None) -> None:
+                   threads: int = 1, quantization: fp8.Quantization | None = None, where: Path | None = None) -> None:
     """Write member `index`'s share of the HF tensors into the prepared shard files (a group of HF
     tensors cast to `cast(names)` unless None; the weights `quantization` picks quantized from the
-    merged HF tensor, in the shards' dtype, with their scales), a batch of LOAD_BATCH_BYTES per job,
+    merged HF tensor, in the shards' dtype, with their scales; MconvError naming the checkpoint `where`
+    and the tensor where one holds inf or NaN), a batch of LOAD_BATCH_BYTES per job,
     `threads` jobs at a time (tensors go to disjoint, precomputed ranges of the files). `session` is the checkpoint's (megatron_checkpoint.
     Session). Each batch is staged as its range of the output files (`writer.stage`): a piece that
     is rows of one shard (`_row_parts`) and bytes of an input file (`session.file_rows`) is copied
@@ -164,7 +165,7 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
             merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [targets[name] for name in task.hf])
         for name, exact in targets.items():
             if exact is not views[name]:
-                fp8.quantize(exact, quantization.scale_fmt, name, out=(views[name], views[fp8.scale_name(name)]))
+                fp8.quantize(exact, quantization.scale_fmt, f"{where}: tensor {name}", out=(views[name], views[fp8.scale_name(name)]))
         staged.flush()
         return sum(views[name].nbytes for name, _, _ in outputs)
 
@@ -222,7 +223,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         entries, kept = fp8.quantized_entries(plain, quantization) if quantization else (plain, [])
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries),
                           layout="torch_dist (any layout)" if ckpt.location.format == "torch_dist" else None)
-        summary.notes += filter(None, [fp32_note(arch, [name for name, _, _ in entries], dtype)])
+        summary.notes += filter(None, [fp32_note(arch, [name for name, _, _ in entries], dtype),
+                                       fp8.block_note(ckpt.config, quantization)])
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
             writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack, per_expert)
@@ -241,7 +243,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
             writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack, per_expert)
             writer.open_existing()
-            _write_exports(session, exports, index, size, writer, report, cast, workers, quantization)
+            _write_exports(session, exports, index, size, writer, report, cast, workers, quantization,
+                           ckpt.location.save_dir)
             writer.close()
 
         team = TorchrunTeam.from_environment(f"mcore2hf:{out}")
