@@ -431,10 +431,12 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
     assert result.exit_code == 0 and (f"mconv: note: {models['fp8']} is FP8 (blocks 128x128): its weights are "
                                       "dequantized into bfloat16; pass --quantize fp8 to mcore2hf") in result.stderr
     assert mconv("hf2mcore", models["fp8"], tmp_path / "m", "-q").exit_code == 0
-    # blocks other than 128x128 are read, but written back in 128x128: the note says so
-    result = mconv("mcore2hf", tmp_path / "m", tmp_path / "b64-out", "--quantize", "fp8",
+    # blocks other than 128x128 are read, but written back in 128x128: the note says so; config.json's
+    # dtype is the weights' unquantized dtype (docs/fp8.md)
+    result = mconv("mcore2hf", tmp_path / "m", tmp_path / "b64-out", "--quantize", "fp8", "--dtype", "float32",
                    "--hf-config", variant("b64", quantization={"weight_block_size": [64, 64]}))
     assert result.exit_code == 0, result.stderr
+    assert json.loads((tmp_path / "b64-out" / "config.json").read_text())["dtype"] == "float32"
     assert "FP8 blocks were [64, 64]; mconv writes FP8 in 128x128 blocks" in result.stderr
     # a weight holding inf cannot be quantized: refused naming the Megatron checkpoint and the tensor
     infinite = Path(shutil.copytree(models["bf16"], tmp_path / "inf-hf"))
@@ -444,6 +446,10 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
     assert mconv("hf2mcore", infinite, tmp_path / "inf-m", "-q").exit_code == 0
     assert_refused(mconv("mcore2hf", tmp_path / "inf-m", tmp_path / "out", "--quantize", "fp8"), tmp_path / "out",
                    f"{tmp_path / 'inf-m'}: tensor {weight} holds inf or NaN values, which FP8 cannot quantize")
+    for command in ("mcore2hf", "export-lora"):  # --help says the real defaults and which models are written
+        said = " ".join(mconv(command, "--help").output.split())
+        assert "Default: the" in said and "quantization_config.scale_fmt" in said and "(default, amax" not in said
+        assert "Qwen3, Qwen3-MoE and Qwen3-VL dense" in said
     for command in ("mcore2hf", "export-lora"):  # a usage error, click's exit status 2
         result = mconv(command, tmp_path / "m", tmp_path / "out", "--fp8-scale", "ue8m0")
         assert result.exit_code == 2 and not (tmp_path / "out").exists(), result.output
