@@ -39,7 +39,7 @@ def qwen3_next_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2), "te", "torch"), (dict(tp=2, pp=2), "local", "torch"),
-                                            (dict(tp=2), "local", "torch_dist")])
+                                            (dict(tp=2, pp=2, vpp=2), "te", "torch"), (dict(tp=2), "local", "torch_dist")])
 def test_round_trip_is_bit_identical(tmp_path, qwen3_5_dir, sizes, spec, fmt):
     round_trip(tmp_path, qwen3_5_dir, sizes, spec, fmt)
 
