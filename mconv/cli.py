@@ -275,7 +275,7 @@ def main(ctx: click.Context):
 
 @main.command("hf2mcore", short_help="HF safetensors -> Megatron checkpoint.")
 @click.argument("hf_dir", type=click.Path(file_okay=False), metavar="HF_DIR|HUB_NAME")
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path())
 @click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--tp", default=1, show_default=True, help="Tensor parallel size.")
 @click.option("--pp", default=1, show_default=True, help="Pipeline parallel size.")
@@ -362,7 +362,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
 
 @main.command("mcore2hf", short_help="Megatron checkpoint -> HF safetensors.")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path())
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the HF config.json (and tokenizer) of the model; needed for "
                    "checkpoints not written by mconv, and overrides the one stored in the checkpoint.")
@@ -463,7 +463,7 @@ def verify_command(first, second, quiet):
 
 @main.command("export-lora", short_help="Megatron LoRA -> HF PEFT adapter (or a merged model).")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path())
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the base model's HF config.json; needed for checkpoints not "
                    "written by mconv.")
