@@ -145,7 +145,11 @@ def test_bad_config_is_refused_in_one_sentence(tmp_path, qwen3_5_dir, changes, s
 
 def test_mtp_is_left_out_by_default_in_one_note(tmp_path, qwen3_5_moe_dir):
     """transformers drops `mtp.*` on load; without --mtp hf2mcore leaves it out and says so once, and
-    mcore2hf's config.json says there is no MTP layer (vLLM would look for its weights)."""
+    mcore2hf's config.json says there is no MTP layer (vLLM would look for its weights). inspect of
+    the HF model says it has one, and that hf2mcore leaves it out unless --mtp."""
+    done = CliRunner().invoke(main, ["inspect", str(qwen3_5_moe_dir)])
+    assert done.exit_code == 0 and ("  mtp      1 MTP layer (multi-token prediction), which hf2mcore leaves out "
+                                    "unless --mtp") in done.output.splitlines(), done.output
     summary = hf2mcore(qwen3_5_moe_dir, tmp_path / "m", Layout(), fmt="torch", progress=False)
     assert [note for note in summary.notes if "mtp" in note] == [
         "left out mtp.* (multi-token prediction, which transformers drops on load: not converted; --mtp keeps it in "
