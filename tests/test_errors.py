@@ -178,8 +178,8 @@ def test_an_output_that_is_not_a_directory_is_named_at_once(tmp_path, kind, over
     if kind == "file":
         out.write_text("notes")
         if not overwrite:
-            lora = lora_checkpoint(tmp_path)
-            commands += [["mcore2hf", lora.parent / "merged"], ["export-lora", lora, "--alpha", 8]]
+            assert legacy(TINY, tmp_path / "m").exit_code == 0  # OUT is checked before the adapters are looked for
+            commands += [["mcore2hf", tmp_path / "m"], ["export-lora", tmp_path / "m", "--alpha", 8]]
     elif kind == "FIFO":
         os.mkfifo(out)
     elif kind == "character device":
@@ -211,7 +211,6 @@ def legacy_checkpoint(tmp_path: Path) -> Path:
 
 
 def lora_checkpoint(tmp_path: Path) -> Path:
-    """A checkpoint with LoRA adapters (and beside it `merged`, the same with them merged in)."""
     from tests.test_lora import lora_checkpoint
 
     return lora_checkpoint(tmp_path / "lora-source", TINY, Layout(tp=2))[0]
