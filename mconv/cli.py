@@ -275,7 +275,7 @@ def main(ctx: click.Context):
 
 @main.command("hf2mcore", short_help="HF safetensors -> Megatron checkpoint.")
 @click.argument("hf_dir", type=click.Path(file_okay=False), metavar="HF_DIR|HUB_NAME")
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path())
 @click.option("--revision", default=None, help=REVISION_HELP)
 @click.option("--tp", default=1, show_default=True, help="Tensor parallel size.")
 @click.option("--pp", default=1, show_default=True, help="Pipeline parallel size.")
@@ -362,7 +362,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
 
 @main.command("mcore2hf", short_help="Megatron checkpoint -> HF safetensors.")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path())
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the HF config.json (and tokenizer) of the model; needed for "
                    "checkpoints not written by mconv, and overrides the one stored in the checkpoint.")
@@ -381,7 +381,8 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                    "[E, I, hidden], which transformers 4.57 and 5.x both load; 5.x writes [E, 2I, hidden] / "
                    "[E, hidden, I], as transformers 5.x saves. Required when hidden == 2I or hidden == I: a "
                    "square stacked tensor is read right by only one of transformers 4.x and 5.x. Qwen3.5-MoE: "
-                   "5.x only (fused experts, the default), or per expert as hf2mcore's input had them.")
+                   "by default the experts come back as hf2mcore's input had them (fused or per expert, as "
+                   "mconv.json records); 5.x (the only stacked form transformers loads) fuses them.")
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
               help="Write block-wise FP8 (128x128 blocks, float8_e4m3fn weights with float32 weight_scale_inv) "
                    "as the model's FP8 releases hold it: the linear projections quantized, embeddings, lm_head, "
@@ -446,8 +447,11 @@ def inspect_command(path, hf_config, revision, as_json, quiet):
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def verify_command(first, second, quiet):
     """Check that two HF model directories hold the same tensors, bit for bit (names, dtypes,
-    shapes and bytes; shard layout may differ), or two PEFT adapters the same tensors and
-    adapter settings (r, alpha, target modules...). Exit status 1 if they differ (with -q: one line)."""
+    shapes and bytes; shard layout may differ) and the same config.json quantization_config
+    settings (method, FP8 format, block size, activation scheme, scale format), or two PEFT adapters the same tensors
+    and adapter settings (r, alpha, target modules...). Stacked experts stored in another form
+    (fused vs per expert, or another orientation) differ, and verify says whether their values
+    are the same. Exit status 1 if they differ (with -q: one line)."""
     from mconv.converter.pipelines import compare_hf
 
     tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=show_progress(quiet)))
@@ -463,7 +467,7 @@ def verify_command(first, second, quiet):
 
 @main.command("export-lora", short_help="Megatron LoRA -> HF PEFT adapter (or a merged model).")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path())
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the base model's HF config.json; needed for checkpoints not "
                    "written by mconv.")

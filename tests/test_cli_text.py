@@ -198,9 +198,13 @@ def test_shard_size_in_bits_on_the_command_line(tmp_path):
 
 def test_shard_size_help_and_sizes_beyond_any_file():
     """--max-shard-size's help says how sizes are read; one beyond a 64-bit size is refused by click
-    (exit 2) naming the option."""
+    (exit 2) naming the option. Other help that said less than the commands do: verify compares
+    quantization_config; Qwen3.5-MoE experts come back by default in the input's form."""
     from mconv.converter.options import MAX_SIZE
 
+    assert "config.json quantization_config settings" in " ".join(mconv("verify", "--help").stdout.split())
+    assert ("Qwen3.5-MoE: by default the experts come back as hf2mcore's input had them (fused or per expert"
+            in " ".join(mconv("mcore2hf", "--help").stdout.split()))
     for command in ("mcore2hf", "export-lora"):
         text = " ".join(mconv(command, "--help").stdout.split())
         assert "GB, MB, KB are powers of 1000, GiB, MiB, KiB powers of 1024" in text, text

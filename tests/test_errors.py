@@ -165,26 +165,36 @@ def test_an_empty_output_directory_is_taken_without_overwrite(tmp_path):
     assert (out / "latest_checkpointed_iteration.txt").is_file() and leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("kind", ["FIFO", "character device", "dangling symlink"])
+@pytest.mark.parametrize("kind", ["file", "FIFO", "character device", "dangling symlink"])
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_an_output_that_is_not_a_directory_is_named_at_once(tmp_path, kind, overwrite):
-    """A FIFO, a device or a dangling symlink as OUT: the sentence says what it is (not "already
-    exists; pass --overwrite", which then only led to "exists and is not a directory")."""
+    """A file, a FIFO, a device or a dangling symlink as OUT: the sentence says what it is (not "already
+    exists; pass --overwrite", which then only led to "exists and is not a directory"); a file, in
+    every command that writes an OUT (click's own check said "Directory 'OUT' is a file", status 2)."""
     import os
 
     out = tmp_path / "out"
-    if kind == "FIFO":
+    commands = [["hf2mcore", TINY]]
+    if kind == "file":
+        out.write_text("notes")
+        if not overwrite:
+            assert legacy(TINY, tmp_path / "m").exit_code == 0  # OUT is checked before the adapters are looked for
+            commands += [["mcore2hf", tmp_path / "m"], ["export-lora", tmp_path / "m", "--alpha", 8]]
+    elif kind == "FIFO":
         os.mkfifo(out)
     elif kind == "character device":
         out = Path("/dev/null")
     else:
         out.symlink_to(tmp_path / "gone")
-    result = mconv("hf2mcore", TINY, out, "-q", *(["--overwrite"] if overwrite else []))
-    what = {"FIFO": "a FIFO", "character device": "a character device",
+    what = {"file": "a file", "FIFO": "a FIFO", "character device": "a character device",
             "dangling symlink": f"a symlink to {tmp_path / 'gone'}, which does not exist"}[kind]
     said = documented("mconv: error: OUT is a FIFO", out).replace("a FIFO", what)
-    assert result.exit_code == 1 and result.stderr == said, result.stderr
-    assert os.path.lexists(out) and leftovers(tmp_path) == []
+    for command in commands:
+        result = mconv(*command, out, "-q", *(["--overwrite"] if overwrite else []))
+        assert result.exit_code == 1 and result.stderr == said, (command, result.stderr)
+        assert os.path.lexists(out) and leftovers(tmp_path) == []
+    if kind == "file":
+        assert out.read_text() == "notes"
 
 
 WRITERS = {"hf2mcore torch_dist": lambda tmp, out: ["hf2mcore", TINY, out, "--workers", 2],

@@ -144,8 +144,13 @@ def test_a_missing_model_names_the_cache(hub, tmp_path):
         [line] = result.stderr.strip().splitlines()
         assert line.startswith("mconv: error: ") and str(hub) in line and "HF_HUB_OFFLINE" in line, line
         assert not out.exists()
-    result = mconv("hf2mcore", "./not/a/dir", out)
-    assert result.exit_code == 1 and "does not exist" in result.stderr  # a path, not a hub name
+    # a path (./, ../, /, ~ or more than one /) cannot be a hub name: every command that resolves models says so
+    tiny = FIXTURES / "qwen3-tiny"
+    for path, args in [("./not/a/dir", ("hf2mcore", "./not/a/dir", out)), ("../absent", ("inspect", "../absent")),
+                       ("./no-such-dir", ("verify", "./no-such-dir", tiny)), ("~/absent", ("verify", tiny, "~/absent")),
+                       ("a/b/c", ("inspect", "a/b/c")), ("--hf-config /absent", ("mcore2hf", tiny, out, "--hf-config", "/absent"))]:
+        result = mconv(*args)
+        assert result.exit_code == 1 and result.stderr == f"mconv: error: {path} does not exist\n", result.stderr
 
 
 def test_environment_variables_as_users_set_them(tmp_path):

@@ -9,10 +9,12 @@ import shutil
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from fixtures.make_fixtures import make_qwen3_5
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
+from mconv.cli import main
 from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
 from tests.qwen3_5_oracle import block_spec, mtp_spec
@@ -39,7 +41,7 @@ def qwen3_next_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2), "te", "torch"), (dict(tp=2, pp=2), "local", "torch"),
-                                            (dict(tp=2), "local", "torch_dist")])
+                                            (dict(tp=2, pp=2, vpp=2), "te", "torch"), (dict(tp=2), "local", "torch_dist")])
 def test_round_trip_is_bit_identical(tmp_path, qwen3_5_dir, sizes, spec, fmt):
     round_trip(tmp_path, qwen3_5_dir, sizes, spec, fmt)
 
@@ -58,6 +60,13 @@ def test_per_expert_moe_comes_back_per_expert(tmp_path):
     hf_dir = make_qwen3_5(tmp_path / "hf", seed=8, moe=True, num_hidden_layers=2,
                           layer_types=["linear_attention", "full_attention"], mtp=True, fused_mtp_experts=True)
     round_trip(tmp_path, hf_dir, dict(tp=2, ep=2), "te", "torch", mtp=True)
+    # --expert-orientation 5.x fuses them; verify says the values are the same, stored differently
+    mcore2hf(tmp_path / "megatron", tmp_path / "fused", expert_orientation="5.x", progress=False)
+    done = CliRunner().invoke(main, ["verify", str(hf_dir), str(tmp_path / "fused")])
+    lines = done.output.splitlines()
+    assert done.exit_code == 1 and len(lines) == 5, lines  # 2 layers' gate_up_proj and down_proj, then "differ"
+    assert all(line.startswith("  model.layers.") and "stored as per-expert tensors vs [" in line
+               and line.endswith(": the same values, stored differently") for line in lines[:4]), lines
 
 
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2, ep=2, pp=2), "te", "torch"), (dict(), "local", "torch_dist")])
@@ -136,7 +145,11 @@ def test_bad_config_is_refused_in_one_sentence(tmp_path, qwen3_5_dir, changes, s
 
 def test_mtp_is_left_out_by_default_in_one_note(tmp_path, qwen3_5_moe_dir):
     """transformers drops `mtp.*` on load; without --mtp hf2mcore leaves it out and says so once, and
-    mcore2hf's config.json says there is no MTP layer (vLLM would look for its weights)."""
+    mcore2hf's config.json says there is no MTP layer (vLLM would look for its weights). inspect of
+    the HF model says it has one, and that hf2mcore leaves it out unless --mtp."""
+    done = CliRunner().invoke(main, ["inspect", str(qwen3_5_moe_dir)])
+    assert done.exit_code == 0 and ("  mtp      1 MTP layer (multi-token prediction), which hf2mcore leaves out "
+                                    "unless --mtp") in done.output.splitlines(), done.output
     summary = hf2mcore(qwen3_5_moe_dir, tmp_path / "m", Layout(), fmt="torch", progress=False)
     assert [note for note in summary.notes if "mtp" in note] == [
         "left out mtp.* (multi-token prediction, which transformers drops on load: not converted; --mtp keeps it in "

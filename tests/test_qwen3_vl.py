@@ -394,5 +394,13 @@ def test_verify_tells_stacked_experts_of_another_orientation(tmp_path):
     name = stacked[0]
     shape = list(tensors[name].shape)
     assert f"  {name}: stored as {shape} vs {[shape[0], shape[2], shape[1]]} (stacked experts" in lines[0]
+    assert all(line.endswith(": the same values, stored differently") for line in lines[:-1]), lines
     assert len(lines) == len(stacked) + 1 and lines[-1].startswith("mconv: error:")
+    tensors[name][1, 0, 0] += 1  # expert 1's first module now differs: said on its stacked tensor's line too
+    save_file({n: t.transpose(1, 2).contiguous() if n in stacked else t for n, t in tensors.items()},
+              other / "model.safetensors", metadata={"format": "pt"})
+    lines = mconv("verify", MOE, other).output.splitlines()
+    assert lines[0].endswith(f"{name}: stored as {shape} vs {[shape[0], shape[2], shape[1]]} (stacked experts in "
+                             "another orientation or form): its experts' values differ (listed apart)"), lines
+    assert sum(".experts.1." in line for line in lines) == 1 and len(lines) == len(stacked) + 2, lines
     assert mconv("verify", MOE, MOE, "-q").exit_code == 0

@@ -196,7 +196,9 @@ def _describe_hf(path: Path, shown: str) -> dict:
         _count(dtypes, info.dtype, info.nbytes)
     ckpt.close()
     quantized = fp8_note(ckpt.config, ckpt.tensors, shown, path)
-    return {"kind": "huggingface", "path": shown, "model": {**_model(args, arch.name), **_attention_layers(dims)},
+    mtp = {"mtp_layers": dims.hf_mtp_layers} if getattr(dims, "hf_mtp_layers", 0) else {}
+    return {"kind": "huggingface", "path": shown,
+            "model": {**_model(args, arch.name), **_attention_layers(dims), **mtp},
             "dtypes": {k: {"tensors": n, "bytes": b} for k, (n, b) in dtypes.items()},
             "size": {**_sizes(dtypes), "files": len({i.file for i in ckpt.tensors.values()})},
             "trainer_flags": trainer_flags(args, layout=False),
@@ -208,8 +210,9 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
                  progress: bool = True) -> dict:
     """Describe an HF model (a directory or a hub name at `revision`), a Megatron checkpoint
     (legacy `torch` or `torch_dist`, from mconv or any other tool) or a local PEFT adapter directory
-    (adapter_dir.describe_adapter). Returns a JSON-ready dict of groups: `checkpoint` (format, iteration, writer, files), `model` (architecture, from the HF
-    config and the saved args), `layout`, `dtypes` ({dtype: {tensors, bytes}}), `size`
+    (adapter_dir.describe_adapter). Returns a JSON-ready dict of groups: `checkpoint` (format,
+    iteration, writer, files), `model` (architecture, from the HF config and the saved args;
+    `mtp_layers` for an HF model with MTP layers), `layout`, `dtypes` ({dtype: {tensors, bytes}}), `size`
     (`tensors` counted as hf2mcore counts them, `stored tensors` for torch_dist's stacked keys)
     and `trainer flags` (the Megatron-LM flags the training job must pass). `hf_config` (a
     directory or hub name) names the HF model of a checkpoint that stores none; `progress` shows
@@ -353,7 +356,8 @@ def render(info: dict) -> list[str]:
     m = dict(info["model"])
     text = f"{m.pop('name')}: " + ", ".join(f"{k.replace('_', ' ')} {_text(v)}" for k, v in m.items()
                                              if k not in ("router", "expert_modules", "moe_layers", "experts",
-                                                          "top_k", "expert_ffn", *dict(ATTENTION_KINDS)))
+                                                          "top_k", "expert_ffn", "mtp_layers",
+                                                          *dict(ATTENTION_KINDS)))
     lines.append(("model", text))
     kinds = [f"{label} {_text(m[key])}" for key, label in ATTENTION_KINDS if key in m]
     if kinds:
@@ -362,6 +366,9 @@ def render(info: dict) -> list[str]:
         lines.append(("experts", f"{m['experts']} experts, top {m['top_k']}, expert ffn {m['expert_ffn']}, "
                                  f"MoE layers {_text(m['moe_layers'])}, router {m['router']}"
                                  + (f", {m['expert_modules']}" if "expert_modules" in m else "")))
+    if "mtp_layers" in m:
+        lines.append(("mtp", f"{count(m['mtp_layers'], 'MTP layer')} (multi-token prediction), which hf2mcore "
+                             "leaves out unless --mtp"))
     if "layout" in info:
         layout = info["layout"]
         if "saved_by" in layout:

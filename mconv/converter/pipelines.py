@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from mconv.converter import megatron_io as mio
 from mconv.converter.adapter_dir import compare_adapters, is_adapter
-from mconv.converter.hf_io import HFCheckpoint, tensor_difference
+from mconv.converter.hf_io import HFCheckpoint, stacked_expert, tensor_difference
 from mconv.converter.hub import resolve_model
 from mconv.converter.output import SharedStaging, write_errors
 from mconv.converter.parallel import TorchrunTeam
@@ -98,14 +98,15 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
         adapter, model = (a, b) if adapters[0] else (b, a)
         raise MconvError(f"{adapter} is a PEFT adapter and {model} is not; verify compares two models or two adapters")
     left, right = (HFCheckpoint(d) for d in dirs)
-    differences = [f"{name}: only in {left.dir}" for name in sorted(left.tensors.keys() - right.tensors.keys())]
-    differences += [f"{name}: only in {right.dir}" for name in sorted(right.tensors.keys() - left.tensors.keys())]
-    for name in sorted(left.stacked.keys() | right.stacked.keys()):  # the per-expert view hides how they are stored
-        shapes = [side.stacked.get(name) for side in (left, right)]
-        if shapes[0] != shapes[1]:
-            a, b = (f"{list(s)}" if s else "per-expert tensors" for s in shapes)
-            differences.append(f"{name}: stored as {a} vs {b} (stacked experts in another orientation or form; "
-                               "the experts' values are compared one by one)")
+    only = [(name, this.dir) for this, other in ((left, right), (right, left))
+            for name in sorted(this.tensors.keys() - other.tensors.keys())]
+    differences = [f"{name}: only in {where}" for name, where in only]
+    # the per-expert view hides how stacked experts are stored: a stacked tensor stored in another
+    # form is a difference (verify compares what is stored), said once its experts' values are known
+    forms = {name: [side.stacked.get(name) for side in (left, right)]
+             for name in sorted(left.stacked.keys() | right.stacked.keys())}
+    forms = {name: shapes for name, shapes in forms.items() if shapes[0] != shapes[1]}
+    at = len(differences)
     # FP8 bytes mean what quantization_config says (method, format, block size, scale format): equal
     # bytes under different settings are different weights. Which modules it keeps in 16-bit shows
     # in the tensors themselves.
@@ -116,11 +117,31 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
             differences.append(f"config.json quantization_config.{key}: {json.dumps(settings[0][key])} vs "
                                f"{json.dumps(settings[1][key])}")
     common = sorted(left.tensors.keys() & right.tensors.keys())
+    differing = [name for name, _ in only]
     total = 0
     with _bar(sum(left.tensors[n].nbytes for n in common), "verify", progress) as bar:
         for name in common:
             x, y = left.read(name), right.read(name)
-            differences += filter(None, [tensor_difference(name, x, y)])
+            difference = tensor_difference(name, x, y)
+            if difference:
+                differences.append(difference)
+                differing.append(name)
             total += x.nbytes
             bar.update(x.nbytes)
+    differences[at:at] = _form_differences(forms, differing)
+    return len(common), total, differences
+
+
+def _form_differences(forms: dict[str, list], differing: list[str]) -> list[str]:
+    """One line per stacked expert tensor stored in another form (`forms`: name -> its two stored
+    shapes, None for per-expert tensors), saying whether its experts' values (`differing`: the
+    per-expert names that differ) are the same."""
+    stacks_differing = {view[0] for view in map(stacked_expert, differing) if view}
+    lines = []
+    for name, shapes in forms.items():
+        a, b = (f"{list(s)}" if s else "per-expert tensors" for s in shapes)
+        outcome = ("its experts' values differ (listed apart)" if name in stacks_differing else
+                   "the same values, stored differently")
+        lines.append(f"{name}: stored as {a} vs {b} (stacked experts in another orientation or form): {outcome}")
+    return lines
     return len(common), total, differences
