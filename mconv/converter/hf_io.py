@@ -487,22 +487,23 @@ class HFCheckpoint:
         scale_shape[dim] = last - first
         scale = torch.empty(scale_shape, dtype=scale_info.dtype)
         self._read_stored(scale_info, dim, first, last, scale)
+        where = self.dir / scale_info.file  # every refusal names the file holding the scale
         if not torch.isfinite(scale).all() or (scale < 0).any():
-            raise MconvError(f"{self.dir}: tensor {scale_name} holds inf, NaN or negative block scales")
+            raise MconvError(f"{where}: tensor {scale_name} holds inf, NaN or negative block scales")
         tiny = torch.finfo(torch.float32).tiny
         if ((scale > 0) & (scale.float() < tiny)).any():  # it would zero its block, or nearly
-            raise MconvError(f"{self.dir / scale_info.file}: tensor {scale_name} holds a block scale below "
+            raise MconvError(f"{where}: tensor {scale_name} holds a block scale below "
                              f"float32's smallest normal ({tiny:.3g}), which no FP8 quantizer writes (an all-zero "
                              "block's is 2^-23)")
         origin = (start, 0) if dim == 0 else (0, start)
         if (scale == 0).any():  # a zero scale is only what an all-zero block may have: elsewhere it zeroes weights
             per_element = fp8.dequantize(torch.ones(q.shape), scale, torch.float32, origin, self.block)
             if ((per_element == 0) & (q.float() != 0)).any():
-                raise MconvError(f"{self.dir}: tensor {scale_name} holds a zero block scale for a block of "
+                raise MconvError(f"{where}: tensor {scale_name} holds a zero block scale for a block of "
                                  f"{name} that is not all zeros")
         dequantized = fp8.dequantize(q, scale, out.dtype, origin, self.block)
         if torch.isinf(dequantized).any():  # e4m3 holds no inf: a scale too large for the dtype made it
-            raise MconvError(f"{self.dir / scale_info.file}: tensor {scale_name} holds block scales so large "
+            raise MconvError(f"{where}: tensor {scale_name} holds block scales so large "
                              f"that {name} dequantized into {str(out.dtype).removeprefix('torch.')} overflows to inf")
         out.copy_(dequantized)
 
