@@ -3,7 +3,7 @@
 On the Qwen3-30B-A3B-shaped model of bench/live_bench.py (layers reduced), bf16, TP1, a receiver
 process on the same GPU owns preallocated parameters (mconv.transport.receiver.ParameterReceiver)
 and copies every tensor into them. In one run, best of 3 each:
-  - floor: one device-to-device copy of the synced bytes (a flat torch copy);
+  - floor: one device-to-device copy of the synced bytes (a flat torch copy of at most 4 GiB, scaled);
   - export: iter_hf_weights alone (the gathers and splits the sync starts from);
   - ipc: sync_weights into the receiver, one CUDA IPC handle per flat bucket;
   - per_tensor: the same buckets from iter_hf_weights into the same receiver, one CUDA IPC handle
@@ -33,12 +33,18 @@ from bench.live_bench import MODELS, build, log, timed  # noqa: E402
 BUCKET = 512 << 20
 
 
+CHUNK = 64 << 20  # bytes a checksum takes at a time, so that it fits beside a full model
+
+
 def checksum(tensor: torch.Tensor) -> int:
     """A positional checksum of the tensor's bytes (equal bytes give equal sums; a moved or
-    changed byte almost surely not)."""
-    data = tensor.contiguous().view(-1).view(torch.uint8).to(torch.int64)
-    weights = torch.arange(data.numel(), device=data.device, dtype=torch.int64) % 65521 + 1
-    return int((data * weights).sum())
+    changed byte almost surely not), taken CHUNK bytes at a time."""
+    data, total = tensor.contiguous().view(-1).view(torch.uint8), 0
+    for start in range(0, data.numel(), CHUNK):
+        part = data[start:start + CHUNK].to(torch.int64)
+        weights = (torch.arange(start, start + part.numel(), device=data.device, dtype=torch.int64) % 65521) + 1
+        total += int((part * weights).sum())
+    return total
 
 
 def receive(shapes, address, authkey, ready, done, sums):
@@ -66,6 +72,14 @@ def run(hf: dict, model, quantize: str | None) -> dict:
     sent = {name: (list(t.shape), dtype_name(t.dtype), checksum(t)) for bucket in export() for name, t in bucket}
     nbytes = sum(torch.Size(s).numel() * getattr(torch, d).itemsize for s, d, _ in sent.values())
     largest = max(torch.Size(s).numel() * getattr(torch, d).itemsize for s, d, _ in sent.values())
+    # The floor: one device copy of the synced bytes, through a buffer of at most 4 GiB copied as many
+    # times as the bytes need (a full model does not fit twice beside the trainer's),
+    # before the receiver allocates its parameters.
+    size = min(nbytes, 4 << 30)
+    src, dst = torch.empty(size, dtype=torch.uint8, device="cuda"), torch.empty(size, dtype=torch.uint8, device="cuda")
+    floor_copy_s = timed(lambda: dst.copy_(src), repeats=3) * nbytes / size
+    del src, dst
+    torch.cuda.empty_cache()
     context = multiprocessing.get_context("spawn")
     address, authkey = os.path.join(tempfile.mkdtemp(), "engine.sock"), os.urandom(16)
     ready, done, sums = context.Event(), context.Event(), context.Queue()
@@ -74,12 +88,9 @@ def run(hf: dict, model, quantize: str | None) -> dict:
     receiver.start()
     assert ready.wait(120), "receiver did not start"
     engine = IPCEngine(address, authkey)
-    result = {"quantize": quantize or "bf16", "tensors": len(sent), "bytes": nbytes, "bucket_bytes": BUCKET}
+    result = {"quantize": quantize or "bf16", "tensors": len(sent), "bytes": nbytes, "bucket_bytes": BUCKET,
+              "floor_copy_s": floor_copy_s}
 
-    src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
-                                                                                  device="cuda")
-    result["floor_copy_s"] = timed(lambda: dst.copy_(src), repeats=3)
-    del src, dst
     result["export_s"] = timed(lambda: [None for bucket in export() for _ in bucket], repeats=3)
 
     def ipc():
