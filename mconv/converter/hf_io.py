@@ -312,11 +312,13 @@ def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[s
     return plain
 
 
-def fp8_note(config: dict, tensors, where, directory: Path) -> str | None:
-    """What inspect says of a quantized checkpoint: block-wise FP8 (config.json's `quantization_config`
-    with quant_method fp8, or `weight_scale_inv` block scales) is read dequantized, unless the checks
-    hf2mcore makes from the headers of `directory` (`HFCheckpoint._present_dequantized`: each scale's
-    shape and dtype) refuse it, which it then says; None otherwise. Scale values are not read."""
+def fp8_note(ckpt: "HFCheckpoint", where) -> str | None:
+    """What inspect says of a quantized checkpoint (`ckpt`, opened as stored): block-wise FP8
+    (config.json's `quantization_config` with quant_method fp8, or `weight_scale_inv` block scales)
+    is read dequantized, unless the checks hf2mcore makes from the headers it read
+    (`HFCheckpoint.dequantized`: each scale's shape and dtype) refuse it, which it then says; None
+    otherwise. Scale values are not read, nor the headers again."""
+    config, tensors = ckpt.config, ckpt.tensors
     quantization = config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
     scales = sum(name.endswith(".weight" + fp8.SCALE_SUFFIX) for name in tensors)
@@ -329,7 +331,7 @@ def fp8_note(config: dict, tensors, where, directory: Path) -> str | None:
                 "quantization_config, which says what they mean; hf2mcore and load_hf_weights refuse it")
     try:
         block = fp8.block_size(config, where)
-        HFCheckpoint(directory, dequantize=torch.bfloat16).close()
+        ckpt.dequantized(torch.bfloat16)
     except MconvError as e:  # what hf2mcore would refuse, said here rather than promised to work
         return f"{e}; hf2mcore and load_hf_weights refuse it"
     return (f"{where} is block-wise FP8 (quant_method 'fp8', blocks {list(block)}): {scales} weights in "
@@ -345,7 +347,7 @@ class HFCheckpoint:
     def __init__(self, directory: str | Path, dequantize: torch.dtype | None = None):
         """`dequantize`: present a block-wise FP8 checkpoint's weights as tensors of that dtype, each
         read dequantized (fp8.dequantize; its `weight_scale_inv` tensors hidden), after checking the
-        quantization_config and every scale (`_present_dequantized`); None: tensors as stored."""
+        quantization_config and every scale (`dequantized`); None: tensors as stored."""
         self.dir = Path(directory)
         if not self.dir.is_dir():
             raise MconvError(f"{self.dir} is not a directory")
@@ -373,49 +375,53 @@ class HFCheckpoint:
         self.quantized: dict[str, tuple[TensorInfo, TensorInfo, str]] = {}
         self.block = None
         if dequantize is not None:
-            self._present_dequantized(dequantize)
+            self.block, self.quantized, self.tensors = self.dequantized(dequantize)
         self._handles: dict[str, int] = {}
         for file in {info.file for info in self.tensors.values() if info.mapped is None}:  # up front: readers may be threads
             self._fd(file)
 
-    def _present_dequantized(self, dtype: torch.dtype) -> None:
+    def dequantized(self, dtype: torch.dtype) -> tuple[tuple[int, int] | None, dict, dict[str, TensorInfo]]:
         """Check a block-wise FP8 checkpoint (config.json's quantization_config: fp8.block_size; every
         float8 weight with a `weight_scale_inv` of the block grid's shape and a dtype of
-        fp8.SCALE_DTYPES, every scale with its weight) and present each weight as `dtype`. MconvError
-        naming the field or tensor at fault; no-op for a checkpoint that is not quantized."""
+        fp8.SCALE_DTYPES, every scale with its weight) from its headers, leaving this checkpoint as
+        it is: (its block, None if not quantized; {weight: (its stored tensor, its scale's, the
+        scale's name)}; the tensors with each weight presented as `dtype` and the scales hidden).
+        MconvError naming the field or tensor at fault."""
         where = self.dir / "config.json"
-        self.block = fp8.block_size(self.config, where)
-        scales = [name for name in self.tensors if name.endswith(fp8.SCALE_SUFFIX)]
-        if self.block is None:
+        block = fp8.block_size(self.config, where)
+        tensors, quantized = dict(self.tensors), {}
+        scales = [name for name in tensors if name.endswith(fp8.SCALE_SUFFIX)]
+        if block is None:
             if scales:
                 raise MconvError(f"{self.dir}: tensor {scales[0]} is a block scale, but {where} has no "
                                  "quantization_config saying how the checkpoint is quantized")
-            return
+            return None, quantized, tensors
         for name in scales:
             weight = name.removesuffix(fp8.SCALE_SUFFIX)
             if weight in self.stacked:
                 raise MconvError(f"{self.dir}: {weight} holds stacked FP8 experts, which mconv does not read yet "
                                  "(transformers 5 mis-loads them too); convert the per-expert FP8 form")
-            info, scale = self.tensors.get(weight), self.tensors[name]
+            info, scale = tensors.get(weight), tensors[name]
             if info is None:
                 raise MconvError(f"{self.dir}: tensor {name} is the block scale of {weight}, which the checkpoint "
                                  "does not hold")
-            expected = fp8.grid(info.shape, self.block) if len(info.shape) == 2 else None
+            expected = fp8.grid(info.shape, block) if len(info.shape) == 2 else None
             if info.dtype != fp8.FP8 or expected is None:
                 raise MconvError(f"{self.dir}: tensor {weight} has a block scale but is "
                                  f"{str(info.dtype).removeprefix('torch.')} {list(info.shape)}, not a 2-D "
                                  "float8_e4m3fn weight")
             if scale.dtype not in fp8.SCALE_DTYPES or scale.shape != expected:
                 raise MconvError(f"{self.dir}: tensor {name} is {str(scale.dtype).removeprefix('torch.')} "
-                                 f"{list(scale.shape)}; {weight} {list(info.shape)} in blocks of {list(self.block)} "
+                                 f"{list(scale.shape)}; {weight} {list(info.shape)} in blocks of {list(block)} "
                                  f"needs a float32, bfloat16 or float16 scale of shape {list(expected)}")
-            self.quantized[weight] = (info, scale, name)
-            self.tensors[weight] = replace(info, dtype=dtype, mapped=None)
-            del self.tensors[name]
-        for name, info in self.tensors.items():
-            if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name not in self.quantized:
+            quantized[weight] = (info, scale, name)
+            tensors[weight] = replace(info, dtype=dtype, mapped=None)
+            del tensors[name]
+        for name, info in tensors.items():
+            if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name not in quantized:
                 raise MconvError(f"{self.dir}: tensor {name} is {str(info.dtype).removeprefix('torch.')} but has "
                                  f"no block scale {name}{fp8.SCALE_SUFFIX}")
+        return block, quantized, tensors
 
     def _weight_map(self) -> tuple[str, dict[str, str] | None]:
         """(the index's name, its tensor -> file map), or (the single file's name, None): transformers'
