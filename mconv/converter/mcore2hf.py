@@ -10,7 +10,8 @@ from typing import Callable, Iterator
 import torch
 
 from mconv.converter import fp8
-from mconv.converter.hf_io import copy_side_files, expert_orientation_for, write_config_dtype, write_hf_config
+from mconv.converter.hf_config import copy_side_files, write_config_dtype, write_hf_config
+from mconv.converter.hf_experts import expert_orientation_for
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -228,7 +229,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     but those the model keeps in float32 (transforms.cast_dtype; a summary note counts them); by
     default each tensor keeps its dtype. config.json's `dtype` (`torch_dtype`) names the dtype
     written (the one holding most bytes, if mixed). `expert_orientation` ("4.x" or "5.x") of stacked
-    HF experts (Qwen3-VL-MoE): see hf_io.expert_orientation_for (4.x by default, required where a
+    HF experts (Qwen3-VL-MoE): see hf_experts.expert_orientation_for (4.x by default, required where a
     stacked tensor is square, MconvError for a model whose HF checkpoints keep experts per expert).
     Qwen3.5-MoE's are written "5.x" (the only one transformers loads), or per expert where hf2mcore's
     input had them so and no `expert_orientation` is given.

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from mconv.converter import fp8
-from mconv.converter.hf_io import (copy_side_files, expert_orientation_for, read_config,
-                                   stack_experts, stacked_expert, write_config_dtype, write_hf_config)
+from mconv.converter.hf_config import copy_side_files, read_config, write_config_dtype, write_hf_config
+from mconv.converter.hf_experts import expert_orientation_for, stack_experts, stacked_expert
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.output import SharedStaging, output_path, write_failure
 from mconv.converter.options import DEFAULT_SHARD_BYTES, shard_bytes
@@ -306,7 +306,7 @@ def _gather_and_merge(gathered: list, group, quantization: fp8.Quantization | No
 
 
 def _orientation(config: dict, value: str | None) -> str | None:
-    """hf_io.expert_orientation_for of the model `config` describes (the same on every rank)."""
+    """hf_experts.expert_orientation_for of the model `config` describes (the same on every rank)."""
     arch = architecture_for(config)
     return expert_orientation_for(arch, model_dims(arch, config), value)
 
@@ -335,7 +335,7 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     "4.x" `[E, h, 2I]` / `[E, I, h]` (what mcore2hf writes by default), "5.x" `[E, 2I, h]` /
     `[E, h, I]`; a bucket then holds all the experts of its stacked tensors, whatever `bucket_bytes`.
     Where a stacked tensor is square, `expert_orientation` must be given (MconvError otherwise: no
-    orientation is read right by both transformers 4.57 and 5.x, see hf_io.expert_orientation_for).
+    orientation is read right by both transformers 4.57 and 5.x, see hf_experts.expert_orientation_for).
     `expert_orientation` without `stacked_experts` is an MconvError (it would change nothing).
 
     `quantize="fp8"` (`fp8_scale` "ue8m0" for power-of-two scales): each weight the model's FP8
