@@ -116,24 +116,28 @@ def cast(values, src, dst, rounding):
         return torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     return plain(values, src, dst, rounding)
 interpreter._convert_float = cast
-from mconv.converter import fp8
 from mconv.converter.fp8_batch import quantize_batch
-from mconv.errors import MconvError
-from tests.test_fp8 import awkward_weight
-w = awkward_weight(torch.float32)
-big = (torch.randn(256, 256) * 0.02).bfloat16()
-named = [("a", w.bfloat16()), ("b", w), ("c", big.t()), ("d", big[:, 100:300]), ("e", big.half())]
-for fmt in fp8.SCALE_FORMATS:
-    for (name, x), (q, scale) in zip(named, quantize_batch(named, fmt)):
-        expected_q, expected_scale = fp8.quantize(x, fmt)
-        assert q.dtype == fp8.FP8 and torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8)), (name, fmt)
-        assert torch.equal(scale, expected_scale), (name, fmt)
-w[3, 3] = float("nan")
-try:
-    quantize_batch([("big", big), ("model.x.weight", w)])
-except MconvError as e:
-    print(e)
+from tests.test_fp8 import assert_batch_is_the_rule
+print(assert_batch_is_the_rule(quantize_batch))
 """
+
+
+def assert_batch_is_the_rule(quantize_batch) -> str:
+    """`quantize_batch(named, scale_fmt)` gives fp8.quantize's bytes and scales for float32 / bfloat16 /
+    float16 weights, a transposed and a column-sliced view, edge and all-zero blocks, values beyond
+    448, both scale formats; returns its refusal of a batch with a NaN weight."""
+    w = awkward_weight(torch.float32)
+    big = (torch.randn(256, 256) * 0.02).bfloat16()
+    named = [("a", w.bfloat16()), ("b", w), ("c", big.t()), ("d", big[:, 100:300]), ("e", big.half())]
+    for fmt in fp8.SCALE_FORMATS:
+        for (name, x), (q, scale) in zip(named, quantize_batch(named, fmt)):
+            expected_q, expected_scale = fp8.quantize(x, fmt)
+            assert q.dtype == fp8.FP8 and torch.equal(bits(q), bits(expected_q)), (name, fmt)
+            assert torch.equal(scale, expected_scale), (name, fmt)
+    w[3, 3] = float("nan")
+    with pytest.raises(MconvError) as refused:
+        quantize_batch([("big", big), ("model.x.weight", w)])
+    return str(refused.value)
 
 
 def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
@@ -147,6 +151,16 @@ def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
     run = subprocess.run([sys.executable, "-c", BATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "model.x.weight holds inf or NaN values, which FP8 cannot quantize"
+
+
+def test_batched_quantize_without_triton_is_the_torch_rule(monkeypatch):
+    """Where Triton is not importable, the batched path (what the live export runs on a GPU: here
+    `batched=True` on CPU tensors) quantizes weight by weight with fp8.quantize, the same bytes."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    monkeypatch.delitem(sys.modules, "mconv.converter.fp8_batch", raising=False)
+    said = assert_batch_is_the_rule(lambda named, fmt="float": fp8.quantize_all(named, fmt, batched=True))
+    assert said == "model.x.weight holds inf or NaN values, which FP8 cannot quantize"
+    assert "mconv.converter.fp8_batch" not in sys.modules
 
 
 # ----------------------------------------------------------------------------- FP8 checkpoints

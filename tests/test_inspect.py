@@ -180,3 +180,21 @@ def test_settings_beyond_the_flags_are_shown():
     other = json.loads(mconv("inspect", FIXTURES / "qwen3-vl-tiny", "--json").output)["other_settings"]
     assert other["vision_layers"] == config["vision_config"]["depth"]
     assert other["mrope_section"] == config["text_config"]["rope_parameters"]["mrope_section"]
+
+
+def test_fp8_checkpoint_headers_are_read_once(checkpoints, tmp_path, monkeypatch):
+    """inspect of a sharded FP8 checkpoint opens each safetensors file's header once (safetensors'
+    safe_open, which validates it before mconv reads its offsets), its FP8 checks included."""
+    import safetensors
+
+    from mconv import mcore2hf
+    from mconv.converter.describe import inspect_path
+
+    tmp, _ = checkpoints
+    mcore2hf(tmp / "torch_dist", tmp_path / "fp8", quantize="fp8", max_shard_bytes=200_000, progress=False)
+    opened, real = [], safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda path, *a, **k: opened.append(path) or real(path, *a, **k))
+    report = inspect_path(tmp_path / "fp8")
+    assert "is block-wise FP8" in report["note"]
+    files = sorted(str(p) for p in (tmp_path / "fp8").glob("*.safetensors"))
+    assert len(files) > 1 and sorted(opened) == files

@@ -107,3 +107,44 @@ def test_legacy_export_does_not_fault_in_the_rank_files(tmp_path):
           f"--quantize fp8 {big_fp8 / 2**20:.0f} MiB (tiny {base_out / 2**20:.0f})")
     assert big_out - base_out < MARGIN
     assert big_fp8 - base_out < MARGIN
+
+
+def test_fp8_weights_larger_than_a_batch_are_quantized_by_windows(tmp_path, monkeypatch):
+    """mcore2hf --quantize fp8 of weights larger than a read batch (LOAD_BATCH_BYTES made 256 KiB)
+    reads and quantizes them a window of whole 128-row blocks at a time: the files are those of a
+    batch that holds them whole (fp8.quantize, compressed-tensors' bytes: tests/test_fp8.py), and no
+    tensor the conversion allocates is larger than a window in float32 (2 batches; the largest
+    weight, 1 MiB in bfloat16, is 2 MiB in float32). At TP2, gate/up are rows of their shards,
+    down_proj the columns of two shards."""
+    import filecmp
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from fixtures.make_fixtures import make_qwen3
+    from mconv import Layout, hf2mcore, mcore2hf
+
+    hf = make_qwen3(tmp_path / "hf", tokenizer=False, hidden_size=512, intermediate_size=1024, head_dim=128,
+                    num_hidden_layers=1, vocab_size=128)
+    hf2mcore(hf, tmp_path / "m", Layout(tp=2), fmt="torch", progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "whole", quantize="fp8", progress=False)
+
+    class Largest(TorchDispatchMode):  # the largest tensor memory an operator allocates (views and in-place ops
+        nbytes = 0                      # allocate none)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and not func._schema.is_mutable:
+                Largest.nbytes = max([Largest.nbytes] + [t.untyped_storage().nbytes() for t in tree_leaves(out)
+                                                         if isinstance(t, torch.Tensor)])
+            return out
+
+    batch = 256 * 2**10
+    monkeypatch.setattr("mconv.converter.mcore2hf.LOAD_BATCH_BYTES", batch)
+    with Largest():
+        mcore2hf(tmp_path / "m", tmp_path / "windows", quantize="fp8", progress=False)
+    assert 0 < Largest.nbytes <= 2 * batch
+    files = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "windows").iterdir())
+    assert filecmp.cmpfiles(tmp_path / "whole", tmp_path / "windows", files, shallow=False)[0] == files

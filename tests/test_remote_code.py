@@ -15,7 +15,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from mconv.cli import main
-from mconv.converter.hf_io import SIDE_FILES, copy_side_files
+from mconv.converter.hf_config import SIDE_FILES, copy_side_files
 from mconv.converter.remote_code import remote_code_files
 from tests.conftest import FIXTURES, ROOT
 

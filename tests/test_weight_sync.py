@@ -101,8 +101,9 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     generate("step-1")
 
     # An engine that owns its parameters (a CPU ParameterReceiver on a thread of rank 0), synced and
-    # verified twice: the second sync plans, checks the engine's model and lays out buckets no more,
-    # and its new values arrive bit for bit. A receiver that spoils one tensor's load is named.
+    # verified twice: the second sync does not plan, check the engine's model, lay out buckets or
+    # tell which shards FP8 quantizes before their gathers again, and its new values arrive bit for
+    # bit. A receiver that spoils one tensor's load is named.
     from safetensors.torch import load_file
     if rank == 0:
         held = {n: torch.zeros_like(t) for n, t in load_file(Path(weights["step-1"]) / "model.safetensors").items()}
@@ -116,12 +117,15 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
                 if any(e[0] == spoilt for b in buffers for e in b["entries"]):
                     self.params[spoilt].view(-1)[5] += 1
         Spoiling({n: t.clone() for n, t in held.items()}, socket + ".spoilt", authkey).start()
-        calls = {name: 0 for name in ("make_plan", "_check", "layout")}
+        from mconv.live import export
+
+        calls = {name: 0 for name in ("make_plan", "_check", "layout", "_block_aligned")}
         for name in calls:
-            def counted(*args, _name=name, _original=getattr(core, name), **kwargs):
+            module = export if name == "_block_aligned" else core
+            def counted(*args, _name=name, _original=getattr(module, name), **kwargs):
                 calls[_name] += 1
                 return _original(*args, **kwargs)
-            setattr(core, name, counted)
+            setattr(module, name, counted)
     dist.barrier()
     own_engine = SharedMemoryEngine(socket + ".own", authkey)
     sync_weights(chunks, TIED, own_engine, version="own-1", bucket_bytes=BUCKET, verify=True)
@@ -243,7 +247,8 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
     assert served["after-mismatch"] == served["step-2"]
     assert ranks[0]["errors"]["callable"] == [True, True, True]
 
-    assert ranks[0]["errors"]["own"] == ["own-2", True, {"make_plan": 0, "_check": 0, "layout": 0}, True]
+    assert ranks[0]["errors"]["own"] == ["own-2", True, {"make_plan": 0, "_check": 0, "layout": 0, "_block_aligned": 0},
+                                         True]
     for rank in ranks:
         assert rank["errors"]["spoilt"] == ("weight sync spoilt is not what the engine holds: rank 0: the engine holds "
                                             f"other bytes than were sent for {SPOILT} (1 of 24 tensors)")

@@ -195,7 +195,7 @@ def _describe_hf(path: Path, shown: str) -> dict:
     for info in ckpt.tensors.values():
         _count(dtypes, info.dtype, info.nbytes)
     ckpt.close()
-    quantized = fp8_note(ckpt.config, ckpt.tensors, shown, path)
+    quantized = fp8_note(ckpt, shown)
     mtp = {"mtp_layers": dims.hf_mtp_layers} if getattr(dims, "hf_mtp_layers", 0) else {}
     return {"kind": "huggingface", "path": shown,
             "model": {**_model(args, arch.name), **_attention_layers(dims), **mtp},

@@ -213,14 +213,16 @@ def output_config(config: dict, quantization: Quantization | None, kept: list[st
     return config
 
 
-def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float") -> list[tuple]:
+def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float",
+                 batched: bool | None = None) -> list[tuple]:
     """(q, scale) of each (name, 2-D weight), by `quantize`, on the weights' device (one device); one
-    host synchronisation for the list (MconvError naming the first weight holding inf or NaN). On
-    a GPU all the weights are quantized together, in a few kernel launches (fp8_batch); elsewhere
-    one by one."""
+    host synchronisation for the list (MconvError naming the first weight holding inf or NaN).
+    `batched` (default: on a GPU): all the weights together, in a few Triton kernel launches
+    (fp8_batch), where Triton is importable; otherwise, and where it is not (a torch build without
+    it), one by one: the same bytes either way."""
     if not named:
         return []
-    if named[0][1].is_cuda:
+    if (named[0][1].is_cuda if batched is None else batched) and _triton_importable():
         from mconv.converter.fp8_batch import quantize_batch
 
         return quantize_batch(named, scale_fmt)
@@ -229,6 +231,14 @@ def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float"
     if not finite.all():
         raise _not_finite(named[int((~finite).nonzero()[0])][0])
     return quantized
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401 (only whether it imports)
+    except ImportError:
+        return False
+    return True
 
 
 def quantize_tensors(tensors: list[tuple[str, torch.Tensor]], quantization: Quantization,

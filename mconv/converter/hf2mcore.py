@@ -14,7 +14,9 @@ import torch
 from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import fp8, torch_dist, torch_dist_write, torch_save
-from mconv.converter.hf_io import HFCheckpoint, copy_side_files, stacked_expert
+from mconv.converter.hf_config import copy_side_files
+from mconv.converter.hf_experts import stacked_expert
+from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hf_write import StagingBuffer
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout

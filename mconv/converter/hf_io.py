@@ -1,9 +1,9 @@
 """Hugging Face checkpoints, read: a lazy slice reader (safetensors, or `.bin` pickles through
-`hf_bin`), config.json, and the files beside the weights. The writer is `hf_write`."""
+`hf_bin`) presenting stacked experts per expert and FP8 weights dequantized. config.json and the
+files beside the weights are `hf_config`; the writer is `hf_write`."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from dataclasses import dataclass, field, replace
@@ -13,79 +13,17 @@ import torch
 
 from mconv.converter import fp8
 from mconv.converter.hf_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME, read_bin
-from mconv.converter.options import option
-from mconv.converter.output import copy_file
-from mconv.converter.planner import table_shape
+from mconv.converter.hf_config import read_config, read_json
+from mconv.converter.hf_experts import STACKED_EXPERTS
 from mconv.converter.transforms import checked_cast
-from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-# Files that describe the model rather than hold weights; copied next to converted weights.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-              "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
-              "video_preprocessor_config.json")
-
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
-# transformers keeps the routed experts of some models (Qwen3-VL-MoE) stacked: one tensor per layer
-# and projection, no `.weight` suffix, holding per expert these modules in order along the output
-# dimension (gate first). transformers 5.x stores each expert as nn.Linear does, `[E, out, in]`;
-# 4.57 transposed, `[E, in, out]` (reference qwen3-vl.md, section 1).
-STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-ORIENTATIONS = ("4.x", "5.x")  # "4.x": [E, in, out], which transformers 4.57 and 5.x both load unless square
-
-
-def expert_orientation_for(arch, dims, value: str | None) -> str | None:
-    """The orientation `arch`'s stacked HF experts are written in: `value`, else the architecture's
-    default (`Architecture.expert_orientations`: "4.x", which transformers 4.57 and 5.x both load, but
-    "5.x" for Qwen3.5-MoE, the only one transformers loads for it); None for architectures whose HF
-    checkpoints keep experts per expert. `dims`: the model's (planner.model_dims). MconvError for an
-    unknown `value`, a `value` given for such an architecture or one transformers does not load for it
-    (an option that does not apply is refused, not ignored), and no `value` where a stacked tensor is
-    square (hidden == 2 * moe_intermediate_size, or hidden == moe_intermediate_size) and the
-    architecture has two orientations: transformers 5.x transposes a stacked tensor only where its
-    shape differs from its own [E, 2I, h] / [E, h, I], so it reads a square 4.x tensor untransposed,
-    silently wrong; 4.57 (and vLLM, which always transposes) read [E, h, 2I] / [E, I, h] as stored,
-    so 4.57 refuses a 5.x file (its other tensor's shape mismatches). No orientation is read right by all of them."""
-    if value is not None:
-        if value not in ORIENTATIONS:
-            raise MconvError(f"{option('expert_orientation')} must be one of {', '.join(ORIENTATIONS)}, got {value!r}")
-        if not arch.stacked_experts:
-            experts = any("{expert}" in rule.megatron for rule in arch.rules)
-            raise MconvError(f"{option('expert_orientation')} applies to stacked HF experts (Qwen3-VL-MoE, Qwen3.5-MoE); " + (
-                f"{arch.name} checkpoints keep their experts per expert" if experts else
-                f"{arch.name} has no experts"))
-        if value not in arch.expert_orientations:
-            raise MconvError(f"{option('expert_orientation')} {value}: transformers loads {arch.name}'s stacked "
-                             f"experts only in the {' or '.join(arch.expert_orientations)} orientation")
-    if not arch.stacked_experts:
-        return None
-    square = None if value or len(arch.expert_orientations) == 1 else _square_stacked(arch, dims)
-    if square:
-        raise MconvError(f"the stacked experts {square} are square: transformers 5.x cannot tell their "
-                         "orientation from the shape and reads the 4.x one (which transformers 4.57 and vLLM "
-                         "read) wrongly, without an error, while 4.57 refuses the 5.x one; give "
-                         f"{option('expert_orientation', '4.x')} for transformers 4.x or vLLM, or "
-                         f"{option('expert_orientation', '5.x')} for transformers 5.x")
-    return value or arch.expert_orientations[0]
-
-
-def _square_stacked(arch, dims) -> str | None:
-    """The first of `arch`'s stacked expert tensors whose experts' matrices are square, named with its
-    shape (`model.language_model.layers.*.mlp.experts.gate_up_proj [4, 64, 64]`); None if none is."""
-    for rule in arch.rules:
-        for template, shape in rule.hf.items():
-            view = stacked_expert(template.replace("{expert}", "0"))
-            if view is not None and view[2] == 0:
-                out, fan_in = table_shape(shape, dims, template)
-                if out * view[3] == fan_in:
-                    return f"{view[0].replace('{layer}', '*')} {[dims.experts, fan_in, fan_in]}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -114,72 +52,6 @@ def _numel(shape) -> int:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
-
-
-def read_json(path: Path, what: str, object_pairs_hook=None) -> dict:
-    """A JSON object from `path` (`what` says what the file should be, for the error).
-
-    Raises MconvError naming the file if it is missing, not a regular file (a FIFO or a device is
-    never opened), not UTF-8, not JSON, or not a JSON object."""
-    if not path.is_file():
-        missing = not os.path.lexists(path) or (path.is_symlink() and not path.exists())
-        raise MconvError(f"{path} {'does not exist' if missing else 'is not a regular file'}: {what}")
-    try:
-        value = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=object_pairs_hook)
-    except UnicodeDecodeError as e:
-        raise MconvError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}): {what}") from None
-    except (ValueError, RecursionError) as e:
-        raise MconvError(f"{path} is not valid JSON ({str(e).splitlines()[0]}): {what}") from None
-    except OSError as e:
-        raise MconvError(f"{path} cannot be read ({e.strerror}): {what}") from None
-    if not isinstance(value, dict):
-        raise MconvError(f"{path} holds a JSON {type(value).__name__}, not an object: {what}")
-    return value
-
-
-# Standard transformers config fields and what they must be: a config.json that gives another type
-# (or a size no model has, which would make the plan itself unbounded) is refused by name, before
-# any table reads it. The limits are far above any released model.
-CONFIG_FIELDS = {
-    **{key: (int, 1, 2**31) for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                                         "intermediate_size", "vocab_size", "max_position_embeddings",
-                                         "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step",
-                                         "shared_expert_intermediate_size")},
-    **{key: (int, 1, 100_000) for key in ("num_hidden_layers", "num_experts", "num_local_experts")},
-    **{key: (float, 0, float("inf")) for key in ("rms_norm_eps", "rope_theta", "layer_norm_eps")},
-    **{key: (bool, None, None) for key in ("tie_word_embeddings", "attention_bias", "norm_topk_prob")},
-    "architectures": (list, None, None),
-    "mlp_only_layers": (list, None, None),
-}
-
-
-def check_config(config: dict, path: Path) -> None:
-    """Refuse standard config fields of the wrong type or size (`CONFIG_FIELDS`), in config.json
-    and in a nested `text_config` (vision-language models)."""
-    for where, fields in (("", config), ("text_config.", config.get("text_config"))):
-        if not isinstance(fields, dict):
-            continue
-        for key, (kind, low, high) in CONFIG_FIELDS.items():
-            value = fields.get(key)
-            if value is None:
-                continue
-            number = kind in (int, float) and isinstance(value, (int, float) if kind is float else int)
-            if isinstance(value, bool) != (kind is bool) or not (number or isinstance(value, kind)):
-                raise MconvError(f"{path}: {where}{key} is {value!r}, not {'a number' if kind is float else kind.__name__}")
-            if number and not low <= value <= high:
-                raise MconvError(f"{path}: {where}{key} is {value!r}, outside [{low}, {high:g}]")
-            if kind is list and not all(isinstance(v, str if key == "architectures" else int)
-                                        and not isinstance(v, bool) for v in value):
-                raise MconvError(f"{path}: {where}{key} is {value!r}, not a list of "
-                                 f"{'names' if key == 'architectures' else 'layer numbers'}")
-
-
-def read_config(directory: Path) -> dict:
-    """config.json of an HF model directory, its standard fields checked (`check_config`)."""
-    path = Path(directory) / "config.json"
-    config = read_json(path, "an HF model directory needs its config.json")
-    check_config(config, path)
-    return config
 
 
 def _unique_keys(pairs: list) -> dict:
@@ -249,29 +121,6 @@ def _stacked_orientation(where: str, prefix: str, gate_up: tuple[int, ...], down
     return transposed
 
 
-def stacked_expert(name: str) -> tuple[str, int, int, int] | None:
-    """For a per-expert name of stacked experts, `<p>.mlp.experts.{e}.gate_proj.weight` (or up_proj,
-    down_proj): (the stacked tensor `<p>.mlp.experts.gate_up_proj` / `down_proj`, e, the module's
-    place in it along the output dimension, the number of modules in it); None for any other name."""
-    prefix, _, rest = name.rpartition(".mlp.experts.")
-    expert, _, module = rest.partition(".")
-    module = module.removesuffix(".weight")
-    for proj, parts in STACKED_EXPERTS.items():
-        if prefix and expert.isdigit() and module in parts:
-            return f"{prefix}.mlp.experts.{proj}", int(expert), parts.index(module), len(parts)
-    return None
-
-
-def stack_experts(modules: list[list[torch.Tensor]], transposed: bool) -> torch.Tensor:
-    """One stacked expert tensor from its experts' modules (`modules[e]` = [gate, up] or [down], each
-    `[out, in]`, nn.Linear's orientation, one dtype and device): `[E, sum(out), in]`, or
-    `[E, in, sum(out)]` when `transposed` (4.x, see ORIENTATIONS); contiguous, on the modules' device,
-    built by one concatenation (and one transposing copy for 4.x), not one copy per module."""
-    flat = torch.cat([module for parts in modules for module in parts])
-    stacked = flat.view(len(modules), -1, flat.shape[1])
-    return stacked.transpose(1, 2).contiguous() if transposed else stacked
-
-
 def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[str, TensorInfo]:
     """Present stacked experts (`<p>.mlp.experts.gate_up_proj` / `down_proj`, either orientation) as
     the per-expert tensors `<p>.mlp.experts.{e}.gate_proj.weight` ... `[out, in]` that the tables use
@@ -312,11 +161,13 @@ def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[s
     return plain
 
 
-def fp8_note(config: dict, tensors, where, directory: Path) -> str | None:
-    """What inspect says of a quantized checkpoint: block-wise FP8 (config.json's `quantization_config`
-    with quant_method fp8, or `weight_scale_inv` block scales) is read dequantized, unless the checks
-    hf2mcore makes from the headers of `directory` (`HFCheckpoint._present_dequantized`: each scale's
-    shape and dtype) refuse it, which it then says; None otherwise. Scale values are not read."""
+def fp8_note(ckpt: "HFCheckpoint", where) -> str | None:
+    """What inspect says of a quantized checkpoint (`ckpt`, opened as stored): block-wise FP8
+    (config.json's `quantization_config` with quant_method fp8, or `weight_scale_inv` block scales)
+    is read dequantized, unless the checks hf2mcore makes from the headers it read
+    (`HFCheckpoint.dequantized`: each scale's shape and dtype) refuse it, which it then says; None
+    otherwise. Scale values are not read, nor the headers again."""
+    config, tensors = ckpt.config, ckpt.tensors
     quantization = config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
     scales = sum(name.endswith(".weight" + fp8.SCALE_SUFFIX) for name in tensors)
@@ -329,7 +180,7 @@ def fp8_note(config: dict, tensors, where, directory: Path) -> str | None:
                 "quantization_config, which says what they mean; hf2mcore and load_hf_weights refuse it")
     try:
         block = fp8.block_size(config, where)
-        HFCheckpoint(directory, dequantize=torch.bfloat16).close()
+        ckpt.dequantized(torch.bfloat16)
     except MconvError as e:  # what hf2mcore would refuse, said here rather than promised to work
         return f"{e}; hf2mcore and load_hf_weights refuse it"
     return (f"{where} is block-wise FP8 (quant_method 'fp8', blocks {list(block)}): {scales} weights in "
@@ -345,7 +196,7 @@ class HFCheckpoint:
     def __init__(self, directory: str | Path, dequantize: torch.dtype | None = None):
         """`dequantize`: present a block-wise FP8 checkpoint's weights as tensors of that dtype, each
         read dequantized (fp8.dequantize; its `weight_scale_inv` tensors hidden), after checking the
-        quantization_config and every scale (`_present_dequantized`); None: tensors as stored."""
+        quantization_config and every scale (`dequantized`); None: tensors as stored."""
         self.dir = Path(directory)
         if not self.dir.is_dir():
             raise MconvError(f"{self.dir} is not a directory")
@@ -373,49 +224,53 @@ class HFCheckpoint:
         self.quantized: dict[str, tuple[TensorInfo, TensorInfo, str]] = {}
         self.block = None
         if dequantize is not None:
-            self._present_dequantized(dequantize)
+            self.block, self.quantized, self.tensors = self.dequantized(dequantize)
         self._handles: dict[str, int] = {}
         for file in {info.file for info in self.tensors.values() if info.mapped is None}:  # up front: readers may be threads
             self._fd(file)
 
-    def _present_dequantized(self, dtype: torch.dtype) -> None:
+    def dequantized(self, dtype: torch.dtype) -> tuple[tuple[int, int] | None, dict, dict[str, TensorInfo]]:
         """Check a block-wise FP8 checkpoint (config.json's quantization_config: fp8.block_size; every
         float8 weight with a `weight_scale_inv` of the block grid's shape and a dtype of
-        fp8.SCALE_DTYPES, every scale with its weight) and present each weight as `dtype`. MconvError
-        naming the field or tensor at fault; no-op for a checkpoint that is not quantized."""
+        fp8.SCALE_DTYPES, every scale with its weight) from its headers, leaving this checkpoint as
+        it is: (its block, None if not quantized; {weight: (its stored tensor, its scale's, the
+        scale's name)}; the tensors with each weight presented as `dtype` and the scales hidden).
+        MconvError naming the field or tensor at fault."""
         where = self.dir / "config.json"
-        self.block = fp8.block_size(self.config, where)
-        scales = [name for name in self.tensors if name.endswith(fp8.SCALE_SUFFIX)]
-        if self.block is None:
+        block = fp8.block_size(self.config, where)
+        tensors, quantized = dict(self.tensors), {}
+        scales = [name for name in tensors if name.endswith(fp8.SCALE_SUFFIX)]
+        if block is None:
             if scales:
                 raise MconvError(f"{self.dir}: tensor {scales[0]} is a block scale, but {where} has no "
                                  "quantization_config saying how the checkpoint is quantized")
-            return
+            return None, quantized, tensors
         for name in scales:
             weight = name.removesuffix(fp8.SCALE_SUFFIX)
             if weight in self.stacked:
                 raise MconvError(f"{self.dir}: {weight} holds stacked FP8 experts, which mconv does not read yet "
                                  "(transformers 5 mis-loads them too); convert the per-expert FP8 form")
-            info, scale = self.tensors.get(weight), self.tensors[name]
+            info, scale = tensors.get(weight), tensors[name]
             if info is None:
                 raise MconvError(f"{self.dir}: tensor {name} is the block scale of {weight}, which the checkpoint "
                                  "does not hold")
-            expected = fp8.grid(info.shape, self.block) if len(info.shape) == 2 else None
+            expected = fp8.grid(info.shape, block) if len(info.shape) == 2 else None
             if info.dtype != fp8.FP8 or expected is None:
                 raise MconvError(f"{self.dir}: tensor {weight} has a block scale but is "
                                  f"{str(info.dtype).removeprefix('torch.')} {list(info.shape)}, not a 2-D "
                                  "float8_e4m3fn weight")
             if scale.dtype not in fp8.SCALE_DTYPES or scale.shape != expected:
                 raise MconvError(f"{self.dir}: tensor {name} is {str(scale.dtype).removeprefix('torch.')} "
-                                 f"{list(scale.shape)}; {weight} {list(info.shape)} in blocks of {list(self.block)} "
+                                 f"{list(scale.shape)}; {weight} {list(info.shape)} in blocks of {list(block)} "
                                  f"needs a float32, bfloat16 or float16 scale of shape {list(expected)}")
-            self.quantized[weight] = (info, scale, name)
-            self.tensors[weight] = replace(info, dtype=dtype, mapped=None)
-            del self.tensors[name]
-        for name, info in self.tensors.items():
-            if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name not in self.quantized:
+            quantized[weight] = (info, scale, name)
+            tensors[weight] = replace(info, dtype=dtype, mapped=None)
+            del tensors[name]
+        for name, info in tensors.items():
+            if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name not in quantized:
                 raise MconvError(f"{self.dir}: tensor {name} is {str(info.dtype).removeprefix('torch.')} but has "
                                  f"no block scale {name}{fp8.SCALE_SUFFIX}")
+        return block, quantized, tensors
 
     def _weight_map(self) -> tuple[str, dict[str, str] | None]:
         """(the index's name, its tensor -> file map), or (the single file's name, None): transformers'
@@ -564,41 +419,6 @@ class HFCheckpoint:
         for fd in self._handles.values():
             os.close(fd)
         self._handles.clear()
-
-
-def copy_side_files(source: Path, destination: Path) -> list[str]:
-    """Copy config, generation config and tokenizer files, and the remote code their `auto_map`
-    names (remote_code.remote_code_files: never imported here); returns the names copied."""
-    copied = []
-    for name in SIDE_FILES + tuple(remote_code_files(source, SIDE_FILES)):
-        if (Path(source) / name).is_file():
-            copy_file(Path(source) / name, Path(destination) / name)
-            copied.append(name)
-    return copied
-
-
-def write_hf_config(directory: Path, config: dict, original: dict) -> None:
-    """Replace the copied config.json by `config` (an architecture's rewrite of `original`, e.g. with
-    the keys of both transformers 4.x and 5.x), leaving the file as it was if nothing changed."""
-    if config != original:
-        (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def write_config_dtype(directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
-    """Record the dtype of the weights written (`entries`: name, dtype, shape; the dtype holding
-    most bytes if they are mixed) in `directory`/config.json, under the key the config already
-    uses (`dtype` in transformers 5, `torch_dtype` before), as `save_pretrained` does."""
-    written: dict[torch.dtype, int] = {}
-    for _, dtype, shape in entries:
-        written[dtype] = written.get(dtype, 0) + math.prod(shape) * dtype.itemsize
-    dtype = max(written, key=written.get)
-    path = Path(directory) / "config.json"
-    config = json.loads(path.read_text())
-    key = "dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"
-    if config.get(key) == str(dtype).removeprefix("torch."):
-        return  # already right: keep the file as it was
-    config[key] = str(dtype).removeprefix("torch.")
-    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def tensor_difference(name: str, x: torch.Tensor, y: torch.Tensor) -> str | None:

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 
 from mconv.converter import file_io
-from mconv.converter.hf_io import DTYPE_CODES, INDEX_NAME, SINGLE_NAME, _itemsize, _numel, stacked_expert
+from mconv.converter.hf_experts import stacked_expert
+from mconv.converter.hf_io import DTYPE_CODES, INDEX_NAME, SINGLE_NAME, _itemsize, _numel
 from mconv.errors import MconvError
 
 

@@ -21,7 +21,8 @@ import torch
 
 from mconv.converter import megatron_io as mio
 from mconv.converter import fp8
-from mconv.converter.hf_io import HFCheckpoint, copy_side_files, read_config, write_config_dtype, write_hf_config
+from mconv.converter.hf_config import copy_side_files, read_config, write_config_dtype, write_hf_config
+from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.hub import check_revision, is_local, resolve_model
 from mconv.converter.layout import Layout, Rank

@@ -10,7 +10,8 @@ from typing import Callable, Iterator
 import torch
 
 from mconv.converter import fp8
-from mconv.converter.hf_io import copy_side_files, expert_orientation_for, write_config_dtype, write_hf_config
+from mconv.converter.hf_config import copy_side_files, write_config_dtype, write_hf_config
+from mconv.converter.hf_experts import expert_orientation_for
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -127,9 +128,48 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
     def quantized(name: str, shape) -> bool:
         return quantization is not None and quantization.applies(name, shape)
 
+    def quantize_rows(task: ExportTask) -> int | None:
+        """A group larger than a batch whose weights are all quantized: each weight read (pread) and
+        quantized a window of whole fp8.BLOCK-row blocks (about LOAD_BATCH_BYTES in the shards' dtype;
+        each block lies in one window, so the bytes are the whole weight's) at a time, straight into
+        the staged output, its scales (one per 128x128 block) written whole at the end. None if it
+        cannot be: a group within a batch, shards of several dtypes (`merge` refuses them), pieces
+        that are neither rows of a shard (`_row_parts`) nor the columns of one HF tensor."""
+        dtype, names = session.dtype_of(task.sources[0]), list(zip(task.hf, task.hf_shapes))
+        columns = len(names) == 1 and all(s.shard.dim == 1 and not s.shard.pad and not s.shard.offset
+                                          for s in task.sources)
+        if (sum(_nbytes(shape, dtype) for _, shape in names) <= LOAD_BATCH_BYTES
+                or any(session.dtype_of(s) != dtype for s in task.sources)
+                or not all(quantized(name, shape) and writer.place(name) for name, shape in names)
+                or not columns and _row_parts(task, {name: torch.empty((1, 1), dtype=dtype) for name, _ in names},
+                                              session.dtype_of) is None):
+            return None
+        for name, shape in names:
+            scale = torch.empty(fp8.grid(shape), dtype=torch.float32)
+            step = fp8.BLOCK * max(1, LOAD_BATCH_BYTES // (fp8.BLOCK * _nbytes(shape[1:], dtype)))
+            for first in range(0, shape[0], step):
+                window = torch.empty((min(step, shape[0] - first), shape[1]), dtype=dtype)
+                if columns:  # the same rows of every shard, merged along the columns
+                    shards = [torch.empty((len(window), s.shard.shape(task.hf_shapes)[1]), dtype=dtype)
+                              for s in task.sources]
+                    session.load_rows([(s, first, shard) for s, shard in zip(task.sources, shards)])
+                    merge([s.shard for s in task.sources], shards, [window.shape], [window])
+                else:
+                    session.load_rows(_row_parts(task, {name: window}, session.dtype_of, first))
+                staged = writer.stage([(name, fp8.FP8, tuple(window.shape))], local.buffer, first)
+                blocks = scale[first // fp8.BLOCK:first // fp8.BLOCK + fp8.grid(window.shape)[0]]
+                fp8.quantize(window, quantization.scale_fmt, f"{where}: tensor {name}", out=(staged.views[name], blocks))
+                staged.flush()
+            writer.write(fp8.scale_name(name), scale)
+        return sum(_nbytes(shape, fp8.FP8) + _nbytes(fp8.grid(shape), torch.float32) for _, shape in names)
+
     def write_batch(batch: list[ExportTask]) -> int:
         if not hasattr(local, "buffer"):
             local.buffer = StagingBuffer()
+        if len(batch) == 1 and quantization is not None:
+            written = quantize_rows(batch[0])
+            if written is not None:
+                return written
         outputs = [(name, cast(task.hf) or session.dtype_of(task.sources[0]), shape)
                    for task in batch for name, shape in zip(task.hf, task.hf_shapes)]
         if quantization is not None:
@@ -189,7 +229,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     but those the model keeps in float32 (transforms.cast_dtype; a summary note counts them); by
     default each tensor keeps its dtype. config.json's `dtype` (`torch_dtype`) names the dtype
     written (the one holding most bytes, if mixed). `expert_orientation` ("4.x" or "5.x") of stacked
-    HF experts (Qwen3-VL-MoE): see hf_io.expert_orientation_for (4.x by default, required where a
+    HF experts (Qwen3-VL-MoE): see hf_experts.expert_orientation_for (4.x by default, required where a
     stacked tensor is square, MconvError for a model whose HF checkpoints keep experts per expert).
     Qwen3.5-MoE's are written "5.x" (the only one transformers loads), or per expert where hf2mcore's
     input had them so and no `expert_orientation` is given.

@@ -14,7 +14,7 @@ import torch
 
 from mconv.converter import file_io
 from mconv.converter import megatron_io as mio
-from mconv.converter.hf_io import read_config
+from mconv.converter.hf_config import read_config
 from mconv.converter.layout import Layout, Rank, count
 from mconv.converter.planner import ShardSource, make_plan
 from mconv.converter.options import option

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mconv.converter import safe_load, torch_dist_io
-from mconv.converter.hf_io import read_json
+from mconv.converter.hf_config import read_json
 from mconv.converter.layout import Layout, Rank
 from mconv.errors import MconvError
 

@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 from mconv.converter import megatron_io as mio
 from mconv.converter.adapter_dir import compare_adapters, is_adapter
-from mconv.converter.hf_io import HFCheckpoint, stacked_expert, tensor_difference
+from mconv.converter.hf_experts import stacked_expert
+from mconv.converter.hf_io import HFCheckpoint, tensor_difference
 from mconv.converter.hub import resolve_model
 from mconv.converter.output import SharedStaging, write_errors
 from mconv.converter.parallel import TorchrunTeam

@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from mconv.converter.hf_io import read_config
+from mconv.converter.hf_config import read_config
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.planner import RankPlan, model_dims, plan_rank, validate_layout

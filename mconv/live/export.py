@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from mconv.converter import fp8
-from mconv.converter.hf_io import (copy_side_files, expert_orientation_for, read_config,
-                                   stack_experts, stacked_expert, write_config_dtype, write_hf_config)
+from mconv.converter.hf_config import copy_side_files, read_config, write_config_dtype, write_hf_config
+from mconv.converter.hf_experts import expert_orientation_for, stack_experts, stacked_expert
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.output import SharedStaging, output_path, write_failure
 from mconv.converter.options import DEFAULT_SHARD_BYTES, shard_bytes
@@ -64,7 +64,8 @@ class _GroupStep:
     """One bucket's tensors of one parallel group (TP, or ETP then EP for experts), planned once."""
 
     static: list[tuple[str, torch.Tensor]]  # replicated tensors, and views of one-rank shards: no work per call
-    gathered: list[tuple[torch.Tensor, list, tuple, tuple]]  # (local shard, peers' layouts, HF names, HF shapes)
+    # (local shard, peers' layouts, HF names, HF shapes, whether FP8 export quantizes it before the gather)
+    gathered: list[tuple[torch.Tensor, list, tuple, tuple, bool]]
     permuted: list[tuple[torch.Tensor, int, torch.Tensor, list[int], tuple]]  # one-rank shards: see _permutation
     ep_names: list[list[str]] | None = None  # experts: HF names of every EP rank's tensors, in order
 
@@ -111,6 +112,7 @@ def _schedule(live: LiveModel, bucket_bytes: int, stacked: bool = False) -> list
              "etp": [_exported(live.peer_plan(etp=r)) for r in range(live.layout.etp)]}
     ep_peers = [_exported(live.peer_plan(ep=r)) for r in range(live.layout.ep)]
     index = {id(task): i for i, (_, task) in enumerate(tasks)}
+    fp8_weights = fp8.Quantization(live.arch.fp8) if live.arch.fp8 is not None else None  # what quantize="fp8" picks
 
     def nbytes(item) -> int:
         v, task = item
@@ -135,7 +137,8 @@ def _schedule(live: LiveModel, bucket_bytes: int, stacked: bool = False) -> list
                 elif permutation is not None:
                     step.permuted.append((local, task.shard.dim, *permutation, task.hf))
                 else:
-                    step.gathered.append((local, layouts, task.hf, task.hf_shapes))
+                    step.gathered.append((local, layouts, task.hf, task.hf_shapes,
+                                          _block_aligned(layouts, task.hf, task.hf_shapes, fp8_weights)))
             if group == "etp":
                 step.ep_names = [[n for _, t in members for n in ep_peer[index[id(t)]][1].hf] for ep_peer in ep_peers]
             steps.append(step)
@@ -261,7 +264,9 @@ def _block_aligned(layouts: list[ShardLayout], names, shapes, quantization: fp8.
     """Whether every rank's shard can be quantized in place, giving the bytes of the gathered HF
     tensors' quantization: all its HF tensors are quantized, and each piece starts on a block
     boundary and holds whole blocks (the last may end with the HF tensor's edge block), so the
-    shard's blocks are the HF tensors' blocks (reference fp8.md 1.6; 192-row shards would not be)."""
+    shard's blocks are the HF tensors' blocks (reference fp8.md 1.6; 192-row shards would not be).
+    Part of the cached schedule: it depends on the model's structure only (`quantization` picks
+    the architecture's FP8 weights, whatever the scale format)."""
     if quantization is None or not all(quantization.applies(n, s) for n, s in zip(names, shapes)):
         return False
     for layout in layouts:
@@ -276,16 +281,17 @@ def _block_aligned(layouts: list[ShardLayout], names, shapes, quantization: fp8.
 
 def _gather_and_merge(gathered: list, group, quantization: fp8.Quantization | None, done: set[str]) -> Bucket:
     """The HF tensors of the shards `gathered` ((local shard, every rank's layout, HF names, HF
-    shapes)), gathered over `group` (one collective per dtype) and merged. Where `_block_aligned`,
-    each rank quantizes its shard first and the FP8 shards and their scales are gathered and
-    merged (half the bytes; the names come quantized, with their scales, and go into `done`)."""
-    early = [_block_aligned(layouts, names, shapes, quantization) for _, layouts, names, shapes in gathered]
-    picked = [(names[0], local) for (local, _, names, _), e in zip(gathered, early) if e]
+    shapes, `_block_aligned`)), gathered over `group` (one collective per dtype) and merged. Where
+    `quantization` is given and the shard `_block_aligned`, each rank quantizes its shard first and
+    the FP8 shards and their scales are gathered and merged (half the bytes; the names come
+    quantized, with their scales, and go into `done`)."""
+    early = [quantization is not None and aligned for *_, aligned in gathered]
+    picked = [(names[0], local) for (local, _, names, _, _), e in zip(gathered, early) if e]
     quantized = iter(fp8.quantize_all(picked, quantization.scale_fmt) if picked else [])
-    sent = [list(next(quantized)) if e else [local] for (local, _, _, _), e in zip(gathered, early)]
+    sent = [list(next(quantized)) if e else [local] for (local, *_), e in zip(gathered, early)]
     shards = _all_gather([t for tensors in sent for t in tensors], group)
     out, k = [], 0
-    for (_, layouts, names, shapes), tensors in zip(gathered, sent):
+    for (_, layouts, names, shapes, _), tensors in zip(gathered, sent):
         pieces = [[rank_shards[k + j] for rank_shards in shards] for j in range(len(tensors))]
         k += len(tensors)
         if len(tensors) == 1:
@@ -300,7 +306,7 @@ def _gather_and_merge(gathered: list, group, quantization: fp8.Quantization | No
 
 
 def _orientation(config: dict, value: str | None) -> str | None:
-    """hf_io.expert_orientation_for of the model `config` describes (the same on every rank)."""
+    """hf_experts.expert_orientation_for of the model `config` describes (the same on every rank)."""
     arch = architecture_for(config)
     return expert_orientation_for(arch, model_dims(arch, config), value)
 
@@ -329,7 +335,7 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     "4.x" `[E, h, 2I]` / `[E, I, h]` (what mcore2hf writes by default), "5.x" `[E, 2I, h]` /
     `[E, h, I]`; a bucket then holds all the experts of its stacked tensors, whatever `bucket_bytes`.
     Where a stacked tensor is square, `expert_orientation` must be given (MconvError otherwise: no
-    orientation is read right by both transformers 4.57 and 5.x, see hf_io.expert_orientation_for).
+    orientation is read right by both transformers 4.57 and 5.x, see hf_experts.expert_orientation_for).
     `expert_orientation` without `stacked_experts` is an MconvError (it would change nothing).
 
     `quantize="fp8"` (`fp8_scale` "ue8m0" for power-of-two scales): each weight the model's FP8

@@ -87,7 +87,7 @@ class Architecture:
     # HF keeps routed experts stacked (`mlp.experts.gate_up_proj` / `down_proj`, transformers'
     # Qwen3-VL-MoE): the table names them per expert and the HF writer stacks them.
     stacked_experts: bool = False
-    # The orientations (hf_io.ORIENTATIONS) transformers loads stacked experts of this model in, the
+    # The orientations (hf_experts.ORIENTATIONS) transformers loads stacked experts of this model in, the
     # default first.
     expert_orientations: tuple[str, ...] = ("4.x", "5.x")
     # transformers loads this model's experts stacked or per expert alike: mcore2hf writes them in the

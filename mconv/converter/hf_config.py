@@ -1,0 +1,122 @@
+"""Hugging Face model directories beside their weights: config.json read and checked, the files that
+describe the model (config, generation config, tokenizer, remote code) copied next to converted
+weights, and config.json rewritten for them. The weights are `hf_io` (read) and `hf_write`."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from mconv.converter.output import copy_file
+from mconv.converter.remote_code import remote_code_files
+from mconv.errors import MconvError
+
+# Files that describe the model rather than hold weights; copied next to converted weights.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+              "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+              "video_preprocessor_config.json")
+
+
+def read_json(path: Path, what: str, object_pairs_hook=None) -> dict:
+    """A JSON object from `path` (`what` says what the file should be, for the error).
+
+    Raises MconvError naming the file if it is missing, not a regular file (a FIFO or a device is
+    never opened), not UTF-8, not JSON, or not a JSON object."""
+    if not path.is_file():
+        missing = not os.path.lexists(path) or (path.is_symlink() and not path.exists())
+        raise MconvError(f"{path} {'does not exist' if missing else 'is not a regular file'}: {what}")
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=object_pairs_hook)
+    except UnicodeDecodeError as e:
+        raise MconvError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}): {what}") from None
+    except (ValueError, RecursionError) as e:
+        raise MconvError(f"{path} is not valid JSON ({str(e).splitlines()[0]}): {what}") from None
+    except OSError as e:
+        raise MconvError(f"{path} cannot be read ({e.strerror}): {what}") from None
+    if not isinstance(value, dict):
+        raise MconvError(f"{path} holds a JSON {type(value).__name__}, not an object: {what}")
+    return value
+
+
+# Standard transformers config fields and what they must be: a config.json that gives another type
+# (or a size no model has, which would make the plan itself unbounded) is refused by name, before
+# any table reads it. The limits are far above any released model.
+CONFIG_FIELDS = {
+    **{key: (int, 1, 2**31) for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                         "intermediate_size", "vocab_size", "max_position_embeddings",
+                                         "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step",
+                                         "shared_expert_intermediate_size")},
+    **{key: (int, 1, 100_000) for key in ("num_hidden_layers", "num_experts", "num_local_experts")},
+    **{key: (float, 0, float("inf")) for key in ("rms_norm_eps", "rope_theta", "layer_norm_eps")},
+    **{key: (bool, None, None) for key in ("tie_word_embeddings", "attention_bias", "norm_topk_prob")},
+    "architectures": (list, None, None),
+    "mlp_only_layers": (list, None, None),
+}
+
+
+def check_config(config: dict, path: Path) -> None:
+    """Refuse standard config fields of the wrong type or size (`CONFIG_FIELDS`), in config.json
+    and in a nested `text_config` (vision-language models)."""
+    for where, fields in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(fields, dict):
+            continue
+        for key, (kind, low, high) in CONFIG_FIELDS.items():
+            value = fields.get(key)
+            if value is None:
+                continue
+            number = kind in (int, float) and isinstance(value, (int, float) if kind is float else int)
+            if isinstance(value, bool) != (kind is bool) or not (number or isinstance(value, kind)):
+                raise MconvError(f"{path}: {where}{key} is {value!r}, not {'a number' if kind is float else kind.__name__}")
+            if number and not low <= value <= high:
+                raise MconvError(f"{path}: {where}{key} is {value!r}, outside [{low}, {high:g}]")
+            if kind is list and not all(isinstance(v, str if key == "architectures" else int)
+                                        and not isinstance(v, bool) for v in value):
+                raise MconvError(f"{path}: {where}{key} is {value!r}, not a list of "
+                                 f"{'names' if key == 'architectures' else 'layer numbers'}")
+
+
+def read_config(directory: Path) -> dict:
+    """config.json of an HF model directory, its standard fields checked (`check_config`)."""
+    path = Path(directory) / "config.json"
+    config = read_json(path, "an HF model directory needs its config.json")
+    check_config(config, path)
+    return config
+
+
+def copy_side_files(source: Path, destination: Path) -> list[str]:
+    """Copy config, generation config and tokenizer files, and the remote code their `auto_map`
+    names (remote_code.remote_code_files: never imported here); returns the names copied."""
+    copied = []
+    for name in SIDE_FILES + tuple(remote_code_files(source, SIDE_FILES)):
+        if (Path(source) / name).is_file():
+            copy_file(Path(source) / name, Path(destination) / name)
+            copied.append(name)
+    return copied
+
+
+def write_hf_config(directory: Path, config: dict, original: dict) -> None:
+    """Replace the copied config.json by `config` (an architecture's rewrite of `original`, e.g. with
+    the keys of both transformers 4.x and 5.x), leaving the file as it was if nothing changed."""
+    if config != original:
+        (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_config_dtype(directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    """Record the dtype of the weights written (`entries`: name, dtype, shape; the dtype holding
+    most bytes if they are mixed) in `directory`/config.json, under the key the config already
+    uses (`dtype` in transformers 5, `torch_dtype` before), as `save_pretrained` does."""
+    written: dict[torch.dtype, int] = {}
+    for _, dtype, shape in entries:
+        written[dtype] = written.get(dtype, 0) + math.prod(shape) * dtype.itemsize
+    dtype = max(written, key=written.get)
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    key = "dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"
+    if config.get(key) == str(dtype).removeprefix("torch."):
+        return  # already right: keep the file as it was
+    config[key] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(config, indent=2) + "\n")
