@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
-exec .venv/bin/python -m pytest -n 2 -p no:cacheprovider tests "$@"
+exec .venv/bin/python -m pytest -n 2 -p no:cacheprovider --durations=25 tests "$@"
