@@ -17,7 +17,7 @@ from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.cli import main
 from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
-from tests.qwen3_5_oracle import block_spec, mtp_spec
+from tests.qwen3_5_oracle import block_spec, hf_mtp_logits, mtp_spec
 from tests.test_live import assert_every_hf_tensor_once
 from tests.test_oracle_megatron import stored_args
 
@@ -27,6 +27,12 @@ TOKENS = list(range(3, 283, 4))  # 70 tokens: more than one 64-token chunk of th
 @pytest.fixture(scope="session")
 def qwen3_5_dir():
     return FIXTURES / "qwen3-5-tiny"  # fixtures/make_fixtures.py's make_qwen3_5 (the docs convert it)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_mtp_dir(tmp_path_factory):
+    """Dense Qwen3.5 with its MTP layer (Qwen3.5-27B's form)."""
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_mtp") / "hf", seed=7, mtp=True)
 
 
 @pytest.fixture(scope="session")
@@ -112,8 +118,8 @@ def megatron_forward(tmp_path, hf_dir, sizes) -> tuple[torch.Tensor, MegatronRun
 
 @pytest.mark.slow
 # Delta-net sections at TP2 in the MoE runs; the dense run splits the two layer kinds over two stages,
-# where each stage numbers its layers from 0 and the kind follows the global index.
-@pytest.mark.parametrize("model,sizes", [("qwen3_5_dir", dict(pp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
+# where each stage numbers its layers from 0 and the kind follows the global index (its MTP block on the last).
+@pytest.mark.parametrize("model,sizes", [("qwen3_5_mtp_dir", dict(pp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
                                          ("qwen3_next_dir", dict(tp=2, ep=2, etp=1))],
                          ids=["dense-pp2", "moe-tp2-ep2", "next-tp2-ep2"])
 def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
@@ -121,7 +127,12 @@ def test_megatron_core_forward_matches_transformers(tmp_path, request, model, si
     hf_dir = request.getfixturevalue(model)
     ours, run = megatron_forward(tmp_path, hf_dir, sizes)
     reference = hf_logits(hf_dir, TOKENS)
-    assert (ours - reference).abs().max().item() < 1e-4
+    assert ours.shape[0] == 2 and (ours[:1] - reference).abs().max().item() < 1e-4
+    # The MTP depth (megatron-core's MTP block; HF: transformers' modules chained as that block chains them)
+    mtp = hf_mtp_logits(hf_dir, TOKENS, tmp_path)
+    assert (ours[1:] - mtp.pop("right")).abs().max().item() < 1e-4
+    for rule, wrong in mtp.items():  # a converter following a wrong rule fails
+        assert (ours[1:] - wrong).abs().max().item() > 1e-2, rule
     assert_every_hf_tensor_once(tmp_path / "live", run, hf_dir)  # mconv.live's export of the same model
 
 
