@@ -210,36 +210,68 @@ def test_a_missing_section_is_named(tmp_path, qwen3_5_dir):
         hf2mcore(hf_dir, tmp_path / "out", Layout(tp=2), fmt="torch", progress=False)
 
 
-def test_export_lora_peft_merge_equals_megatron_layout_merge(tmp_path, qwen3_5_dir):
-    """Megatron-Bridge LoRA at TP2 (`--spec te`) on the delta-net in_proj (one A; B rows in the rank's
-    [Q; K; V; Z; B; A] sections) and out_proj, the gated linear_qkv (B rows [q heads; gate heads; k; v]
-    per group), linear_proj and the MLP: peft, merging export-lora's adapter into transformers' model,
-    must give mcore2hf of the rank files with the adapters merged in Megatron layout (W + alpha/r * B @ A
-    per rank shard, tests/test_lora.py)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+def test_export_lora_peft_merge_equals_megatron_layout_merge(tmp_path, qwen3_5_mtp_dir):
+    """Megatron-Bridge LoRA at TP2 (`--spec te`, `--mtp`) on the delta-net in_proj (one A; B rows in the
+    rank's [Q; K; V; Z; B; A] sections) and out_proj, the gated linear_qkv (B rows [q heads; gate heads;
+    k; v] per group), linear_proj and the MLP, in the decoder and in the MTP block's layer (which
+    Megatron-Bridge's LoRA wraps by name, and exports under `mtp.layers.0.*`: qwen35_bridge.py's MTP
+    mappings): peft, merging export-lora's adapter into a module tree with the HF names (transformers has
+    no MTP module), and export-lora --merge must both give mcore2hf of the rank files with the adapters
+    merged in Megatron layout (W + alpha/r * B @ A per rank shard, tests/test_lora.py)."""
+    from peft import LoraConfig, PeftModel
 
+    from tests.test_bailing import _hf_module_tree
     from tests.test_lora import export, lora_checkpoint
     from tests.test_roundtrip import read_all
 
-    lora, merged = lora_checkpoint(tmp_path, qwen3_5_dir, Layout(tp=2), spec="te")
+    mtp = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge's default targets
+    lora, merged = lora_checkpoint(tmp_path, qwen3_5_mtp_dir, Layout(tp=2), spec="te", mtp=mtp)
     export(lora, tmp_path / "adapter")
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    # (longer suffixes where the MTP layer, without adapters here, has a module of the same name)
-    assert config["target_modules"] == ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "mlp.down_proj",
-                                        "mlp.gate_proj", "mlp.up_proj", "out_proj", "self_attn.k_proj",
-                                        "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
-    base = AutoModelForCausalLM.from_pretrained(qwen3_5_dir, dtype=torch.float32)
-    ours = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
-    mcore2hf(merged, tmp_path / "theirs", progress=False)
-    theirs, original = read_all(tmp_path / "theirs"), read_all(qwen3_5_dir)
-    assert ours.keys() == theirs.keys()
-    changed = 0
-    for name, tensor in ours.items():
-        assert torch.allclose(tensor, theirs[name].float(), atol=1e-6, rtol=0), name
-        changed += not torch.equal(tensor, original[name].float())
+    export(lora, tmp_path / "ours", "--merge", "--base-model", qwen3_5_mtp_dir, "--dtype", "float32")
+    config = LoraConfig.from_pretrained(tmp_path / "adapter")
+    assert config.target_modules == {"in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "down_proj", "gate_proj",
+                                     "up_proj", "out_proj", "k_proj", "o_proj", "q_proj", "v_proj"}
+    config.task_type = None  # the plain PeftModel wraps the module tree
+    model = PeftModel.from_pretrained(_hf_module_tree(qwen3_5_mtp_dir), tmp_path / "adapter", config=config)
     adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    assert changed == sum("lora_B" in name for name in adapter) == 30  # every linear layer's HF projections
+    injected = {name for name, _ in model.named_parameters() if ".lora_" in name}
+    assert {k.replace(".weight", ".default.weight") for k in adapter} == injected  # no missing, no unexpected
+    peft_merged = dict(model.merge_and_unload().named_parameters())
+    mcore2hf(merged, tmp_path / "theirs", progress=False)
+    theirs, ours, original = read_all(tmp_path / "theirs"), read_all(tmp_path / "ours"), read_all(qwen3_5_mtp_dir)
+    assert peft_merged.keys() == ours.keys() == theirs.keys()
+    changed = 0
+    for name, tensor in theirs.items():
+        assert torch.allclose(peft_merged[name], tensor.float(), atol=1e-6, rtol=0), name
+        assert torch.allclose(ours[name], tensor.float(), atol=1e-6, rtol=0), name
+        changed += not torch.equal(tensor.float(), original[name].float())
+    assert changed == sum("lora_B" in name for name in adapter) == 37  # 30 decoder and 7 MTP layer projections
+    assert sum(name.startswith("base_model.model.mtp.layers.0.") for name in adapter) == 14
+
+
+def test_export_lora_mtp_eh_proj(tmp_path, qwen3_5_mtp_dir):
+    """An adapter on the MTP block's eh_proj (Megatron-Bridge wraps it when targeted; its HF module is
+    `mtp.fc`): export-lora --merge merges it as the Megatron-layout merge does (TP2, column-parallel), and
+    a PEFT adapter is refused in one sentence: vLLM refuses a whole adapter with a module named `fc`,
+    none of the served model's LoRA modules (vllm/lora/lora_model.py check_unexpected_modules)."""
+    from tests.test_lora import export, lora_checkpoint
+    from tests.test_roundtrip import read_all
+
+    lora, merged = lora_checkpoint(tmp_path, qwen3_5_mtp_dir, Layout(tp=2), spec="te", mtp=("eh_proj",))
+    export(lora, tmp_path / "ours", "--merge", "--base-model", qwen3_5_mtp_dir, "--dtype", "float32")
+    mcore2hf(merged, tmp_path / "theirs", progress=False)
+    ours, theirs, original = read_all(tmp_path / "ours"), read_all(tmp_path / "theirs"), read_all(qwen3_5_mtp_dir)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.allclose(ours[name], tensor.float(), atol=1e-6, rtol=0), name
+    changed = [n for n in ours if not torch.equal(ours[n], original[n].float())]
+    assert [n for n in changed if n.startswith("mtp.")] == ["mtp.fc.weight"] and len(changed) == 31  # and the decoder's
+    done = CliRunner().invoke(main, ["export-lora", str(lora), str(tmp_path / "adapter"), "--alpha", "8"])
+    assert done.exit_code == 1 and done.output == (
+        "mconv: error: mtp.fc (an MTP layer's eh_proj) has a LoRA adapter, which a PEFT adapter cannot carry: vLLM "
+        "refuses a whole adapter naming a module fc, none of the served model's LoRA modules, and transformers has no "
+        "MTP module; --merge merges it\n")
+    assert not (tmp_path / "adapter").exists()
 
 
 def test_next_export_lora_merge_equals_megatron_layout_merge(tmp_path, qwen3_next_dir):

@@ -51,6 +51,7 @@ RankStates = Mapping[Rank, Sequence[Mapping[str, torch.Tensor]]]
 # for gate_up_proj, `<p>.mlp.experts.lora_A/B.weight` for down_proj; A `[E*r, in]` (expert e's A in rows
 # e*r..e*r+r-1), B `[out, r*E]` (expert e's column j at j*E + e: peft reshapes B to [out, r, E]).
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+MTP_ADAPTER = re.compile(r"(^|\.)mtp\.layers\.\d+\..*\.adapter\.")  # an adapter in megatron-core's MTP block
 EXPERT_MODULES = {"base_layer.": ("gate_proj", "up_proj"), "": ("down_proj",)}  # 3-D key infix -> per-expert modules
 
 
@@ -65,6 +66,8 @@ class PeftAdapter:
     rank: int
     tensors: dict[str, torch.Tensor]
     modules: list[str] | None = None
+    # HF modules whose adapters only --merge can apply (an MTP eh_proj's `mtp.fc`: see save)
+    merge_only: list[str] = field(default_factory=list)
 
     def __repr__(self) -> str:  # not the tensors
         return (f"PeftAdapter({self.arch}, r={self.rank}, {len(self.tensors)} tensors, "
@@ -110,8 +113,16 @@ class PeftAdapter:
                 "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}
 
     def save(self, directory: Path, alpha: float, base_model: str | None) -> None:
+        """Write adapter_config.json and adapter_model.safetensors into `directory`. Raises MconvError for
+        an adapter on an MTP layer's eh_proj: vLLM (0.32, vllm/lora/lora_model.py check_unexpected_modules)
+        refuses a whole adapter with a module (`mtp.fc`) whose last name is none of the served model's LoRA
+        modules, and transformers has no MTP module for peft to adapt."""
         from safetensors.torch import save
 
+        if self.merge_only:
+            raise MconvError(f"{self.merge_only[0]} (an MTP layer's eh_proj) has a LoRA adapter, which a PEFT adapter "
+                             "cannot carry: vLLM refuses a whole adapter naming a module fc, none of the served model's "
+                             f"LoRA modules, and transformers has no MTP module; {option('merge_into', True)} merges it")
         # written by us, not save_file, which makes its file 0600 whatever the umask
         data = save({k: t.contiguous() for k, t in self.tensors.items()}, metadata={"format": "pt"})
         (Path(directory) / ADAPTER_WEIGHTS).write_bytes(data)
@@ -157,10 +168,15 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
     arch = architecture_for(config)
     rank = adapter_rank(states, where)
     all_targets = targets(arch)  # found by rule, not by name: rules may share a name (KDA in_proj, by no_kda_lora)
+    # Adapters on megatron-core's MTP block (Megatron-Bridge wraps its layer's linear layers by name, and
+    # eh_proj when targeted): planned with the model's MTP layers, under the HF names the base weights have.
+    mtp = getattr(arch.dims(config), "hf_mtp_layers", 0) > 0 and any(
+        MTP_ADAPTER.search(name) for chunks in states.values() for chunk in chunks for name in chunk)
     expected: set[tuple[Rank, int, str]] = set()
     tensors: dict[str, torch.Tensor] = {}
+    merge_only: set[str] = set()
     for canonical in (False, True):
-        plan = make_plan(lora_architecture(arch, rank, canonical), config, layout, "local")
+        plan = make_plan(lora_architecture(arch, rank, canonical), config, layout, "local", mtp=mtp)
         rule_of = {task.hf: task.rule for rp in plan.ranks for chunk in rp.chunks for task in chunk}
         expected |= {(rp.rank, v, task.megatron) for rp in plan.ranks for v, chunk in enumerate(rp.chunks)
                      for task in chunk}
@@ -173,8 +189,11 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
             _, layer, expert, _ = export.order
             names = list(export.hf)
             if rule.megatron == target.a.megatron:  # a fused adapter's A is every split module's A
-                names += [f"{m.format(layer=layer, expert=expert)}.lora_A.weight" for m in target.hf_modules[1:]]
+                index = dict(layer=layer, expert=expert, mtp=layer - plan.dims.layers)  # MTP layer j is layer L + j
+                names += [f"{m.format(**index)}.lora_A.weight" for m in target.hf_modules[1:]]
                 merged += [merged[0].clone() for _ in target.hf_modules[1:]]
+            if target.a.megatron.partition(ADAPTER)[0].endswith(".eh_proj"):
+                merge_only.update(name.rsplit(".", 2)[0] for name in names)
             for name, tensor in zip(names, merged):
                 if PEFT_PREFIX + name in tensors:
                     raise MconvError(f"{where}: {name.rsplit('.', 2)[0]} has both a LoRA and a CanonicalLoRA adapter")
@@ -184,7 +203,7 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
     modules = _target_modules(arch, {m for m in modules if not (arch.stacked_experts and ".mlp.experts." in m)})
     if arch.stacked_experts:
         tensors = _stack_experts(tensors, arch.dims(config).experts, rank, where)
-    return PeftAdapter(arch.name, rank, tensors, modules)
+    return PeftAdapter(arch.name, rank, tensors, modules, sorted(merge_only))
 
 
 def _expert_key(key: str) -> bool:
