@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from fixtures.make_fixtures import make_qwen3_5
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.cli import main
-from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors
+from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors, load_rank_file
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
 from tests.qwen3_5_oracle import block_spec, hf_mtp_logits, mtp_spec
 from tests.test_live import assert_every_hf_tensor_once
@@ -271,6 +271,29 @@ def test_export_lora_mtp_eh_proj(tmp_path, qwen3_5_mtp_dir):
         "mconv: error: mtp.fc (an MTP layer's eh_proj) has a LoRA adapter, which a PEFT adapter cannot carry: vLLM "
         "refuses a whole adapter naming a module fc, none of the served model's LoRA modules, and transformers has no "
         "MTP module; --merge merges it\n")
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_canonical_lora_on_the_gated_linear_qkv_is_refused(tmp_path, qwen3_5_dir):
+    """Megatron-Bridge's CanonicalLoRA sizes adapter_q as the query heads alone (no gate rows) and adds its
+    per-group [q; k; v] output to linear_qkv's [q; gate; k; v] (peft/canonical_lora.py, LoRALinearSplitQKV):
+    it cannot train a gated linear_qkv, and export-lora says so in one sentence."""
+    from tests.test_lora import ALPHA
+
+    hf2mcore(qwen3_5_dir, tmp_path / "m", Layout(), fmt="torch", progress=False)
+    path = tmp_path / "m/release/mp_rank_00/model_optim_rng.pt"
+    state = load_rank_file(path)
+    c, r = read_config(qwen3_5_dir), 4
+    adapter = "decoder.layers.3.self_attention.linear_qkv.adapter.adapter_q."  # as Megatron-Bridge would shape it
+    state["model"] |= {adapter + "linear_in.weight": torch.zeros(r, c["hidden_size"]),
+                       adapter + "linear_out.weight": torch.zeros(c["num_attention_heads"] * c["head_dim"], r)}
+    torch.save(state, path)
+    done = CliRunner().invoke(main, ["export-lora", str(tmp_path / "m"), str(tmp_path / "adapter"), "--alpha", ALPHA])
+    assert done.exit_code == 1 and done.output == (
+        f"mconv: error: {tmp_path / 'm/release'}: {adapter}linear_in.weight in mp_rank_00 (model chunk 0) is a "
+        "CanonicalLoRA adapter on a gated linear_qkv (attention_output_gate), which Megatron-Bridge's CanonicalLoRA "
+        "does not support (its adapter_q has no gate rows, so its output does not fit linear_qkv's); use LoRA on "
+        "linear_qkv\n")
     assert not (tmp_path / "adapter").exists()
 
 

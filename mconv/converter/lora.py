@@ -29,7 +29,7 @@ from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
 from mconv.converter.options import option, shard_bytes, torch_dtype
-from mconv.converter.transforms import cast_dtype, checked_cast, fp32_note, merge, padded_vocab_size
+from mconv.converter.transforms import GATED_QKV, cast_dtype, checked_cast, fp32_note, merge, padded_vocab_size
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 from mconv.mappings.lora import Target, lora_architecture, targets
@@ -305,10 +305,17 @@ def _refuse_unknown(states: RankStates, arch: Architecture, expected: set, layou
         for v, chunk in enumerate(chunks):
             for name in chunk:
                 if ADAPTER in name and (rank, v, name) not in expected:
-                    raise _not_exportable(f"{where}: {name} in {layout.rank_dir(rank)} (model chunk {v})", arch)
+                    raise _not_exportable(f"{where}: {name} in {layout.rank_dir(rank)} (model chunk {v})", arch, name)
 
 
-def _not_exportable(what: str, arch: Architecture) -> MconvError:
+def _not_exportable(what: str, arch: Architecture, name: str) -> MconvError:
+    if ".linear_qkv.adapter.adapter_" in name and any(rule.kind is GATED_QKV for rule in arch.rules):
+        # Megatron-Bridge 0.6.2 (and main) sizes CanonicalLoRA's adapter_q kv_channels * num_attention_heads and
+        # interleaves [q; k; v] per group (peft/canonical_lora.py:385, 90-143), so it adds a tensor narrower
+        # than a gated linear_qkv's output (per group [q; gate; k; v]) to it (line 156): no run saves one.
+        return MconvError(f"{what} is a CanonicalLoRA adapter on a gated linear_qkv (attention_output_gate), which "
+                          "Megatron-Bridge's CanonicalLoRA does not support (its adapter_q has no gate rows, so its "
+                          "output does not fit linear_qkv's); use LoRA on linear_qkv")
     modules = sorted({t.a.megatron.partition(".adapter")[0].rsplit(".", 1)[-1] for t in targets(arch)})
     return MconvError(f"{what} is not a LoRA A or B tensor mconv can export: {arch.name} (as the HF config and layout "
                       f"describe it) has LoRA or CanonicalLoRA adapters on {', '.join(modules)} only; other modules, "
@@ -368,7 +375,7 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
             requests.append((key, offsets + (0,) * len(shape), chunk[name].view((1,) * len(offsets) + shape)))
             found.add(key)
     for key in sorted(stored.keys() - found):
-        raise _not_exportable(f"{where}: {key}", arch)
+        raise _not_exportable(f"{where}: {key}", arch, key)
     reader.read(requests)
     return {Rank(0, 0): [chunk]}, layout
 
