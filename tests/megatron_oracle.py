@@ -211,7 +211,8 @@ def forward_logits(chunks: list, run: MegatronRun, hidden_size: int, out: Path) 
     Pipeline stages (and virtual chunks) are chained with point-to-point sends of the hidden states
     between the ranks that parallel_state names as next and previous, in the order megatron-core's
     interleaved schedule runs chunks for one microbatch; the last stage's TP rank 0 saves the logits
-    to `out`."""
+    to `out` ([1 + MTP depths, s, vocab]: the model's, then each depth of its MTP block through the
+    output layer)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -231,7 +232,13 @@ def forward_logits(chunks: list, run: MegatronRun, hidden_size: int, out: Path) 
                     hidden = torch.empty(hidden_shape)
                     dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
                     model.set_input_tensor(hidden)
+                mtp_hidden = []
+                if getattr(model, "mtp", None) is not None:  # its output: [decoder output; depth 1; ...] on dim 0
+                    model.mtp.register_forward_hook(lambda module, args, output: mtp_hidden.append(output))
                 output = model(tokens, positions, mask)
+                for hidden in mtp_hidden[0].chunk(1 + model.config.mtp_num_layers)[1:] if mtp_hidden else ():
+                    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+                    output = torch.cat([output, model.output_layer(hidden, weight=weight)[0].transpose(0, 1)])
                 if v == run.vpp - 1 and p == run.pp - 1:
                     if ps.get_tensor_model_parallel_rank() == 0:
                         torch.save(output.float(), out)
@@ -390,7 +397,8 @@ def _rank_state(checkpoint: Path, run: MegatronRun, v: int) -> dict:
 
 
 def megatron_logits(run: MegatronRun, workdir: Path) -> torch.Tensor:
-    """Logits [1, seq, vocab] of megatron-core's forward on the checkpoint (padding rows dropped)."""
+    """Logits [1, seq, vocab] of megatron-core's forward on the checkpoint (padding rows dropped), then
+    those of each depth of its MTP block."""
     out = Path(workdir) / "megatron_logits.pt"
     store = Path(tempfile.mkdtemp(dir=workdir)) / "store"
     start_ranks(_worker, args=(run, store, out), nprocs=run.world)

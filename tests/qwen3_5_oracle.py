@@ -21,6 +21,8 @@ GatedDeltaNet needs fla importable; in deterministic mode it runs megatron-core'
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.nn import Parameter
 
@@ -117,3 +119,57 @@ def mtp_spec(config, spec, vp_stage: int):
 
     return get_gpt_mtp_block_spec_for_backend(config, spec, backend=_backend(config), vp_stage=vp_stage,
                                               pp_rank=ps.get_pipeline_model_parallel_rank())
+
+
+# Wrong MTP rules a converter could follow, as edits of the HF tensors (a Megatron model converted by the
+# wrong rule computes what the reference computes on the edited tensors).
+WRONG_MTP = {
+    "enorm and hnorm swapped": lambda t: t.update({"mtp.pre_fc_norm_embedding.weight": t["mtp.pre_fc_norm_hidden.weight"],
+                                                   "mtp.pre_fc_norm_hidden.weight": t["mtp.pre_fc_norm_embedding.weight"]}),
+    "eh_proj input halves swapped": lambda t: t.update({"mtp.fc.weight": torch.cat(t["mtp.fc.weight"].chunk(2, 1)[::-1], 1)}),
+}
+
+
+@torch.no_grad()
+def hf_mtp_logits(hf_dir, tokens: list[int], tmp_path) -> dict[str, torch.Tensor]:
+    """Logits [1, s, vocab] (fp32) of the HF model's MTP depth computed from transformers' own modules,
+    chained as megatron-core 0.19's MultiTokenPredictionLayer chains them (multi_token_prediction.py,
+    `_get_embeddings`, `_concat_embeddings`, `_postprocess`): the ids shifted one left (the last zero),
+    `fc(cat(pre_fc_norm_embedding(embed(ids)), pre_fc_norm_hidden(h)))` with h the decoder's final-normed
+    output, then the MTP layer, `mtp.norm` and the shared output head. The layer and its norm are a
+    one-layer model of the HF class (a full-attention decoder layer with the model's MLP, made by
+    transformers from `mtp.layers.0.*`, its experts per expert or fused, and `mtp.norm`), loaded by
+    transformers' from_pretrained from a copy in `tmp_path`; the rotary positions are 0..s-1, as
+    megatron-core passes the decoder's to its MTP block. Keyed "right", then by each WRONG_MTP rule."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import hf_tensors
+
+    main = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tensors = {n: t.float() for n, t in hf_tensors(hf_dir).items()}
+    config = copy.deepcopy(main.config)
+    layer = {"num_hidden_layers": 1, "layer_types": ["full_attention"], "mlp_only_layers": []}
+    config.update({k: v for k, v in layer.items() if hasattr(config, k)})
+    mtp_dir = tmp_path / "hf-mtp-layer"
+    config.save_pretrained(mtp_dir)
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    save_file({"model.embed_tokens.weight": tensors["model.embed_tokens.weight"], "lm_head.weight": tensors[head],
+               "model.norm.weight": tensors["mtp.norm.weight"],
+               **{"model." + n.removeprefix("mtp."): t for n, t in tensors.items() if n.startswith("mtp.layers.0.")}},
+              mtp_dir / "model.safetensors", metadata={"format": "pt"})
+    mtp, info = AutoModelForCausalLM.from_pretrained(mtp_dir, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # every MTP layer tensor taken, none missing
+    ids = torch.tensor([tokens])
+    h = main.model(ids, use_cache=False).last_hidden_state
+    shifted = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+    logits = {}
+    for rule, edit in {"right": lambda t: None, **WRONG_MTP}.items():
+        t = dict(tensors)
+        edit(t)
+        enorm, hnorm = (type(main.model.norm)(config.hidden_size, eps=config.rms_norm_eps) for _ in range(2))
+        enorm.weight.copy_(t["mtp.pre_fc_norm_embedding.weight"])
+        hnorm.weight.copy_(t["mtp.pre_fc_norm_hidden.weight"])
+        x = torch.cat([enorm(main.model.embed_tokens(shifted)), hnorm(h)], dim=-1) @ t["mtp.fc.weight"].T
+        logits[rule] = mtp.eval()(inputs_embeds=x, use_cache=False).logits
+    return logits

@@ -35,6 +35,9 @@ TOKENS = list(range(3, 60, 4))
 # a vision-language model's language layers too, and a gated delta-net's in_proj / out_proj (Qwen3.5)
 MODULE = re.compile(r"(?:language_model\.)?decoder\.layers\.(\d+)\.(.+?)\.?(linear_qkv|linear_proj|linear_fc1|linear_fc2|"
                     r"in_proj|out_proj)\.weight(\d*)")
+# megatron-core's MTP block: its layer's linear layers (which Megatron-Bridge's LoRA wraps by name) and eh_proj
+MTP_MODULE = re.compile(r"mtp\.layers\.(\d+)\.(?:mtp_model_layer\.(.+?)\.?)?(linear_qkv|linear_proj|linear_fc1|"
+                        r"linear_fc2|eh_proj)\.weight(\d*)")
 LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)")
 VISION_MODULE = re.compile(r"vision_model\..+\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight")
 
@@ -54,9 +57,10 @@ class Adapters:
     """Random Megatron-Bridge adapters for every linear layer of one rank file's chunks (with `vision`,
     also on a Qwen3-VL vision tower's blocks and patch mergers, which Megatron-Bridge's LoRA wraps by name)."""
 
-    def __init__(self, config: dict, layout: Layout, canonical: bool, vision: bool = False):
+    def __init__(self, config: dict, layout: Layout, canonical: bool, vision: bool = False, mtp: tuple[str, ...] = ()):
         config = config.get("text_config", config)  # Qwen3-VL: adapters on the language model
         self.config, self.layout, self.canonical, self.vision = config, layout, canonical, vision
+        self.mtp = mtp  # the MTP block's modules with adapters (linear_qkv, ..., eh_proj)
         experts = config.get("num_local_experts") or config.get("num_experts") or 0
         self.per_ep = experts // layout.ep if experts else 0
 
@@ -74,24 +78,27 @@ class Adapters:
         """Adapter tensors for the chunk's linear layers; merges each layer's delta into `chunk`."""
         layers = self.layout.chunk_layers(self.config["num_hidden_layers"])[rank.pp][v]
         adapters = {}
-        for name in [n for n in chunk if MODULE.fullmatch(n) or self.vision and VISION_MODULE.fullmatch(n)]:
+        mtp = [n for n in chunk if MTP_MODULE.fullmatch(n) and MTP_MODULE.fullmatch(n).group(3) in self.mtp]
+        for name in [n for n in chunk if MODULE.fullmatch(n) or self.vision and VISION_MODULE.fullmatch(n)] + mtp:
             if VISION_MODULE.fullmatch(name):  # a vision block or merger: no experts, split at the language TP
                 module = VISION_MODULE.fullmatch(name).group(1)
                 path = grouped = ""
                 size, group_rank, ident, prefix = self.layout.tp, rank.tp, name, name.removesuffix(".weight")
             else:
-                layer, path, module, grouped = MODULE.fullmatch(name).groups()
+                match = MODULE.fullmatch(name) or MTP_MODULE.fullmatch(name)
+                layer, path, module, grouped = match.groups()
+                layer, path = f"mtp{layer}" if match.re is MTP_MODULE else layers.start + int(layer), path or ""
                 expert = re.search(r"(^|\.)experts(\.|$)", path) is not None  # routed, not shared_experts (TP)
                 size, group_rank = (self.layout.etp, rank.etp) if expert else (self.layout.tp, rank.tp)
                 local = LOCAL_EXPERT.search(path)
                 if grouped:  # TE grouped GEMM: one adapter for all of the EP rank's experts
-                    ident, prefix = f"{layers.start + int(layer)}.{module}.ep{rank.ep}", name.rsplit(".", 1)[0]
+                    ident, prefix = f"{layer}.{module}.ep{rank.ep}", name.rsplit(".", 1)[0]
                 else:
                     global_expert = rank.ep * self.per_ep + int(local.group(1)) if local else ""
-                    ident = f"{layers.start + int(layer)}.{LOCAL_EXPERT.sub('e', path)}{global_expert}.{module}"
+                    ident = f"{layer}.{LOCAL_EXPERT.sub('e', path)}{global_expert}.{module}"
                     prefix = name.removesuffix(".weight")
             weight = chunk[name]
-            column = module in ("linear_qkv", "linear_fc1", "in_proj")
+            column = module in ("linear_qkv", "linear_fc1", "in_proj", "eh_proj")
             out, fan_in = weight.shape[0] * (size if column else 1), weight.shape[1] * (1 if column else size)
             canonical = self.canonical and not grouped and not name.startswith("vision_model.")  # language only
             if canonical and module == "linear_qkv":
@@ -122,12 +129,13 @@ class Adapters:
 
 
 def lora_checkpoint(tmp: Path, hf_dir: Path, layout: Layout, spec="local", canonical=False, adapter_only=False,
-                    vision=False):
-    """hf2mcore's legacy rank files plus adapters (`lora/`) and the same with the adapters merged (`merged/`)."""
+                    vision=False, mtp: tuple[str, ...] = ()):
+    """hf2mcore's legacy rank files plus adapters (`lora/`) and the same with the adapters merged (`merged/`);
+    with `mtp` (module names), converted with --mtp and adapters on those modules of the MTP block too."""
     config = read_config(hf_dir)
-    hf2mcore(hf_dir, tmp / "lora", layout, spec=spec, fmt="torch", progress=False)
+    hf2mcore(hf_dir, tmp / "lora", layout, spec=spec, fmt="torch", progress=False, mtp=bool(mtp))
     shutil.copytree(tmp / "lora", tmp / "merged")
-    adapters = Adapters(config, layout, canonical, vision)
+    adapters = Adapters(config, layout, canonical, vision, mtp)
     for rank in layout.ranks():
         lora_path = mio.rank_file(tmp / "lora" / "release", layout, rank)
         merged_path = mio.rank_file(tmp / "merged" / "release", layout, rank)

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from fixtures.make_fixtures import make_qwen3_5
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.cli import main
-from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors
+from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors, load_rank_file
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
-from tests.qwen3_5_oracle import block_spec, mtp_spec
+from tests.qwen3_5_oracle import block_spec, hf_mtp_logits, mtp_spec
 from tests.test_live import assert_every_hf_tensor_once
 from tests.test_oracle_megatron import stored_args
 
@@ -27,6 +27,12 @@ TOKENS = list(range(3, 283, 4))  # 70 tokens: more than one 64-token chunk of th
 @pytest.fixture(scope="session")
 def qwen3_5_dir():
     return FIXTURES / "qwen3-5-tiny"  # fixtures/make_fixtures.py's make_qwen3_5 (the docs convert it)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_mtp_dir(tmp_path_factory):
+    """Dense Qwen3.5 with its MTP layer (Qwen3.5-27B's form)."""
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_mtp") / "hf", seed=7, mtp=True)
 
 
 @pytest.fixture(scope="session")
@@ -112,8 +118,8 @@ def megatron_forward(tmp_path, hf_dir, sizes) -> tuple[torch.Tensor, MegatronRun
 
 @pytest.mark.slow
 # Delta-net sections at TP2 in the MoE runs; the dense run splits the two layer kinds over two stages,
-# where each stage numbers its layers from 0 and the kind follows the global index.
-@pytest.mark.parametrize("model,sizes", [("qwen3_5_dir", dict(pp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
+# where each stage numbers its layers from 0 and the kind follows the global index (its MTP block on the last).
+@pytest.mark.parametrize("model,sizes", [("qwen3_5_mtp_dir", dict(pp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
                                          ("qwen3_next_dir", dict(tp=2, ep=2, etp=1))],
                          ids=["dense-pp2", "moe-tp2-ep2", "next-tp2-ep2"])
 def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
@@ -121,7 +127,12 @@ def test_megatron_core_forward_matches_transformers(tmp_path, request, model, si
     hf_dir = request.getfixturevalue(model)
     ours, run = megatron_forward(tmp_path, hf_dir, sizes)
     reference = hf_logits(hf_dir, TOKENS)
-    assert (ours - reference).abs().max().item() < 1e-4
+    assert ours.shape[0] == 2 and (ours[:1] - reference).abs().max().item() < 1e-4
+    # The MTP depth (megatron-core's MTP block; HF: transformers' modules chained as that block chains them)
+    mtp = hf_mtp_logits(hf_dir, TOKENS, tmp_path)
+    assert (ours[1:] - mtp.pop("right")).abs().max().item() < 1e-4
+    for rule, wrong in mtp.items():  # a converter following a wrong rule fails
+        assert (ours[1:] - wrong).abs().max().item() > 1e-2, rule
     assert_every_hf_tensor_once(tmp_path / "live", run, hf_dir)  # mconv.live's export of the same model
 
 
@@ -199,36 +210,91 @@ def test_a_missing_section_is_named(tmp_path, qwen3_5_dir):
         hf2mcore(hf_dir, tmp_path / "out", Layout(tp=2), fmt="torch", progress=False)
 
 
-def test_export_lora_peft_merge_equals_megatron_layout_merge(tmp_path, qwen3_5_dir):
-    """Megatron-Bridge LoRA at TP2 (`--spec te`) on the delta-net in_proj (one A; B rows in the rank's
-    [Q; K; V; Z; B; A] sections) and out_proj, the gated linear_qkv (B rows [q heads; gate heads; k; v]
-    per group), linear_proj and the MLP: peft, merging export-lora's adapter into transformers' model,
-    must give mcore2hf of the rank files with the adapters merged in Megatron layout (W + alpha/r * B @ A
-    per rank shard, tests/test_lora.py)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+def test_export_lora_peft_merge_equals_megatron_layout_merge(tmp_path, qwen3_5_mtp_dir):
+    """Megatron-Bridge LoRA at TP2 (`--spec te`, `--mtp`) on the delta-net in_proj (one A; B rows in the
+    rank's [Q; K; V; Z; B; A] sections) and out_proj, the gated linear_qkv (B rows [q heads; gate heads;
+    k; v] per group), linear_proj and the MLP, in the decoder and in the MTP block's layer (which
+    Megatron-Bridge's LoRA wraps by name, and exports under `mtp.layers.0.*`: qwen35_bridge.py's MTP
+    mappings): peft, merging export-lora's adapter into a module tree with the HF names (transformers has
+    no MTP module), and export-lora --merge must both give mcore2hf of the rank files with the adapters
+    merged in Megatron layout (W + alpha/r * B @ A per rank shard, tests/test_lora.py)."""
+    from peft import LoraConfig, PeftModel
 
+    from tests.test_bailing import _hf_module_tree
     from tests.test_lora import export, lora_checkpoint
     from tests.test_roundtrip import read_all
 
-    lora, merged = lora_checkpoint(tmp_path, qwen3_5_dir, Layout(tp=2), spec="te")
+    mtp = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge's default targets
+    lora, merged = lora_checkpoint(tmp_path, qwen3_5_mtp_dir, Layout(tp=2), spec="te", mtp=mtp)
     export(lora, tmp_path / "adapter")
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    # (longer suffixes where the MTP layer, without adapters here, has a module of the same name)
-    assert config["target_modules"] == ["in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "mlp.down_proj",
-                                        "mlp.gate_proj", "mlp.up_proj", "out_proj", "self_attn.k_proj",
-                                        "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
-    base = AutoModelForCausalLM.from_pretrained(qwen3_5_dir, dtype=torch.float32)
-    ours = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
-    mcore2hf(merged, tmp_path / "theirs", progress=False)
-    theirs, original = read_all(tmp_path / "theirs"), read_all(qwen3_5_dir)
-    assert ours.keys() == theirs.keys()
-    changed = 0
-    for name, tensor in ours.items():
-        assert torch.allclose(tensor, theirs[name].float(), atol=1e-6, rtol=0), name
-        changed += not torch.equal(tensor, original[name].float())
+    export(lora, tmp_path / "ours", "--merge", "--base-model", qwen3_5_mtp_dir, "--dtype", "float32")
+    config = LoraConfig.from_pretrained(tmp_path / "adapter")
+    assert config.target_modules == {"in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "down_proj", "gate_proj",
+                                     "up_proj", "out_proj", "k_proj", "o_proj", "q_proj", "v_proj"}
+    config.task_type = None  # the plain PeftModel wraps the module tree
+    model = PeftModel.from_pretrained(_hf_module_tree(qwen3_5_mtp_dir), tmp_path / "adapter", config=config)
     adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    assert changed == sum("lora_B" in name for name in adapter) == 30  # every linear layer's HF projections
+    injected = {name for name, _ in model.named_parameters() if ".lora_" in name}
+    assert {k.replace(".weight", ".default.weight") for k in adapter} == injected  # no missing, no unexpected
+    peft_merged = dict(model.merge_and_unload().named_parameters())
+    mcore2hf(merged, tmp_path / "theirs", progress=False)
+    theirs, ours, original = read_all(tmp_path / "theirs"), read_all(tmp_path / "ours"), read_all(qwen3_5_mtp_dir)
+    assert peft_merged.keys() == ours.keys() == theirs.keys()
+    changed = 0
+    for name, tensor in theirs.items():
+        assert torch.allclose(peft_merged[name], tensor.float(), atol=1e-6, rtol=0), name
+        assert torch.allclose(ours[name], tensor.float(), atol=1e-6, rtol=0), name
+        changed += not torch.equal(tensor.float(), original[name].float())
+    assert changed == sum("lora_B" in name for name in adapter) == 37  # 30 decoder and 7 MTP layer projections
+    assert sum(name.startswith("base_model.model.mtp.layers.0.") for name in adapter) == 14
+
+
+def test_export_lora_mtp_eh_proj(tmp_path, qwen3_5_mtp_dir):
+    """An adapter on the MTP block's eh_proj (Megatron-Bridge wraps it when targeted; its HF module is
+    `mtp.fc`): export-lora --merge merges it as the Megatron-layout merge does (TP2, column-parallel), and
+    a PEFT adapter is refused in one sentence: vLLM refuses a whole adapter with a module named `fc`,
+    none of the served model's LoRA modules (vllm/lora/lora_model.py check_unexpected_modules)."""
+    from tests.test_lora import export, lora_checkpoint
+    from tests.test_roundtrip import read_all
+
+    lora, merged = lora_checkpoint(tmp_path, qwen3_5_mtp_dir, Layout(tp=2), spec="te", mtp=("eh_proj",))
+    export(lora, tmp_path / "ours", "--merge", "--base-model", qwen3_5_mtp_dir, "--dtype", "float32")
+    mcore2hf(merged, tmp_path / "theirs", progress=False)
+    ours, theirs, original = read_all(tmp_path / "ours"), read_all(tmp_path / "theirs"), read_all(qwen3_5_mtp_dir)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.allclose(ours[name], tensor.float(), atol=1e-6, rtol=0), name
+    changed = [n for n in ours if not torch.equal(ours[n], original[n].float())]
+    assert [n for n in changed if n.startswith("mtp.")] == ["mtp.fc.weight"] and len(changed) == 31  # and the decoder's
+    done = CliRunner().invoke(main, ["export-lora", str(lora), str(tmp_path / "adapter"), "--alpha", "8"])
+    assert done.exit_code == 1 and done.output == (
+        "mconv: error: mtp.fc (an MTP layer's eh_proj) has a LoRA adapter, which a PEFT adapter cannot carry: vLLM "
+        "refuses a whole adapter naming a module fc, none of the served model's LoRA modules, and transformers has no "
+        "MTP module; --merge merges it\n")
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_canonical_lora_on_the_gated_linear_qkv_is_refused(tmp_path, qwen3_5_dir):
+    """Megatron-Bridge's CanonicalLoRA sizes adapter_q as the query heads alone (no gate rows) and adds its
+    per-group [q; k; v] output to linear_qkv's [q; gate; k; v] (peft/canonical_lora.py, LoRALinearSplitQKV):
+    it cannot train a gated linear_qkv, and export-lora says so in one sentence."""
+    from tests.test_lora import ALPHA
+
+    hf2mcore(qwen3_5_dir, tmp_path / "m", Layout(), fmt="torch", progress=False)
+    path = tmp_path / "m/release/mp_rank_00/model_optim_rng.pt"
+    state = load_rank_file(path)
+    c, r = read_config(qwen3_5_dir), 4
+    adapter = "decoder.layers.3.self_attention.linear_qkv.adapter.adapter_q."  # as Megatron-Bridge would shape it
+    state["model"] |= {adapter + "linear_in.weight": torch.zeros(r, c["hidden_size"]),
+                       adapter + "linear_out.weight": torch.zeros(c["num_attention_heads"] * c["head_dim"], r)}
+    torch.save(state, path)
+    done = CliRunner().invoke(main, ["export-lora", str(tmp_path / "m"), str(tmp_path / "adapter"), "--alpha", ALPHA])
+    assert done.exit_code == 1 and done.output == (
+        f"mconv: error: {tmp_path / 'm/release'}: {adapter}linear_in.weight in mp_rank_00 (model chunk 0) is a "
+        "CanonicalLoRA adapter on a gated linear_qkv (attention_output_gate), which Megatron-Bridge's CanonicalLoRA "
+        "does not support (its adapter_q has no gate rows, so its output does not fit linear_qkv's); use LoRA on "
+        "linear_qkv\n")
+    assert not (tmp_path / "adapter").exists()
 
 
 def test_next_export_lora_merge_equals_megatron_layout_merge(tmp_path, qwen3_next_dir):

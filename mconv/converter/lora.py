@@ -30,7 +30,7 @@ from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
 from mconv.converter.options import option, shard_bytes, torch_dtype
-from mconv.converter.transforms import cast_dtype, checked_cast, fp32_note, merge, padded_vocab_size
+from mconv.converter.transforms import GATED_QKV, cast_dtype, checked_cast, fp32_note, merge, padded_vocab_size
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 from mconv.mappings.lora import Target, lora_architecture, targets
@@ -52,6 +52,7 @@ RankStates = Mapping[Rank, Sequence[Mapping[str, torch.Tensor]]]
 # for gate_up_proj, `<p>.mlp.experts.lora_A/B.weight` for down_proj; A `[E*r, in]` (expert e's A in rows
 # e*r..e*r+r-1), B `[out, r*E]` (expert e's column j at j*E + e: peft reshapes B to [out, r, E]).
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+MTP_ADAPTER = re.compile(r"(^|\.)mtp\.layers\.\d+\..*\.adapter\.")  # an adapter in megatron-core's MTP block
 EXPERT_MODULES = {"base_layer.": ("gate_proj", "up_proj"), "": ("down_proj",)}  # 3-D key infix -> per-expert modules
 
 
@@ -66,6 +67,8 @@ class PeftAdapter:
     rank: int
     tensors: dict[str, torch.Tensor]
     modules: list[str] | None = None
+    # HF modules whose adapters only --merge can apply (an MTP eh_proj's `mtp.fc`: see save)
+    merge_only: list[str] = field(default_factory=list)
 
     def __repr__(self) -> str:  # not the tensors
         return (f"PeftAdapter({self.arch}, r={self.rank}, {len(self.tensors)} tensors, "
@@ -111,8 +114,16 @@ class PeftAdapter:
                 "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}
 
     def save(self, directory: Path, alpha: float, base_model: str | None) -> None:
+        """Write adapter_config.json and adapter_model.safetensors into `directory`. Raises MconvError for
+        an adapter on an MTP layer's eh_proj: vLLM (0.32, vllm/lora/lora_model.py check_unexpected_modules)
+        refuses a whole adapter with a module (`mtp.fc`) whose last name is none of the served model's LoRA
+        modules, and transformers has no MTP module for peft to adapt."""
         from safetensors.torch import save
 
+        if self.merge_only:
+            raise MconvError(f"{self.merge_only[0]} (an MTP layer's eh_proj) has a LoRA adapter, which a PEFT adapter "
+                             "cannot carry: vLLM refuses a whole adapter naming a module fc, none of the served model's "
+                             f"LoRA modules, and transformers has no MTP module; {option('merge_into', True)} merges it")
         # written by us, not save_file, which makes its file 0600 whatever the umask
         data = save({k: t.contiguous() for k, t in self.tensors.items()}, metadata={"format": "pt"})
         (Path(directory) / ADAPTER_WEIGHTS).write_bytes(data)
@@ -158,10 +169,15 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
     arch = architecture_for(config)
     rank = adapter_rank(states, where)
     all_targets = targets(arch)  # found by rule, not by name: rules may share a name (KDA in_proj, by no_kda_lora)
+    # Adapters on megatron-core's MTP block (Megatron-Bridge wraps its layer's linear layers by name, and
+    # eh_proj when targeted): planned with the model's MTP layers, under the HF names the base weights have.
+    mtp = getattr(arch.dims(config), "hf_mtp_layers", 0) > 0 and any(
+        MTP_ADAPTER.search(name) for chunks in states.values() for chunk in chunks for name in chunk)
     expected: set[tuple[Rank, int, str]] = set()
     tensors: dict[str, torch.Tensor] = {}
+    merge_only: set[str] = set()
     for canonical in (False, True):
-        plan = make_plan(lora_architecture(arch, rank, canonical), config, layout, "local")
+        plan = make_plan(lora_architecture(arch, rank, canonical), config, layout, "local", mtp=mtp)
         rule_of = {task.hf: task.rule for rp in plan.ranks for chunk in rp.chunks for task in chunk}
         expected |= {(rp.rank, v, task.megatron) for rp in plan.ranks for v, chunk in enumerate(rp.chunks)
                      for task in chunk}
@@ -174,8 +190,11 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
             _, layer, expert, _ = export.order
             names = list(export.hf)
             if rule.megatron == target.a.megatron:  # a fused adapter's A is every split module's A
-                names += [f"{m.format(layer=layer, expert=expert)}.lora_A.weight" for m in target.hf_modules[1:]]
+                index = dict(layer=layer, expert=expert, mtp=layer - plan.dims.layers)  # MTP layer j is layer L + j
+                names += [f"{m.format(**index)}.lora_A.weight" for m in target.hf_modules[1:]]
                 merged += [merged[0].clone() for _ in target.hf_modules[1:]]
+            if target.a.megatron.partition(ADAPTER)[0].endswith(".eh_proj"):
+                merge_only.update(name.rsplit(".", 2)[0] for name in names)
             for name, tensor in zip(names, merged):
                 if PEFT_PREFIX + name in tensors:
                     raise MconvError(f"{where}: {name.rsplit('.', 2)[0]} has both a LoRA and a CanonicalLoRA adapter")
@@ -185,7 +204,7 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
     modules = _target_modules(arch, {m for m in modules if not (arch.stacked_experts and ".mlp.experts." in m)})
     if arch.stacked_experts:
         tensors = _stack_experts(tensors, arch.dims(config).experts, rank, where)
-    return PeftAdapter(arch.name, rank, tensors, modules)
+    return PeftAdapter(arch.name, rank, tensors, modules, sorted(merge_only))
 
 
 def _expert_key(key: str) -> bool:
@@ -287,10 +306,17 @@ def _refuse_unknown(states: RankStates, arch: Architecture, expected: set, layou
         for v, chunk in enumerate(chunks):
             for name in chunk:
                 if ADAPTER in name and (rank, v, name) not in expected:
-                    raise _not_exportable(f"{where}: {name} in {layout.rank_dir(rank)} (model chunk {v})", arch)
+                    raise _not_exportable(f"{where}: {name} in {layout.rank_dir(rank)} (model chunk {v})", arch, name)
 
 
-def _not_exportable(what: str, arch: Architecture) -> MconvError:
+def _not_exportable(what: str, arch: Architecture, name: str) -> MconvError:
+    if ".linear_qkv.adapter.adapter_" in name and any(rule.kind is GATED_QKV for rule in arch.rules):
+        # Megatron-Bridge 0.6.2 (and main) sizes CanonicalLoRA's adapter_q kv_channels * num_attention_heads and
+        # interleaves [q; k; v] per group (peft/canonical_lora.py:385, 90-143), so it adds a tensor narrower
+        # than a gated linear_qkv's output (per group [q; gate; k; v]) to it (line 156): no run saves one.
+        return MconvError(f"{what} is a CanonicalLoRA adapter on a gated linear_qkv (attention_output_gate), which "
+                          "Megatron-Bridge's CanonicalLoRA does not support (its adapter_q has no gate rows, so its "
+                          "output does not fit linear_qkv's); use LoRA on linear_qkv")
     modules = sorted({t.a.megatron.partition(".adapter")[0].rsplit(".", 1)[-1] for t in targets(arch)})
     return MconvError(f"{what} is not a LoRA A or B tensor mconv can export: {arch.name} (as the HF config and layout "
                       f"describe it) has LoRA or CanonicalLoRA adapters on {', '.join(modules)} only; other modules, "
@@ -350,7 +376,7 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
             requests.append((key, offsets + (0,) * len(shape), chunk[name].view((1,) * len(offsets) + shape)))
             found.add(key)
     for key in sorted(stored.keys() - found):
-        raise _not_exportable(f"{where}: {key}", arch)
+        raise _not_exportable(f"{where}: {key}", arch, key)
     reader.read(requests)
     return {Rank(0, 0): [chunk]}, layout
 
