@@ -337,7 +337,9 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     `quantize="fp8"` (`fp8_scale` "ue8m0" for power-of-two scales): each weight the model's FP8
     releases quantize comes as (name, float8_e4m3fn weight) and (name + "_scale_inv", float32 scale)
     in the same bucket, quantized on the tensors' device after the gathers, the bytes `mcore2hf
-    --quantize fp8` writes (fp8.quantize; `dtype` then casts the other tensors only).
+    --quantize fp8` writes (fp8.quantize; `dtype` then casts the other tensors only). Stacked
+    experts come as the stacked float8_e4m3fn tensor and its `_scale_inv` [E, ceil(rows/128),
+    ceil(cols/128)], each expert's matrix quantized as it is stacked (in `expert_orientation`).
     """
     config = _config(hf_config, revision)
     if stacked_experts and not architecture_for(config).stacked_experts:
@@ -370,7 +372,7 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
         for b, entries in enumerate(stage_buckets):
             tensors = ([x for _, x in mine[b]] if stage == live.rank.pp else
                        [torch.empty(shape, dtype=dt, device=device) for _, shape, dt in entries])
-            for dt in {t.dtype for t in tensors}:
+            for dt in dict.fromkeys(t.dtype for t in tensors):  # in order: a set's differs from rank to rank
                 members = [t for t in tensors if t.dtype == dt]
                 flat = torch.cat([t.reshape(-1) for t in members])
                 dist.broadcast(flat.view(torch.uint8) if dt == fp8.FP8 else flat, src=source, group=group)
