@@ -164,7 +164,8 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in task_shards)
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
-            if cast(task.hf) is not None and not (quantization and any(map(quantization.applies, task.hf, task.hf_shapes))):
+            written_exact = quantization is not None and any(map(quantization.applies, task.hf, task.hf_shapes))
+            if cast(task.hf) is not None and not written_exact:
                 check_cast([(", ".join(task.hf), shard) for shard in task_shards], cast(task.hf))  # as hf2mcore names it
             merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [targets[name] for name in task.hf])
         for name, exact in targets.items():

@@ -453,7 +453,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         def finish():
             writer.write_index()
             copy_side_files(source, staging)
-            write_hf_config(staging, fp8.output_config(live.arch.hf_config(config, live.dims), quantization, writer.kept), config)
+            write_hf_config(staging, fp8.output_config(live.arch.hf_config(config, live.dims), quantization,
+                                                       writer.kept), config)
             write_config_dtype(staging, plain)
             shared.commit()
 
