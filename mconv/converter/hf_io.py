@@ -335,31 +335,6 @@ def expert_views(info: TensorInfo, transposed: bool, parts: int) -> list[list[Te
     return views
 
 
-def fp8_note(config: dict, tensors, where, directory: Path) -> str | None:
-    """What inspect says of a quantized checkpoint: block-wise FP8 (config.json's `quantization_config`
-    with quant_method fp8, or `weight_scale_inv` block scales) is read dequantized, unless the checks
-    hf2mcore makes from the headers of `directory` (`HFCheckpoint._present_dequantized`: each scale's
-    shape and dtype) refuse it, which it then says; None otherwise. Scale values are not read."""
-    quantization = config.get("quantization_config")
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-    scales = sum(name.endswith(fp8.SCALE_SUFFIX) for name in tensors)
-    if method is None and not scales:
-        return None
-    if method not in ("fp8", None):
-        return f"{where} is a quantized checkpoint (quant_method {method!r}), which mconv does not convert"
-    if method is None:
-        return (f"{where} has {scales} weights with weight_scale_inv block scales but config.json has no FP8 "
-                "quantization_config, which says what they mean; hf2mcore and load_hf_weights refuse it")
-    try:
-        block = fp8.block_size(config, where)
-        HFCheckpoint(directory, dequantize=torch.bfloat16).close()
-    except MconvError as e:  # what hf2mcore would refuse, said here rather than promised to work
-        return f"{e}; hf2mcore and load_hf_weights refuse it"
-    return (f"{where} is block-wise FP8 (quant_method 'fp8', blocks {list(block)}): {scales} weights in "
-            "float8_e4m3fn with their weight_scale_inv; hf2mcore and load_hf_weights dequantize them "
-            "(bfloat16 by default), the other tensors are kept as stored")
-
-
 class HFCheckpoint:
     """A HF model directory, read lazily: headers up front, tensor bytes only when sliced.
     Stacked experts appear as per-expert tensors (see expand_stacked_experts). Safetensors files
