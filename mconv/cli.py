@@ -386,8 +386,9 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
               help="Write block-wise FP8 (128x128 blocks, float8_e4m3fn weights with float32 weight_scale_inv) "
                    "as the model's FP8 releases hold it: the linear projections quantized, embeddings, lm_head, "
-                   "norms, router and vision tower kept (in --dtype, or as stored). For Qwen3, Qwen3-MoE and "
-                   "Qwen3-VL dense; refused for the other architectures (their FP8 is read, not written). "
+                   "norms, router and vision tower kept (in --dtype, or as stored). For Qwen3, Qwen3-MoE, "
+                   "Qwen3-VL and Qwen3-VL-MoE (stacked experts quantized expert by expert); refused for the other "
+                   "architectures (their FP8 is read, not written). "
                    "See docs/fp8.md.")
 @click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
               help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two, DeepGEMM / SGLang). "
@@ -489,7 +490,7 @@ def verify_command(first, second, quiet):
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True, help="With --merge: largest safetensors shard." + SIZE_HELP)
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
               help="With --merge: write the merged model as block-wise FP8, as `mcore2hf --quantize fp8` does "
-                   "(merged first, then quantized; Qwen3, Qwen3-MoE and Qwen3-VL dense only). See docs/fp8.md.")
+                   "(merged first, then quantized; Qwen3, Qwen3-MoE, Qwen3-VL and Qwen3-VL-MoE only). See docs/fp8.md.")
 @click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
               help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two). Default: the base "
                    "model config's quantization_config.scale_fmt (a UE8M0 model comes back UE8M0), else 'float'.")

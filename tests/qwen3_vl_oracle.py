@@ -260,14 +260,16 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
         from mconv.live import iter_hf_weights, save_hf_weights
 
         for label, options in (("yielded", {}), ("stacked4", {"stacked_experts": True}),
-                               ("stacked5", {"stacked_experts": True, "expert_orientation": "5.x"})):
-            yielded = [(name, tensor.clone()) for bucket in iter_hf_weights(chunks, run.live_hf, bucket_bytes=40_000,
-                                                                            gather_pp=True, **options)
-                       for name, tensor in bucket]
-            torch.save(yielded, run.live_out / f"{label}{rank}.pt")
+                               ("stacked5", {"stacked_experts": True, "expert_orientation": "5.x"}),
+                               ("stacked4-fp8", {"stacked_experts": True, "quantize": "fp8"}),
+                               ("stacked5-fp8", {"stacked_experts": True, "expert_orientation": "5.x", "quantize": "fp8"})):
+            buckets = [[(name, tensor.clone()) for name, tensor in bucket]
+                       for bucket in iter_hf_weights(chunks, run.live_hf, bucket_bytes=40_000, gather_pp=True, **options)]
+            torch.save(buckets, run.live_out / f"{label}{rank}.pt")
         save_hf_weights(chunks, run.live_out / "saved", run.live_hf, max_shard_bytes=200_000)
         save_hf_weights(chunks, run.live_out / "saved5", run.live_hf, max_shard_bytes=200_000,
                         expert_orientation="5.x")
+        save_hf_weights(chunks, run.live_out / "saved-fp8", run.live_hf, max_shard_bytes=200_000, quantize="fp8")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from fixtures.make_fixtures import make_qwen3_vl
+from mconv import Layout, hf2mcore, mcore2hf
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.transforms import padded_vocab_size
 from tests.conftest import FIXTURES
 from tests.qwen3_vl_oracle import VLRun, example_inputs, hf_logits, megatron_logits
+from tests.test_fp8 import bits
 from tests.test_qwen3_vl import transposed_experts
 from tests.test_roundtrip import assert_bit_identical, read_all
 
@@ -41,7 +43,7 @@ def test_live_load_export_and_save(tmp_path, sizes):
 
     ckpt = HFCheckpoint(hf)  # per-expert views of the stacked experts
     for rank in range(run.world):
-        yielded = torch.load(tmp_path / f"yielded{rank}.pt")
+        yielded = [pair for bucket in torch.load(tmp_path / f"yielded{rank}.pt") for pair in bucket]
         names = [name for name, _ in yielded]
         assert sorted(names) == sorted(ckpt.tensors) and len(set(names)) == len(names)
         for name, tensor in yielded:
@@ -53,7 +55,7 @@ def test_live_load_export_and_save(tmp_path, sizes):
     fixture = {k: v.float() for k, v in read_all(hf).items()}  # its experts are in the 4.x orientation
     for label, expected in (("stacked5", state), ("stacked4", fixture)):
         for rank in range(run.world):
-            yielded = torch.load(tmp_path / f"{label}{rank}.pt")
+            yielded = [pair for bucket in torch.load(tmp_path / f"{label}{rank}.pt") for pair in bucket]
             assert sorted(name for name, _ in yielded) == sorted(expected), label
             for name, tensor in yielded:
                 assert tensor.is_contiguous() and torch.equal(tensor, expected[name]), (label, name)
@@ -63,3 +65,22 @@ def test_live_load_export_and_save(tmp_path, sizes):
     for saved in ("saved", "saved5"):
         _, info = AutoModelForImageTextToText.from_pretrained(tmp_path / saved, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+    # FP8: the stacked experts quantized expert by expert, each FP8 tensor (scales too) the bytes of
+    # `mcore2hf --quantize fp8`'s output (whose experts test_fp8_stacked.py holds to compressed-tensors'
+    # bytes), each in its weight's bucket; the other tensors its values (the live model is fp32)
+    hf2mcore(hf, tmp_path / "m", Layout(), fmt="torch", progress=False)
+    for orientation in ("4.x", "5.x"):
+        mcore2hf(tmp_path / "m", tmp_path / orientation, progress=False, quantize="fp8", expert_orientation=orientation)
+    for label, orientation in (("stacked4-fp8", "4.x"), ("stacked5-fp8", "5.x"), ("saved-fp8", "4.x")):
+        offline = read_all(tmp_path / orientation)
+        assert offline["model.language_model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.float8_e4m3fn
+        runs = ([[list(read_all(tmp_path / label).items())]] if label == "saved-fp8" else
+                [torch.load(tmp_path / f"{label}{rank}.pt") for rank in range(run.world)])
+        for buckets in runs:
+            assert sorted(name for bucket in buckets for name, _ in bucket) == sorted(offline), label
+            for bucket in buckets:
+                held = {name for name, _ in bucket}
+                for name, tensor in bucket:
+                    assert name.removesuffix("_scale_inv") in held, (label, name)
+                    assert torch.equal(bits(tensor.to(offline[name].dtype)), bits(offline[name])), (label, name)

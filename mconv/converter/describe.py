@@ -12,9 +12,12 @@ import shlex
 from argparse import Namespace
 from pathlib import Path
 
+import torch
+
+from mconv.converter import fp8
 from mconv.converter import megatron_io as mio
 from mconv.converter.adapter_dir import describe_adapter, is_adapter, render_adapter
-from mconv.converter.hf_io import HFCheckpoint, fp8_note
+from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout, count
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -182,6 +185,33 @@ def _sizes(dtypes: dict) -> dict:
 def _count(counts: dict, dtype, nbytes: int) -> None:
     n, b = counts.get(_plain(dtype), (0, 0))
     counts[_plain(dtype)] = (n + 1, b + nbytes)
+
+
+def fp8_note(ckpt: HFCheckpoint, where) -> str | None:
+    """What inspect says of a quantized checkpoint (`ckpt`, opened as stored): block-wise FP8
+    (config.json's `quantization_config` with quant_method fp8, or `weight_scale_inv` block scales)
+    is read dequantized, unless the checks hf2mcore makes from the headers it read
+    (`HFCheckpoint.dequantized`: each scale's shape and dtype) refuse it, which it then says; None
+    otherwise. Scale values are not read, nor the headers again."""
+    config, tensors = ckpt.config, ckpt.tensors
+    quantization = config.get("quantization_config")
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    scales = sum(name.endswith(fp8.SCALE_SUFFIX) for name in tensors)
+    if method is None and not scales:
+        return None
+    if method not in ("fp8", None):
+        return f"{where} is a quantized checkpoint (quant_method {method!r}), which mconv does not convert"
+    if method is None:
+        return (f"{where} has {scales} weights with weight_scale_inv block scales but config.json has no FP8 "
+                "quantization_config, which says what they mean; hf2mcore and load_hf_weights refuse it")
+    try:
+        block = fp8.block_size(config, where)
+        ckpt.dequantized(torch.bfloat16)
+    except MconvError as e:  # what hf2mcore would refuse, said here rather than promised to work
+        return f"{e}; hf2mcore and load_hf_weights refuse it"
+    return (f"{where} is block-wise FP8 (quant_method 'fp8', blocks {list(block)}): {scales} weights in "
+            "float8_e4m3fn with their weight_scale_inv; hf2mcore and load_hf_weights dequantize them "
+            "(bfloat16 by default), the other tensors are kept as stored")
 
 
 def _describe_hf(path: Path, shown: str) -> dict:

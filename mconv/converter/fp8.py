@@ -32,9 +32,10 @@ def scale_name(weight: str) -> str:
     return weight + SCALE_SUFFIX
 
 
-def grid(shape, block=(BLOCK, BLOCK)) -> tuple[int, int]:
-    """The scale grid of a 2-D weight: (ceil(out / block[0]), ceil(in / block[1]))."""
-    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+def grid(shape, block=(BLOCK, BLOCK)) -> tuple[int, ...]:
+    """The scale grid of a 2-D weight: (ceil(out / block[0]), ceil(in / block[1])); of 3-D stacked
+    experts [E, rows, cols], each expert's stored matrix's: (E, ceil(rows / block[0]), ceil(cols / block[1]))."""
+    return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
 def _blocks(w: torch.Tensor) -> torch.Tensor:
@@ -53,12 +54,20 @@ def quantize(w: torch.Tensor, scale_fmt: str = "float", name: str = "tensor", ch
     the caller, whose scales are then not finite) or `scale_fmt` is unknown.
     A window of block rows at a time (about WINDOW_ELEMENTS elements): each block lies in one
     window, so the bytes are the whole tensor's, and the float32 temporaries stay a few times
-    WINDOW_ELEMENTS x 4 bytes whatever the weight's size."""
+    WINDOW_ELEMENTS x 4 bytes whatever the weight's size.
+    3-D stacked experts `w` [E, rows, cols] (transformers' fused form, as stored): each expert's
+    matrix is quantized as a 2-D weight, one at a time; scale_inv [E, ceil(rows/128), ceil(cols/128)]."""
     if scale_fmt not in SCALE_FORMATS:
         raise MconvError(f"the FP8 scale format must be one of {', '.join(SCALE_FORMATS)}, got {scale_fmt!r}")
-    rows, cols = grid(w.shape)
     q, scale = out if out is not None else (torch.empty(w.shape, dtype=FP8, device=w.device),
-                                            torch.empty((rows, cols), dtype=torch.float32, device=w.device))
+                                            torch.empty(grid(w.shape), dtype=torch.float32, device=w.device))
+    if w.dim() == 3:
+        for expert, expert_q, expert_scale in zip(w, q, scale):
+            quantize(expert, scale_fmt, name, False, (expert_q, expert_scale))
+        if check and not torch.isfinite(scale).all():
+            raise _not_finite(name)
+        return q, scale
+    rows, cols = grid(w.shape)
     step = BLOCK * max(1, WINDOW_ELEMENTS // (BLOCK * BLOCK * max(cols, 1)))
     for first in range(0, w.shape[0], step):
         window = w[first:first + step]
@@ -135,13 +144,13 @@ def block_size(config: dict, where) -> tuple[int, int] | None:
 @dataclass(frozen=True)
 class Quantization:
     """What a writer quantizes: the HF weights `quantized(name)` picks (the architecture's
-    `fp8`, 2-D weights only), with scales in `scale_fmt`."""
+    `fp8`: 2-D weights, and 3-D stacked experts, quantized expert by expert), with scales in `scale_fmt`."""
 
     quantized: Callable[[str], bool]
     scale_fmt: str = "float"
 
     def applies(self, name: str, shape) -> bool:
-        return len(shape) == 2 and self.quantized(name)
+        return len(shape) in (2, 3) and self.quantized(name)
 
 
 def writer_quantization(arch, quantize: str | None, fp8_scale: str | None,
@@ -164,7 +173,7 @@ def writer_quantization(arch, quantize: str | None, fp8_scale: str | None,
                          f"{', '.join(SCALE_FORMATS)}")
     if arch.fp8 is None:
         raise MconvError(f"{option('quantize', 'fp8')}: mconv does not write FP8 checkpoints of {arch.name} yet "
-                         "(Qwen3, Qwen3-MoE and Qwen3-VL dense)")
+                         "(Qwen3, Qwen3-MoE, Qwen3-VL and Qwen3-VL-MoE)")
     source = (config or {}).get("quantization_config")
     source_scale = source.get("scale_fmt") if isinstance(source, dict) and source.get("quant_method") == "fp8" else None
     return Quantization(arch.fp8, fp8_scale or (source_scale if source_scale in SCALE_FORMATS else "float"))
@@ -218,11 +227,13 @@ def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float"
     """(q, scale) of each (name, 2-D weight), by `quantize`, on the weights' device (one device); one
     host synchronisation for the list (MconvError naming the first weight holding inf or NaN).
     `batched` (default: on a GPU): all the weights together, in a few Triton kernel launches
-    (fp8_batch), where Triton is importable; otherwise, and where it is not (a torch build without
-    it), one by one: the same bytes either way."""
+    (fp8_batch), where Triton is importable and the list holds no 3-D stacked experts; otherwise
+    (and where Triton is not importable: a torch build without it), one by one: the same bytes
+    either way."""
     if not named:
         return []
-    if (named[0][1].is_cuda if batched is None else batched) and _triton_importable():
+    if ((named[0][1].is_cuda if batched is None else batched) and all(t.dim() == 2 for _, t in named)
+            and _triton_importable()):
         from mconv.converter.fp8_batch import quantize_batch
 
         return quantize_batch(named, scale_fmt)

@@ -8,13 +8,14 @@ import os
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from mconv.converter import fp8
 from mconv.converter.hf_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME, read_bin
 from mconv.converter.hf_config import read_config, read_json
-from mconv.converter.hf_experts import STACKED_EXPERTS
+from mconv.converter.hf_experts import STACKED_EXPERTS, stacked_expert
 from mconv.converter.transforms import checked_cast
 from mconv.errors import MconvError
 
@@ -24,6 +25,19 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+class FP8Weight(NamedTuple):
+    """Where a presented FP8 weight's bytes and scales are: its stored tensor and its scale's, both
+    in the weight's [out, in] orientation (expert_views for an expert's module of stacked
+    experts), the scale's name, the row of the scales' matrix the weight starts at (a module's place
+    in its expert's matrix; 0 for a plain weight) and the block in the weight's orientation."""
+
+    info: "TensorInfo"
+    scale: "TensorInfo"
+    scale_name: str
+    row: int
+    block: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -140,52 +154,34 @@ def expand_stacked_experts(tensors: dict[str, TensorInfo], where: str) -> dict[s
                                  f"{' and '.join(STACKED_EXPERTS)})")
         transposed = _stacked_orientation(where, prefix, pair["gate_up_proj"].shape, pair["down_proj"].shape)
         for proj, info in pair.items():
-            experts, rows, cols = info.shape
-            out, fan_in = (cols, rows) if transposed else (rows, cols)
-            parts = STACKED_EXPERTS[proj]
-            section, size = out // len(parts), _itemsize(info.dtype)
-            for e in range(experts):
-                base = info.offset + e * rows * cols * size
-                for i, part in enumerate(parts):
-                    if info.mapped is not None:
-                        expert = info.mapped[e]
-                        view = (expert.narrow(1, i * section, section).T if transposed
-                                else expert.narrow(0, i * section, section))
-                        plain[f"{prefix}.{e}.{part}.weight"] = TensorInfo(
-                            info.file, info.dtype, (section, fan_in), 0, out if transposed else 0, view)
-                        continue
-                    plain[f"{prefix}.{e}.{part}.weight"] = (
-                        TensorInfo(info.file, info.dtype, (section, fan_in), base + i * section * size, out)
-                        if transposed else
-                        TensorInfo(info.file, info.dtype, (section, fan_in), base + i * section * fan_in * size))
+            for e, modules in enumerate(expert_views(info, transposed, len(STACKED_EXPERTS[proj]))):
+                for part, view in zip(STACKED_EXPERTS[proj], modules):
+                    plain[f"{prefix}.{e}.{part}.weight"] = view
     return plain
 
 
-def fp8_note(ckpt: "HFCheckpoint", where) -> str | None:
-    """What inspect says of a quantized checkpoint (`ckpt`, opened as stored): block-wise FP8
-    (config.json's `quantization_config` with quant_method fp8, or `weight_scale_inv` block scales)
-    is read dequantized, unless the checks hf2mcore makes from the headers it read
-    (`HFCheckpoint.dequantized`: each scale's shape and dtype) refuse it, which it then says; None
-    otherwise. Scale values are not read, nor the headers again."""
-    config, tensors = ckpt.config, ckpt.tensors
-    quantization = config.get("quantization_config")
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-    scales = sum(name.endswith(".weight" + fp8.SCALE_SUFFIX) for name in tensors)
-    if method is None and not scales:
-        return None
-    if method not in ("fp8", None):
-        return f"{where} is a quantized checkpoint (quant_method {method!r}), which mconv does not convert"
-    if method is None:
-        return (f"{where} has {scales} weights with weight_scale_inv block scales but config.json has no FP8 "
-                "quantization_config, which says what they mean; hf2mcore and load_hf_weights refuse it")
-    try:
-        block = fp8.block_size(config, where)
-        ckpt.dequantized(torch.bfloat16)
-    except MconvError as e:  # what hf2mcore would refuse, said here rather than promised to work
-        return f"{e}; hf2mcore and load_hf_weights refuse it"
-    return (f"{where} is block-wise FP8 (quant_method 'fp8', blocks {list(block)}): {scales} weights in "
-            "float8_e4m3fn with their weight_scale_inv; hf2mcore and load_hf_weights dequantize them "
-            "(bfloat16 by default), the other tensors are kept as stored")
+def expert_views(info: TensorInfo, transposed: bool, parts: int) -> list[list[TensorInfo]]:
+    """Each expert's `parts` modules (along its output dimension) of a stacked tensor `info` [E, rows,
+    cols], `[out, in]` (nn.Linear's orientation): byte ranges of the 5.x tensor, strided transposed
+    ones of the 4.x tensor (`transposed`), or views of a `.bin` tensor's mapping. Block scales of
+    stacked FP8 experts (`parts` 1) are presented the same way, in their weight's orientation."""
+    experts, rows, cols = info.shape
+    out, fan_in = (cols, rows) if transposed else (rows, cols)
+    section, size = out // parts, _itemsize(info.dtype)
+    views = []
+    for e in range(experts):
+        base, modules = info.offset + e * rows * cols * size, []
+        for i in range(parts):
+            if info.mapped is not None:
+                expert = info.mapped[e]
+                view = expert.narrow(1, i * section, section).T if transposed else expert.narrow(0, i * section, section)
+                modules.append(TensorInfo(info.file, info.dtype, (section, fan_in), 0, out if transposed else 0, view))
+            else:
+                modules.append(TensorInfo(info.file, info.dtype, (section, fan_in), base + i * section * size, out)
+                               if transposed else
+                               TensorInfo(info.file, info.dtype, (section, fan_in), base + i * section * fan_in * size))
+        views.append(modules)
+    return views
 
 
 class HFCheckpoint:
@@ -218,10 +214,10 @@ class HFCheckpoint:
                 raise MconvError(f"{self.dir / index_name} says tensor {name} is in {file}, but it is not there")
         stored = self.tensors
         self.tensors = expand_stacked_experts(stored, str(self.dir))
-        # the stacked expert tensors as stored (name -> shape), which `tensors` presents per expert
-        self.stacked = {name: info.shape for name, info in stored.items() if name not in self.tensors}
-        # presented FP8 weight -> (its stored tensor, its scale's stored tensor, the scale's name)
-        self.quantized: dict[str, tuple[TensorInfo, TensorInfo, str]] = {}
+        # the stacked expert tensors as stored, which `tensors` presents per expert
+        self._stacked_infos = {name: info for name, info in stored.items() if name not in self.tensors}
+        self.stacked = {name: info.shape for name, info in self._stacked_infos.items()}  # name -> shape
+        self.quantized: dict[str, FP8Weight] = {}  # presented FP8 weight -> where its bytes and scales are
         self.block = None
         if dequantize is not None:
             self.block, self.quantized, self.tensors = self.dequantized(dequantize)
@@ -232,10 +228,12 @@ class HFCheckpoint:
     def dequantized(self, dtype: torch.dtype) -> tuple[tuple[int, int] | None, dict, dict[str, TensorInfo]]:
         """Check a block-wise FP8 checkpoint (config.json's quantization_config: fp8.block_size; every
         float8 weight with a `weight_scale_inv` of the block grid's shape and a dtype of
-        fp8.SCALE_DTYPES, every scale with its weight) from its headers, leaving this checkpoint as
-        it is: (its block, None if not quantized; {weight: (its stored tensor, its scale's, the
-        scale's name)}; the tensors with each weight presented as `dtype` and the scales hidden).
-        MconvError naming the field or tensor at fault."""
+        fp8.SCALE_DTYPES, every scale with its weight; stacked experts `<p>.gate_up_proj` [E, rows,
+        cols] with `<p>.gate_up_proj_scale_inv` [E, ceil(rows/b0), ceil(cols/b1)], the grid of each
+        expert's stored matrix, transformers' form) from its headers, leaving this checkpoint as it
+        is: (its block, None if not quantized; {presented weight (each expert's module of stacked
+        experts): FP8Weight}; the tensors with each such weight presented as `dtype` and the scales
+        hidden). MconvError naming the field or tensor at fault."""
         where = self.dir / "config.json"
         block = fp8.block_size(self.config, where)
         tensors, quantized = dict(self.tensors), {}
@@ -247,27 +245,40 @@ class HFCheckpoint:
             return None, quantized, tensors
         for name in scales:
             weight = name.removesuffix(fp8.SCALE_SUFFIX)
-            if weight in self.stacked:
-                raise MconvError(f"{self.dir}: {weight} holds stacked FP8 experts, which mconv does not read yet "
-                                 "(transformers 5 mis-loads them too); convert the per-expert FP8 form")
-            info, scale = tensors.get(weight), tensors[name]
+            info, scale = tensors.get(weight, self._stacked_infos.get(weight)), tensors[name]
             if info is None:
                 raise MconvError(f"{self.dir}: tensor {name} is the block scale of {weight}, which the checkpoint "
                                  "does not hold")
-            expected = fp8.grid(info.shape, block) if len(info.shape) == 2 else None
+            stacked = weight in self.stacked
+            expected = fp8.grid(info.shape, block) if len(info.shape) == (3 if stacked else 2) else None
             if info.dtype != fp8.FP8 or expected is None:
                 raise MconvError(f"{self.dir}: tensor {weight} has a block scale but is "
                                  f"{str(info.dtype).removeprefix('torch.')} {list(info.shape)}, not a 2-D "
-                                 "float8_e4m3fn weight")
+                                 "float8_e4m3fn weight (or 3-D stacked experts)")
             if scale.dtype not in fp8.SCALE_DTYPES or scale.shape != expected:
                 raise MconvError(f"{self.dir}: tensor {name} is {str(scale.dtype).removeprefix('torch.')} "
                                  f"{list(scale.shape)}; {weight} {list(info.shape)} in blocks of {list(block)} "
                                  f"needs a float32, bfloat16 or float16 scale of shape {list(expected)}")
-            quantized[weight] = (info, scale, name)
-            tensors[weight] = replace(info, dtype=dtype, mapped=None)
             del tensors[name]
+            if not stacked:
+                quantized[weight] = FP8Weight(info, scale, name, 0, block)
+                tensors[weight] = replace(info, dtype=dtype, mapped=None)
+                continue
+            # each expert's modules, read as 2-D weights from their rows of the expert's stored matrix
+            prefix, _, proj = weight.rpartition(".")
+            parts = STACKED_EXPERTS[proj]
+            transposed = bool(tensors[f"{prefix}.0.{parts[0]}.weight"].transposed_stride)
+            expert_block = block[::-1] if transposed else block
+            for e, (expert_scale,) in enumerate(expert_views(scale, transposed, 1)):
+                for i, part in enumerate(parts):
+                    module = f"{prefix}.{e}.{part}.weight"
+                    view = tensors[module]
+                    quantized[module] = FP8Weight(view, expert_scale, name, i * view.shape[0], expert_block)
+                    tensors[module] = replace(view, dtype=dtype, mapped=None)
         for name, info in tensors.items():
             if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name not in quantized:
+                view = stacked_expert(name)
+                name = view[0] if view and view[0] in self.stacked else name
                 raise MconvError(f"{self.dir}: tensor {name} is {str(info.dtype).removeprefix('torch.')} but has "
                                  f"no block scale {name}{fp8.SCALE_SUFFIX}")
         return block, quantized, tensors
@@ -331,17 +342,21 @@ class HFCheckpoint:
         scale tensor where those scales are not finite, are negative, are zero for a block that is not
         all zeros, are positive but below float32's smallest normal, or make a weight overflow `out`'s
         dtype to inf (a corrupt file: no quantizer writes them)."""
-        info, scale_info, scale_name = self.quantized[name]
+        info, scale_info, scale_name, row, block = self.quantized[name]
         shape = list(info.shape)
         shape[dim] = stop - start
         q = torch.empty(shape, dtype=info.dtype)
         self._read_stored(info, dim, start, stop, q)
-        block = self.block[dim]
-        first, last = start // block, -(-stop // block)
+        # where the range lies in the matrix the blocks tile (an expert's module: from its row `row` on)
+        origin = [row, 0]
+        origin[dim] += start
+        first = [o // b for o, b in zip(origin, block)]
+        last = [-(-(o + n) // b) for o, n, b in zip(origin, shape, block)]
         scale_shape = list(scale_info.shape)
-        scale_shape[dim] = last - first
+        scale_shape[dim] = last[dim] - first[dim]
         scale = torch.empty(scale_shape, dtype=scale_info.dtype)
-        self._read_stored(scale_info, dim, first, last, scale)
+        self._read_stored(scale_info, dim, first[dim], last[dim], scale)
+        scale = scale.narrow(1 - dim, first[1 - dim], last[1 - dim] - first[1 - dim])
         where = self.dir / scale_info.file  # every refusal names the file holding the scale
         if not torch.isfinite(scale).all() or (scale < 0).any():
             raise MconvError(f"{where}: tensor {scale_name} holds inf, NaN or negative block scales")
@@ -350,13 +365,12 @@ class HFCheckpoint:
             raise MconvError(f"{where}: tensor {scale_name} holds a block scale below "
                              f"float32's smallest normal ({tiny:.3g}), which no FP8 quantizer writes (an all-zero "
                              "block's is 2^-23)")
-        origin = (start, 0) if dim == 0 else (0, start)
         if (scale == 0).any():  # a zero scale is only what an all-zero block may have: elsewhere it zeroes weights
-            per_element = fp8.dequantize(torch.ones(q.shape), scale, torch.float32, origin, self.block)
+            per_element = fp8.dequantize(torch.ones(q.shape), scale, torch.float32, origin, block)
             if ((per_element == 0) & (q.float() != 0)).any():
                 raise MconvError(f"{where}: tensor {scale_name} holds a zero block scale for a block of "
                                  f"{name} that is not all zeros")
-        dequantized = fp8.dequantize(q, scale, out.dtype, origin, self.block)
+        dequantized = fp8.dequantize(q, scale, out.dtype, origin, block)
         if torch.isinf(dequantized).any():  # e4m3 holds no inf: a scale too large for the dtype made it
             raise MconvError(f"{where}: tensor {scale_name} holds block scales so large "
                              f"that {name} dequantized into {str(out.dtype).removeprefix('torch.')} overflows to inf")

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from mconv.converter import file_io
+from mconv.converter import file_io, fp8
 from mconv.converter.hf_experts import stacked_expert
 from mconv.converter.hf_io import DTYPE_CODES, INDEX_NAME, SINGLE_NAME, _itemsize, _numel
 from mconv.errors import MconvError
@@ -61,15 +61,23 @@ class ShardedSafetensorsWriter:
 
     def __init__(self, directory: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  max_shard_bytes: int, stack_experts: str | None = None,
-                 per_expert: Callable[[str], bool] | None = None):
-        """`stack_experts` ("4.x" or "5.x", see ORIENTATIONS): per-expert tensors
-        `<p>.mlp.experts.{e}.gate_proj.weight` ... are written into stacked `<p>.mlp.experts.gate_up_proj`
-        / `down_proj` tensors of that orientation, but those for whose name `per_expert` holds."""
+                 per_expert: Callable[[str], bool] | None = None, quantization: fp8.Quantization | None = None):
+        """`entries`: the HF tensors (name, dtype, shape) to write. `stack_experts` ("4.x" or "5.x", see
+        ORIENTATIONS): per-expert tensors `<p>.mlp.experts.{e}.gate_proj.weight` ... are written into
+        stacked `<p>.mlp.experts.gate_up_proj` / `down_proj` tensors of that orientation, but those for
+        whose name `per_expert` holds. `quantization`: the weights it picks are written in FP8 with
+        their scales (fp8.quantized_entries; `kept`: the modules kept in 16-bit); those are given to
+        `write` quantized, but for stacked experts, which `write` quantizes itself (`quantizes`), each
+        expert's matrix as stored (gate and up together, in the output orientation) once its modules
+        have come, by fp8.quantize: transformers' stacked FP8 form, scales `<stacked>_scale_inv`."""
         self.dir = Path(directory)
         self.views: dict[str, tuple[str, int, int, int]] = {}  # per-expert name -> (stacked, expert, part, parts)
         self.experts: dict[str, int] = {}  # stacked name -> experts
         if stack_experts is not None:
             entries = self._stack(entries, stack_experts == "4.x", per_expert or (lambda name: False))
+        self.quantization, self.kept = quantization, []
+        if quantization is not None:
+            entries, self.kept = fp8.quantized_entries(entries, quantization)
         self.transposed = stack_experts == "4.x"
         self._pending: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
         self.entries = entries
@@ -134,22 +142,37 @@ class ShardedSafetensorsWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write one tensor (any order). A per-expert tensor of stacked experts goes into its stacked
-        tensor; in the transposed orientation the modules of one expert (gate and up) are held until
-        all have come (the exporter writes them together) and written as the expert's one range."""
+        tensor; in the transposed orientation, and where they are quantized (`quantizes`), the
+        modules of one expert (gate and up) are held until all have come (the exporter writes them
+        together) and written as the expert's one range (and its scales')."""
         if name not in self.views:
             return self._write_at(name, tensor, *self.location[name])
         stacked, expert, part, parts = self.views[name]
-        file, offset, _ = self.location[stacked]
-        slice_bytes = tensor.numel() * tensor.element_size() * parts
-        if not self.transposed:
+        file, offset, nbytes = self.location[stacked]
+        slice_bytes = nbytes // self.experts[stacked]
+        quantized = self.quantizes(name)
+        if not self.transposed and not quantized:
             section = slice_bytes // parts
             return self._write_at(name, tensor, file, offset + expert * slice_bytes + part * section, section)
         pending = self._pending.setdefault((stacked, expert), {})
         pending[part] = tensor
-        if len(pending) == parts:
-            del self._pending[(stacked, expert)]
-            whole = torch.cat([pending[i] for i in range(parts)]).T
-            self._write_at(stacked, whole, file, offset + expert * slice_bytes, slice_bytes)
+        if len(pending) < parts:
+            return
+        del self._pending[(stacked, expert)]
+        whole = torch.cat([pending[i] for i in range(parts)])
+        whole = whole.T if self.transposed else whole
+        if quantized:
+            whole, scale = fp8.quantize(whole, self.quantization.scale_fmt, f"tensor {stacked} (expert {expert})")
+            scale_file, scale_offset, scale_bytes = self.location[fp8.scale_name(stacked)]
+            scale_bytes //= self.experts[stacked]
+            self._write_at(fp8.scale_name(stacked), scale, scale_file, scale_offset + expert * scale_bytes, scale_bytes)
+        self._write_at(stacked, whole, file, offset + expert * slice_bytes, slice_bytes)
+
+    def quantizes(self, name: str) -> bool:
+        """Whether `name` is an expert's module of stacked experts written in FP8: `write` takes it
+        unquantized, and quantizes its expert's matrix."""
+        view = self.views.get(name)
+        return view is not None and fp8.scale_name(view[0]) in self.location
 
     def _write_at(self, name: str, tensor: torch.Tensor, file: str, offset: int, nbytes: int) -> None:
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -162,10 +185,10 @@ class ShardedSafetensorsWriter:
 
     def place(self, name: str) -> tuple[str, int] | None:
         """(file, byte offset) where tensor `name` is one contiguous byte range of the output, or
-        None where the writer rearranges it (an expert of transposed stacked experts)."""
+        None where the writer rearranges it (an expert of transposed or quantized stacked experts)."""
         if name not in self.views:
             return self.location[name][:2]
-        if self.transposed:
+        if self.transposed or self.quantizes(name):
             return None
         stacked, expert, part, parts = self.views[name]
         file, offset, nbytes = self.location[stacked]

@@ -496,11 +496,10 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
                              f"{found}; is it the model the adapter was trained on?")
     plain = [(name, cast_dtype(dtype, arch.fp32_kind(name) is not None) or info.dtype, info.shape)
              for name, info in base.tensors.items()]
-    entries, kept = fp8.quantized_entries(plain, quantization) if quantization else (plain, [])
     stack = None  # stacked experts are written back stacked, in the base model's orientation
     if arch.stacked_experts:
         stack = "4.x" if any(info.transposed_stride for info in base.tensors.values()) else "5.x"
-    writer = ShardedSafetensorsWriter(out, entries, max_shard_bytes, stack_experts=stack)
+    writer = ShardedSafetensorsWriter(out, plain, max_shard_bytes, stack_experts=stack, quantization=quantization)
     writer.create()
     scale = alpha / adapter.rank
     for name, out_dtype, shape in plain:
@@ -508,7 +507,9 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
         if name in deltas:
             a, b = deltas[name]
             tensor = tensor.float() + scale * (b.float() @ a.float())
-        if quantization is not None and quantization.applies(name, shape):
+        if writer.quantizes(name):  # an expert's module of stacked experts: the writer quantizes its expert
+            writer.write(name, tensor)
+        elif quantization is not None and quantization.applies(name, shape):
             for written, quantized in fp8.quantize_tensors([(name, tensor)], quantization):
                 writer.write(written, quantized)
         else:
@@ -516,7 +517,7 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     writer.close()
     writer.write_index()
     copy_side_files(base.dir, out)
-    write_hf_config(out, fp8.output_config(base.config, quantization, kept), base.config)
+    write_hf_config(out, fp8.output_config(base.config, quantization, writer.kept), base.config)
     write_config_dtype(out, plain)
     base.close()
     return len(deltas), fp32_note(arch, base.tensors, dtype)

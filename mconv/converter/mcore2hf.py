@@ -125,8 +125,8 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 staged.flush()
         return sum(_nbytes(shape, out_dtype) for _, shape in names)
 
-    def quantized(name: str, shape) -> bool:
-        return quantization is not None and quantization.applies(name, shape)
+    def quantized(name: str, shape) -> bool:  # here (the writer quantizes stacked experts: writer.quantizes)
+        return quantization is not None and quantization.applies(name, shape) and not writer.quantizes(name)
 
     def quantize_rows(task: ExportTask) -> int | None:
         """A group larger than a batch whose weights are all quantized: each weight read (pread) and
@@ -170,10 +170,14 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
             written = quantize_rows(batch[0])
             if written is not None:
                 return written
-        outputs = [(name, cast(task.hf) or session.dtype_of(task.sources[0]), shape)
-                   for task in batch for name, shape in zip(task.hf, task.hf_shapes)]
+        outputs, stacked = [], []  # stacked: experts' modules the writer quantizes, given in the shards' dtype
+        for task in batch:
+            for name, shape in zip(task.hf, task.hf_shapes):
+                exact = session.dtype_of(task.sources[0])
+                (stacked if writer.quantizes(name) else outputs).append(
+                    (name, exact if writer.quantizes(name) else cast(task.hf) or exact, shape))
         if quantization is not None:
-            outputs = fp8.quantized_entries(outputs, quantization)[0]
+            outputs = fp8.quantized_entries(outputs, quantization)[0] + stacked
         if (len(batch) == 1 and sum(_nbytes(s, d) for _, d, s in outputs) > local.buffer.keep
                 and not any(map(quantized, batch[0].hf, batch[0].hf_shapes))):
             written = write_rows(batch[0], outputs[0][1])
@@ -200,14 +204,15 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in task_shards)
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
-            if cast(task.hf) is not None and not any(map(quantized, task.hf, task.hf_shapes)):
+            written_exact = quantization is not None and any(map(quantization.applies, task.hf, task.hf_shapes))
+            if cast(task.hf) is not None and not written_exact:
                 check_cast([(", ".join(task.hf), shard) for shard in task_shards], cast(task.hf))  # as hf2mcore names it
             merge([s.shard for s in task.sources], task_shards, task.hf_shapes, [targets[name] for name in task.hf])
         for name, exact in targets.items():
             if exact is not views[name]:
                 fp8.quantize(exact, quantization.scale_fmt, f"{where}: tensor {name}", out=(views[name], views[fp8.scale_name(name)]))
         staged.flush()
-        return sum(views[name].nbytes for name, _, _ in outputs)
+        return sum(views[name].numel() if writer.quantizes(name) else views[name].nbytes for name, _, _ in outputs)
 
     # closing: on an error or an interrupt, the writers stop before the output is cleaned up
     with closing(run_ordered((functools.partial(write_batch, b) for b in _batches(mine, LOAD_BATCH_BYTES)),
@@ -260,14 +265,15 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     with ckpt.session() as session:
         plain = [(name, cast(task.hf) or session.dtype_of(task.sources[0]), shape)
                  for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
-        entries, kept = fp8.quantized_entries(plain, quantization) if quantization else (plain, [])
+        planned = ShardedSafetensorsWriter(out, plain, max_shard_bytes, stack, per_expert, quantization)
+        entries, kept = planned.entries, planned.kept  # (the files are laid out in `prepare`)
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries),
                           layout="torch_dist (any layout)" if ckpt.location.format == "torch_dist" else None)
         summary.notes += filter(None, [fp32_note(arch, [name for name, _, _ in entries], dtype),
                                        fp8.block_note(ckpt.config, quantization)])
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack, per_expert)
+            writer = ShardedSafetensorsWriter(staging, plain, max_shard_bytes, stack, per_expert, quantization)
             writer.create()
             writer.close()
             summary.files = len(writer.files)
@@ -281,7 +287,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
             write_config_dtype(staging, plain)  # the unquantized dtype, as the FP8 releases' config.json has it
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
-            writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stack, per_expert)
+            writer = ShardedSafetensorsWriter(staging, plain, max_shard_bytes, stack, per_expert, quantization)
             writer.open_existing()
             _write_exports(session, exports, index, size, writer, report, cast, workers, quantization,
                            ckpt.location.save_dir)

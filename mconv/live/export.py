@@ -205,7 +205,9 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
 
     groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group()}
     ep_group = ps.get_expert_model_parallel_group()
-    early = quantization if stacked is None else None  # (stacked experts are not written in FP8)
+    # stacked experts are quantized expert by expert once stacked, each expert's matrix (gate and up
+    # together) as stored: not before the gathers, which send per-expert modules
+    early = quantization if stacked is None else None
     for steps in schedule:
         out: Bucket = []
         done: set[str] = set()  # quantized before a gather: weights and scales
@@ -341,7 +343,9 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     `quantize="fp8"` (`fp8_scale` "ue8m0" for power-of-two scales): each weight the model's FP8
     releases quantize comes as (name, float8_e4m3fn weight) and (name + "_scale_inv", float32 scale)
     in the same bucket, quantized on the tensors' device after the gathers, the bytes `mcore2hf
-    --quantize fp8` writes (fp8.quantize; `dtype` then casts the other tensors only).
+    --quantize fp8` writes (fp8.quantize; `dtype` then casts the other tensors only). Stacked
+    experts come as the stacked float8_e4m3fn tensor and its `_scale_inv` [E, ceil(rows/128),
+    ceil(cols/128)], each expert's matrix quantized as it is stacked (in `expert_orientation`).
     """
     config = _config(hf_config, revision)
     if stacked_experts and not architecture_for(config).stacked_experts:
@@ -374,7 +378,7 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
         for b, entries in enumerate(stage_buckets):
             tensors = ([x for _, x in mine[b]] if stage == live.rank.pp else
                        [torch.empty(shape, dtype=dt, device=device) for _, shape, dt in entries])
-            for dt in {t.dtype for t in tensors}:
+            for dt in dict.fromkeys(t.dtype for t in tensors):  # in order: a set's differs from rank to rank
                 members = [t for t in tensors if t.dtype == dt]
                 flat = torch.cat([t.reshape(-1) for t in members])
                 dist.broadcast(flat.view(torch.uint8) if dt == fp8.FP8 else flat, src=source, group=group)
@@ -416,7 +420,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     config = read_config(source)
     stacked = _orientation(config, expert_orientation)
     quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
-    live, schedule = _prepared(list(model_chunks), config, bucket_bytes)
+    live, schedule = _prepared(list(model_chunks), config, bucket_bytes, stacked is not None)
     full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
     dtypes: dict[str, torch.dtype] = {}
     local = {name: tensor.dtype for tasks, tensors in zip(live.plan.chunks, live.tensors)
@@ -427,12 +431,11 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     for part in gathered:
         dtypes.update(part)
     plain = [(name, dtypes[name], shape) for task in full.exports() for name, shape in zip(task.hf, task.hf_shapes)]
-    entries, kept = fp8.quantized_entries(plain, quantization) if quantization else (plain, [])
 
     out = output_path(out_dir)
     shared = SharedStaging(out, "live", overwrite=True)
     staging = shared.path
-    writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, stacked)
+    writer = ShardedSafetensorsWriter(staging, plain, max_shard_bytes, stacked, quantization=quantization)
     first = dist.get_rank() == 0
     try:
         def prepare():
@@ -444,7 +447,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         writes = (live.rank.tp == 0 and live.rank.ep == 0 and live.rank.etp == 0
                   and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
         failure = _attempt(writer.open_existing) if writes else None
-        for bucket in _stage_buckets(live, schedule, None, quantization=quantization):  # every rank takes part in every bucket's collectives
+        # every rank takes part in every bucket's collectives; stacked experts come stacked (and quantized)
+        for bucket in _stage_buckets(live, schedule, None, stacked, quantization):
             if writes and failure is None:
                 failure = _attempt(lambda: [writer.write(name, tensor.cpu()) for name, tensor in bucket])
         if writes:
@@ -455,7 +459,8 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         def finish():
             writer.write_index()
             copy_side_files(source, staging)
-            write_hf_config(staging, fp8.output_config(live.arch.hf_config(config, live.dims), quantization, kept), config)
+            write_hf_config(staging, fp8.output_config(live.arch.hf_config(config, live.dims), quantization,
+                                                       writer.kept), config)
             write_config_dtype(staging, plain)
             shared.commit()
 

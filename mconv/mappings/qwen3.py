@@ -106,9 +106,11 @@ EMBEDDING_AND_OUTPUT = embedding_and_output()
 
 def fp8_projection(name: str) -> bool:
     """The Qwen3 FP8 releases' choice (reference fp8.md, 1.3): the language model's q/k/v/o and
-    gate/up/down projections are FP8, routed experts included; embeddings, lm_head, norms, the MoE
-    router and a vision tower stay 16-bit."""
-    return name.endswith("_proj.weight") and not name.startswith("model.visual.")
+    gate/up/down projections are FP8, routed experts included (per expert, or stacked: Qwen3-VL-MoE's
+    `mlp.experts.gate_up_proj` / `down_proj`); embeddings, lm_head, norms, the MoE router and a vision
+    tower stay 16-bit."""
+    return (name.endswith(("_proj.weight", ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+            and not name.startswith("model.visual."))
 
 
 QWEN3 = Architecture("Qwen3ForCausalLM", dims, EMBEDDING_AND_OUTPUT + ATTENTION + DENSE_MLP, megatron_args,

@@ -198,4 +198,4 @@ QWEN3_VL = Architecture("Qwen3VLForConditionalGeneration", dims, VISION + LANGUA
 QWEN3_VL_MOE = Architecture("Qwen3VLMoeForConditionalGeneration", moe_dims,
                             VISION + LANGUAGE + prefixed(qwen3_moe.MOE_MLP, "language_model.", hf_language),
                             moe_megatron_args, check_layout=check_layout, stacked_experts=True, hf_config=hf_config,
-                            torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE)
+                            torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE, fp8=qwen3.fp8_projection)
