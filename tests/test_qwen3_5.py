@@ -77,10 +77,13 @@ def test_next_round_trip_is_bit_identical(tmp_path, qwen3_next_dir, sizes, spec,
 @pytest.mark.parametrize("moe,sizes", [(False, dict(tp=2, pp=2)), (True, dict(tp=2, ep=2))], ids=["dense", "moe"])
 def test_vl_round_trip_is_bit_identical(tmp_path, moe, sizes):
     """Qwen3.5-VL: Qwen3-VL's vision tower (its rules, proven by tests/test_qwen3_vl_oracle.py) without
-    deepstack, and the Qwen3.5 language model with its MTP (the MoE model's MTP experts fused, as Qwen3.6's)."""
+    deepstack, and the Qwen3.5 language model with its MTP (the MoE model's MTP experts fused, as Qwen3.6's);
+    as rank files and as torch_dist (whose keys tests/test_torch_dist_keys.py checks)."""
     hf_dir = make_qwen3_5(tmp_path / "hf", seed=10, vl=True, moe=moe, fused_experts=moe, mtp=True,
                           fused_mtp_experts=moe)
-    round_trip(tmp_path, hf_dir, sizes, "te", "torch", mtp=True)
+    for spec, fmt in (("te", "torch"), ("local", "torch_dist")):
+        (tmp_path / fmt).mkdir()
+        round_trip(tmp_path / fmt, hf_dir, sizes, spec, fmt, mtp=True)
 
 
 def round_trip(tmp_path, hf_dir, sizes, spec, fmt, mtp=False):
