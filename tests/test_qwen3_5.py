@@ -153,11 +153,12 @@ def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None) -> tuple[torch.Tensor
 
 
 @pytest.mark.slow
-# Delta-net sections at TP2 in the MoE runs; the dense run splits the two layer kinds over two stages,
-# where each stage numbers its layers from 0 and the kind follows the global index.
-@pytest.mark.parametrize("model,sizes", [("qwen3_5_dir", dict(pp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
+# Delta-net sections at TP2 in the MoE runs; the dense run splits the layers over PP2 x VPP2 (one per
+# chunk, each chunk's spec built for its vp_stage): each chunk numbers its layers from 0 and the kind
+# follows the global index.
+@pytest.mark.parametrize("model,sizes", [("qwen3_5_dir", dict(pp=2, vpp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
                                          ("qwen3_next_dir", dict(tp=2, ep=2, etp=1))],
-                         ids=["dense-pp2", "moe-tp2-ep2", "next-tp2-ep2"])
+                         ids=["dense-pp2-vpp2", "moe-tp2-ep2", "next-tp2-ep2"])
 def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
     """The dense run also proves the VL classes' language model: a Qwen3.5-VL checkpoint's, loaded into
     the same GPTModel from its torch_dist `language_model.*` keys, equals its rank files and gives the
