@@ -356,16 +356,19 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
 
 
 def _load_torch_dist(chunks: list, checkpoint: Path, prefix: str = "") -> None:
-    """megatron-core's `dist_checkpointing.load` of each chunk's sharded state dict (its keys under
-    `prefix`, as a VL model saves its language model), then `load_state_dict(strict=True)`."""
+    """megatron-core's `dist_checkpointing.load` of the chunks' sharded state dicts (their keys under
+    `prefix`, as a VL model saves its language model), then `load_state_dict(strict=True)` of each."""
     from megatron.core import dist_checkpointing
 
     tracker = (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
     iter_dir = checkpoint / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
-    for model in chunks:
-        # As Megatron-LM does: the model's sharded state dict under "model", common state beside it.
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix=prefix)}, str(iter_dir))
-        model.load_state_dict({name.removeprefix(prefix): t for name, t in loaded["model"].items()}, strict=True)
+    # As Megatron-LM does: every chunk's sharded state dict in one call, under "model" (or "model{v}" with
+    # virtual stages), the common state beside them.
+    names = ["model"] if len(chunks) == 1 else [f"model{v}" for v in range(len(chunks))]
+    loaded = dist_checkpointing.load({name: model.sharded_state_dict(prefix=prefix) for name, model in zip(names, chunks)},
+                                     str(iter_dir))
+    for name, model in zip(names, chunks):
+        model.load_state_dict({key.removeprefix(prefix): t for key, t in loaded[name].items()}, strict=True)
 
 
 def _assert_same_as(chunks: list, checkpoint: Path, run: MegatronRun, prefix: str = "") -> None:
