@@ -93,9 +93,15 @@ def meta_model(args: Namespace, dtype: torch.dtype, dtypes: dict[str, torch.dtyp
                              max_sequence_length=args.max_position_embeddings,
                              share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                              position_embedding_type="rope", rotary_base=args.rotary_base)
-        for name, param in model.named_parameters():
-            if dtypes and name in dtypes and param.dtype != dtypes[name]:
-                param.data = torch.empty(param.shape, dtype=dtypes[name])
+        with_dtypes(model, dtypes)
+    return model
+
+
+def with_dtypes(model, dtypes: dict[str, torch.dtype] | None):
+    """`model` (on the meta device) with its parameters of `dtypes` (by name) in those dtypes."""
+    for name, param in model.named_parameters():
+        if dtypes and name in dtypes and param.dtype != dtypes[name]:
+            param.data = torch.empty(param.shape, dtype=dtypes[name], device="meta")
     return model
 
 
@@ -109,12 +115,13 @@ def parameter_names(model) -> dict[int, str]:
             if isinstance(t, torch.Tensor)}
 
 
-def sharded_items(model) -> list:
-    """Every ShardedTensor and ShardedObject of the model's `sharded_state_dict()` (factories applied)."""
+def sharded_items(model, prefix: str = "") -> list:
+    """Every ShardedTensor and ShardedObject of the model's `sharded_state_dict(prefix)` (factories
+    applied; a VL model's language model saves under `language_model.`)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
-    sharded = model.sharded_state_dict()
+    sharded = model.sharded_state_dict(prefix=prefix)
     apply_factories(sharded)
     return list(nested_values(sharded))
 

@@ -69,6 +69,11 @@ class MegatronRun:
     # A legacy checkpoint of this layout whose rank files must hold exactly the tensors loaded from
     # `checkpoint` (a torch_dist one, resharded by megatron-core)
     same_as: Path | None = None
+    # (torch_dist checkpoint, legacy checkpoint of this layout) of a vision-language model whose language
+    # model (`language_model.*`) has this model's shape: after the forward, the same chunks load it from
+    # the torch_dist one, check it against the rank files as `same_as`, and their logits are saved beside
+    # the others' (`megatron_logits.pt`) as `language_model_logits.pt`
+    language_model_of: tuple[Path, Path] | None = None
 
     @property
     def world(self) -> int:
@@ -302,26 +307,12 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
 
         load_hf_weights(chunks, run.live_hf)
     elif run.fmt == "torch_dist":
-        tracker = (run.checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
-        iter_dir = run.checkpoint / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
-        for model in chunks:
-            # As Megatron-LM does: the model's sharded state dict under "model", common state beside it.
-            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iter_dir))
-            model.load_state_dict(loaded["model"], strict=True)
+        _load_torch_dist(chunks, run.checkpoint)
     else:
         for v, model in enumerate(chunks):
             model.load_state_dict(_rank_state(run.checkpoint, run, v), strict=True)
     if run.same_as is not None:
-        for v, model in enumerate(chunks):
-            theirs = {n: t for n, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
-            # TE's grouped experts' `linear_fcN.weight{e}` is SequentialMLP's `local_experts.{e}.linear_fcN.weight`
-            # (one torch_dist key, `experts.experts.linear_fcN.weight`, for both).
-            ours = {re.sub(r"experts\.(linear_fc[12])\.weight(\d+)$", r"experts.local_experts.\2.\1.weight", n): t
-                    for n, t in _rank_state(run.same_as, run, v).items() if isinstance(t, torch.Tensor)}
-            assert ours.keys() == theirs.keys(), (ours.keys() ^ theirs.keys())
-            for name, tensor in ours.items():
-                assert tensor.shape == theirs[name].shape and torch.equal(tensor.to(theirs[name].dtype),
-                                                                         theirs[name]), name
+        _assert_same_as(chunks, run.same_as, run)
     if run.live_over_checkpoint:
         _load_live_over(chunks, run.live_hf)
 
@@ -362,8 +353,44 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
                 norm.data[0] = kept
             (run.live_out / f"refused{rank}.txt").write_text(str(refused))
         save_hf_weights(chunks, run.live_out / "saved", run.live_hf, max_shard_bytes=100_000, quantize=run.live_quantize)
+    if run.language_model_of is not None:
+        prefix = "language_model."
+        _load_torch_dist(chunks, run.language_model_of[0], prefix)
+        _assert_same_as(chunks, run.language_model_of[1], run, prefix)
+        forward_logits(chunks, run, config.hidden_size, out.with_name("language_model_logits.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _load_torch_dist(chunks: list, checkpoint: Path, prefix: str = "") -> None:
+    """megatron-core's `dist_checkpointing.load` of the chunks' sharded state dicts (their keys under
+    `prefix`, as a VL model saves its language model), then `load_state_dict(strict=True)` of each."""
+    from megatron.core import dist_checkpointing
+
+    tracker = (checkpoint / "latest_checkpointed_iteration.txt").read_text().strip()
+    iter_dir = checkpoint / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
+    # As Megatron-LM does: every chunk's sharded state dict in one call, under "model" (or "model{v}" with
+    # virtual stages), the common state beside them.
+    names = ["model"] if len(chunks) == 1 else [f"model{v}" for v in range(len(chunks))]
+    loaded = dist_checkpointing.load({name: model.sharded_state_dict(prefix=prefix) for name, model in zip(names, chunks)},
+                                     str(iter_dir))
+    for name, model in zip(names, chunks):
+        model.load_state_dict({key.removeprefix(prefix): t for key, t in loaded[name].items()}, strict=True)
+
+
+def _assert_same_as(chunks: list, checkpoint: Path, run: MegatronRun, prefix: str = "") -> None:
+    """The legacy rank files of `checkpoint` hold exactly the chunks' tensors (those under `prefix`,
+    the prefix dropped), bit for bit."""
+    for v, model in enumerate(chunks):
+        theirs = {n: t for n, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+        # TE's grouped experts' `linear_fcN.weight{e}` is SequentialMLP's `local_experts.{e}.linear_fcN.weight`
+        # (one torch_dist key, `experts.experts.linear_fcN.weight`, for both).
+        ours = {re.sub(r"experts\.(linear_fc[12])\.weight(\d+)$", r"experts.local_experts.\2.\1.weight",
+                       n.removeprefix(prefix)): t
+                for n, t in _rank_state(checkpoint, run, v).items() if isinstance(t, torch.Tensor) and n.startswith(prefix)}
+        assert ours.keys() == theirs.keys(), (ours.keys() ^ theirs.keys())
+        for name, tensor in ours.items():
+            assert tensor.shape == theirs[name].shape and torch.equal(tensor.to(theirs[name].dtype), theirs[name]), name
 
 
 def _load_live_over(chunks: list, hf_dir: Path) -> None:

@@ -21,6 +21,7 @@ GatedDeltaNet needs fla importable; in deterministic mode it runs megatron-core'
 """
 from __future__ import annotations
 
+import argparse
 import copy
 
 import torch
@@ -173,3 +174,30 @@ def hf_mtp_logits(hf_dir, tokens: list[int], tmp_path) -> dict[str, torch.Tensor
         x = torch.cat([enorm(main.model.embed_tokens(shifted)), hnorm(h)], dim=-1) @ t["mtp.fc.weight"].T
         logits[rule] = mtp.eval()(inputs_embeds=x, use_cache=False).logits
     return logits
+
+
+def meta_model(args, dtypes: dict[str, torch.dtype]):
+    """megatron-core's GPTModel built from this block spec (and its MTP block, where `args` has MTP
+    layers) on the meta device, configured by Megatron-LM from the stored `args` at TP1/PP1, its
+    parameters in `dtypes` (by name); for its `sharded_state_dict()` (tests/test_torch_dist_keys.py).
+    A VL model's mrope is built as plain RoPE (position embeddings hold no parameters; Megatron-LM's
+    validate_args refuses MTP with mrope, which Megatron-Bridge, not Megatron-LM, builds)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from tests.megatron_dist_oracle import with_dtypes
+    from tests.megatron_oracle import MegatronRun, _config_from_args, trainer_args
+
+    args = argparse.Namespace(**{**vars(args), "position_embedding_type": "rope"})
+    config, rotary = _config_from_args(trainer_args(args, MegatronRun(None, {})))
+    spec = block_spec(config, 0)
+    # GatedDeltaNet puts its A_log and dt_bias on torch.cuda.current_device(): here the meta device.
+    current_device, torch.cuda.current_device = torch.cuda.current_device, lambda: "meta"
+    try:
+        with torch.device("meta"):
+            model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                             max_sequence_length=args.max_position_embeddings,
+                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                             mtp_block_spec=mtp_spec(config, spec, 0) if config.mtp_num_layers else None, **rotary)
+            return with_dtypes(model, dtypes)
+    finally:
+        torch.cuda.current_device = current_device

@@ -42,6 +42,12 @@ def qwen3_5_moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_5_vl_dir(tmp_path_factory):
+    """Qwen3.5-VL (dense) whose language model has the text fixture's shape, with an MTP layer."""
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_vl") / "hf", seed=10, vl=True, mtp=True)
+
+
+@pytest.fixture(scope="session")
 def qwen3_next_dir(tmp_path_factory):
     return make_qwen3_5(tmp_path_factory.mktemp("qwen3_next") / "hf", seed=9, next=True, mtp=True)
 
@@ -81,12 +87,41 @@ def test_next_round_trip_is_bit_identical(tmp_path, qwen3_next_dir, sizes, spec,
 
 
 @pytest.mark.parametrize("moe,sizes", [(False, dict(tp=2, pp=2)), (True, dict(tp=2, ep=2))], ids=["dense", "moe"])
-def test_vl_round_trip_is_bit_identical(tmp_path, moe, sizes):
+def test_vl_round_trip_is_bit_identical(tmp_path, qwen3_5_vl_dir, moe, sizes):
     """Qwen3.5-VL: Qwen3-VL's vision tower (its rules, proven by tests/test_qwen3_vl_oracle.py) without
-    deepstack, and the Qwen3.5 language model with its MTP (the MoE model's MTP experts fused, as Qwen3.6's)."""
-    hf_dir = make_qwen3_5(tmp_path / "hf", seed=10, vl=True, moe=moe, fused_experts=moe, mtp=True,
-                          fused_mtp_experts=moe)
-    round_trip(tmp_path, hf_dir, sizes, "te", "torch", mtp=True)
+    deepstack, and the Qwen3.5 language model with its MTP (the MoE model's MTP experts fused, as Qwen3.6's);
+    as rank files and as torch_dist (whose keys tests/test_torch_dist_keys.py checks)."""
+    hf_dir = make_qwen3_5(tmp_path / "hf", seed=10, vl=True, moe=True, fused_experts=True, mtp=True,
+                          fused_mtp_experts=True) if moe else qwen3_5_vl_dir
+    for spec, fmt in (("te", "torch"), ("local", "torch_dist")):
+        (tmp_path / fmt).mkdir()
+        round_trip(tmp_path / fmt, hf_dir, sizes, spec, fmt, mtp=True)
+
+
+def test_vl_vision_tower_is_qwen3_vl_tower(tmp_path, qwen3_5_vl_dir):
+    """The vision tower's rank tensors (TP2/PP2, te) are, bit for bit, those mconv's Qwen3-VL table writes
+    (whose oracle is mbridge's Qwen3VLModel, tests/test_qwen3_vl_oracle.py) for a Qwen3-VL checkpoint
+    holding the same vision weights, without deepstack; and no other tensor of the first stage is a
+    vision one."""
+    qwen3_vl = shutil.copytree(FIXTURES / "qwen3-vl-tiny", tmp_path / "qwen3_vl")
+    config = read_config(qwen3_vl)
+    config["vision_config"]["deepstack_visual_indexes"] = []
+    (qwen3_vl / "config.json").write_text(json.dumps(config))
+    visual = {n: t for n, t in hf_tensors(qwen3_5_vl_dir).items() if n.startswith("model.visual.")}
+    tensors = {n: t for n, t in load_file(qwen3_vl / "model.safetensors").items() if not n.startswith("model.visual.")}
+    save_file({**tensors, **visual}, qwen3_vl / "model.safetensors", metadata={"format": "pt"})
+    towers = []
+    for hf_dir in (qwen3_5_vl_dir, qwen3_vl):
+        out = tmp_path / hf_dir.parent.name / "m"
+        hf2mcore(hf_dir, out, Layout(tp=2, pp=2), spec="te", fmt="torch", progress=False)
+        towers.append({path.parent.name: {n: t for n, t in load_rank_file(path)["model"].items() if "vision" in n}
+                       for path in sorted(out.glob("release/*/model_optim_rng.pt"))})
+    ours, theirs = towers
+    assert ours.keys() == theirs.keys() and sum(map(len, ours.values())) == sum(map(len, theirs.values())) > 60
+    for rank, tower in theirs.items():
+        assert ours[rank].keys() == tower.keys(), rank
+        for name, tensor in tower.items():
+            assert (tensor is None and ours[rank][name] is None) or torch.equal(ours[rank][name], tensor), name
 
 
 def round_trip(tmp_path, hf_dir, sizes, spec, fmt, mtp=False):
@@ -98,34 +133,46 @@ def round_trip(tmp_path, hf_dir, sizes, spec, fmt, mtp=False):
     assert_hf_bits_equal(expected, tmp_path / "back")
 
 
-def megatron_forward(tmp_path, hf_dir, sizes) -> tuple[torch.Tensor, MegatronRun]:
+def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None) -> tuple[torch.Tensor, MegatronRun]:
     """The oracle run: hf2mcore writes a torch_dist checkpoint (at TP1) and legacy rank files (`--spec
     te`) at `sizes`; megatron-core's model at `sizes`, built from the stored args, loads the torch_dist
     one (resharded by megatron-core itself, strict), checks the rank files hold exactly what it loaded,
     then mconv.live's load_hf_weights must give it the same tensors (tests/megatron_oracle.py's
     live_over_checkpoint); it gives its logits, and iter_hf_weights / save_hf_weights write to
-    `tmp_path / "live"`."""
+    `tmp_path / "live"`. With `vl_dir` (a Qwen3.5-VL model whose language model has this shape), the same
+    model then loads its language model in the same way (torch_dist keys under `language_model.`, rank
+    files holding exactly those tensors; MTP as `hf_dir` has it) and gives `tmp_path / "language_model_logits.pt"`."""
     mtp = "mtp_num_hidden_layers" in read_config(hf_dir)  # converted with --mtp: megatron-core's MTP block
-    hf2mcore(hf_dir, tmp_path / "dist", Layout(), fmt="torch_dist", mtp=mtp, progress=False)
-    summary = hf2mcore(hf_dir, tmp_path / "ranks", Layout(**sizes), spec="te", fmt="torch", mtp=mtp, progress=False)
+    checkpoints = []
+    for directory, name in ((hf_dir, ""), (vl_dir, "vl_")) if vl_dir else ((hf_dir, ""),):
+        hf2mcore(directory, tmp_path / f"{name}dist", Layout(), fmt="torch_dist", mtp=mtp, progress=False)
+        summary = hf2mcore(directory, tmp_path / f"{name}ranks", Layout(**sizes), spec="te", fmt="torch", mtp=mtp,
+                           progress=False)
+        checkpoints.append((tmp_path / f"{name}dist", tmp_path / f"{name}ranks"))
     (tmp_path / "live").mkdir()
     run = MegatronRun(tmp_path / "dist", read_config(hf_dir), **sizes, padded_vocab=summary.plan.padded_vocab,
                       tokens=TOKENS, fmt="torch_dist", block_spec=block_spec, mtp_spec=mtp_spec, same_as=tmp_path / "ranks",
-                      live_hf=hf_dir, live_out=tmp_path / "live", live_over_checkpoint=True)
+                      live_hf=hf_dir, live_out=tmp_path / "live", live_over_checkpoint=True,
+                      language_model_of=checkpoints[1] if vl_dir else None)
     run.args = trainer_args(stored_args(tmp_path / "ranks"), run)
     return megatron_logits(run, tmp_path), run
 
 
 @pytest.mark.slow
-# Delta-net sections at TP2 in the MoE runs; the dense run splits the two layer kinds over two stages,
-# where each stage numbers its layers from 0 and the kind follows the global index (its MTP block on the last).
-@pytest.mark.parametrize("model,sizes", [("qwen3_5_mtp_dir", dict(pp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
+# Delta-net sections at TP2 in the MoE runs; the dense run (with its MTP layer) splits the layers over
+# PP2 x VPP2 (one per chunk, each chunk's spec built for its vp_stage, the MTP block on the last): each
+# chunk numbers its layers from 0 and the kind follows the global index.
+@pytest.mark.parametrize("model,sizes", [("qwen3_5_mtp_dir", dict(pp=2, vpp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
                                          ("qwen3_next_dir", dict(tp=2, ep=2, etp=1))],
-                         ids=["dense-pp2", "moe-tp2-ep2", "next-tp2-ep2"])
+                         ids=["dense-pp2-vpp2", "moe-tp2-ep2", "next-tp2-ep2"])
 def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
+    """The dense run also proves the VL classes' language model: a Qwen3.5-VL checkpoint's, loaded into
+    the same GPTModel from its torch_dist `language_model.*` keys, equals its rank files and gives the
+    logits transformers gives for that VL directory (which it loads into the text-only class)."""
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
     hf_dir = request.getfixturevalue(model)
-    ours, run = megatron_forward(tmp_path, hf_dir, sizes)
+    vl_dir = request.getfixturevalue("qwen3_5_vl_dir") if model == "qwen3_5_mtp_dir" else None
+    ours, run = megatron_forward(tmp_path, hf_dir, sizes, vl_dir)
     reference = hf_logits(hf_dir, TOKENS)
     assert ours.shape[0] == 2 and (ours[:1] - reference).abs().max().item() < 1e-4
     # The MTP depth (megatron-core's MTP block; HF: transformers' modules chained as that block chains them)
@@ -134,6 +181,11 @@ def test_megatron_core_forward_matches_transformers(tmp_path, request, model, si
     for rule, wrong in mtp.items():  # a converter following a wrong rule fails
         assert (ours[1:] - wrong).abs().max().item() > 1e-2, rule
     assert_every_hf_tensor_once(tmp_path / "live", run, hf_dir)  # mconv.live's export of the same model
+    if vl_dir is not None:
+        vl_ours = torch.load(tmp_path / "language_model_logits.pt")[:1, ..., :run.hf_config["vocab_size"]]
+        vl_reference = hf_logits(vl_dir, TOKENS)
+        assert (vl_ours - vl_reference).abs().max().item() < 1e-4
+        assert (vl_reference - reference).abs().max().item() > 0.1  # another model: the second load took
 
 
 def _with_config(tmp_path, hf_dir, **changes):

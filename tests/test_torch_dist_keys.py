@@ -89,3 +89,38 @@ def test_derived_boxes_equal_megatron_cores(case):
     assert Counter(ours) == Counter(theirs), (sorted(set(ours) - set(theirs), key=str)[:5],
                                               sorted(set(theirs) - set(ours), key=str)[:5])
     assert len(ours) == len(set(ours))
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_qwen3_5_vl_boxes_equal_megatron_cores(moe):
+    """Qwen3.5-VL (no Megatron model of it builds without Transformer Engine here): the `language_model.`
+    boxes equal megatron-core's GPTModel of the Qwen3.5 block spec (tests/qwen3_5_oracle.py, with the MTP
+    block) saved under that prefix, as Qwen3VLModel saves its language model; the `vision_model.` boxes
+    equal those of mbridge's Qwen3VLModel for a Qwen3-VL model with the same tower and no deepstack
+    (vision blocks stacked: Megatron-Bridge builds the tower from its own config, whose layers are alike)."""
+    from fixtures.make_fixtures import QWEN3_5, QWEN3_5_MOE, QWEN3_VL_TOKENS
+    from tests.megatron_dist_oracle import box_record, megatron_process_group, parameter_names, sharded_items
+    from tests.qwen3_5_oracle import meta_model
+
+    qwen3_vl = config("qwen3-vl-tiny", vision={"deepstack_visual_indexes": []})
+    text = {**(QWEN3_5_MOE if moe else QWEN3_5), "mtp_num_hidden_layers": 1}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    vl = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+          "text_config": text, "vision_config": qwen3_vl["vision_config"], **QWEN3_VL_TOKENS}
+    ours, args, dtypes = derived(vl, Layout(), mtp=True)
+    # The model's norms are fused into the next linear layer as Transformer Engine's are: its parameter
+    # names are the rules' TE names (the keys are TE names either way).
+    flat, _ = flat_plan_and_args(vl, Layout(), mtp=True)
+    te = {t.megatron: t.rule.te.format(**torch_dist._indexes(t.rule.megatron, t.megatron))
+          for t in flat.ranks[0].chunks[0] if t.rule.te and "{expert}" not in t.rule.te and t.megatron.startswith("language_model.")}
+    ours = [r[:7] + (te.get(r[7], r[7]),) + r[8:] if r[0] == "tensor" else r for r in ours]
+    language = {te.get(name, name).removeprefix("language_model."): dtype for name, dtype in dtypes.items()}
+    with megatron_process_group():
+        model = meta_model(args, language)
+        names = {key: "language_model." + name for key, name in parameter_names(model).items()}
+        theirs = [box_record(item, names) for item in sharded_items(model, "language_model.")]
+    _, vision_args, vision_dtypes = derived(qwen3_vl, Layout())
+    theirs += [r for r in megatron_cores(vision_args, vision_dtypes) if r[1].startswith("vision_model.")]
+    assert Counter(ours) == Counter(theirs), (sorted(set(ours) - set(theirs), key=str)[:5],
+                                              sorted(set(theirs) - set(ours), key=str)[:5])
+    assert any(r[1] == "language_model.mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight" for r in ours)

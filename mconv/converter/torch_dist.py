@@ -110,10 +110,11 @@ def _mapped(name: str, plan: Plan) -> str:
 
 def _key(task: TensorTask, plan: Plan, stacked: bool) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """(key, offsets, sizes) of the prepended axes of a TP1 parameter (or `_extra_state`)."""
-    rule, dims = task.rule, plan.dims
+    rule, dims, keys = task.rule, plan.dims, plan.arch.torch_dist
     template, offsets, counts = rule.megatron, [], []
     index = _indexes(template, task.megatron)  # one TP1 chunk: layer and expert indexes are global
-    if plan.arch.torch_dist.te_names and rule.te and "{expert}" not in rule.te:
+    tower = keys.tower is not None and template.startswith(keys.tower)
+    if keys.te_names and rule.te and "{expert}" not in rule.te and not tower:
         template = rule.te
     layer, expert = index.get("layer"), index.get("expert")
     if rule.per_layer:
@@ -122,17 +123,18 @@ def _key(task: TensorTask, plan: Plan, stacked: bool) -> tuple[str, tuple[int, .
         if stacked:
             offsets.append(layer)
             counts.append(dims.layers)
-    if template.startswith(MTP_INNER):
+    model, mtp, inner = template.partition(MTP_INNER)  # `model`: the language model's prefix in a VL model
+    if mtp:
         # MultiTokenPredictionLayer.sharded_state_dict keeps the old name of a GPT MTP layer's inner
         # layer (`transformer_layer.`); MTP layers are never stacked (no sharded offsets).
-        template = MTP_LAYER + "transformer_layer." + _mapped(template[len(MTP_INNER):], plan)
+        template = model + MTP_LAYER + "transformer_layer." + _mapped(inner, plan)
     if "{expert}" in template:
         if ".local_experts.{expert}." not in template:
             raise MconvError(f"internal: expert tensor {rule.megatron} is not named as megatron-core's SequentialMLP")
         template = template.replace(".local_experts.{expert}.", ".experts.")
         offsets.append(expert)
         counts.append(dims.experts)
-    if rule.repeat and stacked and not template.startswith(MTP_LAYER):
+    if rule.repeat and (stacked or tower) and MTP_LAYER not in template:
         field, count = rule.repeat[:2]
         template = template.replace("{%s}." % field, "")
         offsets.append(index[field])

@@ -4,9 +4,13 @@ Megatron side: Megatron-Bridge's Qwen3VLModel for Qwen3.5 (reference qwen3-5.md,
 vision tower (`vision_model.*`, mconv's Qwen3-VL rules, without deepstack mergers: Qwen3.5's tower has
 none) on the first pipeline stage, and the Qwen3.5 language model under `language_model.`; HF side
 `model.visual.*`, `model.language_model.*`, `lm_head.weight`. mbridge embeds transformers' vision
-model instead (`vision_model.blocks.*`), which these rules do not write. Legacy rank files only: the
-torch_dist keys of this model are not checked against a Megatron model here.
+model instead (`vision_model.blocks.*`), which these rules do not write.
+
+torch_dist: the language model's keys are the text classes' (Transformer Engine names, per layer)
+under `language_model.`; the vision tower's are Qwen3-VL's local-spec ones, its blocks stacked (Megatron-Bridge
+builds the tower from its own config, whose layers are all alike).
 """
+from dataclasses import replace
 from types import SimpleNamespace
 
 from mconv.mappings import qwen3_5, qwen3_vl
@@ -35,6 +39,9 @@ def moe_megatron_args(d: SimpleNamespace) -> dict:
     return qwen3_vl.megatron_args(d, qwen3_5.moe_megatron_args)
 
 
+DIST_KEYS = replace(qwen3_5.DIST_KEYS, tower=qwen3_vl.V)
+
+
 def _language(rules):
     return prefixed(rules, "language_model.", qwen3_vl.hf_language)
 
@@ -48,9 +55,10 @@ NEEDS_BRIDGE = ("megatron-core has no Qwen3.5 vision-language model; Megatron-Br
                 "Qwen3VLModel, which load_hf_weights fills")
 QWEN3_5_VL = Architecture("Qwen3_5ForConditionalGeneration", dims,
                           qwen3_vl.VISION + _language_model(DENSE_MLP), megatron_args, check_layout=check_layout,
-                          needs_bridge=NEEDS_BRIDGE, dropped=qwen3_5.dropped, hf_config=qwen3_5.hf_config)
+                          needs_bridge=NEEDS_BRIDGE, dropped=qwen3_5.dropped, hf_config=qwen3_5.hf_config,
+                          torch_dist=DIST_KEYS)
 QWEN3_5_VL_MOE = Architecture("Qwen3_5MoeForConditionalGeneration", moe_dims,
                               qwen3_vl.VISION + _language_model(qwen3_5.MOE_MLP), moe_megatron_args,
                               check_layout=check_layout, stacked_experts=True, expert_orientations=("5.x",),
                               experts_as_input=True, needs_bridge=NEEDS_BRIDGE, dropped=qwen3_5.dropped,
-                              hf_config=qwen3_5.hf_config)
+                              hf_config=qwen3_5.hf_config, torch_dist=DIST_KEYS)

@@ -61,12 +61,16 @@ class DistKeys:
     (a model megatron-core builds with TE only), routed experts excepted (SequentialMLP's keys, which
     TE's grouped experts share); `per_layer` says the decoder layers differ from each other, so their keys
     are always per layer (`decoder.layers.{i}.`), never stacked; `check(dims)` raises MconvError for
-    a model the trainer's Megatron model class cannot build (so no checkpoint of it can be loaded)."""
+    a model the trainer's Megatron model class cannot build (so no checkpoint of it can be loaded);
+    `tower` is the name prefix of a vision tower built from its own homogeneous config (Megatron-Bridge's
+    Qwen3.5-VL): its numbered blocks are stacked whatever the decoder layers are, and it keeps the
+    local-spec names (as Qwen3-VL's tower does) where `te_names` renames the rest."""
 
     keys_map: tuple[tuple[str, str], ...] = ()
     per_layer: bool = False
     te_names: bool = False
     check: Callable[[SimpleNamespace], None] | None = None
+    tower: str | None = None
 
 
 # megatron-core's local GPT layer spec (get_gpt_layer_local_submodules, megatron-core 0.19.2): the
