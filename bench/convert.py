@@ -5,7 +5,7 @@
     .venv/bin/python bench/convert.py --size-gb 0.5          # quick debug run (smaller vocabulary / experts)
     .venv/bin/python bench/convert.py --workers 1,2,4,8 --formats torch --peers none   # choose a default
     .venv/bin/python bench/convert.py --model dense --workdir /data/b --reuse --json-out bench/convert.json
-    .venv/bin/python bench/convert.py --size-gb 11 --formats torch --layouts TP1 --peers none --fp8   # FP8 writer
+    .venv/bin/python bench/convert.py --size-gb 11 --formats torch --layouts TP1 --peers none --fp8   # FP8 writer and reader
 
 In one run, on a synthetic HF checkpoint (random bf16 bits, transformers' on-disk names, written by
 fixtures.make_fixtures.make_synthetic), it times and takes the peak RSS of:
@@ -235,7 +235,8 @@ def main() -> None:
     parser.add_argument("--mbridge", choices=("auto", "gpu", "cpu", "off"), default="auto",
                         help="auto: run the mbridge peer where a GPU is; cpu: on the CPU (model in host memory).")
     parser.add_argument("--fp8", action="store_true",
-                        help="Also time mcore2hf --quantize fp8 after each mcore2hf (ratio to the plain one).")
+                        help="Also time mcore2hf --quantize fp8 after each mcore2hf (ratio to the plain one), and "
+                             "hf2mcore of that FP8 output (ratio to copying its files).")
     parser.add_argument("--json-out", type=Path, default=None, help="Also write the JSON line to this file.")
     args = parser.parse_args()
 
@@ -309,6 +310,17 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
             row["x plain mcore2hf"] = round(row["seconds"] / plain["seconds"], 2)
             if label == TINY:
                 fixed[command] = row["seconds"]
+            else:  # hf2mcore reading that FP8 checkpoint (dequantized), against copying its files
+                fp8_floor_out, fp8_ckpt = scratch / "fp8-floor", scratch / "mcore-from-fp8"
+                fp8_floor = timed("I/O floor of the FP8 files (cp + sync)", "fp8 floor",
+                                  ["sh", "-c", 'mkdir -p "$0" && cp "$@" "$0"', str(fp8_floor_out),
+                                   *map(str, sorted(fp8_out.glob("*.safetensors")))], fp8_out, fp8_floor_out)
+                shutil.rmtree(fp8_floor_out)
+                row = timed(f"{label}hf2mcore {fmt} of the FP8 output{suffix}", f"hf2mcore {fmt} of FP8",
+                            [*mconv, "hf2mcore", str(fp8_out), str(fp8_ckpt), *flags, "--format", fmt, *common],
+                            fp8_out, fp8_ckpt, workers=workers or default_workers())
+                row["x FP8 floor"] = round(row["seconds"] / fp8_floor["seconds"], 2)
+                shutil.rmtree(fp8_ckpt)
             shutil.rmtree(fp8_out)
         shutil.rmtree(ckpt)
         shutil.rmtree(back)
@@ -361,7 +373,7 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
             result["x_transformers"] = round(r["seconds"] / transformers, 2)
         if mine and r["command"] in by_mbridge:
             result["x_mbridge"] = round(r["seconds"] / by_mbridge[r["command"]], 2)
-        for key in ("workers", "check", "x plain mcore2hf"):
+        for key in ("workers", "check", "x plain mcore2hf", "x FP8 floor"):
             if key in r:
                 result[key] = r[key]
         results.append(result)
