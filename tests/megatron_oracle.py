@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -28,6 +29,7 @@ import re
 import socket
 import tempfile
 import sys
+import types
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +76,12 @@ class MegatronRun:
     # the torch_dist one, check it against the rank files as `same_as`, and their logits are saved beside
     # the others' (`megatron_logits.pt`) as `language_model_logits.pt`
     language_model_of: tuple[Path, Path] | None = None
+    # A second, independent mapping: after loading, Megatron-Bridge's AutoBridge loads this HF directory
+    # into a second copy of the chunks, and each rank saves how the two differ (`bridge{rank}.pt`, see
+    # `compare_chunks`); with `bridge_perturbed` also after one tensor of the copy (by this name suffix)
+    # is moved by one float step
+    bridge_hf: Path | None = None
+    bridge_perturbed: str | None = None
 
     @property
     def world(self) -> int:
@@ -251,31 +259,11 @@ def forward_logits(chunks: list, run: MegatronRun, hidden_size: int, out: Path) 
                     dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
 
 
-def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
-    warnings.filterwarnings("ignore")
-    _cpu_shims()
-    import torch.distributed as dist
-
-    # A file store, not a TCP port: a port found free can be taken by another test before rank 0
-    # binds it (seen once in CI-like runs: a rank aborted at start-up).
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=run.world)
-    from megatron.core import dist_checkpointing
+def _build_chunks(run: MegatronRun, config, rotary: dict, tied: bool) -> list:
+    """This rank's GPTModel chunks (one per virtual stage), randomly initialised."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
-
-    ps.initialize_model_parallel(run.tp, run.pp, run.vpp if run.vpp > 1 else None,
-                                 expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.etp)
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    if run.args is not None:
-        config, rotary = _config_from_args(run.args)
-    else:
-        config, rope_theta = _transformer_config(run)
-        rotary = dict(position_embedding_type="rope", rotary_base=rope_theta)
-    tied = (not run.args.untie_embeddings_and_output_weights if run.args is not None
-            else bool(run.hf_config.get("tie_word_embeddings", False)))
-    pp_rank = ps.get_pipeline_model_parallel_rank()
 
     chunks = []
     for v in range(run.vpp):
@@ -291,7 +279,33 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
                          mtp_block_spec=(run.mtp_spec(config, spec, v) if run.mtp_spec and config.mtp_num_layers
                                          else None), **rotary)
         chunks.append(model.eval())
+    return chunks
 
+
+def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    import torch.distributed as dist
+
+    # A file store, not a TCP port: a port found free can be taken by another test before rank 0
+    # binds it (seen once in CI-like runs: a rank aborted at start-up).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=run.world)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    ps.initialize_model_parallel(run.tp, run.pp, run.vpp if run.vpp > 1 else None,
+                                 expert_model_parallel_size=run.ep, expert_tensor_parallel_size=run.etp)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    if run.args is not None:
+        config, rotary = _config_from_args(run.args)
+    else:
+        config, rope_theta = _transformer_config(run)
+        rotary = dict(position_embedding_type="rope", rotary_base=rope_theta)
+    tied = (not run.args.untie_embeddings_and_output_weights if run.args is not None
+            else bool(run.hf_config.get("tie_word_embeddings", False)))
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    chunks = _build_chunks(run, config, rotary, tied)
     if run.save_to is not None:
         for model in chunks:
             with torch.no_grad():
@@ -315,6 +329,10 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         _assert_same_as(chunks, run.same_as, run)
     if run.live_over_checkpoint:
         _load_live_over(chunks, run.live_hf)
+    if run.bridge_hf is not None:
+        others = _build_chunks(run, config, rotary, tied)
+        import_megatron_bridge()[0].from_hf_pretrained(str(run.bridge_hf)).load_hf_weights(others)
+        compare_chunks(chunks, others, out.with_name(f"bridge{rank}.pt"), run.bridge_perturbed)
 
     forward_logits(chunks, run, config.hidden_size, out)
     if run.live_out is not None:
@@ -360,6 +378,76 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         forward_logits(chunks, run, config.hidden_size, out.with_name("language_model_logits.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def import_megatron_bridge():
+    """Megatron-Bridge's AutoBridge (its Qwen3, Qwen3-MoE, Qwen3.5 and Qwen3-Next bridges registered) and
+    local layer spec, without Transformer Engine (how: tests/test_bridges.py's docstring)."""
+    if "megatron.bridge.models.conversion.auto_bridge" not in sys.modules:
+        root = Path(importlib.util.find_spec("megatron.core").origin).parent.parent / "bridge"
+        for name, path in (("megatron.bridge", root), ("megatron.bridge.models", root / "models"),
+                           ("megatron.bridge.models.qwen", root / "models" / "qwen")):
+            package = types.ModuleType(name)
+            package.__path__ = [str(path)]
+            sys.modules[name] = package
+        importlib.import_module("megatron.core.transformer.moe.moe_utils")  # before the placeholder exists
+        importlib.import_module("megatron.bridge.peft.adapter_wrapper")
+        importlib.import_module("megatron.bridge.peft.lora_merge")
+        te = types.ModuleType("transformer_engine")
+        te.pytorch = types.ModuleType("transformer_engine.pytorch")
+        te.pytorch.Linear = type("Linear", (), {})
+        te.pytorch.LayerNormLinear = type("LayerNormLinear", (), {})
+        te.pytorch.ops = types.SimpleNamespace(Sequential=type("Sequential", (), {}))
+        sys.modules.update({"transformer_engine": te, "transformer_engine.pytorch": te.pytorch})
+        try:
+            importlib.import_module("megatron.bridge.peft.lora_layers")
+        finally:
+            del sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"]
+        for family in ("qwen3_bridge", "qwen3_moe_bridge", "qwen35_bridge", "qwen3_next_bridge"):
+            importlib.import_module(f"megatron.bridge.models.qwen.{family}")
+        # peft.utils decides "Transformer Engine present" from names megatron-core defines even
+        # without it (as None); say what is true, so LoRA takes its non-TE branches.
+        importlib.import_module("megatron.bridge.peft.utils").HAVE_TE = False
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    return AutoBridge, local_layer_spec
+
+
+def _differing(models: list, others: list) -> dict:
+    ours, theirs = ({f"{v}.{k}": t for v, m in enumerate(chunks) for k, t in m.state_dict().items()
+                     if isinstance(t, torch.Tensor)} for chunks in (models, others))
+    return {"names": sorted(ours), "keys_equal": ours.keys() == theirs.keys(),
+            "differ": sorted(k for k in ours if not (k in theirs and torch.equal(ours[k], theirs[k])))}
+
+
+def compare_chunks(models: list, others: list, report: Path, perturbed: str | None = None) -> None:
+    """Save to `report` which tensors of two sets of model chunks of this rank differ, bit for bit (keys
+    `{chunk}.{name}`); with `perturbed`, also which differ once the first parameter of `others` whose name
+    ends so is moved by one float step in one element (a check that the comparison sees it)."""
+    result = _differing(models, others)
+    if perturbed is not None:
+        name, param = next((f"{v}.{n}", p) for v, m in enumerate(others) for n, p in m.named_parameters()
+                           if n.endswith(perturbed))
+        with torch.no_grad():
+            param.view(-1)[0] = torch.nextafter(param.view(-1)[0], torch.tensor(float("inf")))
+        result["perturbed"] = (name, _differing(models, others)["differ"])
+    torch.save(result, report)
+
+
+def assert_same(workdir: Path, label: str, world: int, gap: str | None = None) -> None:
+    """Every rank's `compare_chunks` report says its tensors are equal, bit for bit, except exactly those
+    whose name matches the regex `gap` (which every rank must have); where a tensor was perturbed, it
+    differs too. The AssertionError names the first unexpected difference."""
+    for rank in range(world):
+        report = torch.load(Path(workdir) / f"{label}{rank}.pt")
+        expected = [n for n in report["names"] if gap and re.search(gap, n)]
+        unexpected = [n for n in report["differ"] if n not in expected]
+        assert report["keys_equal"] and len(report["names"]) > 20, report
+        assert not unexpected, f"rank {rank}: {unexpected[0]} differs ({len(unexpected)} tensors)"
+        assert report["differ"] == expected and bool(expected) == bool(gap), (rank, report["differ"])
+        if "perturbed" in report:
+            name, differ = report["perturbed"]
+            assert differ == sorted(expected + [name]), (rank, name, differ)
 
 
 def _load_torch_dist(chunks: list, checkpoint: Path, prefix: str = "") -> None:

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from tests.conftest import load_rank_file
-from tests.megatron_oracle import MegatronRun, _cpu_shims, _free_port, _transformer_config
+from tests.megatron_oracle import MegatronRun, _cpu_shims, _free_port, _transformer_config, compare_chunks
 from tests.ranks import start_ranks
 
 PATCHES = (1, 4, 4)  # image_grid_thw: one frame of 4 x 4 patches -> 4 merged image tokens
@@ -44,7 +44,6 @@ class VLRun(MegatronRun):
     """A MegatronRun of mbridge's Qwen3VLModel (`checkpoint` None with `live_hf`)."""
 
     inputs: dict = field(default_factory=dict)  # name -> (input_ids, pixel_values or None)
-    bridge_hf: Path | None = None  # also load this HF directory with Megatron-Bridge's mapping and compare
     dist_checkpoint: Path | None = None  # also load this torch_dist checkpoint with megatron-core and compare
 
 
@@ -172,20 +171,6 @@ def load_with_megatron_bridge(model, hf_dir: Path) -> None:
     bridge.load_weights_hf_to_megatron(hf, [model])
 
 
-def _compare(models: list, others: list, report: Path) -> None:
-    """Save which tensors of two sets of model chunks of this rank differ (bit for bit)."""
-    ours, theirs = ({f"{v}.{k}": t for v, m in enumerate(chunks) for k, t in m.state_dict().items()
-                     if isinstance(t, torch.Tensor)} for chunks in (models, others))
-    differ = sorted(k for k in ours if not torch.equal(ours[k], theirs[k]))
-    torch.save({"compared": len(ours), "differ": differ, "keys_equal": ours.keys() == theirs.keys()}, report)
-
-
-def assert_same(workdir: Path, label: str, world: int) -> None:
-    for rank in range(world):
-        report = torch.load(Path(workdir) / f"{label}{rank}.pt")
-        assert report["keys_equal"] and report["compared"] > 20 and report["differ"] == [], report
-
-
 def _worker(rank: int, run: VLRun, port: int, out: Path):
     warnings.filterwarnings("ignore")
     _cpu_shims()
@@ -217,7 +202,7 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
         others = [build_model(run, v) for v in range(run.vpp)]
         for other in others:
             load_with_megatron_bridge(other, run.bridge_hf)
-        _compare(chunks, others, out.with_name(f"bridge{rank}.pt"))
+        compare_chunks(chunks, others, out.with_name(f"bridge{rank}.pt"))
     if run.dist_checkpoint is not None:  # megatron-core's own loader, resharding to this rank's chunks
         from megatron.core import dist_checkpointing
 
@@ -228,7 +213,7 @@ def _worker(rank: int, run: VLRun, port: int, out: Path):
         loaded = dist_checkpointing.load(state, str(run.dist_checkpoint / "release"))
         for v, other in enumerate(others):
             other.load_state_dict(loaded["model"] if run.vpp == 1 else loaded[f"model{v}"], strict=True)
-        _compare(chunks, others, out.with_name(f"dist{rank}.pt"))
+        compare_chunks(chunks, others, out.with_name(f"dist{rank}.pt"))
 
     c = run.hf_config
     pp_rank, results = ps.get_pipeline_model_parallel_rank(), {}

@@ -32,11 +32,7 @@ engines and the bridges"):
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
-import sys
-import types
 import warnings
 from pathlib import Path
 
@@ -44,43 +40,11 @@ import pytest
 import torch
 
 from tests.conftest import FIXTURES, load_rank_file
-from tests.megatron_oracle import _cpu_shims, _free_port, hf_logits, read_config
+from tests.megatron_oracle import _cpu_shims, _free_port, hf_logits, import_megatron_bridge, read_config
 from tests.ranks import start_ranks
 
 TOKENS = list(range(7, 80, 6))
 HUB_NAME = "tiny-org/qwen3-tiny-fp32"
-
-
-def import_megatron_bridge():
-    """Megatron-Bridge's AutoBridge and local layer spec, without Transformer Engine (see above)."""
-    if "megatron.bridge.models.conversion.auto_bridge" not in sys.modules:
-        root = Path(importlib.util.find_spec("megatron.core").origin).parent.parent / "bridge"
-        for name, path in (("megatron.bridge", root), ("megatron.bridge.models", root / "models"),
-                           ("megatron.bridge.models.qwen", root / "models" / "qwen")):
-            package = types.ModuleType(name)
-            package.__path__ = [str(path)]
-            sys.modules[name] = package
-        importlib.import_module("megatron.core.transformer.moe.moe_utils")  # before the placeholder exists
-        importlib.import_module("megatron.bridge.peft.adapter_wrapper")
-        importlib.import_module("megatron.bridge.peft.lora_merge")
-        te = types.ModuleType("transformer_engine")
-        te.pytorch = types.ModuleType("transformer_engine.pytorch")
-        te.pytorch.Linear = type("Linear", (), {})
-        te.pytorch.LayerNormLinear = type("LayerNormLinear", (), {})
-        te.pytorch.ops = types.SimpleNamespace(Sequential=type("Sequential", (), {}))
-        sys.modules.update({"transformer_engine": te, "transformer_engine.pytorch": te.pytorch})
-        try:
-            importlib.import_module("megatron.bridge.peft.lora_layers")
-        finally:
-            del sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"]
-        importlib.import_module("megatron.bridge.models.qwen.qwen3_bridge")
-        importlib.import_module("megatron.bridge.models.qwen.qwen3_moe_bridge")
-        # peft.utils decides "Transformer Engine present" from names megatron-core defines even
-        # without it (as None); say what is true, so LoRA takes its non-TE branches.
-        importlib.import_module("megatron.bridge.peft.utils").HAVE_TE = False
-    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
-    from megatron.bridge.models.gpt_provider import local_layer_spec
-    return AutoBridge, local_layer_spec
 
 
 def mbridge_model(hf: str, tp: int, ep: int):

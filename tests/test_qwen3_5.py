@@ -16,7 +16,7 @@ from fixtures.make_fixtures import make_qwen3_5
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.cli import main
 from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors, load_rank_file
-from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config, trainer_args
+from tests.megatron_oracle import MegatronRun, assert_same, hf_logits, megatron_logits, read_config, trainer_args
 from tests.qwen3_5_oracle import block_spec, hf_mtp_logits, mtp_spec
 from tests.test_live import assert_every_hf_tensor_once
 from tests.test_oracle_megatron import stored_args
@@ -141,7 +141,9 @@ def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None) -> tuple[torch.Tensor
     live_over_checkpoint); it gives its logits, and iter_hf_weights / save_hf_weights write to
     `tmp_path / "live"`. With `vl_dir` (a Qwen3.5-VL model whose language model has this shape), the same
     model then loads its language model in the same way (torch_dist keys under `language_model.`, rank
-    files holding exactly those tensors; MTP as `hf_dir` has it) and gives `tmp_path / "language_model_logits.pt"`."""
+    files holding exactly those tensors; MTP as `hf_dir` has it) and gives `tmp_path / "language_model_logits.pt"`.
+    Megatron-Bridge's AutoBridge loads `hf_dir` into a second copy of the model on each rank (reports
+    `tmp_path / "bridge{rank}.pt"`, one delta-net in_proj then perturbed; tests/megatron_oracle.py)."""
     mtp = "mtp_num_hidden_layers" in read_config(hf_dir)  # converted with --mtp: megatron-core's MTP block
     checkpoints = []
     for directory, name in ((hf_dir, ""), (vl_dir, "vl_")) if vl_dir else ((hf_dir, ""),):
@@ -153,9 +155,18 @@ def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None) -> tuple[torch.Tensor
     run = MegatronRun(tmp_path / "dist", read_config(hf_dir), **sizes, padded_vocab=summary.plan.padded_vocab,
                       tokens=TOKENS, fmt="torch_dist", block_spec=block_spec, mtp_spec=mtp_spec, same_as=tmp_path / "ranks",
                       live_hf=hf_dir, live_out=tmp_path / "live", live_over_checkpoint=True,
-                      language_model_of=checkpoints[1] if vl_dir else None)
+                      language_model_of=checkpoints[1] if vl_dir else None, bridge_hf=hf_dir,
+                      bridge_perturbed="self_attention.in_proj.weight")
     run.args = trainer_args(stored_args(tmp_path / "ranks"), run)
     return megatron_logits(run, tmp_path), run
+
+
+# What Megatron-Bridge 0.6.2's tables leave unmapped in these models (it warns and leaves them as built):
+# Qwen3-Next's dense layer (`mlp_only_layers`: no `mlp.linear_fc*` rows), and Qwen3.5-MoE's MTP experts in
+# SequentialMLP's names (its rows name only TE's grouped `experts.linear_fc*.weight{e}`, which a CPU model
+# without Transformer Engine cannot build; the decoder's experts have rows in both namings).
+BRIDGE_GAPS = {"qwen3_5_mtp_dir": None, "qwen3_5_moe_dir": r"^0\.mtp\.layers\.0\.mtp_model_layer\.mlp\.experts\.local_experts\.",
+               "qwen3_next_dir": r"^0\.decoder\.layers\.1\.mlp\.linear_fc"}
 
 
 @pytest.mark.slow
@@ -168,7 +179,14 @@ def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None) -> tuple[torch.Tensor
 def test_megatron_core_forward_matches_transformers(tmp_path, request, model, sizes, monkeypatch):
     """The dense run also proves the VL classes' language model: a Qwen3.5-VL checkpoint's, loaded into
     the same GPTModel from its torch_dist `language_model.*` keys, equals its rank files and gives the
-    logits transformers gives for that VL directory (which it loads into the text-only class)."""
+    logits transformers gives for that VL directory (which it loads into the text-only class).
+    A second, independent mapping: Megatron-Bridge 0.6's AutoBridge (its Qwen35Bridge / Qwen35MoEBridge /
+    Qwen3NextBridge tables and `load_weights_hf_to_megatron`: GDNLinearMappingSeparate / GDNLinearMapping,
+    GDNConv1dMapping, QKVMapping with the output gate, RMSNorm2ZeroCenteredRMSNormMapping, fused expert
+    mappings, MTP), imported without Transformer Engine, loads the same HF directory into a second copy of
+    the model on each rank, at these same sizes (PP2 x VPP2, TP2/EP2): every tensor equals the one mconv's
+    checkpoint gave, bit for bit, but for BRIDGE_GAPS (which must differ: left as built); one element of
+    a delta-net in_proj moved by one float step is then the one more tensor that differs."""
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
     hf_dir = request.getfixturevalue(model)
     vl_dir = request.getfixturevalue("qwen3_5_vl_dir") if model == "qwen3_5_mtp_dir" else None
@@ -181,6 +199,7 @@ def test_megatron_core_forward_matches_transformers(tmp_path, request, model, si
     for rule, wrong in mtp.items():  # a converter following a wrong rule fails
         assert (ours[1:] - wrong).abs().max().item() > 1e-2, rule
     assert_every_hf_tensor_once(tmp_path / "live", run, hf_dir)  # mconv.live's export of the same model
+    assert_same(tmp_path, "bridge", run.world, BRIDGE_GAPS[model])
     if vl_dir is not None:
         vl_ours = torch.load(tmp_path / "language_model_logits.pt")[:1, ..., :run.hf_config["vocab_size"]]
         vl_reference = hf_logits(vl_dir, TOKENS)

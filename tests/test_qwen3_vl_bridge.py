@@ -12,7 +12,8 @@ import pytest
 from fixtures.make_fixtures import make_qwen3_vl
 from mconv import Layout, hf2mcore
 from mconv.converter.transforms import padded_vocab_size
-from tests.qwen3_vl_oracle import VLRun, assert_same, megatron_logits
+from tests.megatron_oracle import assert_same
+from tests.qwen3_vl_oracle import VLRun, megatron_logits
 
 pytestmark = pytest.mark.slow
 

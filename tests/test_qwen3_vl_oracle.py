@@ -15,7 +15,8 @@ from fixtures.make_fixtures import make_qwen3_vl
 from mconv import Layout, hf2mcore
 from mconv.converter.transforms import padded_vocab_size
 from tests.conftest import FIXTURES
-from tests.qwen3_vl_oracle import VLRun, assert_same, example_inputs, hf_logits, megatron_logits
+from tests.megatron_oracle import assert_same
+from tests.qwen3_vl_oracle import VLRun, example_inputs, hf_logits, megatron_logits
 
 pytestmark = pytest.mark.slow
 
