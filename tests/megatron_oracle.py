@@ -331,7 +331,7 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         _load_live_over(chunks, run.live_hf)
     if run.bridge_hf is not None:
         others = _build_chunks(run, config, rotary, tied)
-        import_megatron_bridge()[0].from_hf_pretrained(str(run.bridge_hf)).load_hf_weights(others)
+        _load_with_megatron_bridge(others, run.bridge_hf)
         compare_chunks(chunks, others, out.with_name(f"bridge{rank}.pt"), run.bridge_perturbed)
 
     forward_logits(chunks, run, config.hidden_size, out)
@@ -413,6 +413,24 @@ def import_megatron_bridge():
     return AutoBridge, local_layer_spec
 
 
+def _load_with_megatron_bridge(chunks: list, hf_dir: Path) -> None:
+    """Megatron-Bridge's `AutoBridge.from_hf_pretrained(hf_dir).load_hf_weights(chunks)`. Two of its limits
+    leave a parameter as built, for the comparison to name, instead of failing the load: at TP1 it does not
+    pad the vocabulary (ColumnParallelMapping returns early), so a padded embedding / output layer is a
+    shape mismatch, allowed; and its task list keeps a None for a parameter its table has no row for,
+    on which its loader fails (`'NoneType' object has no attribute 'megatron_module'`), so those are dropped."""
+    auto_bridge = import_megatron_bridge()[0]
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    build = MegatronModelBridge.build_conversion_tasks
+    MegatronModelBridge.build_conversion_tasks = lambda self, *a, **k: [t for t in build(self, *a, **k) if t is not None]
+    try:
+        auto_bridge.from_hf_pretrained(str(hf_dir)).load_hf_weights(
+            chunks, allowed_mismatched_params=["embedding.word_embeddings.weight", "output_layer.weight"])
+    finally:
+        MegatronModelBridge.build_conversion_tasks = build
+
+
 def _differing(models: list, others: list) -> dict:
     ours, theirs = ({f"{v}.{k}": t for v, m in enumerate(chunks) for k, t in m.state_dict().items()
                      if isinstance(t, torch.Tensor)} for chunks in (models, others))
@@ -442,7 +460,7 @@ def assert_same(workdir: Path, label: str, world: int, gap: str | None = None) -
         report = torch.load(Path(workdir) / f"{label}{rank}.pt")
         expected = [n for n in report["names"] if gap and re.search(gap, n)]
         unexpected = [n for n in report["differ"] if n not in expected]
-        assert report["keys_equal"] and len(report["names"]) > 20, report
+        assert report["keys_equal"] and len(report["names"]) > 10, report
         assert not unexpected, f"rank {rank}: {unexpected[0]} differs ({len(unexpected)} tensors)"
         assert report["differ"] == expected and bool(expected) == bool(gap), (rank, report["differ"])
         if "perturbed" in report:

@@ -47,8 +47,10 @@ class ZeroCentredNorm(torch.nn.Module):
 def _norm_linear():
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    class NormColumnParallelLinear(ColumnParallelLinear):
-        """TELayerNormColumnParallelLinear: the zero-centred norm, then the linear layer."""
+    class LayerNormColumnParallelLinear(ColumnParallelLinear):
+        """TELayerNormColumnParallelLinear: the zero-centred norm, then the linear layer. (Megatron-Bridge
+        tells TE's fused module by this substring of its class name: its `weight` column-parallel, its
+        `layer_norm_weight` replicated.)"""
 
         def __init__(self, input_size, output_size, *, config, **kwargs):
             super().__init__(input_size, output_size, config=config, **kwargs)
@@ -58,7 +60,7 @@ def _norm_linear():
         def forward(self, x, *args, **kwargs):
             return super().forward(_rms(x, self.layer_norm_weight, self.norm_eps), *args, **kwargs)
 
-    return NormColumnParallelLinear
+    return LayerNormColumnParallelLinear
 
 
 def _backend(config):

@@ -161,11 +161,12 @@ def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None) -> tuple[torch.Tensor
     return megatron_logits(run, tmp_path), run
 
 
-# What Megatron-Bridge 0.6.2's tables leave unmapped in these models (it warns and leaves them as built):
-# Qwen3-Next's dense layer (`mlp_only_layers`: no `mlp.linear_fc*` rows), and Qwen3.5-MoE's MTP experts in
-# SequentialMLP's names (its rows name only TE's grouped `experts.linear_fc*.weight{e}`, which a CPU model
-# without Transformer Engine cannot build; the decoder's experts have rows in both namings).
-BRIDGE_GAPS = {"qwen3_5_mtp_dir": None, "qwen3_5_moe_dir": r"^0\.mtp\.layers\.0\.mtp_model_layer\.mlp\.experts\.local_experts\.",
+# What Megatron-Bridge 0.6.2 leaves unloaded in these models (it warns and leaves them as built): at TP1
+# (the dense run) the padded embedding and output layer (it pads the vocabulary only at TP > 1); Qwen3-Next's
+# dense layer (`mlp_only_layers`: no `mlp.linear_fc*` rows); Qwen3.5-MoE's MTP experts in SequentialMLP's
+# names (its MTP rows name only TE's grouped `experts.linear_fc*.weight{e}`, which a CPU model without
+# Transformer Engine cannot build; the decoder's experts have rows in both namings).
+BRIDGE_GAPS = {"qwen3_5_mtp_dir": r"\.(embedding\.word_embeddings|output_layer)\.weight$", "qwen3_5_moe_dir": r"^0\.mtp\.layers\.0\.mtp_model_layer\.mlp\.experts\.local_experts\.",
                "qwen3_next_dir": r"^0\.decoder\.layers\.1\.mlp\.linear_fc"}
 
 
