@@ -423,7 +423,8 @@ def _load_with_megatron_bridge(chunks: list, hf_dir: Path) -> None:
     from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 
     build = MegatronModelBridge.build_conversion_tasks
-    MegatronModelBridge.build_conversion_tasks = lambda self, *a, **k: [t for t in build(self, *a, **k) if t is not None]
+    MegatronModelBridge.build_conversion_tasks = lambda self, *args, **kwargs: [
+        task for task in build(self, *args, **kwargs) if task is not None]
     try:
         auto_bridge.from_hf_pretrained(str(hf_dir)).load_hf_weights(
             chunks, allowed_mismatched_params=["embedding.word_embeddings.weight", "output_layer.weight"])

@@ -166,7 +166,8 @@ def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None) -> tuple[torch.Tensor
 # dense layer (`mlp_only_layers`: no `mlp.linear_fc*` rows); Qwen3.5-MoE's MTP experts in SequentialMLP's
 # names (its MTP rows name only TE's grouped `experts.linear_fc*.weight{e}`, which a CPU model without
 # Transformer Engine cannot build; the decoder's experts have rows in both namings).
-BRIDGE_GAPS = {"qwen3_5_mtp_dir": r"\.(embedding\.word_embeddings|output_layer)\.weight$", "qwen3_5_moe_dir": r"^0\.mtp\.layers\.0\.mtp_model_layer\.mlp\.experts\.local_experts\.",
+BRIDGE_GAPS = {"qwen3_5_mtp_dir": r"\.(embedding\.word_embeddings|output_layer)\.weight$",
+               "qwen3_5_moe_dir": r"^0\.mtp\.layers\.0\.mtp_model_layer\.mlp\.experts\.local_experts\.",
                "qwen3_next_dir": r"^0\.decoder\.layers\.1\.mlp\.linear_fc"}
 
 
