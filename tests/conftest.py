@@ -8,6 +8,11 @@ from pathlib import Path
 # time. The oracles check weights, not kernels; eager runs the same functions. Set before anything
 # imports torch or starts a process, so that every rank and subprocess inherits it.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# One intra-op thread per process: the suite runs two workers on two cores, and the ranks of a gloo
+# world are processes of their own; two threads each only contend (`tests/test_torch_dist.py`'s
+# megatron-core loads, two at a time: 88 s wall with two threads, 80 s with one, 2026-12-02). torch
+# reads it when imported (set later, as tests/megatron_oracle.py did, it changed nothing).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
