@@ -172,10 +172,12 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
                 return written
         outputs, stacked = [], []  # stacked: experts' modules the writer quantizes, given in the shards' dtype
         for task in batch:
+            exact = session.dtype_of(task.sources[0])
             for name, shape in zip(task.hf, task.hf_shapes):
-                exact = session.dtype_of(task.sources[0])
-                (stacked if writer.quantizes(name) else outputs).append(
-                    (name, exact if writer.quantizes(name) else cast(task.hf) or exact, shape))
+                if writer.quantizes(name):
+                    stacked.append((name, exact, shape))
+                else:
+                    outputs.append((name, cast(task.hf) or exact, shape))
         if quantization is not None:
             outputs = fp8.quantized_entries(outputs, quantization)[0] + stacked
         if (len(batch) == 1 and sum(_nbytes(s, d) for _, d, s in outputs) > local.buffer.keep
