@@ -438,3 +438,42 @@ def test_verify_names_a_changed_byte_and_swapped_tensors(tmp_path):
         core._compare(engine, checksums(named))
     engine.close()
     receiver.close()
+
+
+def test_a_bucket_layout_travels_once_per_connection(tmp_path, monkeypatch):
+    """A layout's entries cross once per connection: the second update of the same layout carries
+    only its number, a new connection carries them again, and the receiver's parameters equal the
+    sent tensors after every update. A number never sent is refused in one line."""
+    from mconv.live.sync import SharedMemoryEngine, core
+    from mconv.transport import shm
+    from mconv.transport.flat import layout, pack
+    from mconv.transport.receiver import ParameterReceiver
+
+    sent = []
+    request = shm.request
+    monkeypatch.setattr(shm, "request", lambda conn, message, timeout=None: (
+        sent.append(message.get("buffers")), request(conn, message, timeout))[1])
+    generator = torch.Generator().manual_seed(0)
+    names = ("a", "b", "c")
+    receiver = ParameterReceiver({name: torch.zeros(4, 3) for name in names}, str(tmp_path / "engine.sock"), b"key")
+    receiver.start()
+    engine = SharedMemoryEngine(str(tmp_path / "engine.sock"), b"key")
+    entries = None
+    for step in range(3):
+        named = [(name, torch.randn(4, 3, generator=generator)) for name in names]
+        if entries is None:
+            entries, nbytes = layout(named)
+        if step == 2:  # the connection is lost: the next update opens another
+            engine._conn.close()
+            engine._conn = None
+        pack(named, entries, engine.buffer(0, nbytes, torch.device("cpu")))
+        engine.start(f"v{step}")
+        engine.update(core.FlatBucket(f"v{step}", 0, engine.buffer(0, nbytes, torch.device("cpu")), entries))
+        engine.finish(f"v{step}")
+        assert all(torch.equal(receiver.params[name], tensor) for name, tensor in named)
+    assert ["entries" in buffers[0] for buffers in sent if buffers] == [True, False, True]
+    engine.start("v3")
+    with pytest.raises(RuntimeError, match=r"^ValueError: bucket layout 7 was never sent on this connection$"):
+        engine._request({"op": "update", "buffers": [{"path": "unused", "layout": 7}]})
+    engine.close()
+    receiver.close()

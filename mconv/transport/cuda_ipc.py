@@ -3,8 +3,8 @@ on the same GPU as ONE CUDA IPC handle (torch.multiprocessing's reduce_tensor / 
 carried as JSON: nothing is unpickled); mconv.transport.receiver.ParameterReceiver maps it and
 copies every entry into parameters the engine's process preallocated. Imports torch only.
 
-Lifetime and order: the sender's packing has finished on the GPU before it sends the handle (a
-device synchronize), it keeps the buffer unchanged until the receiver's reply, and the receiver
+Lifetime and order: the sender's packing has finished on the GPU before it sends the handle (an
+event recorded after its copies, or a device synchronize), it keeps the buffer unchanged until the receiver's reply, and the receiver
 replies only after its copies have finished on the GPU (a stream synchronize).
 """
 from __future__ import annotations

@@ -76,14 +76,30 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], entries: Sequence[Entry], bu
 
 def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """dst.copy_(src) for every (dst, src) pair (same shapes and dtypes), as one torch._foreach_copy_
-    per dtype and device: on a GPU a multi-tensor kernel copies many tensors per launch where both
-    sides are contiguous (each group of non-contiguous sources takes torch's per-tensor route)."""
-    groups: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
-    for dst, src in pairs:
-        dsts, srcs = groups[dst.dtype, dst.device, src.device, src.is_contiguous() and dst.is_contiguous()]
-        dsts.append(dst)
-        srcs.append(src)
-    for dsts, srcs in groups.values():
+    per group of copy_groups."""
+    run_copies(copy_groups(pairs))
+
+
+def copy_groups(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[list, list]]:
+    """The pairs as [(dsts, srcs)], one group per dtype, devices and contiguity (copy_order): a
+    receiver whose pairs stay the same keeps the groups and calls run_copies alone."""
+    return [([pairs[i][0] for i in group], [pairs[i][1] for i in group]) for group in copy_order(pairs)]
+
+
+def copy_order(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[int]]:
+    """The positions of `pairs` grouped by dtype, devices and contiguity: on a GPU a multi-tensor
+    kernel copies many tensors per launch where both sides are contiguous (a group of
+    non-contiguous sources takes torch's per-tensor route). The grouping only sets the speed: any
+    grouping copies the same bytes."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, (dst, src) in enumerate(pairs):
+        groups[dst.dtype, dst.device, src.device, src.is_contiguous() and dst.is_contiguous()].append(i)
+    return list(groups.values())
+
+
+def run_copies(groups: Sequence[tuple[list, list]]) -> None:
+    """The copies of copy_groups' groups: one torch._foreach_copy_ each."""
+    for dsts, srcs in groups:
         torch._foreach_copy_(dsts, srcs)
 
 

@@ -13,13 +13,17 @@ torch only, not megatron-core.
 
 Requests: `expected` ({"digest"} -> the model's {HF name: shape}, sent only when the trainer's
 digest of it is not current), `start` {"version"}, `update` {"buffers": [{"ipc": cuda_ipc.share(...)
-| "path": shared-memory file, "entries": [Entry.to_json()]}]}, `finish` {"version"}, `abort`
+| "path": shared-memory file, "entries": [Entry.to_json()], "layout": n}]} (a bucket layout's entries
+travel once per connection: later buckets with the same layout carry only its number `n`; a
+receiver's `load` sees "entries" filled in and "layout" as a key unique to the connection and
+number), `finish` {"version"}, `abort`
 {"version", "reason"}, `checksums` {"names"} (flat.checksums of what the engine holds). Every
 request may carry the trainer's "rank", used to name it in errors.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import threading
 import time
@@ -28,7 +32,7 @@ from collections import OrderedDict
 import torch
 
 from mconv.transport import shm
-from mconv.transport.flat import Entry, checksums, copy_all, unpack
+from mconv.transport.flat import Entry, checksums, copy_groups, run_copies, unpack
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -91,7 +95,7 @@ class UpdateReceiver:
             self._peers.add(id(peer))
             self._last = time.monotonic()
             if op == "update":
-                self.load(message["buffers"])
+                self.load(_with_entries(message["buffers"], peer))
                 self._last = time.monotonic()  # the timeout counts the trainer's silence, not our loading
                 return {}
             if op == "finish":
@@ -160,6 +164,27 @@ class UpdateReceiver:
                                f"{self._session}")
 
 
+_CONNECTIONS = itertools.count()
+
+
+def _with_entries(buffers: list[dict], peer: dict) -> list[dict]:
+    """`buffers` with every item's "entries" filled in from the layouts this connection sent before,
+    and its "layout" made unique across connections. Raises ValueError for a layout never sent."""
+    known = peer.setdefault("layouts", {})
+    connection = peer.setdefault("connection", next(_CONNECTIONS))
+    out = []
+    for item in buffers:
+        number = item.get("layout")
+        if number is not None:
+            if "entries" in item:
+                known[number] = item["entries"]
+            elif number not in known:
+                raise ValueError(f"bucket layout {number} was never sent on this connection")
+            item = {**item, "entries": known[number], "layout": f"{connection}:{number}"}
+        out.append(item)
+    return out
+
+
 class ParameterReceiver(UpdateReceiver):
     """The receiver of an engine that owns `params` ({HF name: tensor}, preallocated, as an engine's
     model does; all on one CUDA device, or on the CPU): each bucket entry is copied into its
@@ -169,8 +194,8 @@ class ParameterReceiver(UpdateReceiver):
     A bucket arrives as one CUDA IPC handle (from IPCEngine) or one shared-memory file (from
     SharedMemoryEngine). The two most recent mappings stay open, so a sender's two reused buffers
     are mapped once (for CUDA IPC, torch's rebuild_cuda_tensor then finds them in its cache), and
-    each (mapping, entries) pair's copy plan is built once: a later sync of the same model is one
-    grouped copy per bucket (flat.copy_all). The receiver replies only after its copies finished."""
+    each (mapping, layout) pair's copy plan is built once: a later sync of the same model is a few
+    grouped copies per bucket (flat.run_copies). The receiver replies only after its copies finished."""
 
     def __init__(self, params: dict[str, torch.Tensor], address: str, authkey: bytes,
                  timeout: float = DEFAULT_TIMEOUT):
@@ -193,12 +218,12 @@ class ParameterReceiver(UpdateReceiver):
             key = f"{ipc['handle']}:{ipc['offset_bytes']}" if ipc else item["path"]
             start, stop = (ipc["offset"], ipc["offset"] + ipc["numel"]) if ipc else (0, None)
             mapped = self._map(key, item)
-            entries = json.dumps(item["entries"])
-            plan = self._plans.get((key, start, stop, entries))
+            layout = item.get("layout") or json.dumps(item["entries"])
+            plan = self._plans.get((key, start, stop, layout))
             if plan is None:
-                plan = self._plans[key, start, stop, entries] = self._plan(mapped[start:stop], [
+                plan = self._plans[key, start, stop, layout] = self._plan(mapped[start:stop], [
                     Entry.from_json(e) for e in item["entries"]])
-            copy_all(plan[0])
+            run_copies(plan[0])
             self._received.update(plan[1])
         if self._cuda:
             torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we reply
@@ -256,4 +281,4 @@ class ParameterReceiver(UpdateReceiver):
                                                  f"{target.dtype} {list(target.shape)}"))
             pairs.append((target, view))
             names.append(name)
-        return pairs, names
+        return copy_groups(pairs), names

@@ -19,7 +19,7 @@ from mconv.live.chunks import _config
 from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _prepared, iter_hf_weights
 from mconv.live.sync.engines import FlatBucket, as_engine
 from mconv.mappings import architecture_for
-from mconv.transport.flat import checksums, copy_all, layout, unpack
+from mconv.transport.flat import checksums, copy_order, layout, run_copies, unpack
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _VERSIONS = itertools.count(1)
@@ -169,6 +169,9 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
     result.tensors += len(entries)
     result.bytes += nbytes
     bucket = FlatBucket(version, index, buffer, entries)
+    if buffer.is_cuda:
+        bucket.ready = torch.cuda.Event()
+        bucket.ready.record(torch.cuda.current_stream(buffer.device))
     if sums is not None:
         sums.update(checksums(list(bucket)))  # before the engine may reuse the buffer
     pending.append(workers.submit(engine.update, bucket))
@@ -184,23 +187,25 @@ def _is_sender(live) -> bool:
 def _pack(engine, slot: int, named, aliases, device) -> tuple[list, torch.Tensor]:
     """Pack `named` into the engine's buffer for `slot`: its entries and the buffer. A bucket's
     layout is computed once per signature (names, dtypes, shapes), and its views of the slot's
-    buffer once while the engine keeps that buffer, so a later sync's packing is one grouped copy
-    (flat.copy_all) plus a few Python operations per tensor."""
+    buffer and their grouping into batched copies (flat.copy_order, taken from the first sync's
+    tensors: later tensors of the same signature come from the same parameters) once while the
+    engine keeps that buffer, so a later sync's packing is a few grouped copies."""
     layouts = engine.__dict__.setdefault("_layouts", {})  # signature -> (entries, nbytes)
-    views = engine.__dict__.setdefault("_views", {})  # (slot, signature) -> (buffer, [(name, view)])
+    views = engine.__dict__.setdefault("_views", {})  # (slot, signature) -> (buffer, [view per tensor], copy order)
     signature = (tuple((name, t.dtype, t.shape) for name, t in named), tuple(sorted((aliases or {}).items())))
     if signature not in layouts:
         layouts[signature] = layout(named, aliases)
     entries, nbytes = layouts[signature]
     buffer = engine.buffer(slot, nbytes, device)
-    tensors = dict(named)
     hit = views.get((slot, signature))
     if hit is None or hit[0].data_ptr() != buffer.data_ptr() or hit[0].device != buffer.device:
         for key in [k for k, v in views.items() if k[0] == slot and v[0].data_ptr() != buffer.data_ptr()]:
             del views[key]  # views of a buffer the engine replaced: they would keep it alive
-        hit = views[slot, signature] = (buffer, [(name, view) for name, view in unpack(buffer, entries)
-                                                 if name in tensors])
-    copy_all([(view, tensors[name]) for name, view in hit[1]])
+        by_name = dict(unpack(buffer, entries))
+        targets = [by_name[name] for name, _ in named]
+        hit = views[slot, signature] = (buffer, targets, copy_order(list(zip(targets, (t for _, t in named)))))
+    _, targets, order = hit
+    run_copies([([targets[i] for i in group], [named[i][1] for i in group]) for group in order])
     return entries, buffer
 
 

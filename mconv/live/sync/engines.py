@@ -25,6 +25,14 @@ class FlatBucket:
     index: int
     buffer: torch.Tensor
     entries: list[Entry]
+    # On a GPU, recorded on the packing stream after the bucket's copies: waiting on it (not on the
+    # whole device) lets the next bucket's packing go on meanwhile. None: the copies are done.
+    ready: "torch.cuda.Event | None" = None
+
+    def wait(self) -> None:
+        """Return once the bucket's bytes are in `buffer`."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(unpack(self.buffer, self.entries))
@@ -97,6 +105,7 @@ class CallableEngine(Engine):
         self.fn, self._checksums = fn, checksums
 
     def update(self, bucket: FlatBucket) -> None:
+        bucket.wait()  # fn may run on another stream than the packing
         self.fn(bucket)
 
     @property
@@ -117,13 +126,16 @@ class RemoteEngine(Engine):
         super().__init__()
         self.address, self.authkey, self.timeout = address, authkey, timeout
         self._conn = None
-        self._lock = threading.Lock()  # rank 0 talks from the caller's thread and the update thread
+        self._lock = threading.RLock()  # rank 0 talks from the caller's thread and the update thread
         self._expected: tuple[str, dict] | None = None  # the receiver's model digest and shapes
+        self._layouts: dict[int, tuple[list, int]] = {}  # id(entries) -> (entries, its layout number)
+        self._sent_layouts: set[int] = set()  # the numbers whose entries this connection has carried
 
     def _request(self, message: dict) -> dict:
         with self._lock:
             if self._conn is None:
                 self._conn = shm.connect(self.address, self.authkey)
+                self._sent_layouts = set()
             if dist.is_initialized():
                 message = {**message, "rank": dist.get_rank()}
             try:
@@ -133,6 +145,21 @@ class RemoteEngine(Engine):
                 self._conn = None
                 raise RuntimeError(f"the engine at {self.address} did not answer {message['op']!r}: "
                                    f"{type(e).__name__}: {e}") from None
+
+    def _update(self, buffer: dict, entries: list[Entry]) -> None:
+        """One `update` request for one bucket buffer ({"ipc": ...} or {"path": ...}). A layout (the
+        same entries list, as sync_weights reuses it) carries its entries once per connection, later
+        only its number: the receiver keeps them (mconv.transport.receiver)."""
+        cached = self._layouts.get(id(entries))
+        if cached is None or cached[0] is not entries:
+            cached = self._layouts[id(entries)] = (entries, len(self._layouts))
+        number = cached[1]
+        with self._lock:  # the same connection from the request's sending to its marking
+            item = {**buffer, "layout": number}
+            if number not in self._sent_layouts or self._conn is None:
+                item["entries"] = [e.to_json() for e in entries]
+            self._request({"op": "update", "buffers": [item]})
+            self._sent_layouts.add(number)
 
     def expected(self) -> dict[str, list[int]]:
         reply = self._request({"op": "expected", "digest": self._expected and self._expected[0]})
@@ -178,8 +205,7 @@ class SharedMemoryEngine(RemoteEngine):
 
     def update(self, bucket: FlatBucket) -> None:
         slot = next(s for s, b in self._shared.items() if b.tensor.data_ptr() == bucket.buffer.data_ptr())
-        self._request({"op": "update", "buffers": [{"path": self._shared[slot].path,
-                                                    "entries": [e.to_json() for e in bucket.entries]}]})
+        self._update({"path": self._shared[slot].path}, bucket.entries)
 
     def close(self) -> None:
         for buffer in self._shared.values():

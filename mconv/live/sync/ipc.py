@@ -20,9 +20,11 @@ class IPCEngine(RemoteEngine):
         if not bucket.buffer.is_cuda:
             raise MconvError(f"IPCEngine needs the model on a CUDA device; bucket {bucket.index} is on "
                              f"{bucket.buffer.device}")
-        torch.cuda.synchronize(bucket.buffer.device)  # the packing copies, on whichever stream packed them
-        self._request({"op": "update", "buffers": [{"ipc": cuda_ipc.share(bucket.buffer),
-                                                    "entries": [e.to_json() for e in bucket.entries]}]})
+        if bucket.ready is None:
+            torch.cuda.synchronize(bucket.buffer.device)  # the packing copies, on whichever stream packed them
+        else:
+            bucket.wait()
+        self._update({"ipc": cuda_ipc.share(bucket.buffer)}, bucket.entries)
 
     def close(self) -> None:
         super().close()
