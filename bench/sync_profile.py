@@ -1,0 +1,136 @@
+"""Where a colocated weight sync's time goes, on one GPU (the figures docs/weight-sync.md quotes).
+
+The Qwen3-30B-A3B-shaped model of bench/live_bench.py (`--layers`, default 48), bf16, TP1, 512 MiB
+buckets, synced through IPCEngine into a ParameterReceiver process, three times (the first maps
+the buffers and builds the plans), then once more under cProfile. Prints per sync the wall time,
+`SyncResult.seconds` and the receiver's own milliseconds (its request handling, JSON, handle
+mapping, copy launches, load including the wait for its copies); then the trainer's profile
+(top 25 by own time). First, a micro-benchmark of the copy primitives on one 512 MiB bucket of
+3 MiB expert matrices: one flat copy, torch._foreach_copy_, a copy_ per tensor.
+
+    python3 bench/sync_profile.py --layers 48
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import multiprocessing
+import os
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.live_bench import MODELS, build, timed  # noqa: E402
+
+BUCKET = 512 << 20
+
+
+def copy_primitives() -> dict:
+    """Milliseconds of each way to copy 165 [768, 2048] bf16 matrices into one buffer (best of 20)."""
+    src = [torch.randn(768, 2048, device="cuda").to(torch.bfloat16) for _ in range(165)]
+    flat = torch.empty(165 * 768 * 2048, dtype=torch.bfloat16, device="cuda")
+    dst = list(flat.view(165, 768, 2048).unbind(0))
+    other = torch.empty_like(flat)
+
+    def per_tensor():
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+    return {name: round(timed(fn, repeats=20) * 1e3, 3) for name, fn in (
+        ("flat_copy", lambda: flat.copy_(other)), ("foreach_copy", lambda: torch._foreach_copy_(dst, src)),
+        ("copy_per_tensor", per_tensor))}
+
+
+def receive(shapes, address, authkey, ready, commands, reports):
+    """The engine's process: a ParameterReceiver whose steps are timed (milliseconds per sync)."""
+    from mconv.transport import receiver, shm
+
+    spent: dict[str, float] = {}
+
+    def timer(name, fn):
+        def timed_call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return timed_call
+
+    receiver.run_copies = timer("copy_launches", receiver.run_copies)
+    receiver.ParameterReceiver._map = timer("map_handle", receiver.ParameterReceiver._map)
+    receiver.ParameterReceiver.load = timer("load", receiver.ParameterReceiver.load)
+    receiver.UpdateReceiver.handle = timer("handle", receiver.UpdateReceiver.handle)
+    shm.receive = timer("read_request", shm.receive)  # includes waiting for the next request
+    params = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+              for name, (shape, dtype) in shapes.items()}
+    engine = receiver.ParameterReceiver(params, address, authkey)
+    engine.start()
+    ready.set()
+    while commands.get() == "report":
+        reports.put({name: round(seconds * 1e3, 1) for name, seconds in spent.items()})
+        spent.clear()
+    engine.close()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=48)
+    options = parser.parse_args()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from mconv.live import iter_hf_weights
+    from mconv.live.sync import IPCEngine, sync_weights
+    from mconv.transport.flat import dtype_name
+
+    print("copy primitives, ms:", copy_primitives(), flush=True)
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("nccl", init_method=f"file://{store}/store", rank=0, world_size=1)
+        ps.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(0)
+        hf = dict(MODELS["qwen3-30b-a3b"], num_hidden_layers=options.layers)
+        model, _ = build(hf)
+        shapes = {name: (list(t.shape), dtype_name(t.dtype))
+                  for bucket in iter_hf_weights([model], hf, bucket_bytes=BUCKET) for name, t in bucket}
+        context = multiprocessing.get_context("spawn")
+        address, authkey = os.path.join(store, "engine.sock"), os.urandom(16)
+        ready, commands, reports = context.Event(), context.Queue(), context.Queue()
+        process = context.Process(target=receive, args=(shapes, address, authkey, ready, commands, reports),
+                                  daemon=True)
+        process.start()
+        assert ready.wait(120), "the receiver did not start"
+        engine = IPCEngine(address, authkey)
+        profile = cProfile.Profile()
+        for index in range(4):
+            if index == 3:
+                profile.enable()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = sync_weights([model], hf, engine, bucket_bytes=BUCKET, version=f"v{index}")
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+            profile.disable()
+            commands.put("report")
+            print(f"sync {index}{' (profiled)' if index == 3 else ''}: {wall * 1e3:.1f} ms, {result.buckets} buckets, "
+                  f"trainer seconds {({k: round(v, 4) for k, v in result.seconds.items()})}, "
+                  f"receiver ms {reports.get(timeout=600)}", flush=True)
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+        print(out.getvalue())
+        commands.put("stop")
+        process.join(60)
+        engine.close()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
