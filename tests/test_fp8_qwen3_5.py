@@ -156,3 +156,24 @@ def test_bailing_v3_is_refused_in_one_line(tmp_path):
     hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", Layout(), fmt="torch", progress=False)
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--quantize", "fp8"), tmp_path / "out",
                    "--quantize fp8: mconv does not write FP8 checkpoints of BailingMoeV3ForCausalLM yet")
+
+
+@pytest.mark.slow
+@needs_compressed_tensors
+def test_live_fp8_of_aligned_gated_attention(tmp_path, monkeypatch):
+    """megatron-core's Qwen3.5 (dense, 128-aligned: each head's q and gate rows whole blocks) at TP2
+    (gloo, CPU; tests/test_qwen3_5.py's oracle run): its logits equal transformers', and
+    iter_hf_weights / save_hf_weights(quantize="fp8") hold the bytes of `mcore2hf --quantize fp8`,
+    FP8 sent over TP (shards of whole blocks, the gated linear_qkv's per-head pieces among them,
+    quantized in place before the gather; the delta-net in_proj, whose b and a stay 16-bit, after)."""
+    from tests.megatron_oracle import hf_logits
+    from tests.test_fp8 import assert_live_fp8_is_offline
+    from tests.test_qwen3_5 import TOKENS, megatron_forward
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
+    hf = make_qwen3_5(tmp_path / "hf", seed=3, **dict(ALIGNED, num_key_value_heads=2, linear_num_key_heads=2,
+                                                       linear_num_value_heads=2), intermediate_size=256)
+    ours, run = megatron_forward(tmp_path, hf, dict(tp=2), live_quantize="fp8")
+    assert (ours[:1] - hf_logits(hf, TOKENS)).abs().max().item() < 1e-4
+    mcore2hf(tmp_path / "ranks", tmp_path / "offline", progress=False, quantize="fp8")
+    assert_live_fp8_is_offline(tmp_path / "live", run.world, tmp_path / "offline", {"tp"})
