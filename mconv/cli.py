@@ -386,9 +386,10 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
               help="Write block-wise FP8 (128x128 blocks, float8_e4m3fn weights with float32 weight_scale_inv) "
                    "as the model's FP8 releases hold it: the linear projections quantized, embeddings, lm_head, "
-                   "norms, router and vision tower kept (in --dtype, or as stored). For Qwen3, Qwen3-MoE, "
-                   "Qwen3-VL and Qwen3-VL-MoE (stacked experts quantized expert by expert); refused for the other "
-                   "architectures (their FP8 is read, not written). "
+                   "norms, router and vision tower kept (in --dtype, or as stored; Qwen3.5 and Qwen3-Next also "
+                   "keep the delta-net's in_proj_b/in_proj_a, conv1d, shared_expert_gate and mtp.fc). For Qwen3, "
+                   "Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5/3.6 (text and VL) and Qwen3-Next (stacked experts "
+                   "quantized expert by expert); refused for BailingMoeV3 (its FP8 is read, not written). "
                    "See docs/fp8.md.")
 @click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
               help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two, DeepGEMM / SGLang). "

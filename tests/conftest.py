@@ -75,3 +75,39 @@ def assert_hf_bits_equal(expected: dict, directory) -> None:
     for name, tensor in expected.items():
         assert found[name].dtype == tensor.dtype and found[name].shape == tensor.shape, name
         assert torch.equal(found[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+# Qwen3.5 / Qwen3-Next models, made once a session for the tests of several files (test_qwen3_5.py,
+# test_fp8_qwen3_5.py).
+def _make_qwen3_5(*args, **kwargs):
+    from fixtures.make_fixtures import make_qwen3_5  # imports transformers: only where one is used
+
+    return make_qwen3_5(*args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_dir():
+    return FIXTURES / "qwen3-5-tiny"  # fixtures/make_fixtures.py's make_qwen3_5 (the docs convert it)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_mtp_dir(tmp_path_factory):
+    """Dense Qwen3.5 with its MTP layer (Qwen3.5-27B's form)."""
+    return _make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_mtp") / "hf", seed=7, mtp=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_dir(tmp_path_factory):
+    """Qwen3.5-MoE as the official checkpoints hold it: experts fused, the MTP layer's per expert."""
+    return _make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe") / "hf", seed=8, moe=True, fused_experts=True, mtp=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_vl_dir(tmp_path_factory):
+    """Qwen3.5-VL (dense) whose language model has the text fixture's shape, with an MTP layer."""
+    return _make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_vl") / "hf", seed=10, vl=True, mtp=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_dir(tmp_path_factory):
+    return _make_qwen3_5(tmp_path_factory.mktemp("qwen3_next") / "hf", seed=9, next=True, mtp=True)

@@ -492,7 +492,6 @@ def test_live_fp8_load_and_export(models, tmp_path):
     the other tensors are compared by value); save_hf_weights(quantize="fp8") writes the same values."""
     from mconv import Layout, hf2mcore, mcore2hf
     from mconv.converter.transforms import padded_vocab_size
-    from tests.conftest import hf_tensors
     from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config
 
     source, sizes = models["moe-fp8-fp32"], dict(tp=2, ep=2)
@@ -503,12 +502,22 @@ def test_live_fp8_load_and_export(models, tmp_path):
     assert (megatron_logits(run, tmp_path) - hf_logits(source, TOKENS)).abs().max().item() < 1e-4
     hf2mcore(source, tmp_path / "m", Layout(**sizes), progress=False)
     mcore2hf(tmp_path / "m", tmp_path / "offline", progress=False, quantize="fp8")
-    offline = hf_tensors(tmp_path / "offline")
-    for rank in range(run.world):
+    # quantized before the gathers: attention over TP (128-row / 128-column shards), experts over EP
+    assert_live_fp8_is_offline(out, run.world, tmp_path / "offline", {"tp", "ep"})
+
+
+def assert_live_fp8_is_offline(out, world: int, offline_dir, fp8_gathers: set[str]) -> None:
+    """What tests/megatron_oracle.py's worker wrote to `out` from iter_hf_weights(quantize="fp8") (one
+    pipeline stage): on every rank each tensor of the offline `mcore2hf --quantize fp8` output once,
+    bit for bit (the live model is float32, the offline checkpoint bfloat16: values are compared),
+    each scale in its weight's bucket, FP8 sent over at least the `fp8_gathers` groups; and
+    save_hf_weights(quantize="fp8") wrote the same values."""
+    from tests.conftest import hf_tensors
+
+    offline = hf_tensors(offline_dir)
+    for rank in range(world):
         buckets, gathers = (torch.load(out / f"rank{rank}.pt")[key] for key in ("buckets", "gathers"))
-        # quantized before the gathers: attention over TP (128-row / 128-column shards), experts over EP
-        fp8_gathers = {kind for kind, dtypes in gathers if "torch.float8_e4m3fn" in dtypes}
-        assert fp8_gathers >= {"tp", "ep"}, gathers
+        assert {kind for kind, dtypes in gathers if "torch.float8_e4m3fn" in dtypes} >= fp8_gathers, gathers
         names = [name for bucket in buckets for name, _ in bucket]
         assert sorted(names) == sorted(offline), rank
         for bucket in buckets:
@@ -516,7 +525,6 @@ def test_live_fp8_load_and_export(models, tmp_path):
             for name, tensor in bucket:
                 assert name.removesuffix("_scale_inv") in held
                 assert (tensor.dtype == torch.float8_e4m3fn) == (offline[name].dtype == torch.float8_e4m3fn), name
-                # the live model is float32 (the offline checkpoint bfloat16): the values are compared
                 assert torch.equal(bits(tensor.to(offline[name].dtype)), bits(offline[name])), name
     saved = hf_tensors(out / "saved")
     assert saved.keys() == offline.keys()

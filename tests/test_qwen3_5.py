@@ -4,6 +4,7 @@ loads what hf2mcore writes (strict) and gives transformers' logits."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -18,38 +19,12 @@ from mconv.cli import main
 from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors, load_rank_file
 from tests.megatron_oracle import MegatronRun, assert_same, hf_logits, megatron_logits, read_config, trainer_args
 from tests.qwen3_5_oracle import block_spec, hf_mtp_logits, mtp_spec
+from tests.test_fp8 import COMPRESSED_TENSORS, assert_live_fp8_is_offline, bits, reference_quantize
+from tests.test_fp8_qwen3_5 import is_fp8
 from tests.test_live import assert_every_hf_tensor_once
 from tests.test_oracle_megatron import stored_args
 
 TOKENS = list(range(3, 283, 4))  # 70 tokens: more than one 64-token chunk of the delta rule
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_dir():
-    return FIXTURES / "qwen3-5-tiny"  # fixtures/make_fixtures.py's make_qwen3_5 (the docs convert it)
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_mtp_dir(tmp_path_factory):
-    """Dense Qwen3.5 with its MTP layer (Qwen3.5-27B's form)."""
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_mtp") / "hf", seed=7, mtp=True)
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_moe_dir(tmp_path_factory):
-    """Qwen3.5-MoE as the official checkpoints hold it: experts fused, the MTP layer's per expert."""
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe") / "hf", seed=8, moe=True, fused_experts=True, mtp=True)
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_vl_dir(tmp_path_factory):
-    """Qwen3.5-VL (dense) whose language model has the text fixture's shape, with an MTP layer."""
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_vl") / "hf", seed=10, vl=True, mtp=True)
-
-
-@pytest.fixture(scope="session")
-def qwen3_next_dir(tmp_path_factory):
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_next") / "hf", seed=9, next=True, mtp=True)
 
 
 @pytest.mark.parametrize("sizes,spec,fmt", [(dict(tp=2), "te", "torch"), (dict(tp=2, pp=2), "local", "torch"),
@@ -133,13 +108,13 @@ def round_trip(tmp_path, hf_dir, sizes, spec, fmt, mtp=False):
     assert_hf_bits_equal(expected, tmp_path / "back")
 
 
-def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None) -> tuple[torch.Tensor, MegatronRun]:
+def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None, live_quantize=None) -> tuple[torch.Tensor, MegatronRun]:
     """The oracle run: hf2mcore writes a torch_dist checkpoint (at TP1) and legacy rank files (`--spec
     te`) at `sizes`; megatron-core's model at `sizes`, built from the stored args, loads the torch_dist
     one (resharded by megatron-core itself, strict), checks the rank files hold exactly what it loaded,
     then mconv.live's load_hf_weights must give it the same tensors (tests/megatron_oracle.py's
     live_over_checkpoint); it gives its logits, and iter_hf_weights / save_hf_weights write to
-    `tmp_path / "live"`. With `vl_dir` (a Qwen3.5-VL model whose language model has this shape), the same
+    `tmp_path / "live"` (with `live_quantize`: iter_hf_weights' and save_hf_weights' `quantize`). With `vl_dir` (a Qwen3.5-VL model whose language model has this shape), the same
     model then loads its language model in the same way (torch_dist keys under `language_model.`, rank
     files holding exactly those tensors; MTP as `hf_dir` has it) and gives `tmp_path / "language_model_logits.pt"`.
     Megatron-Bridge's AutoBridge loads `hf_dir` into a second copy of the model on each rank (reports
@@ -154,7 +129,7 @@ def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None) -> tuple[torch.Tensor
     (tmp_path / "live").mkdir()
     run = MegatronRun(tmp_path / "dist", read_config(hf_dir), **sizes, padded_vocab=summary.plan.padded_vocab,
                       tokens=TOKENS, fmt="torch_dist", block_spec=block_spec, mtp_spec=mtp_spec, same_as=tmp_path / "ranks",
-                      live_hf=hf_dir, live_out=tmp_path / "live", live_over_checkpoint=True,
+                      live_hf=hf_dir, live_out=tmp_path / "live", live_quantize=live_quantize, live_over_checkpoint=True,
                       language_model_of=checkpoints[1] if vl_dir else None, bridge_hf=hf_dir,
                       bridge_perturbed="self_attention.in_proj.weight")
     run.args = trainer_args(stored_args(tmp_path / "ranks"), run)
@@ -188,11 +163,15 @@ def test_megatron_core_forward_matches_transformers(tmp_path, request, model, si
     mappings, MTP), imported without Transformer Engine, loads the same HF directory into a second copy of
     the model on each rank, at these same sizes (PP2 x VPP2, TP2/EP2): every tensor equals the one mconv's
     checkpoint gave, bit for bit, but for BRIDGE_GAPS (which must differ: left as built); one element of
-    a delta-net in_proj moved by one float step is then the one more tensor that differs."""
+    a delta-net in_proj moved by one float step is then the one more tensor that differs.
+    mconv.live's export yields every HF tensor once, bit for bit; Qwen3-Next's in FP8
+    (`quantize="fp8"`: delta-net sections and gated linear_qkv gathered over TP, then split and
+    quantized; experts quantized before the EP gather), the bytes `mcore2hf --quantize fp8` writes."""
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
     hf_dir = request.getfixturevalue(model)
     vl_dir = request.getfixturevalue("qwen3_5_vl_dir") if model == "qwen3_5_mtp_dir" else None
-    ours, run = megatron_forward(tmp_path, hf_dir, sizes, vl_dir)
+    live_quantize = "fp8" if model == "qwen3_next_dir" else None
+    ours, run = megatron_forward(tmp_path, hf_dir, sizes, vl_dir, live_quantize)
     reference = hf_logits(hf_dir, TOKENS)
     assert ours.shape[0] == 2 and (ours[:1] - reference).abs().max().item() < 1e-4
     # The MTP depth (megatron-core's MTP block; HF: transformers' modules chained as that block chains them)
@@ -200,7 +179,11 @@ def test_megatron_core_forward_matches_transformers(tmp_path, request, model, si
     assert (ours[1:] - mtp.pop("right")).abs().max().item() < 1e-4
     for rule, wrong in mtp.items():  # a converter following a wrong rule fails
         assert (ours[1:] - wrong).abs().max().item() > 1e-2, rule
-    assert_every_hf_tensor_once(tmp_path / "live", run, hf_dir)  # mconv.live's export of the same model
+    if live_quantize:  # mconv.live's FP8 export: the bytes of mcore2hf --quantize fp8 (experts FP8 over EP)
+        mcore2hf(tmp_path / "ranks", tmp_path / "offline-fp8", progress=False, quantize="fp8")
+        assert_live_fp8_is_offline(tmp_path / "live", run.world, tmp_path / "offline-fp8", {"ep"})
+    else:  # mconv.live's export of the same model
+        assert_every_hf_tensor_once(tmp_path / "live", run, hf_dir)
     assert_same(tmp_path, "bridge", run.world, BRIDGE_GAPS[model])
     if vl_dir is not None:
         vl_ours = torch.load(tmp_path / "language_model_logits.pt")[:1, ..., :run.hf_config["vocab_size"]]
@@ -320,6 +303,17 @@ def test_export_lora_peft_merge_equals_megatron_layout_merge(tmp_path, qwen3_5_m
         changed += not torch.equal(tensor.float(), original[name].float())
     assert changed == sum("lora_B" in name for name in adapter) == 37  # 30 decoder and 7 MTP layer projections
     assert sum(name.startswith("base_model.model.mtp.layers.0.") for name in adapter) == 14
+    if (COMPRESSED_TENSORS / "compressed_tensors").is_dir() or os.environ.get("CI"):
+        # --quantize fp8: the release's FP8 weights (tests/test_fp8_qwen3_5.py) as compressed-tensors
+        # quantizes the float32 merge, in_proj_b / in_proj_a and the rest the float32 merge itself
+        export(lora, tmp_path / "ours-fp8", "--merge", "--base-model", qwen3_5_mtp_dir, "--dtype", "float32",
+               "--quantize", "fp8")
+        quantized = read_all(tmp_path / "ours-fp8")
+        assert quantized.keys() == ours.keys() | {name + "_scale_inv" for name in ours if is_fp8(name)}
+        for name, tensor in ours.items():
+            q, scale = reference_quantize(tensor) if is_fp8(name) else (tensor, None)
+            assert torch.equal(bits(quantized[name]), bits(q)), name
+            assert scale is None or torch.equal(quantized[name + "_scale_inv"], scale), name
 
 
 def test_export_lora_mtp_eh_proj(tmp_path, qwen3_5_mtp_dir):

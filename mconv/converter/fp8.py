@@ -173,7 +173,7 @@ def writer_quantization(arch, quantize: str | None, fp8_scale: str | None,
                          f"{', '.join(SCALE_FORMATS)}")
     if arch.fp8 is None:
         raise MconvError(f"{option('quantize', 'fp8')}: mconv does not write FP8 checkpoints of {arch.name} yet "
-                         "(Qwen3, Qwen3-MoE, Qwen3-VL and Qwen3-VL-MoE)")
+                         "(which of its weights the FP8 releases keep in 16-bit is not established)")
     source = (config or {}).get("quantization_config")
     source_scale = source.get("scale_fmt") if isinstance(source, dict) and source.get("quant_method") == "fp8" else None
     return Quantization(arch.fp8, fp8_scale or (source_scale if source_scale in SCALE_FORMATS else "float"))

@@ -181,12 +181,29 @@ def hf_config(config: dict, d: SimpleNamespace) -> dict:
     return {**config, **{key: 0 for key in (MTP_KEY, "num_nextn_predict_layers") if key in config}}
 
 
+# The delta-net input projections the FP8 releases store in FP8 (Qwen3.5/3.6: q/k/v and z; Qwen3-Next:
+# its fused qkvz). b and a (Qwen3-Next: ba) stay 16-bit: one row per value head, too few for a TP rank
+# to hold whole 128-row blocks (docs/fp8.md).
+GDN_FP8 = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_qkvz.weight")
+
+
+def fp8_projection(name: str) -> bool:
+    """Which HF weights Qwen's FP8 releases of Qwen3.5 / Qwen3.6 (dense and MoE, text and VL) and
+    Qwen3-Next store in FP8: Qwen3's choice (qwen3.fp8_projection: every `*_proj.weight` of the
+    language model, routed experts per expert or stacked, the vision tower 16-bit), which takes in the
+    gated attention, the shared expert, the delta-net `out_proj` and the MTP layer's projections, plus
+    the delta-net input projections GDN_FP8. 16-bit: in_proj_b / in_proj_a (in_proj_ba), conv1d,
+    A_log, dt_bias, the norms, the router and `shared_expert_gate`, `mtp.fc`, embeddings and lm_head.
+    Sources in docs/fp8.md ("Qwen3.5, Qwen3.6 and Qwen3-Next")."""
+    return qwen3.fp8_projection(name) or name.endswith(GDN_FP8)
+
+
 def architecture(name: str, dims, mlp: tuple[Rule, ...], args, **options) -> Architecture:
     """A Qwen3.5 text model (or Qwen3-Next) whose decoder layers' MLP rules are `mlp`."""
     gdn_rules = options.pop("gdn", GDN)
     return Architecture(name, dims, EMBEDDING_AND_OUTPUT + gdn_rules + GATED_ATTENTION + mlp + mtp(mlp), args,
                         check_layout=check_layout, torch_dist=DIST_KEYS, needs_bridge=NEEDS_BRIDGE, dropped=dropped,
-                        hf_config=hf_config, **options)
+                        hf_config=hf_config, fp8=fp8_projection, **options)
 
 
 QWEN3_5 = architecture("Qwen3_5ForCausalLM", dims, DENSE_MLP, megatron_args, model_type="qwen3_5_text")

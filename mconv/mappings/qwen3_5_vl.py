@@ -56,9 +56,9 @@ NEEDS_BRIDGE = ("megatron-core has no Qwen3.5 vision-language model; Megatron-Br
 QWEN3_5_VL = Architecture("Qwen3_5ForConditionalGeneration", dims,
                           qwen3_vl.VISION + _language_model(DENSE_MLP), megatron_args, check_layout=check_layout,
                           needs_bridge=NEEDS_BRIDGE, dropped=qwen3_5.dropped, hf_config=qwen3_5.hf_config,
-                          torch_dist=DIST_KEYS)
+                          torch_dist=DIST_KEYS, fp8=qwen3_5.fp8_projection)
 QWEN3_5_VL_MOE = Architecture("Qwen3_5MoeForConditionalGeneration", moe_dims,
                               qwen3_vl.VISION + _language_model(qwen3_5.MOE_MLP), moe_megatron_args,
                               check_layout=check_layout, stacked_experts=True, expert_orientations=("5.x",),
                               experts_as_input=True, needs_bridge=NEEDS_BRIDGE, dropped=qwen3_5.dropped,
-                              hf_config=qwen3_5.hf_config, torch_dist=DIST_KEYS)
+                              hf_config=qwen3_5.hf_config, torch_dist=DIST_KEYS, fp8=qwen3_5.fp8_projection)
