@@ -9,7 +9,9 @@ sends of the hidden states between the ranks that megatron-core's parallel_state
 and previous, in the order megatron-core's interleaved schedule runs chunks for one microbatch.
 The last stage's TP rank 0 saves the logits (gathered over TP: parallel_output=False).
 MoE models use megatron-core's SequentialMLP experts with the allgather token dispatcher; the
-world is pp * lcm(tp, etp * ep) processes, as Megatron-LM needs for MoE parallel folding.
+world is pp * lcm(tp, etp * ep) processes (times dp replicas), as Megatron-LM needs for MoE parallel
+folding. The same processes can then run further layouts (`MegatronRun.then`), each on a parallel
+state set up afresh, saving its own logits.
 
 With `args` (see `trainer_args`), the model is built as a Megatron-LM job builds it from its
 arguments: the TransformerConfig from Megatron-LM's `core_transformer_config_from_args` (which also
@@ -50,6 +52,7 @@ class MegatronRun:
     vpp: int = 1
     ep: int = 1
     etp: int = 1
+    dp: int = 1  # data-parallel replicas of the whole layout (each runs the same forward)
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     padded_vocab: int = 0
@@ -82,10 +85,18 @@ class MegatronRun:
     # is moved by one float step
     bridge_hf: Path | None = None
     bridge_perturbed: str | None = None
+    # chunks -> {rule: {parameter: what a converter following that wrong rule would have written}} (a
+    # top-level function or partial): after the forward, each rule's tensors replace the loaded ones for
+    # one more forward (logits beside this layout's, `..._wrong{j}.pt`, j in the dict's order), then are put back
+    wrong_rules: Callable | None = None
+    # Further layouts run by the same processes after this one (same world size): megatron-core's
+    # parallel state is torn down and set up again at their sizes, and each builds its chunks, loads its
+    # own `checkpoint` and saves its logits (`megatron_logits{i}.pt`, i from 1; see `layout_logits`)
+    then: list[MegatronRun] = field(default_factory=list)
 
     @property
     def world(self) -> int:
-        return self.pp * math.lcm(self.tp, self.etp * self.ep)
+        return self.pp * math.lcm(self.tp, self.etp * self.ep) * self.dp
 
 
 def _free_port() -> int:
@@ -253,7 +264,7 @@ def forward_logits(chunks: list, run: MegatronRun, hidden_size: int, out: Path) 
                     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
                     output = torch.cat([output, model.output_layer(hidden, weight=weight)[0].transpose(0, 1)])
                 if v == run.vpp - 1 and p == run.pp - 1:
-                    if ps.get_tensor_model_parallel_rank() == 0:
+                    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
                         torch.save(output.float(), out)
                 else:
                     dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
@@ -286,10 +297,23 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
     warnings.filterwarnings("ignore")
     _cpu_shims()
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     # A file store, not a TCP port: a port found free can be taken by another test before rank 0
     # binds it (seen once in CI-like runs: a rank aborted at start-up).
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=run.world)
+    for i, layout in enumerate([run, *run.then]):
+        _run_layout(rank, layout, out.with_name(f"{out.stem}{i or ''}.pt"))
+        # What megatron-core's own tests do between layouts in one process: its groups, global memory
+        # buffer and the rest of parallel_state dropped (the RNG tracker is reset when set up again)
+        ps.destroy_model_parallel()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_layout(rank: int, run: MegatronRun, out: Path) -> None:
+    """One layout's part of `_worker`, in its process group: parallel state, chunks, load, checks,
+    forward."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
@@ -323,8 +347,7 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
     elif run.fmt == "torch_dist":
         _load_torch_dist(chunks, run.checkpoint)
     else:
-        for v, model in enumerate(chunks):
-            model.load_state_dict(_rank_state(run.checkpoint, run, v), strict=True)
+        _load_rank_files(chunks, run)
     if run.same_as is not None:
         _assert_same_as(chunks, run.same_as, run)
     if run.live_over_checkpoint:
@@ -335,6 +358,14 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         compare_chunks(chunks, others, out.with_name(f"bridge{rank}.pt"), run.bridge_perturbed)
 
     forward_logits(chunks, run, config.hidden_size, out)
+    for j, wrong in enumerate(run.wrong_rules(chunks).values() if run.wrong_rules is not None else ()):
+        loaded = {param: param.detach().clone() for param in wrong}
+        with torch.no_grad():
+            for param, tensor in wrong.items():
+                param.copy_(tensor)
+            forward_logits(chunks, run, config.hidden_size, out.with_name(f"{out.stem}_wrong{j}.pt"))
+            for param, tensor in loaded.items():
+                param.copy_(tensor)
     if run.live_out is not None:
         from mconv.live import iter_hf_weights, save_hf_weights
 
@@ -376,8 +407,6 @@ def _worker(rank: int, run: MegatronRun, store: Path, out: Path):
         _load_torch_dist(chunks, run.language_model_of[0], prefix)
         _assert_same_as(chunks, run.language_model_of[1], run, prefix)
         forward_logits(chunks, run, config.hidden_size, out.with_name("language_model_logits.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def import_megatron_bridge():
@@ -490,14 +519,28 @@ def _assert_same_as(chunks: list, checkpoint: Path, run: MegatronRun, prefix: st
     the prefix dropped), bit for bit."""
     for v, model in enumerate(chunks):
         theirs = {n: t for n, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
-        # TE's grouped experts' `linear_fcN.weight{e}` is SequentialMLP's `local_experts.{e}.linear_fcN.weight`
-        # (one torch_dist key, `experts.experts.linear_fcN.weight`, for both).
-        ours = {re.sub(r"experts\.(linear_fc[12])\.weight(\d+)$", r"experts.local_experts.\2.\1.weight",
-                       n.removeprefix(prefix)): t
+        ours = {_sequential_experts(n.removeprefix(prefix)): t
                 for n, t in _rank_state(checkpoint, run, v).items() if isinstance(t, torch.Tensor) and n.startswith(prefix)}
         assert ours.keys() == theirs.keys(), (ours.keys() ^ theirs.keys())
         for name, tensor in ours.items():
             assert tensor.shape == theirs[name].shape and torch.equal(tensor.to(theirs[name].dtype), theirs[name]), name
+
+
+def _sequential_experts(name: str) -> str:
+    # TE's grouped experts' `linear_fcN.weight{e}` is SequentialMLP's `local_experts.{e}.linear_fcN.weight`
+    # (one torch_dist key, `experts.experts.linear_fcN.weight`, for both).
+    return re.sub(r"experts\.(linear_fc[12])\.weight(\d+)$", r"experts.local_experts.\2.\1.weight", name)
+
+
+def _load_rank_files(chunks: list, run: MegatronRun) -> None:
+    """`load_state_dict(strict=True)` of each chunk's legacy rank file; `--spec te` files' grouped experts
+    under SequentialMLP's names, and their `_extra_state` entries that the model lacks (None in mconv's
+    files: the stand-ins for Transformer Engine's norms and core attention have none) left out."""
+    for v, model in enumerate(chunks):
+        own = model.state_dict().keys()
+        state = {_sequential_experts(n): t for n, t in _rank_state(run.checkpoint, run, v).items()}
+        model.load_state_dict({n: t for n, t in state.items() if n in own or not (n.endswith("._extra_state")
+                                                                                 and t is None)}, strict=True)
 
 
 def _load_live_over(chunks: list, hf_dir: Path) -> None:
@@ -535,8 +578,15 @@ def megatron_logits(run: MegatronRun, workdir: Path) -> torch.Tensor:
     those of each depth of its MTP block."""
     out = Path(workdir) / "megatron_logits.pt"
     store = Path(tempfile.mkdtemp(dir=workdir)) / "store"
+    assert all(layout.world == run.world for layout in run.then), "layouts of one run share its processes"
     start_ranks(_worker, args=(run, store, out), nprocs=run.world)
-    return torch.load(out)[..., : run.hf_config["vocab_size"]]
+    return layout_logits(run, workdir, out.name)
+
+
+def layout_logits(run: MegatronRun, workdir: Path, name: str) -> torch.Tensor:
+    """Logits a `megatron_logits` run saved beside its own, as `name` (`megatron_logits1.pt`: its first
+    further layout; `megatron_logits_wrong0.pt`: its first wrong rule), padding rows dropped."""
+    return torch.load(Path(workdir) / name)[..., : run.hf_config["vocab_size"]]
 
 
 def hf_logits(hf_dir: Path, tokens: list[int]) -> torch.Tensor:

@@ -18,6 +18,8 @@ rank files), so the `_extra_state` entries of norms are not checked.
 
 GatedDeltaNet needs fla importable; in deterministic mode it runs megatron-core's own torch kernels
 (`torch_chunk_gated_delta_rule`, `F.conv1d`) but for fla's Triton l2norm, replaced by its formula.
+
+`wrong_rules` gives what a converter following a wrong rule would write, for the oracle to fail on.
 """
 from __future__ import annotations
 
@@ -176,6 +178,67 @@ def hf_mtp_logits(hf_dir, tokens: list[int], tmp_path) -> dict[str, torch.Tensor
         x = torch.cat([enorm(main.model.embed_tokens(shifted)), hnorm(h)], dim=-1) @ t["mtp.fc.weight"].T
         logits[rule] = mtp.eval()(inputs_embeds=x, use_cache=False).logits
     return logits
+
+
+# Wrong rules a converter could follow for the decoder's layers (reference qwen3-5.md, section 5), by name.
+WRONG_RULES = ("delta-net in_proj / conv1d split in one contiguous TP slice",
+               "delta-net out_norm copied without the -1", "q / gate read from q_proj blocked, not per head")
+
+
+def _tp_rows(sections: list[torch.Tensor], contiguous: bool) -> torch.Tensor:
+    """This TP rank's rows of a column-parallel tensor made of `sections` (dim 0): each section split over
+    TP, or, wrongly, the sections' concatenation split in one contiguous slice."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    return torch.cat(sections).chunk(tp)[rank] if contiguous else torch.cat([s.chunk(tp)[rank] for s in sections])
+
+
+def _linear_qkv(hf: dict, c: dict, prefix: str, blocked: bool) -> torch.Tensor:
+    """linear_qkv's rows on this TP rank: per query group [q heads; gate heads; k; v] (megatron-core's
+    SelfAttention with attention_output_gate), groups split over TP; q and gate from HF's q_proj
+    [2 nq d, h], interleaved per head, or, wrongly, read as [all q; all gate]."""
+    nq, ng, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    q = hf[prefix + "q_proj.weight"]
+    query, gate = q.view(2, nq, d, -1) if blocked else q.view(nq, 2, d, -1).transpose(0, 1)
+    key, value = (hf[prefix + f"{n}_proj.weight"].view(ng, d, -1) for n in "kv")
+    heads = [slice(g * nq // ng, (g + 1) * nq // ng) for g in range(ng)]
+    return _tp_rows([torch.cat([query[h].flatten(0, 1), gate[h].flatten(0, 1), key[g], value[g]])
+                     for g, h in enumerate(heads)], contiguous=True)
+
+
+def _delta_net_rules(hf: dict, c: dict, prefix: str, attention) -> list:
+    """(parameter, rule, rows(wrong)) of a GatedDeltaNet: in_proj [Q; K; V; Z; B; A] and conv1d [Q; K; V]
+    sections, each split over TP; out_norm = HF norm - 1 (megatron-core's norm zero-centred, HF's not)."""
+    qk, v = (c[f"linear_{kind}_head_dim"] * c[f"linear_num_{kind}_heads"] for kind in ("key", "value"))
+    in_proj = [*hf[prefix + "in_proj_qkv.weight"].split([qk, qk, v]), *(hf[prefix + f"in_proj_{n}.weight"]
+                                                                          for n in "zba")]
+    conv1d, norm = list(hf[prefix + "conv1d.weight"].split([qk, qk, v])), hf[prefix + "norm.weight"]
+    return [(attention.in_proj.weight, WRONG_RULES[0], lambda wrong: _tp_rows(in_proj, wrong)),
+            (attention.conv1d.weight, WRONG_RULES[0], lambda wrong: _tp_rows(conv1d, wrong)),
+            (attention.out_norm.weight, WRONG_RULES[1], lambda wrong: norm if wrong else norm - 1)]
+
+
+def wrong_rules(hf_dir, chunks: list) -> dict[str, dict]:
+    """For each of WRONG_RULES, what a converter following it would have written into this rank's
+    decoder parameters (for MegatronRun.wrong_rules), computed from the HF tensors of a
+    `Qwen3_5ForCausalLM` directory. Each is computed beside the right rule, which must give the
+    parameters megatron-core loaded, bit for bit (so the layouts assumed here are the model's)."""
+    from tests.conftest import hf_tensors
+    from tests.megatron_oracle import read_config
+
+    hf, c = {n: t.float() for n, t in hf_tensors(hf_dir).items()}, read_config(hf_dir)
+    rules: dict[str, dict] = {rule: {} for rule in WRONG_RULES}
+    for model in chunks:
+        for layer in model.decoder.layers:
+            attention, prefix = layer.self_attention, f"model.layers.{layer.layer_number - 1}."
+            cases = (_delta_net_rules(hf, c, prefix + "linear_attn.", attention) if hasattr(attention, "in_proj") else
+                     [(attention.linear_qkv.weight, WRONG_RULES[2],
+                       lambda wrong: _linear_qkv(hf, c, prefix + "self_attn.", wrong))])
+            for param, rule, rows in cases:
+                assert torch.equal(rows(False), param), f"{prefix}: {rule}: the right rule gives another tensor"
+                rules[rule][param] = rows(True)
+    return rules
 
 
 def meta_model(args, dtypes: dict[str, torch.dtype]):

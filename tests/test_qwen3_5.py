@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -17,8 +18,9 @@ from fixtures.make_fixtures import make_qwen3_5
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.cli import main
 from tests.conftest import FIXTURES, assert_hf_bits_equal, hf_tensors, load_rank_file
-from tests.megatron_oracle import MegatronRun, assert_same, hf_logits, megatron_logits, read_config, trainer_args
-from tests.qwen3_5_oracle import block_spec, hf_mtp_logits, mtp_spec
+from tests.megatron_oracle import (MegatronRun, assert_same, hf_logits, layout_logits, megatron_logits, read_config,
+                                   trainer_args)
+from tests.qwen3_5_oracle import WRONG_RULES, block_spec, hf_mtp_logits, mtp_spec, wrong_rules
 from tests.test_fp8 import COMPRESSED_TENSORS, assert_live_fp8_is_offline, bits, reference_quantize
 from tests.test_fp8_qwen3_5 import is_fp8
 from tests.test_live import assert_every_hf_tensor_once
@@ -108,7 +110,8 @@ def round_trip(tmp_path, hf_dir, sizes, spec, fmt, mtp=False):
     assert_hf_bits_equal(expected, tmp_path / "back")
 
 
-def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None, live_quantize=None) -> tuple[torch.Tensor, MegatronRun]:
+def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None, live_quantize=None, then=(),
+                     wrong_at=None) -> tuple[torch.Tensor, MegatronRun]:
     """The oracle run: hf2mcore writes a torch_dist checkpoint (at TP1) and legacy rank files (`--spec
     te`) at `sizes`; megatron-core's model at `sizes`, built from the stored args, loads the torch_dist
     one (resharded by megatron-core itself, strict), checks the rank files hold exactly what it loaded,
@@ -118,7 +121,12 @@ def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None, live_quantize=None) -
     model then loads its language model in the same way (torch_dist keys under `language_model.`, rank
     files holding exactly those tensors; MTP as `hf_dir` has it) and gives `tmp_path / "language_model_logits.pt"`.
     Megatron-Bridge's AutoBridge loads `hf_dir` into a second copy of the model on each rank (reports
-    `tmp_path / "bridge{rank}.pt"`, one delta-net in_proj then perturbed; tests/megatron_oracle.py)."""
+    `tmp_path / "bridge{rank}.pt"`, one delta-net in_proj then perturbed; tests/megatron_oracle.py).
+    Then, in the same processes, each of `then`'s (sizes, format) layouts: hf2mcore writes `--spec te`
+    rank files at its sizes, and a model built for them loads them (strict; "torch") or the TP1
+    torch_dist checkpoint (resharded, strict, then checked against those rank files; "torch_dist"), and
+    gives `megatron_logits{i}.pt` (i from 1); at the layout numbered `wrong_at`, also each of
+    WRONG_RULES' logits (`megatron_logits{i}_wrong{j}.pt`)."""
     mtp = "mtp_num_hidden_layers" in read_config(hf_dir)  # converted with --mtp: megatron-core's MTP block
     checkpoints = []
     for directory, name in ((hf_dir, ""), (vl_dir, "vl_")) if vl_dir else ((hf_dir, ""),):
@@ -133,6 +141,16 @@ def megatron_forward(tmp_path, hf_dir, sizes, vl_dir=None, live_quantize=None) -
                       language_model_of=checkpoints[1] if vl_dir else None, bridge_hf=hf_dir,
                       bridge_perturbed="self_attention.in_proj.weight")
     run.args = trainer_args(stored_args(tmp_path / "ranks"), run)
+    for i, (more, fmt) in enumerate(then, 1):
+        ranks = tmp_path / f"ranks{i}"
+        written = {k: n for k, n in more.items() if k != "dp"}  # dp: replicas of the layout, not in the files
+        summary = hf2mcore(hf_dir, ranks, Layout(**written), spec="te", fmt="torch", mtp=mtp, progress=False)
+        layout = MegatronRun(tmp_path / "dist" if fmt == "torch_dist" else ranks, run.hf_config, **more,
+                             padded_vocab=summary.plan.padded_vocab, tokens=TOKENS, fmt=fmt, block_spec=block_spec,
+                             mtp_spec=mtp_spec, same_as=ranks if fmt == "torch_dist" else None,
+                             wrong_rules=partial(wrong_rules, hf_dir) if i == wrong_at else None)
+        layout.args = trainer_args(stored_args(ranks), layout)
+        run.then.append(layout)
     return megatron_logits(run, tmp_path), run
 
 
@@ -146,10 +164,19 @@ BRIDGE_GAPS = {"qwen3_5_mtp_dir": r"\.(embedding\.word_embeddings|output_layer)\
                "qwen3_next_dir": r"^0\.decoder\.layers\.1\.mlp\.linear_fc"}
 
 
+# Further layouts of each oracle run, in its two processes after the first (sizes, what the model loads:
+# see megatron_forward): TP1 (dense: two replicas, each the whole model; Qwen3-Next: experts at EP2), TP2
+# and plain PP2 (TP1 stages) of Qwen3.5 and Qwen3-Next, the first layouts giving TP2/EP2/ETP1 and
+# PP2 x VPP2. WRONG_RULES at the dense TP2 layout, where each of them changes the model's tensors.
+MORE_LAYOUTS = {"qwen3_5_mtp_dir": [(dict(dp=2), "torch"), (dict(tp=2), "torch"), (dict(pp=2), "torch_dist")],
+                "qwen3_5_moe_dir": [], "qwen3_next_dir": [(dict(pp=2), "torch_dist"), (dict(ep=2), "torch")]}
+WRONG_AT = {"qwen3_5_mtp_dir": 2}
+
+
 @pytest.mark.slow
 # Delta-net sections at TP2 in the MoE runs; the dense run (with its MTP layer) splits the layers over
 # PP2 x VPP2 (one per chunk, each chunk's spec built for its vp_stage, the MTP block on the last): each
-# chunk numbers its layers from 0 and the kind follows the global index.
+# chunk numbers its layers from 0 and the kind follows the global index. Then MORE_LAYOUTS.
 @pytest.mark.parametrize("model,sizes", [("qwen3_5_mtp_dir", dict(pp=2, vpp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2, etp=1)),
                                          ("qwen3_next_dir", dict(tp=2, ep=2, etp=1))],
                          ids=["dense-pp2-vpp2", "moe-tp2-ep2", "next-tp2-ep2"])
@@ -166,19 +193,32 @@ def test_megatron_core_forward_matches_transformers(tmp_path, request, model, si
     a delta-net in_proj moved by one float step is then the one more tensor that differs.
     mconv.live's export yields every HF tensor once, bit for bit; Qwen3-Next's in FP8
     (`quantize="fp8"`: delta-net sections and gated linear_qkv gathered over TP, then split and
-    quantized; experts quantized before the EP gather), the bytes `mcore2hf --quantize fp8` writes."""
+    quantized; experts quantized before the EP gather), the bytes `mcore2hf --quantize fp8` writes.
+    The layouts of MORE_LAYOUTS give the same logits and MTP logits; at the dense TP2 layout, each of
+    WRONG_RULES (tests/qwen3_5_oracle.py: what a converter following it would have written, in place of
+    the loaded tensors) moves the logits by more than 1e-2."""
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
     hf_dir = request.getfixturevalue(model)
     vl_dir = request.getfixturevalue("qwen3_5_vl_dir") if model == "qwen3_5_mtp_dir" else None
     live_quantize = "fp8" if model == "qwen3_next_dir" else None
-    ours, run = megatron_forward(tmp_path, hf_dir, sizes, vl_dir, live_quantize)
+    ours, run = megatron_forward(tmp_path, hf_dir, sizes, vl_dir, live_quantize, MORE_LAYOUTS[model],
+                                 WRONG_AT.get(model))
     reference = hf_logits(hf_dir, TOKENS)
     assert ours.shape[0] == 2 and (ours[:1] - reference).abs().max().item() < 1e-4
     # The MTP depth (megatron-core's MTP block; HF: transformers' modules chained as that block chains them)
     mtp = hf_mtp_logits(hf_dir, TOKENS, tmp_path)
-    assert (ours[1:] - mtp.pop("right")).abs().max().item() < 1e-4
+    mtp_reference = mtp.pop("right")
+    assert (ours[1:] - mtp_reference).abs().max().item() < 1e-4
     for rule, wrong in mtp.items():  # a converter following a wrong rule fails
         assert (ours[1:] - wrong).abs().max().item() > 1e-2, rule
+    for i, (more, fmt) in enumerate(MORE_LAYOUTS[model], 1):
+        logits = layout_logits(run, tmp_path, f"megatron_logits{i}.pt")
+        assert logits.shape == ours.shape and (logits[:1] - reference).abs().max().item() < 1e-4, (more, fmt)
+        assert (logits[1:] - mtp_reference).abs().max().item() < 1e-4, (more, fmt)
+    if model in WRONG_AT:
+        for j, rule in enumerate(WRONG_RULES):
+            wrong = layout_logits(run, tmp_path, f"megatron_logits{WRONG_AT[model]}_wrong{j}.pt")
+            assert (wrong[:1] - reference).abs().max().item() > 1e-2, rule
     if live_quantize:  # mconv.live's FP8 export: the bytes of mcore2hf --quantize fp8 (experts FP8 over EP)
         mcore2hf(tmp_path / "ranks", tmp_path / "offline-fp8", progress=False, quantize="fp8")
         assert_live_fp8_is_offline(tmp_path / "live", run.world, tmp_path / "offline-fp8", {"ep"})
