@@ -35,9 +35,10 @@ TOKENS = list(range(3, 60, 4))
 # a vision-language model's language layers too, and a gated delta-net's in_proj / out_proj (Qwen3.5)
 MODULE = re.compile(r"(?:language_model\.)?decoder\.layers\.(\d+)\.(.+?)\.?(linear_qkv|linear_proj|linear_fc1|linear_fc2|"
                     r"in_proj|out_proj)\.weight(\d*)")
-# megatron-core's MTP block: its layer's linear layers (which Megatron-Bridge's LoRA wraps by name) and eh_proj
-MTP_MODULE = re.compile(r"mtp\.layers\.(\d+)\.(?:mtp_model_layer\.(.+?)\.?)?(linear_qkv|linear_proj|linear_fc1|"
-                        r"linear_fc2|eh_proj)\.weight(\d*)")
+# megatron-core's MTP block (a vision-language model's under language_model.): its layer's linear layers (which
+# Megatron-Bridge's LoRA wraps by name) and eh_proj
+MTP_MODULE = re.compile(r"(?:language_model\.)?mtp\.layers\.(\d+)\.(?:mtp_model_layer\.(.+?)\.?)?"
+                        r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|eh_proj)\.weight(\d*)")
 LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)")
 VISION_MODULE = re.compile(r"vision_model\..+\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight")
 

@@ -22,6 +22,7 @@ import torch
 from mconv.converter import megatron_io as mio
 from mconv.converter import fp8
 from mconv.converter.hf_config import copy_side_files, read_config, write_config_dtype, write_hf_config
+from mconv.converter.hf_experts import stacked_expert
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.hub import check_revision, is_local, resolve_model
@@ -149,12 +150,13 @@ def _one_rank(widths: dict[str, int], where: str) -> int:
 
 
 def _shared_name(target: Target, rule_name: str, layer: int, layout: Layout, source: ShardSource, dims) -> str | None:
-    """A TE grouped-GEMM expert adapter: one tensor for all of the rank's experts in that layer."""
+    """A TE grouped-GEMM expert adapter: one tensor for all of the rank's experts in that layer (a
+    decoder layer, numbered within its chunk, or MTP layer `layer - dims.layers`)."""
     if target.shared_module is None:
         return None
     local_layer = layer - layout.chunk_layers(dims.layers)[source.rank.pp][source.chunk].start
     which = rule_name.rsplit(".", 2)[-2]  # linear_in / linear_out
-    return target.tensor(target.shared_module.format(layer=local_layer), which)
+    return target.tensor(target.shared_module.format(layer=local_layer, mtp=layer - dims.layers), which)
 
 
 def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
@@ -496,10 +498,16 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
                              f"{found}; is it the model the adapter was trained on?")
     plain = [(name, cast_dtype(dtype, arch.fp32_kind(name) is not None) or info.dtype, info.shape)
              for name, info in base.tensors.items()]
-    stack = None  # stacked experts are written back stacked, in the base model's orientation
+    stack = None  # stacked experts are written back stacked, in the base model's orientation, and experts the
+    # base holds per expert (Qwen3.5-MoE's MTP layer beside fused decoder experts) per expert
     if arch.stacked_experts:
         stack = "4.x" if any(info.transposed_stride for info in base.tensors.values()) else "5.x"
-    writer = ShardedSafetensorsWriter(out, plain, max_shard_bytes, stack_experts=stack, quantization=quantization)
+    def per_expert(name: str) -> bool:
+        view = stacked_expert(name)
+        return view is not None and view[0] not in base.stacked
+
+    writer = ShardedSafetensorsWriter(out, plain, max_shard_bytes, stack_experts=stack, per_expert=per_expert,
+                                      quantization=quantization)
     writer.create()
     scale = alpha / adapter.rank
     for name, out_dtype, shape in plain:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from mconv.converter.transforms import COLUMN, GATED_QKV, GLU, QKV, ROW, SECTIONED, Kind
-from mconv.mappings.schema import Architecture, Rule
+from mconv.mappings.schema import MTP_LAYER, Architecture, Rule
 
 RANK = "lora_rank"  # the model dimension the adapter shapes use
 # A sectioned projection (KDA and gated delta-net in_proj) is column-parallel: its B rows follow the
@@ -59,8 +59,8 @@ def _target(base: Rule, adapter: str, hf: dict[str, str], a_kind: Kind, b_kind: 
     b = Rule(f"{module}.{adapter}.linear_out.weight",
              {f"{m}.lora_B.weight": f"{shape.split()[0]} {RANK}" for m, shape in zip(modules, hf.values())},
              b_kind, **common)
-    # (decoder layers only: in a numbered block outside them, an MTP layer, such an adapter is refused as unknown)
-    grouped = base.per_layer and base.te and base.te.endswith(GROUPED_WEIGHT)
+    # in a decoder layer or an MTP layer (Megatron-Bridge wraps both by name)
+    grouped = (base.per_layer or MTP_LAYER in base.megatron) and base.te and base.te.endswith(GROUPED_WEIGHT)
     shared = base.te.removesuffix(GROUPED_WEIGHT) if grouped else None
     return Target(adapter, modules, a, b, shared)
 
