@@ -78,7 +78,7 @@ def assert_hf_bits_equal(expected: dict, directory) -> None:
 
 
 # Qwen3.5 / Qwen3-Next models, made once a session for the tests of several files (test_qwen3_5.py,
-# test_fp8_qwen3_5.py).
+# test_fp8_qwen3_5.py, test_qwen3_5_vl.py).
 def _make_qwen3_5(*args, **kwargs):
     from fixtures.make_fixtures import make_qwen3_5  # imports transformers: only where one is used
 
@@ -106,6 +106,13 @@ def qwen3_5_moe_dir(tmp_path_factory):
 def qwen3_5_vl_dir(tmp_path_factory):
     """Qwen3.5-VL (dense) whose language model has the text fixture's shape, with an MTP layer."""
     return _make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_vl") / "hf", seed=10, vl=True, mtp=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_6_vl_moe_dir(tmp_path_factory):
+    """Qwen3.6-VL-MoE's form: experts fused (stacked) in the decoder and in the MTP layer."""
+    return _make_qwen3_5(tmp_path_factory.mktemp("qwen3_6_vl_moe") / "hf", seed=10, vl=True, moe=True,
+                         fused_experts=True, mtp=True, fused_mtp_experts=True)
 
 
 @pytest.fixture(scope="session")

@@ -25,20 +25,12 @@ from fixtures.make_fixtures import make_qwen3_5
 from mconv import Layout, hf2mcore, mcore2hf
 from mconv.cli import main
 from tests.test_lora import export, lora_checkpoint
-from tests.test_qwen3_5 import qwen3_5_moe_dir, qwen3_5_vl_dir  # noqa: F401 (session fixtures)
 from tests.test_roundtrip import read_all
 
 MTP_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge's default targets
 
 
-@pytest.fixture(scope="session")
-def qwen3_5_vl_moe_dir(tmp_path_factory):
-    """Qwen3.5-VL-MoE as the official checkpoints hold it (experts fused), its MTP layer's experts fused (Qwen3.6)."""
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5_vl_moe") / "hf", seed=10, vl=True, moe=True,
-                        fused_experts=True, mtp=True, fused_mtp_experts=True)
-
-
-@pytest.mark.parametrize("model,sizes", [("qwen3_5_vl_dir", dict(tp=2)), ("qwen3_5_vl_moe_dir", dict(tp=2, ep=2))],
+@pytest.mark.parametrize("model,sizes", [("qwen3_5_vl_dir", dict(tp=2)), ("qwen3_6_vl_moe_dir", dict(tp=2, ep=2))],
                          ids=["dense-tp2", "moe-tp2-ep2"])
 def test_export_lora_peft_merge_equals_megatron_layout_merge(tmp_path, request, model, sizes):
     """Adapters at TP2 (`--spec te`, `--mtp`; the MoE model at EP2 as well) on the language model, its MTP
@@ -78,7 +70,7 @@ def test_export_lora_peft_merge_equals_megatron_layout_merge(tmp_path, request, 
     assert changed == len(modules)  # every adapted weight changed (a stacked experts tensor: once), nothing else
     assert any(name.startswith("model.visual.") for name in modules)
     # the MoE model's MTP experts: TE grouped GEMM, one adapter per EP rank, as in its decoder layers
-    assert ("mtp.layers.0.mlp.experts.base_layer" in modules) == (model == "qwen3_5_vl_moe_dir")
+    assert ("mtp.layers.0.mlp.experts.base_layer" in modules) == (model == "qwen3_6_vl_moe_dir")
     assert any(name.startswith("model.language_model.layers.") and ".linear_attn.in_proj_qkv" in name
                for name in modules)
 
@@ -104,7 +96,7 @@ def test_export_lora_mtp_grouped_experts(tmp_path, qwen3_5_moe_dir):
 
 
 @pytest.mark.slow
-def test_live_load_iter_and_save(tmp_path, qwen3_5_vl_dir, qwen3_5_vl_moe_dir):
+def test_live_load_iter_and_save(tmp_path, qwen3_5_vl_dir, qwen3_6_vl_moe_dir):
     """mconv.live on Megatron-Bridge's Qwen3VLModel for Qwen3.5-VL (tests/qwen3_5_vl_oracle.py: its vision
     tower and its language model from megatron-core's gated delta-net block spec and MTP block spec, bfloat16),
     dense at TP2 and at PP2 (the vision tower on the first stage, the MTP block on the last) and MoE at
@@ -124,7 +116,7 @@ def test_live_load_iter_and_save(tmp_path, qwen3_5_vl_dir, qwen3_5_vl_moe_dir):
 
     cases = []
     for name, hf_dir, sizes in (("dense", qwen3_5_vl_dir, dict(tp=2)), ("dense-pp2", qwen3_5_vl_dir, dict(pp=2)),
-                                ("moe", qwen3_5_vl_moe_dir, dict(tp=2, ep=2))):
+                                ("moe", qwen3_6_vl_moe_dir, dict(tp=2, ep=2))):
         ranks = tmp_path / name / "ranks"
         hf2mcore(hf_dir, ranks, Layout(**sizes), spec="te", fmt="torch", mtp=True, progress=False)
         # mrope as rope: Megatron-LM's validate_args refuses MTP with mrope (Megatron-Bridge builds it)
