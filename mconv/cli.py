@@ -382,14 +382,17 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                    "[E, hidden, I], as transformers 5.x saves. Required when hidden == 2I or hidden == I: a "
                    "square stacked tensor is read right by only one of transformers 4.x and 5.x. Qwen3.5-MoE: "
                    "by default the experts come back as hf2mcore's input had them (fused or per expert, as "
-                   "mconv.json records); 5.x (the only stacked form transformers loads) fuses them.")
+                   "mconv.json records), with --quantize fp8 per expert (the FP8 releases' form); 5.x (the only "
+                   "stacked form transformers loads) fuses them, in FP8 too (vLLM loads stacked FP8 experts, "
+                   "transformers 5.17 does not).")
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
               help="Write block-wise FP8 (128x128 blocks, float8_e4m3fn weights with float32 weight_scale_inv) "
                    "as the model's FP8 releases hold it: the linear projections quantized, embeddings, lm_head, "
                    "norms, router and vision tower kept (in --dtype, or as stored; Qwen3.5 and Qwen3-Next also "
                    "keep the delta-net's in_proj_b/in_proj_a, conv1d, shared_expert_gate and mtp.fc). For Qwen3, "
                    "Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5/3.6 (text and VL) and Qwen3-Next (stacked experts "
-                   "quantized expert by expert); refused for BailingMoeV3 (its FP8 is read, not written). "
+                   "quantized expert by expert; Qwen3.5/3.6-MoE experts written per expert unless "
+                   "--expert-orientation is given); refused for BailingMoeV3 (its FP8 is read, not written). "
                    "See docs/fp8.md.")
 @click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
               help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two, DeepGEMM / SGLang). "
@@ -491,7 +494,8 @@ def verify_command(first, second, quiet):
 @click.option("--max-shard-size", type=Size(), default="3GB", show_default=True, help="With --merge: largest safetensors shard." + SIZE_HELP)
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
               help="With --merge: write the merged model as block-wise FP8, as `mcore2hf --quantize fp8` does "
-                   "(merged first, then quantized; Qwen3, Qwen3-MoE, Qwen3-VL and Qwen3-VL-MoE only). See docs/fp8.md.")
+                   "(merged first, then quantized; Qwen3, Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5/3.6 (text and "
+                   "VL; MoE experts written per expert) and Qwen3-Next). See docs/fp8.md.")
 @click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
               help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two). Default: the base "
                    "model config's quantization_config.scale_fmt (a UE8M0 model comes back UE8M0), else 'float'.")

@@ -463,7 +463,7 @@ def test_bad_fp8_checkpoints_are_refused_in_one_line(models, tmp_path):
     for command in ("mcore2hf", "export-lora"):  # --help says the real defaults and which models are written
         said = " ".join(mconv(command, "--help").output.split())
         assert "Default: the" in said and "quantization_config.scale_fmt" in said and "(default, amax" not in said
-        assert "Qwen3, Qwen3-MoE, Qwen3-VL and Qwen3-VL-MoE" in said
+        assert "Qwen3, Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5/3.6 (text and VL" in said and "Qwen3-Next" in said
     for command in ("mcore2hf", "export-lora"):  # a usage error, click's exit status 2
         result = mconv(command, tmp_path / "m", tmp_path / "out", "--fp8-scale", "ue8m0")
         assert result.exit_code == 2 and not (tmp_path / "out").exists(), result.output

@@ -297,16 +297,17 @@ def test_megatron_core_forward_matches_transformers(tmp_path, request, model, si
     the model on each rank, at these same sizes (PP2 x VPP2, TP2/EP2): every tensor equals the one mconv's
     checkpoint gave, bit for bit, but for BRIDGE_GAPS (which must differ: left as built); one element of
     a delta-net in_proj moved by one float step is then the one more tensor that differs.
-    mconv.live's export yields every HF tensor once, bit for bit; Qwen3-Next's in FP8
+    mconv.live's export yields every HF tensor once, bit for bit; Qwen3.5-MoE's and Qwen3-Next's in FP8
     (`quantize="fp8"`: delta-net sections and gated linear_qkv gathered over TP, then split and
-    quantized; experts quantized before the EP gather), the bytes `mcore2hf --quantize fp8` writes.
+    quantized; experts quantized before the EP gather), the bytes `mcore2hf --quantize fp8` writes
+    (Qwen3.5-MoE's stacked experts per expert in both, save_hf_weights' too, as the FP8 releases).
     The layouts of MORE_LAYOUTS give the same logits and MTP logits; at the dense TP2 layout, each of
     WRONG_RULES (tests/qwen3_5_oracle.py: what a converter following it would have written, in place of
     the loaded tensors) moves the logits by more than 1e-2."""
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # megatron-core's jit_fuser is torch.compile
     hf_dir = request.getfixturevalue(model)
     vl_dir = request.getfixturevalue("qwen3_5_vl_dir") if model == "qwen3_5_mtp_dir" else None
-    live_quantize = "fp8" if model == "qwen3_next_dir" else None
+    live_quantize = "fp8" if model in ("qwen3_5_moe_dir", "qwen3_next_dir") else None
     ours, run = megatron_forward(tmp_path, hf_dir, sizes, vl_dir, live_quantize, MORE_LAYOUTS[model],
                                  WRONG_AT.get(model))
     reference = hf_logits(hf_dir, TOKENS)

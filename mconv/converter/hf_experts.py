@@ -52,6 +52,19 @@ def expert_orientation_for(arch, dims, value: str | None) -> str | None:
     return value or arch.expert_orientations[0]
 
 
+def fp8_per_expert(arch, quantization, value: str | None) -> bool:
+    """Whether a writer of `arch` writes its experts per expert (`<p>.mlp.experts.{e}.gate_proj.weight`
+    and its `weight_scale_inv`, decoder and MTP layer alike) whatever form hf2mcore's input had: FP8
+    (`quantization` not None) of the architectures whose experts transformers loads in either form
+    (`Architecture.experts_as_input`: Qwen3.5/3.6-MoE, text and VL) when no orientation `value` is
+    given. Qwen's FP8 releases of them hold the experts per expert (docs/fp8.md's tensor count of
+    Qwen3.6-35B-A3B-FP8), and transformers 5.17 loads stacked FP8 experts of these models unscaled (it
+    reports `experts.gate_up_proj_scale_inv` unexpected); an explicit `value` still stacks them (vLLM
+    reads those). The one rule of mcore2hf, save_hf_weights and export-lora --merge; Qwen3-VL-MoE's
+    stacked FP8 experts are left as they are (its checkpoints stack them)."""
+    return quantization is not None and arch.experts_as_input and value is None
+
+
 def _square_stacked(arch, dims) -> str | None:
     """The first of `arch`'s stacked expert tensors whose experts' matrices are square, named with its
     shape (`model.language_model.layers.*.mlp.experts.gate_up_proj [4, 64, 64]`); None if none is."""

@@ -22,7 +22,7 @@ import torch
 from mconv.converter import megatron_io as mio
 from mconv.converter import fp8
 from mconv.converter.hf_config import copy_side_files, read_config, write_config_dtype, write_hf_config
-from mconv.converter.hf_experts import stacked_expert
+from mconv.converter.hf_experts import fp8_per_expert, stacked_expert
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.hub import check_revision, is_local, resolve_model
@@ -499,8 +499,9 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     plain = [(name, cast_dtype(dtype, arch.fp32_kind(name) is not None) or info.dtype, info.shape)
              for name, info in base.tensors.items()]
     stack = None  # stacked experts are written back stacked, in the base model's orientation, and experts the
-    # base holds per expert (Qwen3.5-MoE's MTP layer beside fused decoder experts) per expert
-    if arch.stacked_experts:
+    # base holds per expert (Qwen3.5-MoE's MTP layer beside fused decoder experts) per expert (FP8
+    # Qwen3.5-MoE: all per expert, as its FP8 releases, hf_experts.fp8_per_expert)
+    if arch.stacked_experts and not fp8_per_expert(arch, quantization, None):
         stack = "4.x" if any(info.transposed_stride for info in base.tensors.values()) else "5.x"
     def per_expert(name: str) -> bool:
         view = stacked_expert(name)

@@ -11,7 +11,7 @@ import torch
 
 from mconv.converter import fp8
 from mconv.converter.hf_config import copy_side_files, write_config_dtype, write_hf_config
-from mconv.converter.hf_experts import expert_orientation_for
+from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, stacked_expert
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.megatron_checkpoint import open_checkpoint
@@ -239,7 +239,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     HF experts (Qwen3-VL-MoE): see hf_experts.expert_orientation_for (4.x by default, required where a
     stacked tensor is square, MconvError for a model whose HF checkpoints keep experts per expert).
     Qwen3.5-MoE's are written "5.x" (the only one transformers loads), or per expert where hf2mcore's
-    input had them so and no `expert_orientation` is given.
+    input had them so and no `expert_orientation` is given; in FP8 without `expert_orientation` always
+    per expert, as Qwen's FP8 releases hold them (hf_experts.fp8_per_expert).
     `dtype` may be named as --dtype names it ("bfloat16"); `max_shard_bytes` may be a size string ("1GB").
     `quantize="fp8"`: write block-wise FP8 as the model's FP8 releases hold it (the architecture's
     `fp8` weights, quantized by fp8.quantize from the merged HF tensor, so the bytes do not depend
@@ -254,10 +255,11 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     arch = ckpt.plan.arch
     quantization = fp8.writer_quantization(arch, quantize, fp8_scale, ckpt.config)
     exports = ckpt.plan.exports()
-    stack = expert_orientation_for(arch, ckpt.plan.dims, expert_orientation)
-    per_expert = None
-    if arch.experts_as_input and expert_orientation is None:  # as hf2mcore's input had them
-        per_expert = functools.partial(_kept_per_expert, ckpt.metadata)
+    per_expert, stack, fp8_experts = None, None, fp8_per_expert(arch, quantization, expert_orientation)
+    if not fp8_experts:
+        stack = expert_orientation_for(arch, ckpt.plan.dims, expert_orientation)
+        if arch.experts_as_input and expert_orientation is None:  # as hf2mcore's input had them
+            per_expert = functools.partial(_kept_per_expert, ckpt.metadata)
 
     def cast(names: tuple[str, ...]) -> torch.dtype | None:
         return cast_dtype(dtype, any(arch.fp32_kind(name) for name in names))
@@ -271,8 +273,13 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         entries, kept = planned.entries, planned.kept  # (the files are laid out in `prepare`)
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries),
                           layout="torch_dist (any layout)" if ckpt.location.format == "torch_dist" else None)
+        unstacked = fp8_experts and any(
+            stacked_expert(name) and not _kept_per_expert(ckpt.metadata, name) for name, _, _ in plain)
         summary.notes += filter(None, [fp32_note(arch, [name for name, _, _ in entries], dtype),
-                                       fp8.block_note(ckpt.config, quantization)])
+                                       fp8.block_note(ckpt.config, quantization), unstacked and (
+            "the FP8 experts are written per expert, as Qwen's FP8 releases hold them, though hf2mcore's input "
+            "stacked them; --expert-orientation 5.x stacks them (vLLM reads those, transformers 5.17 loads "
+            "them unscaled)")])
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
             writer = ShardedSafetensorsWriter(staging, plain, max_shard_bytes, stack, per_expert, quantization)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from mconv.converter import fp8
 from mconv.converter.hf_config import copy_side_files, read_config, write_config_dtype, write_hf_config
-from mconv.converter.hf_experts import expert_orientation_for, stack_experts, stacked_expert
+from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, stack_experts, stacked_expert
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.output import SharedStaging, output_path, write_failure
 from mconv.converter.options import DEFAULT_SHARD_BYTES, shard_bytes
@@ -332,8 +332,9 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
 
     Experts come per expert (`<p>.mlp.experts.{e}.gate_proj.weight` `[I, h]`, ..., as AReaL sends
     them to inference engines). With `stacked_experts` (models whose HF checkpoints stack them:
-    Qwen3-VL-MoE; MconvError otherwise) each layer's experts come as the HF checkpoint's stacked
-    `<p>.mlp.experts.gate_up_proj` / `down_proj` (no `.weight`), contiguous, in `expert_orientation`:
+    Qwen3-VL-MoE, Qwen3.5-MoE; MconvError otherwise) each layer's experts come as the HF
+    checkpoint's stacked `<p>.mlp.experts.gate_up_proj` / `down_proj` (no `.weight`), contiguous, in
+    `expert_orientation`:
     "4.x" `[E, h, 2I]` / `[E, I, h]` (what mcore2hf writes by default), "5.x" `[E, 2I, h]` /
     `[E, h, I]`; a bucket then holds all the experts of its stacked tensors, whatever `bucket_bytes`.
     Where a stacked tensor is square, `expert_orientation` must be given (MconvError otherwise: no
@@ -345,7 +346,9 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     in the same bucket, quantized on the tensors' device after the gathers, the bytes `mcore2hf
     --quantize fp8` writes (fp8.quantize; `dtype` then casts the other tensors only). Stacked
     experts come as the stacked float8_e4m3fn tensor and its `_scale_inv` [E, ceil(rows/128),
-    ceil(cols/128)], each expert's matrix quantized as it is stacked (in `expert_orientation`).
+    ceil(cols/128)], each expert's matrix quantized as it is stacked (in `expert_orientation`);
+    transformers 5.17 loads stacked FP8 experts unscaled (docs/fp8.md), so for transformers leave
+    `stacked_experts` off (Qwen's FP8 releases of Qwen3.5/3.6-MoE hold their experts per expert).
     """
     config = _config(hf_config, revision)
     if stacked_experts and not architecture_for(config).stacked_experts:
@@ -402,10 +405,12 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     could have written; MconvError for any other, for one that another mconv run is writing and for
     one that appears meanwhile: output.Claim); config.json's dtype
     names the dtype written. The output path must be on a filesystem all ranks share. Stacked HF
-    experts (Qwen3-VL-MoE) are written in `expert_orientation` ("4.x", the default, or "5.x", as
-    mcore2hf's: required where a stacked tensor is square; MconvError when given for another model).
+    experts (Qwen3-VL-MoE, Qwen3.5-MoE) are written in `expert_orientation` (Qwen3-VL-MoE: "4.x", the
+    default, or "5.x", as mcore2hf's: required where a stacked tensor is square; Qwen3.5-MoE: "5.x";
+    MconvError when given for another model).
     Each tensor is written in the dtype the model holds it in. `quantize="fp8"` / `fp8_scale` write
-    block-wise FP8 as `mcore2hf --quantize fp8` does (the same bytes).
+    block-wise FP8 as `mcore2hf --quantize fp8` does (the same bytes); Qwen3.5-MoE's experts then per
+    expert unless `expert_orientation` is given (hf_experts.fp8_per_expert).
 
     Raises MconvError on every rank when a write fails on any rank (full disk, read-only file
     system, no permission: `cannot write OUT: <cause>; nothing was written`); the hidden staging
@@ -418,8 +423,9 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
 
     source = _model_dir(str(hf_config), revision, False)
     config = read_config(source)
-    stacked = _orientation(config, expert_orientation)
     quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
+    stacked = (None if fp8_per_expert(architecture_for(config), quantization, expert_orientation)
+               else _orientation(config, expert_orientation))
     live, schedule = _prepared(list(model_chunks), config, bucket_bytes, stacked is not None)
     full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
     dtypes: dict[str, torch.dtype] = {}
