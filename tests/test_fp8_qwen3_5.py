@@ -97,13 +97,6 @@ def expected_fp8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(q), torch.stack(scale)
 
 
-@pytest.fixture(scope="module")
-def qwen3_6_vl_moe_dir(tmp_path_factory):
-    """Qwen3.6-VL-MoE's form: experts stacked in the decoder and in the MTP layer."""
-    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_6_vl_moe") / "hf", seed=11, vl=True, moe=True,
-                        fused_experts=True, mtp=True, fused_mtp_experts=True)
-
-
 @needs_compressed_tensors
 @pytest.mark.parametrize("model,sizes", [
     ("qwen3_5_mtp_dir", dict(tp=2)), ("qwen3_5_moe_dir", dict(tp=2, ep=2)), ("qwen3_next_dir", dict(tp=2, ep=2)),
