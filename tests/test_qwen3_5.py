@@ -190,6 +190,27 @@ def test_verify_tells_per_expert_from_fused_experts(qwen3_5_input):
             ": the same values, stored differently"), line
 
 
+def test_every_expert_form_gives_the_oracle_model(tmp_path, qwen3_5_input, qwen3_5_moe_dir):
+    """Qwen3.5-MoE's experts in each stored form (decoder's and MTP layer's each fused or per expert:
+    Qwen3.6's fused MTP experts among them) give the very rank files (`--spec te --mtp`, TP2/EP2/ETP1)
+    whose model test_megatron_core_forward_matches_transformers runs (the official form's): so that
+    oracle's logits and MTP logits hold for every form."""
+    def rank_files(hf_dir, out):
+        hf2mcore(hf_dir, out, Layout(tp=2, ep=2, etp=1), spec="te", fmt="torch", mtp=True, progress=False)
+        return {path.relative_to(out): load_rank_file(path)["model"] for path in sorted(out.rglob("*.pt"))}
+
+    expected = rank_files(qwen3_5_moe_dir, tmp_path / "official")
+    assert any("mtp" in name for model in expected.values() for name in model)
+    for fused in (False, True):
+        for fused_mtp in (False, True):
+            got = rank_files(qwen3_5_input("moe", fused, fused_mtp), tmp_path / f"{fused}-{fused_mtp}")
+            assert got.keys() == expected.keys()
+            for rank, model in expected.items():
+                assert model.keys() == got[rank].keys(), (fused, fused_mtp, rank)
+                assert all(torch.equal(t, got[rank][n]) if t is not None else got[rank][n] is None
+                           for n, t in model.items()), (fused, fused_mtp, rank)
+
+
 def test_vl_vision_tower_is_qwen3_vl_tower(tmp_path, qwen3_5_vl_dir):
     """The vision tower's rank tensors (TP2/PP2, te) are, bit for bit, those mconv's Qwen3-VL table writes
     (whose oracle is mbridge's Qwen3VLModel, tests/test_qwen3_vl_oracle.py) for a Qwen3-VL checkpoint
