@@ -23,11 +23,13 @@ def assert_same_tree(a: Path, b: Path):
         assert_same_tree(a / sub, b / sub)
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_workers_write_the_same_bytes(tmp_path, fmt):
-    layout = Layout(tp=2, pp=2, ep=2)
-    hf2mcore(MOE, tmp_path / "one", layout, fmt=fmt, progress=False)
-    hf2mcore(MOE, tmp_path / "three", layout, fmt=fmt, progress=False, workers=3)
+@pytest.mark.parametrize("fmt,model,layout", [("torch", MOE, Layout(tp=2, pp=2, ep=2)),
+                                               ("torch_dist", MOE, Layout(tp=2, pp=2, ep=2)),
+                                               ("torch", FIXTURES / "qwen3-5-tiny", Layout(tp=2, pp=2))],
+                         ids=["torch", "torch_dist", "qwen3_5-torch"])
+def test_workers_write_the_same_bytes(tmp_path, fmt, model, layout):
+    hf2mcore(model, tmp_path / "one", layout, fmt=fmt, progress=False)
+    hf2mcore(model, tmp_path / "three", layout, fmt=fmt, progress=False, workers=3)
     if fmt == "torch":  # torch_dist is written by one process either way
         assert_same_tree(tmp_path / "one", tmp_path / "three")
     mcore2hf(tmp_path / "one", tmp_path / "hf-one", max_shard_bytes=100_000, progress=False)
