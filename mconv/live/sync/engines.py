@@ -128,7 +128,8 @@ class RemoteEngine(Engine):
         self._conn = None
         self._lock = threading.RLock()  # rank 0 talks from the caller's thread and the update thread
         self._expected: tuple[str, dict] | None = None  # the receiver's model digest and shapes
-        self._layouts: dict[int, tuple[list, int]] = {}  # id(entries) -> (entries, its layout number)
+        # id(entries) -> (entries, its layout number); holding the list keeps its id from being reused
+        self._layouts: dict[int, tuple[list, int]] = {}
         self._sent_layouts: set[int] = set()  # the numbers whose entries this connection has carried
 
     def _request(self, message: dict) -> dict:
@@ -151,7 +152,7 @@ class RemoteEngine(Engine):
         same entries list, as sync_weights reuses it) carries its entries once per connection, later
         only its number: the receiver keeps them (mconv.transport.receiver)."""
         cached = self._layouts.get(id(entries))
-        if cached is None or cached[0] is not entries:
+        if cached is None:
             cached = self._layouts[id(entries)] = (entries, len(self._layouts))
         number = cached[1]
         with self._lock:  # the same connection from the request's sending to its marking
