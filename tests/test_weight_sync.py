@@ -442,8 +442,9 @@ def test_verify_names_a_changed_byte_and_swapped_tensors(tmp_path):
 
 def test_a_bucket_layout_travels_once_per_connection(tmp_path, monkeypatch):
     """A layout's entries cross once per connection: the second update of the same layout carries
-    only its number, a new connection carries them again, and the receiver's parameters equal the
-    sent tensors after every update. A number never sent is refused in one line."""
+    only its number, a new connection carries them again (and the receiver keeps one plan for it),
+    and the receiver's parameters equal the sent tensors after every update. A number never sent is
+    refused in one line."""
     from mconv.live.sync import SharedMemoryEngine, core
     from mconv.transport import shm
     from mconv.transport.flat import layout, pack
@@ -472,6 +473,7 @@ def test_a_bucket_layout_travels_once_per_connection(tmp_path, monkeypatch):
         engine.finish(f"v{step}")
         assert all(torch.equal(receiver.params[name], tensor) for name, tensor in named)
     assert ["entries" in buffers[0] for buffers in sent if buffers] == [True, False, True]
+    assert len(receiver._plans) == 1  # one copy plan for the layout, whichever connection sent it
     engine.start("v3")
     with pytest.raises(RuntimeError, match=r"^ValueError: bucket layout 7 was never sent on this connection$"):
         engine._request({"op": "update", "buffers": [{"path": "unused", "layout": 7}]})

@@ -15,15 +15,13 @@ Requests: `expected` ({"digest"} -> the model's {HF name: shape}, sent only when
 digest of it is not current), `start` {"version"}, `update` {"buffers": [{"ipc": cuda_ipc.share(...)
 | "path": shared-memory file, "entries": [Entry.to_json()], "layout": n}]} (a bucket layout's entries
 travel once per connection: later buckets with the same layout carry only its number `n`; a
-receiver's `load` sees "entries" filled in and "layout" as a key unique to the connection and
-number), `finish` {"version"}, `abort`
-{"version", "reason"}, `checksums` {"names"} (flat.checksums of what the engine holds). Every
+receiver's `load` sees "entries" filled in and "layout" as a digest of them), `finish` {"version"},
+`abort` {"version", "reason"}, `checksums` {"names"} (flat.checksums of what the engine holds). Every
 request may carry the trainer's "rank", used to name it in errors.
 """
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import threading
 import time
@@ -164,24 +162,25 @@ class UpdateReceiver:
                                f"{self._session}")
 
 
-_CONNECTIONS = itertools.count()
-
-
 def _with_entries(buffers: list[dict], peer: dict) -> list[dict]:
     """`buffers` with every item's "entries" filled in from the layouts this connection sent before,
-    and its "layout" made unique across connections. Raises ValueError for a layout never sent."""
-    known = peer.setdefault("layouts", {})
-    connection = peer.setdefault("connection", next(_CONNECTIONS))
+    and its "layout" replaced by a digest of those entries (computed once per layout and connection):
+    the same layout gets the same key on any connection, so a receiver's plans keyed by it do not
+    pile up as trainers reconnect. Raises ValueError for a layout number never sent."""
+    known = peer.setdefault("layouts", {})  # number -> (entries, digest)
     out = []
     for item in buffers:
         number = item.get("layout")
-        if number is not None:
-            if "entries" in item:
-                known[number] = item["entries"]
-            elif number not in known:
-                raise ValueError(f"bucket layout {number} was never sent on this connection")
-            item = {**item, "entries": known[number], "layout": f"{connection}:{number}"}
-        out.append(item)
+        if number is None or "entries" in item:
+            entries = item["entries"]
+            known_entry = (entries, hashlib.sha256(json.dumps(entries).encode()).hexdigest())
+            if number is not None:
+                known[number] = known_entry
+        elif number in known:
+            known_entry = known[number]
+        else:
+            raise ValueError(f"bucket layout {number} was never sent on this connection")
+        out.append({**item, "entries": known_entry[0], "layout": known_entry[1]})
     return out
 
 
@@ -218,7 +217,7 @@ class ParameterReceiver(UpdateReceiver):
             key = f"{ipc['handle']}:{ipc['offset_bytes']}" if ipc else item["path"]
             start, stop = (ipc["offset"], ipc["offset"] + ipc["numel"]) if ipc else (0, None)
             mapped = self._map(key, item)
-            layout = item.get("layout") or json.dumps(item["entries"])
+            layout = item["layout"]  # a digest of the entries (_with_entries)
             plan = self._plans.get((key, start, stop, layout))
             if plan is None:
                 plan = self._plans[key, start, stop, layout] = self._plan(mapped[start:stop], [
