@@ -498,11 +498,13 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
                              f"{found}; is it the model the adapter was trained on?")
     plain = [(name, cast_dtype(dtype, arch.fp32_kind(name) is not None) or info.dtype, info.shape)
              for name, info in base.tensors.items()]
-    stack = None  # stacked experts are written back stacked, in the base model's orientation, and experts the
-    # base holds per expert (Qwen3.5-MoE's MTP layer beside fused decoder experts) per expert (FP8
-    # Qwen3.5-MoE: all per expert, as its FP8 releases, hf_experts.fp8_per_expert)
+    # Experts come back in the base model's form: stacked in its orientation, or per expert where the
+    # base holds them so (Qwen3.5-MoE's MTP layer beside fused decoder experts); in FP8, Qwen3.5-MoE's
+    # all per expert, as its FP8 releases (hf_experts.fp8_per_expert).
+    stack = None
     if arch.stacked_experts and not fp8_per_expert(arch, quantization, None):
         stack = "4.x" if any(info.transposed_stride for info in base.tensors.values()) else "5.x"
+
     def per_expert(name: str) -> bool:
         view = stacked_expert(name)
         return view is not None and view[0] not in base.stacked
