@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-oldest.sh
+.venv-oldest/bin/python -m compileall -q mconv tests fixtures >/dev/null  # as scripts/test.sh
 TESTS=(
     tests/test_install.py tests/test_imports.py tests/test_torch_save.py tests/test_io_paths.py
     tests/test_dcp_metadata.py::test_hf2mcore_metadata_is_torchs_pickle_of_what_torch_reads
