@@ -166,3 +166,41 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path):
     assert sorted(received) == sorted(source.tensors)
     for name, tensor in received.items():
         assert torch.equal(tensor, source.read(name)), name
+
+
+def test_gpu_stacked_fp8_export_is_the_offline_bytes(process_group, tmp_path):
+    """Qwen3-VL-MoE (mbridge's Qwen3VLModel, built as the CPU oracle builds it) on the GPU:
+    iter_hf_weights(stacked_experts=True, quantize="fp8") quantizes each expert of the stacked
+    tensors on CUDA, and every tensor it yields, FP8 weights and scales and the 16-bit rest, holds the
+    bytes `mcore2hf --quantize fp8` writes on the CPU (test_fp8_stacked.py holds those to
+    compressed-tensors'), in both expert orientations."""
+    pytest.importorskip("mbridge")
+    import json
+
+    import mconv.live
+    from mconv import Layout, hf2mcore, mcore2hf
+    from mconv.converter.transforms import padded_vocab_size
+    from tests.qwen3_vl_oracle import VLRun, build_model
+    from tests.test_fp8 import bits
+    from tests.test_roundtrip import read_all
+
+    hf_dir = FIXTURES / "qwen3-vl-moe-tiny"
+    config = json.loads((hf_dir / "config.json").read_text())
+    with torch.device("cuda"):
+        model = build_model(VLRun(None, config, padded_vocab=padded_vocab_size(config["text_config"]["vocab_size"],
+                                                                               128, 1)))
+    mconv.live.load_hf_weights([model], hf_dir)
+    hf2mcore(hf_dir, tmp_path / "m", Layout(), fmt="torch", progress=False)
+    for orientation in ("4.x", "5.x"):
+        mcore2hf(tmp_path / "m", tmp_path / orientation, progress=False, quantize="fp8", expert_orientation=orientation)
+        offline = read_all(tmp_path / orientation)
+        yielded = {}
+        for bucket in mconv.live.iter_hf_weights([model], hf_dir, stacked_experts=True, expert_orientation=orientation,
+                                                 quantize="fp8"):
+            for name, tensor in bucket:
+                assert tensor.is_cuda and name not in yielded, name
+                yielded[name] = tensor.cpu()
+        assert sorted(yielded) == sorted(offline)
+        assert yielded["model.language_model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.float8_e4m3fn
+        for name, tensor in yielded.items():
+            assert torch.equal(bits(tensor.to(offline[name].dtype)), bits(offline[name])), (orientation, name)
