@@ -141,6 +141,13 @@ def _on_signal(signum, frame):
     carries on to status 0; once a command that writes nothing has done its work, it is ignored."""
     if "signal" in _command:  # a later one, landing even while this handler runs (Python re-enters it)
         return
+    if _in_importlib(frame):
+        # An exception raised there can leave the interpreter's import lock held (between importlib's
+        # `_imp.acquire_lock()` and its `try`): every later import, in any thread, then waits
+        # forever, the worker threads the clean-up joins among them (seen: hf2mcore hung). So the
+        # signal is sent again in a moment, outside the import.
+        threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+        return
     _command["signal"] = signum  # (not SIG_IGN: CPython reports a signal pending meanwhile as a "race condition")
     from mconv.converter.output import finished
 
@@ -149,6 +156,15 @@ def _on_signal(signum, frame):
         os.write(2, f"mconv: {_stopped(signum)} after {out} was complete; it is in place\n".encode())
     elif not _command.get("done"):
         raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _in_importlib(frame) -> bool:
+    """Whether the interrupted `frame`, or one of its callers, is importlib's own code."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _stopped(signum: int) -> str:

@@ -816,9 +816,9 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_status_130(tmp_path):
 
     process = start_mconv("hf2mcore", TINY, tmp_path / "out", cwd=tmp_path)
     torch_loading = lambda: "libtorch" in Path(f"/proc/{process.pid}/maps").read_text()  # noqa: E731
-    assert wait_for(torch_loading, process), process.communicate()
+    assert wait_for(torch_loading, process), process.communicate(timeout=300)
     process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate()
+    stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 130, stderr
     assert stderr == documented("mconv: interrupted; nothing", tmp_path / "out") and stdout == ""
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
@@ -909,20 +909,74 @@ def test_interrupt_while_writing_leaves_nothing(tmp_path, command, signame):
         process = start_mconv(*args, "--workers", 2, "--overwrite", cwd=tmp_path)
         staging = lambda: any(".mconv-partial-" in p.name for p in tmp_path.iterdir())  # noqa: E731
         if not wait_for(staging, process):
-            pytest.fail(process.communicate()[1])
+            pytest.fail(process.communicate(timeout=300)[1])
         process.send_signal(signal.SIGSTOP)
         if staging() and (out / "config.json").is_file():
             break
         process.send_signal(signal.SIGCONT)
-        process.communicate()
+        process.communicate(timeout=300)
     os.kill(process.pid, signum)
     process.send_signal(signal.SIGCONT)
-    stdout, stderr = process.communicate()
+    stdout, stderr = process.communicate(timeout=300)
     what = "interrupted" if signame == "SIGINT" else "terminated"
     assert process.returncode == 128 + signum, stderr
     assert stderr == documented("mconv: interrupted; nothing", out).replace("interrupted", what), stderr
     assert (out / "config.json").read_text() == "{}" and [p.name for p in out.iterdir()] == ["config.json"]
     assert leftovers(tmp_path) == []
+
+
+INTERRUPTED_IMPORT = """
+import importlib.abc, importlib.machinery, signal, sys, threading, time
+from mconv import cli
+
+signal.signal(signal.SIGINT, cli._on_signal)
+cli._command.update(out=None, done=False)
+
+
+class Loader(importlib.abc.Loader):
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        module.value = 1
+
+
+class Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "interrupted_import":
+            signal.raise_signal(signal.SIGINT)  # its handler runs here, called from importlib's frames
+            return importlib.machinery.ModuleSpec(name, Loader())
+
+
+sys.meta_path.insert(0, Finder())
+try:
+    import interrupted_import
+    print("imported", interrupted_import.value, flush=True)
+    time.sleep(10)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted after it:", "interrupted_import" in sys.modules)
+    imported = []
+    thread = threading.Thread(target=lambda: imported.append(__import__("json.tool")))
+    thread.start()
+    thread.join(10)
+    print("a thread imports:", bool(imported))
+"""
+
+
+def test_a_signal_inside_an_import_is_raised_after_it(tmp_path):
+    """mconv's SIGINT handler does not raise while the main thread is in importlib's code (an
+    exception raised between its `_imp.acquire_lock()` and its `try` leaves the import lock held,
+    and every later import in any thread waits forever: an interrupted hf2mcore hung so, its worker
+    threads importing): the interrupt comes once the import has finished, and a thread can import
+    after it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.stdout.splitlines() == ["imported 1", "interrupted after it: True", "a thread imports: True"], \
+        done.stderr[-2000:]
 
 
 def test_of_two_runs_to_one_output_one_wins_and_the_other_says_so(tmp_path):
@@ -936,12 +990,12 @@ def test_of_two_runs_to_one_output_one_wins_and_the_other_says_so(tmp_path):
         process = start_mconv("hf2mcore", TINY, out, "-q", cwd=tmp_path)
         staging = lambda: any(".mconv-partial-" in p.name for p in tmp_path.iterdir())  # noqa: E731
         if not wait_for(staging, process):
-            pytest.fail(process.communicate()[1])
+            pytest.fail(process.communicate(timeout=300)[1])
         process.send_signal(signal.SIGSTOP)
         if staging() and not out.exists():
             break
         process.send_signal(signal.SIGCONT)
-        process.communicate()
+        process.communicate(timeout=300)
         shutil.rmtree(out, ignore_errors=True)
     try:
         second = [mconv("hf2mcore", TINY, out, "-q", *overwrite) for overwrite in ([], ["--overwrite"])]
@@ -1201,7 +1255,7 @@ def test_no_progress_bar_fragments_in_a_log_file(tmp_path):
     """stderr redirected to a file (not a terminal): no tqdm bar, so no carriage returns in the log."""
     with open(tmp_path / "log", "w") as log:
         process = start_mconv("hf2mcore", TINY, tmp_path / "out", cwd=tmp_path, stderr=log)
-        stdout, _ = process.communicate()
+        stdout, _ = process.communicate(timeout=300)
     assert process.returncode == 0 and stdout.startswith(f"wrote {tmp_path / 'out'}")
     assert (tmp_path / "log").read_text() == ""
 
@@ -1397,13 +1451,13 @@ def test_ctrl_c_stops_every_torchrun_rank_and_leaves_nothing(tmp_path):
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         staging = lambda: (tmp_path / ".out.mconv-partial-torchrun").exists()  # noqa: E731
         if not wait_for(staging, process):
-            pytest.fail(process.communicate()[1][-3000:])
+            pytest.fail(process.communicate(timeout=300)[1][-3000:])
         os.killpg(process.pid, signal.SIGSTOP)  # delivered asynchronously: wait until every process has stopped
         assert wait_for(lambda: stopped_group(process.pid), process)
         if staging() and not out.exists():
             break
         os.killpg(process.pid, signal.SIGCONT)
-        process.communicate()
+        process.communicate(timeout=300)
         shutil.rmtree(out, ignore_errors=True)
     os.killpg(process.pid, signal.SIGINT)
     os.killpg(process.pid, signal.SIGCONT)
