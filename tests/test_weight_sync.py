@@ -1,6 +1,6 @@
 """mconv.live.sync against a real engine: vLLM's CPU build (its own Python 3.11 process, the
-oracle's generation) takes the weights of a Megatron model (gloo, CPU, TP2, tied embeddings) through
-`sync_weights`, and its greedy tokens and logprobs then equal transformers' on the same new weights
+oracle's generation) takes the weights of a Megatron model (gloo, CPU: Qwen3 at TP2 with tied
+embeddings, and Qwen3-MoE at TP2/EP2/ETP1 into a second engine) through `sync_weights`, and its greedy tokens and logprobs then equal transformers' on the same new weights
 (transformers reads them from the HF files the trainer loaded them from, not from the sync). Before
 the sync, and after a sync without the prefix-cache reset, they differ. A rank that raises
 mid-sync, and a trainer model that is not the engine's, are refused on every rank; the next sync
@@ -21,6 +21,7 @@ from tests.conftest import FIXTURES
 from tests.test_lora import VLLM_PYTHON, needs_vllm
 
 TIED = FIXTURES / "qwen3-tiny-tied"
+MOE = FIXTURES / "qwen3-moe-tiny"  # 8 experts, top-2, one dense layer
 PROMPTS = [[(7 * p + 13 * i) % 300 for i in range(72)] for p in range(3)]  # two full 32-token blocks each: cached
 EXAMPLE = Path(__file__).parents[1] / "examples" / "vllm_sync_engine.py"  # the engine side
 BUCKET = 40_000  # q, k and v of one layer land in different buckets
@@ -60,6 +61,41 @@ def same(served: dict, expected: tuple) -> bool:
                                               for a, b in zip(s, e)) < 1e-4
 
 
+def _moe_syncs(rank: int, socket: str, authkey: bytes, weights: dict) -> dict:
+    """Qwen3-MoE at TP2/EP2/ETP1 into the MoE engine: a sync through vLLM's weight-transfer API, then
+    one through its reload route; rank 0 returns what the engine served before, after each."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from mconv import Layout
+    from mconv.live import build_model, load_hf_weights
+    from mconv.live.sync import VLLMEngine, sync_weights
+    from mconv.transport import shm
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    chunks = build_model(MOE, Layout(tp=2, ep=2, etp=1), dtype=torch.float32, use_cpu_initialization=True)
+    gen = shm.connect(socket + ".gen", authkey) if rank == 0 else None
+    served = {}
+
+    def generate(tag):
+        if rank == 0:
+            served[tag] = shm.request(gen, {"op": "generate"})
+        dist.barrier()
+
+    generate("before")
+    load_hf_weights(chunks, weights["moe-1"])
+    sync_weights(chunks, MOE, VLLMEngine(socket, authkey), version="moe-1", bucket_bytes=BUCKET, verify=True)
+    generate("moe-1")
+    load_hf_weights(chunks, weights["moe-2"])
+    sync_weights(chunks, MOE, VLLMEngine(socket, authkey, route="reload"), version="moe-2", bucket_bytes=BUCKET)
+    generate("moe-2")
+    ps.destroy_model_parallel()
+    return served
+
+
 def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -74,11 +110,12 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
 
     _cpu_shims()
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=2)
+    moe = _moe_syncs(rank, socket + ".moe", authkey, weights)
     ps.initialize_model_parallel(2)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     chunks = build_model(TIED, Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
     engine = VLLMEngine(socket, authkey, reset_prefix_cache=False)
-    served, errors = {}, {}
+    served, errors = {"moe": moe}, {}
     gen = shm.connect(socket + ".gen", authkey) if rank == 0 else None
 
     def generate(tag):
@@ -202,19 +239,24 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
 @pytest.mark.slow
 @needs_vllm
 def test_vllm_generates_with_the_synced_weights(tmp_path):
-    weights = {"step-1": perturbed(TIED, tmp_path / "step-1", 1), "step-2": perturbed(TIED, tmp_path / "step-2", 2)}
+    weights = {"step-1": perturbed(TIED, tmp_path / "step-1", 1), "step-2": perturbed(TIED, tmp_path / "step-2", 2),
+               "moe-1": perturbed(MOE, tmp_path / "moe-1", 3), "moe-2": perturbed(MOE, tmp_path / "moe-2", 4)}
     socket, authkey = str(tmp_path / "engine.sock"), secrets.token_bytes(16)
     env = {**os.environ, "PYTHONPATH": f"{Path(__file__).parent / 'vllm_site'}:{Path(__file__).parents[1]}"}
-    log = tmp_path / "engine.log"
-    with open(log, "w") as out:  # a file, not a pipe: vLLM logs more than a pipe holds
-        engine = subprocess.Popen([str(VLLM_PYTHON), str(EXAMPLE), str(TIED), socket, authkey.hex(), json.dumps(PROMPTS)], stdout=out, stderr=subprocess.STDOUT,
-                                  cwd=tmp_path, env=env)
+    engines, logs = [], [tmp_path / "engine.log", tmp_path / "engine-moe.log"]
+    for hf, address, log in ((TIED, socket, logs[0]), (MOE, socket + ".moe", logs[1])):
+        with open(log, "w") as out:  # a file, not a pipe: vLLM logs more than a pipe holds
+            engines.append(subprocess.Popen([str(VLLM_PYTHON), str(EXAMPLE), str(hf), address, authkey.hex(),
+                                             json.dumps(PROMPTS)], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                            env=env))
     try:
         old, new1, new2 = reference(TIED), reference(weights["step-1"]), reference(weights["step-2"])  # vLLM starts meanwhile
+        moe_old, moe_new1, moe_new2 = reference(MOE), reference(weights["moe-1"]), reference(weights["moe-2"])
         started = time.monotonic()
-        while "\nREADY\n" not in "\n" + log.read_text():
-            assert engine.poll() is None and time.monotonic() - started < 300, log.read_text()[-3000:]
-            time.sleep(0.2)
+        for engine, log in zip(engines, logs):
+            while "\nREADY\n" not in "\n" + log.read_text():
+                assert engine.poll() is None and time.monotonic() - started < 300, log.read_text()[-3000:]
+                time.sleep(0.2)
         context = mp.get_context("spawn")
         trainers = [context.Process(target=_trainer, args=(rank, tmp_path, socket, authkey,
                                                            {k: str(v) for k, v in weights.items()}))
@@ -225,10 +267,16 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
             trainer.join(600)
         assert [t.exitcode for t in trainers] == [0, -signal.SIGKILL]  # rank 1 killed mid-sync
     finally:
-        engine.kill()
-        engine.wait()
+        for engine in engines:
+            engine.kill()
+            engine.wait()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     served = ranks[0]["served"]
+
+    moe = served["moe"]  # Qwen3-MoE at TP2/EP2: both routes
+    assert same(moe["before"], moe_old) and not same(moe["before"], moe_new1)
+    assert same(moe["moe-1"], moe_new1) and moe["moe-1"]["version"] == "moe-1"
+    assert same(moe["moe-2"], moe_new2) and moe["moe-2"]["version"] == "moe-2"
 
     assert same(served["before"], old) and not same(served["before"], new1)
     assert not same(served["stale"], new1)  # no prefix-cache reset: old KV for the cached prompt blocks

