@@ -1,10 +1,10 @@
 """mconv.live.sync against a real engine: vLLM's CPU build (its own Python 3.11 process, the
 oracle's generation) takes the weights of a Megatron model (gloo, CPU: Qwen3 at TP2 with tied
-embeddings, and Qwen3-MoE at TP2/EP2/ETP1 into a second engine) through `sync_weights`, and its greedy tokens and logprobs then equal transformers' on the same new weights
-(transformers reads them from the HF files the trainer loaded them from, not from the sync). Before
-the sync, and after a sync without the prefix-cache reset, they differ. A rank that raises
-mid-sync, and a trainer model that is not the engine's, are refused on every rank; the next sync
-works."""
+embeddings, and Qwen3-MoE at TP2/EP2/ETP1 into a second engine) through `sync_weights`, and its
+greedy tokens and logprobs then equal transformers' on the same new weights (transformers reads
+them from the HF files the trainer loaded them from, not from the sync). Before the sync, and
+after a sync without the prefix-cache reset, they differ. A rank that raises mid-sync, and a
+trainer model that is not the engine's, are refused on every rank; the next sync works."""
 import json
 import os
 import secrets
@@ -86,12 +86,14 @@ def _moe_syncs(rank: int, socket: str, authkey: bytes, weights: dict) -> dict:
         dist.barrier()
 
     generate("before")
-    load_hf_weights(chunks, weights["moe-1"])
-    sync_weights(chunks, MOE, VLLMEngine(socket, authkey), version="moe-1", bucket_bytes=BUCKET, verify=True)
-    generate("moe-1")
-    load_hf_weights(chunks, weights["moe-2"])
-    sync_weights(chunks, MOE, VLLMEngine(socket, authkey, route="reload"), version="moe-2", bucket_bytes=BUCKET)
-    generate("moe-2")
+    engines = [VLLMEngine(socket, authkey), VLLMEngine(socket, authkey, route="reload")]
+    for step, engine in enumerate(engines, 1):
+        load_hf_weights(chunks, weights[f"moe-{step}"])
+        sync_weights(chunks, MOE, engine, version=f"moe-{step}", bucket_bytes=BUCKET, verify=step == 1)
+        generate(f"moe-{step}")
+        engine.close()
+    if gen is not None:
+        gen.close()
     ps.destroy_model_parallel()
     return served
 

@@ -104,9 +104,9 @@ def _prepack_cpu_experts_on_update(model: torch.nn.Module) -> None:
         if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_mconv_prepacks", False):
             continue
 
-        def process_weights_after_loading(layer, _update=method.process_weights_after_loading, _experts=experts):
-            _update(layer)
-            _experts.process_weights_after_loading(layer)
+        def process_weights_after_loading(module, _update=method.process_weights_after_loading, _experts=experts):
+            _update(module)
+            _experts.process_weights_after_loading(module)
         method.process_weights_after_loading = process_weights_after_loading
         method._mconv_prepacks = True
 
