@@ -2,7 +2,7 @@
 
 For the tiny Qwen3 (tied embeddings, TP2) and Qwen3-MoE (TP2/EP2/ETP1) fixtures: a vLLM engine
 process (vLLM's CPU venv, `scripts/install-vllm.sh`; float32, in-process `LLM` serving mconv's
-`Receiver`, as examples/vllm_sync_engine.py) and two gloo trainer ranks that load the fixture and
+`Receiver`, with examples/vllm_sync_engine.py's engine arguments) and two gloo trainer ranks that load the fixture and
 sync it `--syncs` times with `VLLMEngine`, 64 KiB buckets. Per sync: the wall time on rank 0,
 `SyncResult.seconds` of the sending rank (gather: `iter_hf_weights`; pack: copies into the
 shared-memory bucket files; engine: waiting for the engine beyond what gather and pack overlapped),
@@ -34,8 +34,8 @@ BUCKET = 64 << 10
 MODELS = {"qwen3-tiny-tied": dict(tp=2), "qwen3-moe-tiny": dict(tp=2, ep=2, etp=1)}
 
 ENGINE = """
-import os, sys, time
-os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+import sys, time
+from examples.vllm_sync_engine import LLM_ARGS  # (and its settings of the environment)
 from vllm import LLM
 from mconv.transport import shm
 from mconv.transport.vllm_receiver import Receiver, engine_args
@@ -54,9 +54,7 @@ class Timed(Receiver):
         seconds["finish"] += time.perf_counter() - started
 
 hf_dir, socket, authkey = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
-llm = LLM(model=hf_dir, dtype="float32", max_model_len=128, enforce_eager=True, max_num_seqs=4,
-          max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni",
-          skip_tokenizer_init=True, enable_prefix_caching=True, block_size=32, **engine_args())
+llm = LLM(model=hf_dir, **LLM_ARGS, **engine_args())
 Timed(llm, socket, authkey).start()
 with shm.listen(socket + ".timings", authkey) as listener:
     print("READY", flush=True)

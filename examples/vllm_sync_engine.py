@@ -12,6 +12,11 @@ import os
 import sys
 
 os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+# A small float32 engine for vLLM's CPU build, prefix caching on (the sync resets it); with
+# **engine_args() as below. bench/sync_vllm_cpu.py builds its engine with these too.
+LLM_ARGS = dict(dtype="float32", max_model_len=128, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=128,
+                kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni", skip_tokenizer_init=True,
+                enable_prefix_caching=True, block_size=32)
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,9 +27,7 @@ if __name__ == "__main__":
     from mconv.transport.vllm_receiver import Receiver, engine_args
 
     hf_dir, socket, authkey, prompts = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3]), json.loads(sys.argv[4])
-    llm = LLM(model=hf_dir, dtype="float32", max_model_len=128, enforce_eager=True, max_num_seqs=4,
-              max_num_batched_tokens=128, kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni",
-              skip_tokenizer_init=True, enable_prefix_caching=True, block_size=32, **engine_args())
+    llm = LLM(model=hf_dir, **LLM_ARGS, **engine_args())
     receiver = Receiver(llm, socket, authkey)
     receiver.start()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=0)

@@ -61,30 +61,38 @@ def same(served: dict, expected: tuple) -> bool:
                                               for a, b in zip(s, e)) < 1e-4
 
 
+def _generator(rank: int, socket: str, authkey: bytes, served: dict):
+    """generate(tag): rank 0 asks the engine at `socket` to generate and keeps its answer in
+    served[tag]; every rank waits for it. And the connection (None off rank 0), to close."""
+    import torch.distributed as dist
+
+    from mconv.transport import shm
+
+    gen = shm.connect(socket + ".gen", authkey) if rank == 0 else None
+
+    def generate(tag):
+        if rank == 0:
+            served[tag] = shm.request(gen, {"op": "generate"})
+        dist.barrier()
+    return generate, gen
+
+
 def _moe_syncs(rank: int, socket: str, authkey: bytes, weights: dict) -> dict:
     """Qwen3-MoE at TP2/EP2/ETP1 into the MoE engine: a sync through vLLM's weight-transfer API, then
     one through its reload route; rank 0 returns what the engine served before, after each."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     from mconv import Layout
     from mconv.live import build_model, load_hf_weights
     from mconv.live.sync import VLLMEngine, sync_weights
-    from mconv.transport import shm
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
                                  expert_tensor_parallel_size=1)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     chunks = build_model(MOE, Layout(tp=2, ep=2, etp=1), dtype=torch.float32, use_cpu_initialization=True)
-    gen = shm.connect(socket + ".gen", authkey) if rank == 0 else None
     served = {}
-
-    def generate(tag):
-        if rank == 0:
-            served[tag] = shm.request(gen, {"op": "generate"})
-        dist.barrier()
-
+    generate, gen = _generator(rank, socket, authkey, served)
     generate("before")
     engines = [VLLMEngine(socket, authkey), VLLMEngine(socket, authkey, route="reload")]
     for step, engine in enumerate(engines, 1):
@@ -118,12 +126,7 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     chunks = build_model(TIED, Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
     engine = VLLMEngine(socket, authkey, reset_prefix_cache=False)
     served, errors = {"moe": moe}, {}
-    gen = shm.connect(socket + ".gen", authkey) if rank == 0 else None
-
-    def generate(tag):
-        if rank == 0:
-            served[tag] = shm.request(gen, {"op": "generate"})
-        dist.barrier()
+    generate, gen = _generator(rank, socket, authkey, served)
 
     def refused(tag, action):
         try:

@@ -96,8 +96,10 @@ def _prepack_cpu_experts_on_update(model: torch.nn.Module) -> None:
     its own `reload_weights` of a Qwen3-MoE's HF files gives other tokens than a fresh load of them;
     tests/test_weight_sync.py's MoE engine shows it). The step is added after each update's
     `process_weights_after_loading` of such a layer (the layer's own quant method instance, once)."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without these CPU experts has no layer to mend
+        return
     for layer in model.modules():
         method = getattr(layer, "quant_method", None)
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
