@@ -1,14 +1,15 @@
 """Where a colocated weight sync's time goes, on one GPU (the figures docs/weight-sync.md quotes).
 
-The Qwen3-30B-A3B-shaped model of bench/live_bench.py (`--layers`, default 48), bf16, TP1, 512 MiB
-buckets, synced through IPCEngine into a ParameterReceiver process, three times (the first maps
-the buffers and builds the plans), then once more under cProfile. Prints per sync the wall time,
-`SyncResult.seconds` and the receiver's own milliseconds (its request handling, JSON, handle
-mapping, copy launches, load including the wait for its copies); then the trainer's profile
-(top 25 by own time). First, a micro-benchmark of the copy primitives on one 512 MiB bucket of
-3 MiB expert matrices: one flat copy, torch._foreach_copy_, a copy_ per tensor.
+The Qwen3-30B-A3B-shaped model of bench/live_bench.py (`--layers`, default 48), bf16 (FP8 weights
+and scales with `--quantize fp8`), TP1, 512 MiB buckets, synced through IPCEngine into a
+ParameterReceiver process, three times (the first maps the buffers and builds the plans), then
+once more under cProfile. Prints per sync the wall time, `SyncResult.seconds` and the receiver's
+own milliseconds (its request handling, JSON, handle mapping, copy launches, load including the
+wait for its copies); then the trainer's profile (top 25 by own time). First, a micro-benchmark
+of the copy primitives on one 512 MiB bucket of 3 MiB expert matrices: one flat copy,
+torch._foreach_copy_, a copy_ per tensor.
 
-    python3 bench/sync_profile.py --layers 48
+    python3 bench/sync_profile.py --layers 48 [--quantize fp8]
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def receive(shapes, address, authkey, ready, commands, reports):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--quantize", choices=["bf16", "fp8"], default="bf16",
+                        help="fp8: the syncs send FP8 weights and scales (sync_weights(quantize='fp8'))")
     options = parser.parse_args()
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -98,8 +101,10 @@ def main():
         model_parallel_cuda_manual_seed(0)
         hf = dict(MODELS["qwen3-30b-a3b"], num_hidden_layers=options.layers)
         model, _ = build(hf)
+        quantize = None if options.quantize == "bf16" else options.quantize
         shapes = {name: (list(t.shape), dtype_name(t.dtype))
-                  for bucket in iter_hf_weights([model], hf, bucket_bytes=BUCKET) for name, t in bucket}
+                  for bucket in iter_hf_weights([model], hf, bucket_bytes=BUCKET, quantize=quantize)
+                  for name, t in bucket}
         context = multiprocessing.get_context("spawn")
         address, authkey = os.path.join(store, "engine.sock"), os.urandom(16)
         ready, commands, reports = context.Event(), context.Queue(), context.Queue()
@@ -114,7 +119,7 @@ def main():
                 profile.enable()
             torch.cuda.synchronize()
             start = time.perf_counter()
-            result = sync_weights([model], hf, engine, bucket_bytes=BUCKET, version=f"v{index}")
+            result = sync_weights([model], hf, engine, bucket_bytes=BUCKET, version=f"v{index}", quantize=quantize)
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
             profile.disable()

@@ -125,15 +125,19 @@ print(assert_batch_is_the_rule(quantize_batch))
 def assert_batch_is_the_rule(quantize_batch) -> str:
     """`quantize_batch(named, scale_fmt)` gives fp8.quantize's bytes and scales for float32 / bfloat16 /
     float16 weights, a transposed and a column-sliced view, edge and all-zero blocks, values beyond
-    448, both scale formats; returns its refusal of a batch with a NaN weight."""
+    448, both scale formats, and again for other weights of the same shapes and strides (the batch's
+    plan is reused: new addresses, new values); returns its refusal of a batch with a NaN weight."""
     w = awkward_weight(torch.float32)
     big = (torch.randn(256, 256) * 0.02).bfloat16()
-    named = [("a", w.bfloat16()), ("b", w), ("c", big.t()), ("d", big[:, 100:300]), ("e", big.half())]
-    for fmt in fp8.SCALE_FORMATS:
-        for (name, x), (q, scale) in zip(named, quantize_batch(named, fmt)):
-            expected_q, expected_scale = fp8.quantize(x, fmt)
-            assert q.dtype == fp8.FP8 and torch.equal(bits(q), bits(expected_q)), (name, fmt)
-            assert torch.equal(scale, expected_scale), (name, fmt)
+    for again in (False, True):
+        if again:
+            w, big = w.flip(0).contiguous() * 0.5, (torch.randn(256, 256) * 0.02).bfloat16()
+        named = [("a", w.bfloat16()), ("b", w), ("c", big.t()), ("d", big[:, 100:300]), ("e", big.half())]
+        for fmt in fp8.SCALE_FORMATS:
+            for (name, x), (q, scale) in zip(named, quantize_batch(named, fmt)):
+                expected_q, expected_scale = fp8.quantize(x, fmt)
+                assert q.dtype == fp8.FP8 and torch.equal(bits(q), bits(expected_q)), (name, fmt, again)
+                assert torch.equal(scale, expected_scale), (name, fmt, again)
     w[3, 3] = float("nan")
     with pytest.raises(MconvError) as refused:
         quantize_batch([("big", big), ("model.x.weight", w)])

@@ -256,13 +256,14 @@ def quantize_tensors(tensors: list[tuple[str, torch.Tensor]], quantization: Quan
                      done: frozenset = frozenset()) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with each weight to quantize (but those named in `done`, quantized
     already) replaced by (name, FP8 weight) and (name + "_scale_inv", float32 scale): `quantize_all`."""
-    picked = [(name, t) for name, t in tensors if name not in done and quantization.applies(name, t.shape)]
-    quantized = dict(zip((name for name, _ in picked), quantize_all(picked, quantization.scale_fmt)))
-    out = []
-    for name, tensor in tensors:
-        if name in quantized:
-            q, scale = quantized[name]
-            out += [(name, q), (scale_name(name), scale)]
-        else:
-            out.append((name, tensor))
+    picked = [i for i, (name, t) in enumerate(tensors) if name not in done and quantization.applies(name, t.shape)]
+    if not picked:
+        return list(tensors)
+    out, start = [], 0
+    for i, (q, scale) in zip(picked, quantize_all([tensors[i] for i in picked], quantization.scale_fmt)):
+        name = tensors[i][0]
+        out += tensors[start:i]
+        out += ((name, q), (scale_name(name), scale))
+        start = i + 1
+    out += tensors[start:]
     return out

@@ -10,6 +10,13 @@ clamps to +-448 and casts to e4m3 (round to nearest even, as torch's cast).
 """
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -59,47 +66,114 @@ def _launcher(device: torch.device):
     return InterpretedFunction(_kernel.fn)
 
 
+@dataclass
+class _Plan:
+    """The host-side work of a batch of weights of given dtypes, shapes, strides and alignments, done
+    once: the launches (their tables hold every field but the weights' addresses, written at each
+    call), the output sizes, and how to cut the flat outputs into the weights' views."""
+
+    table: torch.Tensor  # int64 [weights, 8], in `order` (the fields above `_kernel`; addresses written per call)
+    launches: list[tuple]  # (its rows of `table`, block tensor, base, Triton dtype, aligned)
+    out_numel: int
+    block_starts: list[int]  # first block of each weight, in `order`, and the total at the end
+    order: list[int]
+    runs: list[tuple]  # (indices, FP8 element offset, weight shape, first block, scale grid): consecutive
+    # outputs of one shape, cut apart by one view and unbind each
+
+
+_PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_MAX_PLANS = 1024  # more than a sync's buckets of a large model (114 for Qwen3-30B-A3B at 512 MiB)
+_DTYPE_OF, _SHAPE_OF = operator.attrgetter("dtype"), operator.attrgetter("shape")
+_LOCK = threading.Lock()  # a plan's tables serve one call at a time, from its addresses to its end
+
+
+def _plan(weights: list[torch.Tensor], aligned: list[bool]) -> _Plan:
+    device = weights[0].device
+    key = [(str(w.dtype), a) for w, a in zip(weights, aligned)]
+    # a launch's blocks are consecutive; within a launch, weights of one shape are (fewer views to cut)
+    order = sorted(range(len(weights)), key=lambda i: (key[i], tuple(weights[i].shape)))
+    grids = {i: fp8.grid(weights[i].shape) for i in order}
+    block_starts = list(itertools.accumulate((grids[i][0] * grids[i][1] for i in order), initial=0))
+    starts = dict(zip(order, block_starts))
+    padded = [-(-weights[i].numel() // 16) * 16 for i in order]  # every output starts 16-byte aligned
+    offsets = dict(zip(order, itertools.accumulate(padded, initial=0)))
+    rows = [[0, *weights[i].shape, weights[i].stride(0), starts[i], grids[i][1], offsets[i],
+             grids[i][0] * grids[i][1]] for i in order]
+    table = torch.tensor(rows, dtype=torch.int64, device=device)  # in `order`; a launch's rows are a slice
+    launches, first = [], 0
+    for group in dict.fromkeys(key[i] for i in order):
+        count = sum(1 for i in order if key[i] == group)
+        rows_, first = table[first:first + count], first + count
+        blocks = int(rows_[:, 7].sum())
+        if not blocks:
+            continue  # empty weights only: nothing to launch
+        block_tensor = torch.repeat_interleave(torch.arange(count, dtype=torch.int32, device=device), rows_[:, 7],
+                                               output_size=blocks)
+        member = order[first - count]
+        launches.append((rows_, block_tensor, starts[member], _DTYPES[weights[member].dtype], group[1]))
+    runs: list[tuple] = []
+    for i, size in zip(order, padded):
+        shape = tuple(weights[i].shape)
+        last = runs[-1] if runs else None
+        if last and last[2] == shape and size == weights[i].numel():
+            last[0].append(i)
+        else:
+            runs.append(([i], offsets[i], shape, starts[i], grids[i]))
+    return _Plan(table, launches, sum(padded), block_starts, order, runs)
+
+
 def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float") -> list[tuple]:
     """fp8.quantize of each (name, 2-D weight) (bfloat16, float16 or float32; any strides; all on one
     device), bit for bit, in two kernel launches per dtype and alignment: (q float8_e4m3fn [out, in],
     scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one flat FP8 buffer and one flat
-    scale buffer. One host synchronisation: MconvError naming the first weight that holds inf or NaN."""
-    weights = [w if w.stride(-1) == 1 else w.contiguous() for _, w in named]  # (transposed views)
+    scale buffer. One host synchronisation: MconvError naming the first weight that holds inf or NaN.
+
+    The launch tables are planned once per list of dtypes, shapes, strides and alignments (a sync
+    quantizes the same buckets every time) and kept for the next call (the last 1024 such lists,
+    a few bytes per 128x128 block each); a call then writes the weights' addresses into them."""
+    weights = [w for _, w in named]
+    strides = list(map(torch.Tensor.stride, weights))
+    if any(stride[-1] != 1 for stride in strides):  # transposed views: copied row-major
+        weights = [w if stride[-1] == 1 else w.contiguous() for w, stride in zip(weights, strides)]
+        strides = list(map(torch.Tensor.stride, weights))
     device = weights[0].device
-    aligned = [w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0 and w.shape[1] % 16 == 0 for w in weights]
-    key = [(str(w.dtype), a) for w, a in zip(weights, aligned)]
-    order = sorted(range(len(weights)), key=key.__getitem__)  # a launch's blocks are consecutive
-    grids = {i: fp8.grid(weights[i].shape) for i in order}
-    block_starts = torch.tensor([0] + [grids[i][0] * grids[i][1] for i in order]).cumsum(0).tolist()
-    starts = dict(zip(order, block_starts))
-    padded = [-(-weights[i].numel() // 16) * 16 for i in order]  # every output starts 16-byte aligned
-    offsets = dict(zip(order, torch.tensor([0] + padded).cumsum(0).tolist()))
-    out = torch.empty(sum(padded), dtype=fp8.FP8, device=device)
-    amax = torch.empty(block_starts[-1], dtype=torch.float32, device=device)
-    launches = []
-    for group in dict.fromkeys(key[i] for i in order):
-        members = [i for i in order if key[i] == group]
-        rows = [[weights[i].data_ptr(), *weights[i].shape, weights[i].stride(0), starts[i], grids[i][1], offsets[i],
-                 grids[i][0] * grids[i][1]] for i in members]
-        blocks = sum(row[7] for row in rows)
-        if not blocks:
-            continue  # empty weights only: nothing to launch
-        table = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-        block_tensor = torch.repeat_interleave(torch.arange(len(members), dtype=torch.int32, device=device),
-                                               table[:, 7], output_size=blocks)
-        launches.append((table, block_tensor, starts[members[0]], _DTYPES[weights[members[0]].dtype], group[1]))
-    kernel = _launcher(device)
-    for table, block_tensor, base, dtype, aligned_ in launches:
-        kernel[(block_tensor.numel(),)](table, block_tensor, base, amax, out, dtype, fp8.BLOCK, False, aligned_,
-                                        num_warps=8)
-    scale = fp8.scales(amax, scale_fmt)
-    for table, block_tensor, base, dtype, aligned_ in launches:
-        kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, True, aligned_,
-                                        num_warps=8)
-    quantized = [(out.as_strided(w.shape, (w.shape[1], 1), offsets[i]),
-                  scale.as_strided(grids[i], (grids[i][1], 1), starts[i])) for i, w in enumerate(weights)]
-    finite = torch.isfinite(scale)  # checked once all is launched: the host waits for the GPU once
-    if not finite.all():
-        first = int((~finite).nonzero()[0])
-        raise fp8._not_finite(named[order[torch.searchsorted(torch.tensor(block_starts), first, right=True) - 1]][0])
-    return quantized
+    addresses = list(map(torch.Tensor.data_ptr, weights))
+    # all that _plan reads (the alignments: of the addresses, row strides and columns)
+    signature = (device, tuple(map(_DTYPE_OF, weights)), tuple(map(_SHAPE_OF, weights)), tuple(strides),
+                 tuple(a % 16 for a in addresses))
+    with _LOCK:
+        plan = _PLANS.get(signature)
+        if plan is None:
+            aligned = [a % 16 == 0 and stride[0] % 16 == 0 and w.shape[1] % 16 == 0
+                       for w, a, stride in zip(weights, addresses, strides)]
+            plan = _PLANS[signature] = _plan(weights, aligned)
+            while len(_PLANS) > _MAX_PLANS:
+                _PLANS.popitem(last=False)
+        else:
+            _PLANS.move_to_end(signature)
+        # The last call's kernels have finished (its host synchronisation below). The addresses go
+        # pinned and asynchronously: a pageable copy would wait for all the work queued on the device.
+        plan.table[:, 0].copy_(torch.tensor([addresses[i] for i in plan.order], dtype=torch.int64,
+                                            pin_memory=device.type == "cuda").to(device, non_blocking=True))
+        out = torch.empty(plan.out_numel, dtype=fp8.FP8, device=device)
+        amax = torch.empty(plan.block_starts[-1], dtype=torch.float32, device=device)
+        kernel = _launcher(device)
+        for table, block_tensor, base, dtype, aligned_ in plan.launches:
+            kernel[(block_tensor.numel(),)](table, block_tensor, base, amax, out, dtype, fp8.BLOCK, False, aligned_,
+                                            num_warps=8)
+        scale = fp8.scales(amax, scale_fmt)
+        for table, block_tensor, base, dtype, aligned_ in plan.launches:
+            kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, True, aligned_,
+                                            num_warps=8)
+        quantized: list = [None] * len(weights)
+        for indices, offset, (rows, cols), first, grid in plan.runs:
+            n = len(indices)
+            qs = out[offset:offset + n * rows * cols].view(n, rows, cols).unbind(0)
+            scales = scale[first:first + n * grid[0] * grid[1]].view(n, *grid).unbind(0)
+            for i, q, s in zip(indices, qs, scales):
+                quantized[i] = (q, s)
+        finite = torch.isfinite(scale)  # checked once all is launched: the host waits for the GPU once
+        if not finite.all():
+            first = int((~finite).nonzero()[0])
+            raise fp8._not_finite(named[plan.order[bisect.bisect_right(plan.block_starts, first) - 1]][0])
+        return quantized
