@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.live_bench import require_gpu  # noqa: E402
 from mconv.converter import fp8  # noqa: E402
 
 
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--compiled", action="store_true", help="also time per-tensor torch.compile")
     args = parser.parse_args()
+    require_gpu("fp8_bench.py")
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}))
     print(json.dumps(same_bytes_on_gpu()))
     torch.manual_seed(1)

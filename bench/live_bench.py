@@ -36,6 +36,13 @@ MODELS = {
 DEVICE = "cuda"
 
 
+def require_gpu(script: str) -> None:
+    """Exit with one line where no CUDA GPU is visible: `script` measures on one."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} measures on a CUDA GPU and none is visible here"
+                 + (" (python3 bench/live_bench.py --smoke checks the script on the CPU)" if script == "live_bench.py" else ""))
+
+
 def sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -175,6 +182,8 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to check the script")
     options = parser.parse_args()
     global DEVICE
+    if not options.smoke:
+        require_gpu("live_bench.py")
     if options.smoke:
         DEVICE = "cpu"
         for hf in MODELS.values():

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.live_bench import MODELS, build, log, timed  # noqa: E402
+from bench.live_bench import MODELS, build, log, require_gpu, timed  # noqa: E402
 
 BUCKET = 512 << 20
 
@@ -137,6 +137,7 @@ def main():
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--quantize", nargs="+", default=["bf16", "fp8"])
     options = parser.parse_args()
+    require_gpu("sync_ipc_bench.py")
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.live_bench import MODELS, build, timed  # noqa: E402
+from bench.live_bench import MODELS, build, require_gpu, timed  # noqa: E402
 
 BUCKET = 512 << 20
 
@@ -86,6 +86,7 @@ def main():
     parser.add_argument("--quantize", choices=["bf16", "fp8"], default="bf16",
                         help="fp8: the syncs send FP8 weights and scales (sync_weights(quantize='fp8'))")
     options = parser.parse_args()
+    require_gpu("sync_profile.py")
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
