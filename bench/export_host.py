@@ -1,9 +1,7 @@
 """The host's share of a live export (`iter_hf_weights`), on the CPU: the Qwen3-30B-A3B tensor count
-(48 layers, 128 experts: 18,867 HF tensors) with tiny dimensions, in as many buckets as the real
-shape's at 512 MiB (114; `--buckets`), so that what is timed is the Python per bucket and per
-tensor, not the copies. With `quantize="fp8"` the quantization itself is
-replaced by a stand-in returning ready-made outputs of the right structure (the GPU's kernels are
-timed by bench/fp8_bench.py), so the figure is the export's own bookkeeping around it.
+(48 layers, 128 experts: 18,867 HF tensors) with tiny dimensions, in about as many buckets as the
+real shape's 114 at 512 MiB (`--buckets`; sizing them by bytes makes 115 here), so that what is
+timed is the Python per bucket and per tensor, not the copies.
 
     python3 bench/export_host.py [--repeat 3] [--buckets 114]
 

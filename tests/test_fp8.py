@@ -116,9 +116,10 @@ def cast(values, src, dst, rounding):
         return torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     return plain(values, src, dst, rounding)
 interpreter._convert_float = cast
-from mconv.converter.fp8_batch import quantize_batch
+from mconv.converter import fp8_batch
 from tests.test_fp8 import assert_batch_is_the_rule
-print(assert_batch_is_the_rule(quantize_batch))
+print(assert_batch_is_the_rule(fp8_batch.quantize_batch))
+print(len(fp8_batch._PLANS), "plans")
 """
 
 
@@ -141,6 +142,10 @@ def assert_batch_is_the_rule(quantize_batch) -> str:
     w[3, 3] = float("nan")
     with pytest.raises(MconvError) as refused:
         quantize_batch([("big", big), ("model.x.weight", w)])
+    small = big[:128].clone()
+    big[5, 5] = small[0, 0] = float("nan")  # the first in the caller's order is named, whatever the kernels' order
+    with pytest.raises(MconvError, match="^big holds"):
+        quantize_batch([("big", big), ("small", small)])
     return str(refused.value)
 
 
@@ -148,13 +153,15 @@ def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
     """fp8_batch.quantize_batch (the GPU path of the live export: all a bucket's weights in one kernel
     launch sequence) gives fp8.quantize's bytes and scales, checked above against compressed-tensors',
     for float32/bfloat16/float16 weights, a transposed and a column-sliced view, edge and all-zero
-    blocks, values beyond 448, both scale formats; a NaN weight is refused by name."""
+    blocks, values beyond 448, both scale formats, and again for new weights of the same shapes
+    through the plan kept from the first call (2 plans in all); a NaN weight is refused by name."""
     import subprocess
 
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     run = subprocess.run([sys.executable, "-c", BATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip() == "model.x.weight holds inf or NaN values, which FP8 cannot quantize"
+    assert run.stdout.split("\n")[:2] == ["model.x.weight holds inf or NaN values, which FP8 cannot quantize",
+                                          "3 plans"]
 
 
 def test_batched_quantize_without_triton_is_the_torch_rule(monkeypatch):

@@ -25,6 +25,7 @@ SCALE_SUFFIX = "_scale_inv"  # `<module>.weight` -> `<module>.weight_scale_inv`
 SCALE_FORMATS = FP8_SCALES
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the releases store (reference 1.2)
 ZERO_BLOCK_SCALE = torch.finfo(torch.float32).eps
+_BATCHED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp8_batch's kernels read these
 WINDOW_ELEMENTS = 2**21  # quantized together: bounds `quantize`'s float32 temporaries (8 MiB each)
 
 
@@ -57,8 +58,7 @@ def quantize(w: torch.Tensor, scale_fmt: str = "float", name: str = "tensor", ch
     WINDOW_ELEMENTS x 4 bytes whatever the weight's size.
     3-D stacked experts `w` [E, rows, cols] (transformers' fused form, as stored): each expert's
     matrix is quantized as a 2-D weight, one at a time; scale_inv [E, ceil(rows/128), ceil(cols/128)]."""
-    if scale_fmt not in SCALE_FORMATS:
-        raise MconvError(f"the FP8 scale format must be one of {', '.join(SCALE_FORMATS)}, got {scale_fmt!r}")
+    _check_scale_fmt(scale_fmt)
     q, scale = out if out is not None else (torch.empty(w.shape, dtype=FP8, device=w.device),
                                             torch.empty(grid(w.shape), dtype=torch.float32, device=w.device))
     if w.dim() == 3:
@@ -79,6 +79,11 @@ def quantize(w: torch.Tensor, scale_fmt: str = "float", name: str = "tensor", ch
     if check and not torch.isfinite(scale).all():
         raise _not_finite(name)
     return q, scale
+
+
+def _check_scale_fmt(scale_fmt: str) -> None:
+    if scale_fmt not in SCALE_FORMATS:
+        raise MconvError(f"the FP8 scale format must be one of {', '.join(SCALE_FORMATS)}, got {scale_fmt!r}")
 
 
 def scales(amax: torch.Tensor, scale_fmt: str) -> torch.Tensor:
@@ -227,13 +232,15 @@ def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float"
     """(q, scale) of each (name, 2-D weight), by `quantize`, on the weights' device (one device); one
     host synchronisation for the list (MconvError naming the first weight holding inf or NaN).
     `batched` (default: on a GPU): all the weights together, in a few Triton kernel launches
-    (fp8_batch), where Triton is importable and the list holds no 3-D stacked experts; otherwise
-    (and where Triton is not importable: a torch build without it), one by one: the same bytes
-    either way."""
+    (fp8_batch), where Triton is importable and the list holds only 2-D bfloat16, float16 or
+    float32 weights (no 3-D stacked experts); otherwise (and where Triton is not importable: a
+    torch build without it), one by one: the same bytes either way. MconvError for a `scale_fmt`
+    not in SCALE_FORMATS."""
     if not named:
         return []
-    if ((named[0][1].is_cuda if batched is None else batched) and all(t.dim() == 2 for _, t in named)
-            and _triton_importable()):
+    _check_scale_fmt(scale_fmt)
+    if ((named[0][1].is_cuda if batched is None else batched) and _triton_importable()
+            and all(t.dim() == 2 and t.dtype in _BATCHED_DTYPES for _, t in named)):
         from mconv.converter.fp8_batch import quantize_batch
 
         return quantize_batch(named, scale_fmt)

@@ -1,6 +1,6 @@
-"""fp8.quantize for many weights at once on a GPU: two Triton kernel launches per input dtype for a
-whole bucket, whatever its number of tensors (per-tensor torch runs launch-bound at 6% of the copy
-rate on an H200; reference fp8.md section 5, bench/fp8_bench.py).
+"""fp8.quantize for many weights at once on a GPU: two Triton kernel launches per input dtype and
+alignment for a whole bucket, whatever its number of tensors (per-tensor torch runs launch-bound at
+3-6% of the copy rate on an H200; reference fp8.md section 5, bench/fp8_bench.py).
 
 Same rule, same bytes: the first kernel takes each 128x128 block's amax (edge blocks masked to zero,
 NaN counted as inf so that it is refused); the scales are then computed from all the bucket's amax
@@ -10,7 +10,6 @@ clamps to +-448 and casts to e4m3 (round to nearest even, as torch's cast).
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import operator
 import threading
@@ -23,8 +22,6 @@ import triton.language as tl
 
 from mconv.converter import fp8
 
-# Per tensor, int64: address, rows, columns, row stride (elements; columns are contiguous), first
-# block, scale-grid columns, offset of its FP8 output (elements), number of blocks.
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -33,8 +30,11 @@ def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: t
             QUANTIZE: tl.constexpr, ALIGNED: tl.constexpr):
     """Block `base + program id` of the batch (a launch's blocks start at `base`), zero outside its
     tensor: its amax into `scale` (not QUANTIZE), or its values divided by `scale` into `out`.
-    ALIGNED: every address, row stride and output offset of the launch is a multiple of 16 bytes
-    (then loads and stores are vectorised; without the hint they go element by element)."""
+    `table` holds a row of 8 int64 per tensor: address, rows, columns, row stride (elements; columns
+    are contiguous), first block, scale-grid columns, offset of its FP8 output (elements), number of
+    blocks. ALIGNED: every address of the launch is a multiple of 16 bytes and every row stride,
+    column count and output offset a multiple of 16 elements (then loads and stores are vectorised;
+    without the hint they go element by element)."""
     pid = tl.program_id(0).to(tl.int64)
     row = table + tl.load(block_tensor + pid).to(tl.int64) * 8
     rows, cols, stride = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
@@ -72,17 +72,19 @@ class _Plan:
     once: the launches (their tables hold every field but the weights' addresses, written at each
     call), the output sizes, and how to cut the flat outputs into the weights' views."""
 
-    table: torch.Tensor  # int64 [weights, 8], in `order` (the fields above `_kernel`; addresses written per call)
+    table: torch.Tensor  # int64 [weights, 8], in `order` (`_kernel`'s rows; addresses written per call)
     launches: list[tuple]  # (its rows of `table`, block tensor, base, Triton dtype, aligned)
     out_numel: int
-    block_starts: list[int]  # first block of each weight, in `order`, and the total at the end
+    blocks: int  # 128x128 blocks of all the weights
     order: list[int]
     runs: list[tuple]  # (indices, FP8 element offset, weight shape, first block, scale grid): consecutive
     # outputs of one shape, cut apart by one view and unbind each
 
 
 _PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
-_MAX_PLANS = 1024  # more than a sync's buckets of a large model (114 for Qwen3-30B-A3B at 512 MiB)
+# More than a sync's buckets of a large model on one rank (114 for Qwen3-30B-A3B at 512 MiB); a rank
+# with more distinct buckets plans again at every call (about 500 GB of weights at 512 MiB buckets).
+_MAX_PLANS = 1024
 _DTYPE_OF, _SHAPE_OF = operator.attrgetter("dtype"), operator.attrgetter("shape")
 _LOCK = threading.Lock()  # a plan's tables serve one call at a time, from its addresses to its end
 
@@ -103,8 +105,8 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool]) -> _Plan:
     launches, first = [], 0
     for group in dict.fromkeys(key[i] for i in order):
         count = sum(1 for i in order if key[i] == group)
+        blocks = sum(row[7] for row in rows[first:first + count])
         rows_, first = table[first:first + count], first + count
-        blocks = int(rows_[:, 7].sum())
         if not blocks:
             continue  # empty weights only: nothing to launch
         block_tensor = torch.repeat_interleave(torch.arange(count, dtype=torch.int32, device=device), rows_[:, 7],
@@ -119,18 +121,19 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool]) -> _Plan:
             last[0].append(i)
         else:
             runs.append(([i], offsets[i], shape, starts[i], grids[i]))
-    return _Plan(table, launches, sum(padded), block_starts, order, runs)
+    return _Plan(table, launches, sum(padded), block_starts[-1], order, runs)
 
 
 def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float") -> list[tuple]:
     """fp8.quantize of each (name, 2-D weight) (bfloat16, float16 or float32; any strides; all on one
     device), bit for bit, in two kernel launches per dtype and alignment: (q float8_e4m3fn [out, in],
     scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one flat FP8 buffer and one flat
-    scale buffer. One host synchronisation: MconvError naming the first weight that holds inf or NaN.
+    scale buffer. One host synchronisation: MconvError naming the first weight of `named` that holds
+    inf or NaN.
 
     The launch tables are planned once per list of dtypes, shapes, strides and alignments (a sync
     quantizes the same buckets every time) and kept for the next call (the last 1024 such lists,
-    a few bytes per 128x128 block each); a call then writes the weights' addresses into them."""
+    4 bytes per 128x128 block on the device); a call then writes the weights' addresses into them."""
     weights = [w for _, w in named]
     strides = list(map(torch.Tensor.stride, weights))
     if any(stride[-1] != 1 for stride in strides):  # transposed views: copied row-major
@@ -156,7 +159,7 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
         plan.table[:, 0].copy_(torch.tensor([addresses[i] for i in plan.order], dtype=torch.int64,
                                             pin_memory=device.type == "cuda").to(device, non_blocking=True))
         out = torch.empty(plan.out_numel, dtype=fp8.FP8, device=device)
-        amax = torch.empty(plan.block_starts[-1], dtype=torch.float32, device=device)
+        amax = torch.empty(plan.blocks, dtype=torch.float32, device=device)
         kernel = _launcher(device)
         for table, block_tensor, base, dtype, aligned_ in plan.launches:
             kernel[(block_tensor.numel(),)](table, block_tensor, base, amax, out, dtype, fp8.BLOCK, False, aligned_,
@@ -172,8 +175,7 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
             scales = scale[first:first + n * grid[0] * grid[1]].view(n, *grid).unbind(0)
             for i, q, s in zip(indices, qs, scales):
                 quantized[i] = (q, s)
-        finite = torch.isfinite(scale)  # checked once all is launched: the host waits for the GPU once
-        if not finite.all():
-            first = int((~finite).nonzero()[0])
-            raise fp8._not_finite(named[plan.order[bisect.bisect_right(plan.block_starts, first) - 1]][0])
+        if not torch.isfinite(scale).all():  # checked once all is launched: the host waits for the GPU once
+            raise fp8._not_finite(next(name for (name, _), (_, s) in zip(named, quantized)
+                                       if not torch.isfinite(s).all()))
         return quantized
