@@ -174,7 +174,8 @@ def test_gpu_stacked_fp8_export_is_the_offline_bytes(process_group, tmp_path):
     tensors on CUDA, and every tensor it yields, FP8 weights and scales and the 16-bit rest, holds the
     bytes `mcore2hf --quantize fp8` writes on the CPU (test_fp8_stacked.py holds those to
     compressed-tensors'), in both expert orientations."""
-    pytest.importorskip("mbridge")
+    if not os.environ.get("CI"):  # the GPU image has mbridge only where its wheel is carried (docs/tests.md)
+        pytest.importorskip("mbridge")
     import json
 
     import mconv.live

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from mconv.converter import fp8
 
-_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_DTYPES = dict(zip(fp8._BATCHED_DTYPES, (tl.bfloat16, tl.float16, tl.float32)))  # the input dtypes quantize_all sends
 
 
 @triton.jit
