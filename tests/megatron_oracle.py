@@ -402,6 +402,20 @@ def _run_layout(rank: int, run: MegatronRun, out: Path) -> None:
                 norm.data[0] = kept
             (run.live_out / f"refused{rank}.txt").write_text(str(refused))
         save_hf_weights(chunks, run.live_out / "saved", run.live_hf, max_shard_bytes=100_000, quantize=run.live_quantize)
+        qkv = getattr(chunks[0].decoder.layers[0].self_attention, "linear_qkv", None) if pp_rank == 0 else None
+        if run.live_quantize and qkv is not None:  # a NaN in layer 0's query weights, in every rank's shard
+            from mconv import MconvError
+
+            qkv = qkv.weight
+            kept, qkv.data[0, 0], count = qkv.data[0, 0].item(), float("nan"), 0
+            try:
+                for _ in iter_hf_weights(chunks, run.live_hf, bucket_bytes=40_000, quantize=run.live_quantize):
+                    count += 1
+                refused = None
+            except MconvError as e:
+                refused = str(e)
+            qkv.data[0, 0] = kept
+            torch.save({"refused": refused, "yielded": count}, run.live_out / f"nan{rank}.pt")
     if run.language_model_of is not None:
         prefix = "language_model."
         _load_torch_dist(chunks, run.language_model_of[0], prefix)

@@ -118,16 +118,21 @@ def cast(values, src, dst, rounding):
 interpreter._convert_float = cast
 from mconv.converter import fp8_batch
 from tests.test_fp8 import assert_batch_is_the_rule
-print(assert_batch_is_the_rule(fp8_batch.quantize_batch))
+print(assert_batch_is_the_rule())
 print(len(fp8_batch._PLANS), "plans")
 """
 
 
-def assert_batch_is_the_rule(quantize_batch) -> str:
-    """`quantize_batch(named, scale_fmt)` gives fp8.quantize's bytes and scales for float32 / bfloat16 /
-    float16 weights, a transposed and a column-sliced view, edge and all-zero blocks, values beyond
-    448, both scale formats, and again for other weights of the same shapes and strides (the batch's
-    plan is reused: new addresses, new values); returns its refusal of a batch with a NaN weight."""
+def assert_batch_is_the_rule() -> str:
+    """`fp8.quantize_all(named, scale_fmt, batched=True)` (fp8_batch's kernels where Triton imports)
+    gives fp8.quantize's bytes and scales for float32 / bfloat16 / float16 weights, a transposed and
+    a column-sliced view, edge and all-zero blocks, values beyond 448, both scale formats, and again
+    for other weights of the same shapes and strides (the batch's plan is reused: new addresses, new
+    values); a NaN weight is refused by name, at once or, given `checks`, when its check is made.
+    Returns the refusal's message."""
+    def quantize_batch(named, fmt="float", checks=None):
+        return fp8.quantize_all(named, fmt, batched=True, checks=checks)
+
     w = awkward_weight(torch.float32)
     big = (torch.randn(256, 256) * 0.02).bfloat16()
     for again in (False, True):
@@ -146,6 +151,10 @@ def assert_batch_is_the_rule(quantize_batch) -> str:
     big[5, 5] = small[0, 0] = float("nan")  # the first in the caller's order is named, whatever the kernels' order
     with pytest.raises(MconvError, match="^big holds"):
         quantize_batch([("big", big), ("small", small)])
+    checks: list = []
+    assert len(quantize_batch([("small", small), ("w", w)], checks=checks)) == 2 and len(checks) == 1
+    with pytest.raises(MconvError, match="^small holds"):
+        checks[0]()
     return str(refused.value)
 
 
@@ -154,14 +163,15 @@ def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
     launch sequence) gives fp8.quantize's bytes and scales, checked above against compressed-tensors',
     for float32/bfloat16/float16 weights, a transposed and a column-sliced view, edge and all-zero
     blocks, values beyond 448, both scale formats, and again for new weights of the same shapes
-    through the plan kept from the first call (2 plans in all); a NaN weight is refused by name."""
+    through the plan kept from the first call; a NaN weight is refused by name, also when its check
+    is deferred (4 plans in all: the batches of those shapes, strides and alignments)."""
     import subprocess
 
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     run = subprocess.run([sys.executable, "-c", BATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split("\n")[:2] == ["model.x.weight holds inf or NaN values, which FP8 cannot quantize",
-                                          "3 plans"]
+                                          "4 plans"]
 
 
 def test_batched_quantize_without_triton_is_the_torch_rule(monkeypatch):
@@ -169,7 +179,7 @@ def test_batched_quantize_without_triton_is_the_torch_rule(monkeypatch):
     `batched=True` on CPU tensors) quantizes weight by weight with fp8.quantize, the same bytes."""
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     monkeypatch.delitem(sys.modules, "mconv.converter.fp8_batch", raising=False)
-    said = assert_batch_is_the_rule(lambda named, fmt="float": fp8.quantize_all(named, fmt, batched=True))
+    said = assert_batch_is_the_rule()
     assert said == "model.x.weight holds inf or NaN values, which FP8 cannot quantize"
     assert "mconv.converter.fp8_batch" not in sys.modules
 
@@ -514,15 +524,17 @@ def test_live_fp8_load_and_export(models, tmp_path):
     hf2mcore(source, tmp_path / "m", Layout(**sizes), progress=False)
     mcore2hf(tmp_path / "m", tmp_path / "offline", progress=False, quantize="fp8")
     # quantized before the gathers: attention over TP (128-row / 128-column shards), experts over EP
-    assert_live_fp8_is_offline(out, run.world, tmp_path / "offline", {"tp", "ep"})
+    assert_live_fp8_is_offline(out, run.world, tmp_path / "offline", {"tp", "ep"},
+                               "model.layers.0.self_attn.q_proj.weight")
 
 
-def assert_live_fp8_is_offline(out, world: int, offline_dir, fp8_gathers: set[str]) -> None:
+def assert_live_fp8_is_offline(out, world: int, offline_dir, fp8_gathers: set[str], nan_weight: str | None = None) -> None:
     """What tests/megatron_oracle.py's worker wrote to `out` from iter_hf_weights(quantize="fp8") (one
     pipeline stage): on every rank each tensor of the offline `mcore2hf --quantize fp8` output once,
     bit for bit (the live model is float32, the offline checkpoint bfloat16: values are compared),
-    each scale in its weight's bucket, FP8 sent over at least the `fp8_gathers` groups; and
-    save_hf_weights(quantize="fp8") wrote the same values."""
+    each scale in its weight's bucket, FP8 sent over at least the `fp8_gathers` groups;
+    save_hf_weights(quantize="fp8") wrote the same values; and, given `nan_weight` (layer 0's query
+    weight), a NaN there was refused by name after the bucket holding it, before the last."""
     from tests.conftest import hf_tensors
 
     offline = hf_tensors(offline_dir)
@@ -540,5 +552,12 @@ def assert_live_fp8_is_offline(out, world: int, offline_dir, fp8_gathers: set[st
     saved = hf_tensors(out / "saved")
     assert saved.keys() == offline.keys()
     assert all(torch.equal(bits(saved[name].to(t.dtype)), bits(t)) for name, t in offline.items())
+    # A NaN weight is refused by name one bucket later (its check waits until the next bucket's work
+    # is queued), never after the last bucket
+    for rank in range(world if nan_weight else 0):
+        buckets, nan = torch.load(out / f"rank{rank}.pt")["buckets"], torch.load(out / f"nan{rank}.pt")
+        assert nan["refused"] == f"{nan_weight} holds inf or NaN values, which FP8 cannot quantize", nan
+        holding = next(i for i, bucket in enumerate(buckets) if nan_weight in dict(bucket))
+        assert nan["yielded"] == holding + 1 < len(buckets), (nan, holding, len(buckets))
 
 
