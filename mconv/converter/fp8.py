@@ -101,31 +101,6 @@ def _not_finite(name: str) -> MconvError:
     return MconvError(f"{name} holds inf or NaN values, which FP8 cannot quantize")
 
 
-class FiniteCheck:
-    """The check, made later, that quantized weights' scales are finite (an inf or NaN weight has
-    no finite scale). On a GPU, `finite` (a device bool scalar: all scales finite) is copied to
-    pinned host memory behind the quantization's kernels, so calling the check waits for those
-    kernels only, not for work queued after them. Calling it raises MconvError naming the first
-    weight of `named` ((name, scale) pairs) whose scale is not finite."""
-
-    def __init__(self, finite: torch.Tensor, named: list[tuple[str, torch.Tensor]]):
-        self._named = named
-        self._done = None
-        if finite.is_cuda:
-            self._finite = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self._finite.copy_(finite, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record(torch.cuda.current_stream(finite.device))
-        else:
-            self._finite = finite
-
-    def __call__(self) -> None:
-        if self._done is not None:
-            self._done.synchronize()
-        if not bool(self._finite):
-            raise _not_finite(next(name for name, scale in self._named if not torch.isfinite(scale).all()))
-
-
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, origin=(0, 0),
                block=(BLOCK, BLOCK)) -> torch.Tensor:
     """`float(q) * float(scale_inv)` block by block, cast to `dtype`. `q` [rows, cols] may be a window
@@ -253,11 +228,9 @@ def output_config(config: dict, quantization: Quantization | None, kept: list[st
 
 
 def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float",
-                 batched: bool | None = None, checks: list | None = None) -> list[tuple]:
+                 batched: bool | None = None) -> list[tuple]:
     """(q, scale) of each (name, 2-D weight), by `quantize`, on the weights' device (one device); one
-    host synchronisation for the list (MconvError naming the first weight holding inf or NaN), or,
-    where a list `checks` is given, none: a FiniteCheck appended to it, which the caller runs
-    before it lets the results count (a live export: before its last bucket is yielded).
+    host synchronisation for the list (MconvError naming the first weight holding inf or NaN).
     `batched` (default: on a GPU): all the weights together, in a few Triton kernel launches
     (fp8_batch), where Triton is importable and the list holds only 2-D bfloat16, float16 or
     float32 weights (no 3-D stacked experts); otherwise (and where Triton is not importable: a
@@ -270,15 +243,11 @@ def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float"
             and all(t.dim() == 2 and t.dtype in _BATCHED_DTYPES for _, t in named)):
         from mconv.converter.fp8_batch import quantize_batch
 
-        quantized, finite = quantize_batch(named, scale_fmt)
-    else:
-        quantized = [quantize(t, scale_fmt, name, check=False) for name, t in named]
-        finite = torch.stack([torch.isfinite(scale).all() for _, scale in quantized]).all()
-    check = FiniteCheck(finite, [(name, scale) for (name, _), (_, scale) in zip(named, quantized)])
-    if checks is None:
-        check()
-    else:
-        checks.append(check)
+        return quantize_batch(named, scale_fmt)
+    quantized = [quantize(t, scale_fmt, name, check=False) for name, t in named]
+    finite = torch.stack([torch.isfinite(scale).all() for _, scale in quantized])
+    if not finite.all():
+        raise _not_finite(named[int((~finite).nonzero()[0])][0])
     return quantized
 
 
@@ -291,16 +260,14 @@ def _triton_importable() -> bool:
 
 
 def quantize_tensors(tensors: list[tuple[str, torch.Tensor]], quantization: Quantization,
-                     done: frozenset = frozenset(), checks: list | None = None) -> list[tuple[str, torch.Tensor]]:
+                     done: frozenset = frozenset()) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with each weight to quantize (but those named in `done`, quantized
-    already) replaced by (name, FP8 weight) and (name + "_scale_inv", float32 scale): `quantize_all`
-    (`checks` as there)."""
+    already) replaced by (name, FP8 weight) and (name + "_scale_inv", float32 scale): `quantize_all`."""
     picked = [i for i, (name, t) in enumerate(tensors) if name not in done and quantization.applies(name, t.shape)]
     if not picked:
         return list(tensors)
     out, start = [], 0
-    for i, (q, scale) in zip(picked, quantize_all([tensors[i] for i in picked], quantization.scale_fmt,
-                                                  checks=checks)):
+    for i, (q, scale) in zip(picked, quantize_all([tensors[i] for i in picked], quantization.scale_fmt)):
         name = tensors[i][0]
         out += tensors[start:i]
         out += ((name, q), (scale_name(name), scale))

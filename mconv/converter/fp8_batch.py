@@ -74,7 +74,6 @@ class _Plan:
 
     table: torch.Tensor  # int64 [weights, 8], in `order` (`_kernel`'s rows; addresses written per call)
     launches: list[tuple]  # (its rows of `table`, block tensor, base, Triton dtype, aligned)
-    used: object  # on a GPU: a CUDA event recorded after the last call's kernels, which read `table`
     out_numel: int
     blocks: int  # 128x128 blocks of all the weights
     order: list[int]
@@ -87,7 +86,7 @@ _PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
 # with more distinct buckets plans again at every call (about 500 GB of weights at 512 MiB buckets).
 _MAX_PLANS = 1024
 _DTYPE_OF, _SHAPE_OF = operator.attrgetter("dtype"), operator.attrgetter("shape")
-_LOCK = threading.Lock()  # a plan's table is written by one call at a time (its kernels wait for `used`)
+_LOCK = threading.Lock()  # a plan's tables serve one call at a time, from its addresses to its end
 
 
 def _plan(weights: list[torch.Tensor], aligned: list[bool]) -> _Plan:
@@ -122,15 +121,15 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool]) -> _Plan:
             last[0].append(i)
         else:
             runs.append(([i], offsets[i], shape, starts[i], grids[i]))
-    return _Plan(table, launches, None, sum(padded), block_starts[-1], order, runs)
+    return _Plan(table, launches, sum(padded), block_starts[-1], order, runs)
 
 
-def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float") -> tuple[list[tuple], torch.Tensor]:
+def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float") -> list[tuple]:
     """fp8.quantize of each (name, 2-D weight) (bfloat16, float16 or float32; any strides; all on one
     device), bit for bit, in two kernel launches per dtype and alignment: (q float8_e4m3fn [out, in],
     scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one flat FP8 buffer and one flat
-    scale buffer; and a bool scalar on the device, whether every scale is finite (a weight holding
-    inf or NaN has none: fp8.quantize_all checks it). No host synchronisation.
+    scale buffer. One host synchronisation: MconvError naming the first weight of `named` that holds
+    inf or NaN.
 
     The launch tables are planned once per list of dtypes, shapes, strides and alignments (a sync
     quantizes the same buckets every time) and kept for the next call (the last 1024 such lists,
@@ -155,10 +154,8 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
                 _PLANS.popitem(last=False)
         else:
             _PLANS.move_to_end(signature)
-        # The addresses go pinned and asynchronously (a pageable copy would wait for all the work
-        # queued on the device), once the last call's kernels, maybe on another stream, have read them.
-        if plan.used is not None:
-            torch.cuda.current_stream(device).wait_event(plan.used)
+        # The last call's kernels have finished (its host synchronisation below). The addresses go
+        # pinned and asynchronously: a pageable copy would wait for all the work queued on the device.
         plan.table[:, 0].copy_(torch.tensor([addresses[i] for i in plan.order], dtype=torch.int64,
                                             pin_memory=device.type == "cuda").to(device, non_blocking=True))
         out = torch.empty(plan.out_numel, dtype=fp8.FP8, device=device)
@@ -171,9 +168,6 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
         for table, block_tensor, base, dtype, aligned_ in plan.launches:
             kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, True, aligned_,
                                             num_warps=8)
-        if device.type == "cuda":
-            plan.used = torch.cuda.Event()
-            plan.used.record(torch.cuda.current_stream(device))
         quantized: list = [None] * len(weights)
         for indices, offset, (rows, cols), first, grid in plan.runs:
             n = len(indices)
@@ -181,4 +175,7 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
             scales = scale[first:first + n * grid[0] * grid[1]].view(n, *grid).unbind(0)
             for i, q, s in zip(indices, qs, scales):
                 quantized[i] = (q, s)
-        return quantized, torch.isfinite(scale).all()
+        if not torch.isfinite(scale).all():  # checked once all is launched: the host waits for the GPU once
+            raise fp8._not_finite(next(name for (name, _), (_, s) in zip(named, quantized)
+                                       if not torch.isfinite(s).all()))
+        return quantized

@@ -208,11 +208,9 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
     # stacked experts are quantized expert by expert once stacked, each expert's matrix (gate and up
     # together) as stored: not before the gathers, which send per-expert modules
     early = quantization if stacked is None else None
-    unchecked: list = []  # the last bucket's fp8.FiniteChecks: run once this bucket's work is queued
-    for index, steps in enumerate(schedule):
+    for steps in schedule:
         out: Bucket = []
         done: set[str] = set()  # quantized before a gather: weights and scales
-        checks: list = []
         for group, step in zip(("tp", "etp"), steps):
             if not (step.static or step.gathered or step.permuted):
                 continue  # no collectives to line up: every rank of the stage has the same schedule
@@ -220,7 +218,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
             for local, dim, order, sizes, names in step.permuted:
                 rebuilt += zip(names, local.index_select(dim, order).split(sizes, dim))
             if step.gathered:
-                rebuilt += _gather_and_merge(step.gathered, groups[group], early, done, checks)
+                rebuilt += _gather_and_merge(step.gathered, groups[group], early, done)
             if group == "tp":
                 out += rebuilt
                 continue
@@ -230,7 +228,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
             mine = [rebuilt[order[n]] for name in step.ep_names[live.rank.ep]
                     for n in ((name, fp8.scale_name(name)) if name in done else (name,))]  # (quantized over ETP)
             if early is not None:
-                mine = fp8.quantize_tensors(mine, early, frozenset(done), checks)
+                mine = fp8.quantize_tensors(mine, early, frozenset(done))
             for names, tensors in zip(step.ep_names, _all_gather([t for _, t in mine], ep_group)):
                 out += zip(names if early is None else _with_scales(names, mine, done), tensors)
         if stacked is not None:
@@ -241,15 +239,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
                      else cast_dtype(dtype, live.arch.fp32_kind(n) is not None) for n, x in out}
             check_cast([(n, x) for n, x in out if casts[n] == dtype], dtype)  # one host synchronisation per bucket
             out = [(n, x if casts[n] is None else x.to(casts[n])) for n, x in out]
-        if quantization is not None:
-            out = fp8.quantize_tensors(out, quantization, frozenset(done), checks)
-        # A bucket's inf / NaN check waits for its quantization: made when the next bucket's work is
-        # queued, the device is not left idle; every check is made before the last bucket is yielded
-        # (a consumer commits nothing before that: an engine's update ends with it).
-        for check in unchecked + (checks if index == len(schedule) - 1 else []):
-            check()
-        unchecked = checks
-        yield out
+        yield out if quantization is None else fp8.quantize_tensors(out, quantization, frozenset(done))
 
 
 def _with_scales(names: list[str], mine: Bucket, done: set[str]) -> list[str]:
@@ -291,16 +281,15 @@ def _block_aligned(layouts: list[ShardLayout], names, shapes, quantization: fp8.
     return True
 
 
-def _gather_and_merge(gathered: list, group, quantization: fp8.Quantization | None, done: set[str],
-                      checks: list) -> Bucket:
+def _gather_and_merge(gathered: list, group, quantization: fp8.Quantization | None, done: set[str]) -> Bucket:
     """The HF tensors of the shards `gathered` ((local shard, every rank's layout, HF names, HF
     shapes, `_block_aligned`)), gathered over `group` (one collective per dtype) and merged. Where
     `quantization` is given and the shard `_block_aligned`, each rank quantizes its shard first and
     the FP8 shards and their scales are gathered and merged (half the bytes; the names come
-    quantized, with their scales, and go into `done`; their fp8.FiniteChecks go into `checks`)."""
+    quantized, with their scales, and go into `done`)."""
     early = [quantization is not None and aligned for *_, aligned in gathered]
     picked = [(names[0], local) for (local, _, names, _, _), e in zip(gathered, early) if e]
-    quantized = iter(fp8.quantize_all(picked, quantization.scale_fmt, checks=checks) if picked else [])
+    quantized = iter(fp8.quantize_all(picked, quantization.scale_fmt) if picked else [])
     sent = [list(next(quantized)) if e else [local] for (local, *_), e in zip(gathered, early)]
     shards = _all_gather([t for tensors in sent for t in tensors], group)
     out, k = [], 0
