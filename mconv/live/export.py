@@ -205,6 +205,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
 
     groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group()}
     ep_group = ps.get_expert_model_parallel_group()
+    one_ep_rank = dist.get_world_size(ep_group) == 1
     # stacked experts are quantized expert by expert once stacked, each expert's matrix (gate and up
     # together) as stored: not before the gathers, which send per-expert modules
     early = quantization if stacked is None else None
@@ -219,7 +220,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
                 rebuilt += zip(names, local.index_select(dim, order).split(sizes, dim))
             if step.gathered:
                 rebuilt += _gather_and_merge(step.gathered, groups[group], early, done)
-            if group == "tp":
+            if group == "tp" or one_ep_rank:  # (one EP rank: its experts are all the experts, quantized below)
                 out += rebuilt
                 continue
             # Experts: every EP rank holds other experts; gather the rebuilt HF tensors over EP, in FP8
