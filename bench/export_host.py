@@ -5,11 +5,15 @@ timed is the Python per bucket and per tensor, not the copies.
 
     python3 bench/export_host.py [--repeat 3] [--buckets 114]
 
-Prints one JSON line per mode: the fastest of --repeat exports after a first (which plans).
+Prints one JSON line per mode: the fastest of --repeat exports after a first (which plans); then
+what one full pass of Python's cyclic garbage collector costs in such a process (it walks every
+tracked object: the model's modules and tensors, the export's cached plans), before and after
+`gc.freeze()` moves those objects out of its reach.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -69,6 +73,15 @@ def main() -> None:
             print(json.dumps({"quantize": quantize or "bf16", "buckets": len(buckets),
                               "tensors": sum(map(len, buckets)), "first_s": round(times[0], 3),
                               "export_s": round(min(times[1:]), 3)}), flush=True)
+        collect = []
+        for freeze in (False, True):
+            if freeze:
+                gc.freeze()
+            start = time.perf_counter()
+            gc.collect()
+            collect.append(round(time.perf_counter() - start, 3))
+        print(json.dumps({"gc_tracked_objects": len(gc.get_objects()) + gc.get_freeze_count(),
+                          "gc_collect_s": collect[0], "gc_collect_after_freeze_s": collect[1]}), flush=True)
         ps.destroy_model_parallel()
         dist.destroy_process_group()
 
