@@ -4,8 +4,12 @@ carried as JSON: nothing is unpickled); mconv.transport.receiver.ParameterReceiv
 copies every entry into parameters the engine's process preallocated. Imports torch only.
 
 Lifetime and order: the sender's packing has finished on the GPU before it sends the handle (an
-event recorded after its copies, or a device synchronize), it keeps the buffer unchanged until the receiver's reply, and the receiver
-replies only after its copies have finished on the GPU (a stream synchronize).
+event recorded after its copies, or a device synchronize), it keeps the buffer unchanged until the
+receiver's reply, and the receiver replies only after its copies have finished on the GPU (a stream
+synchronize). Each `share()` counts one more reference held by a receiver, released when that
+receiver's mapping of it goes: a share sent once and kept is rebuilt once (IPCEngine, "kept"); one
+made at every request must be rebuilt at every request (torch's cache then releases it), or the
+sender's memory is never freed [read torch/multiprocessing/reductions.py: rebuild_cuda_tensor].
 """
 from __future__ import annotations
 
@@ -29,6 +33,11 @@ def share(buffer: torch.Tensor) -> dict:
             "event_sync_required": bool(event_sync_required),
             **{k: None if raw is None else bytes(raw).hex()
                for k, raw in zip(_BYTES, (handle, ref_counter_handle, event_handle))}}
+
+
+def key(shared: dict) -> str:
+    """What names a `share()` result's storage (its handle and the allocation offset), as receivers key their mappings."""
+    return f"{shared['handle']}:{shared['offset_bytes']}"
 
 
 def attach(shared: dict, device: int) -> torch.Tensor:

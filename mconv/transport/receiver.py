@@ -15,7 +15,10 @@ Requests: `expected` ({"digest"} -> the model's {HF name: shape}, sent only when
 digest of it is not current), `start` {"version"}, `update` {"buffers": [{"ipc": cuda_ipc.share(...)
 | "path": shared-memory file, "entries": [Entry.to_json()], "layout": n}]} (a bucket layout's entries
 travel once per connection: later buckets with the same layout carry only its number `n`; a
-receiver's `load` sees "entries" filled in and "layout" as a digest of them), `finish` {"version"},
+receiver's `load` sees "entries" filled in and "layout" as a digest of them; an "ipc" item with
+"kept": true names a share the trainer made once for this connection: its mapping is kept until an
+item's "release" [cuda_ipc.key] names it or the connection ends, and `load` sees "kept" as the
+connection's dict of such mappings), `finish` {"version"},
 `abort` {"version", "reason"}, `checksums` {"names"} (flat.checksums of what the engine holds). Every
 request may carry the trainer's "rank", used to name it in errors.
 """
@@ -29,7 +32,7 @@ from collections import OrderedDict
 
 import torch
 
-from mconv.transport import shm
+from mconv.transport import cuda_ipc, shm
 from mconv.transport.flat import Entry, checksums, copy_groups, run_copies, unpack
 
 DEFAULT_TIMEOUT = 600.0
@@ -147,8 +150,12 @@ class UpdateReceiver:
         self._session, self._peers = None, set()
         self.lock.release()
 
+    def forget(self, kept: dict) -> None:
+        """A connection ended: `kept` holds the mappings it asked to keep ("kept" items), which go."""
+
     def _closed(self, peer: dict) -> None:
         with self._mutex:
+            self.forget(peer.get("kept", {}))
             if self._session is not None and id(peer) in self._peers:
                 rank = "" if peer.get("rank") is None else f" (trainer rank {peer['rank']})"
                 self._fail(f"the trainer's connection{rank} closed in the middle of update {self._session}")
@@ -164,7 +171,8 @@ class UpdateReceiver:
 
 def _with_entries(buffers: list[dict], peer: dict) -> list[dict]:
     """`buffers` with every item's "entries" filled in from the layouts this connection sent before,
-    and its "layout" replaced by a digest of those entries (computed once per layout and connection):
+    "kept" (if true) replaced by the connection's dict of kept mappings, and its "layout" replaced
+    by a digest of those entries (computed once per layout and connection):
     the same layout gets the same key on any connection, so a receiver's plans keyed by it do not
     pile up as trainers reconnect. Raises ValueError for a layout number never sent."""
     known = peer.setdefault("layouts", {})  # number -> (entries, digest)
@@ -181,6 +189,8 @@ def _with_entries(buffers: list[dict], peer: dict) -> list[dict]:
         else:
             raise ValueError(f"bucket layout {number} was never sent on this connection")
         out.append({**item, "entries": known_entry[0], "layout": known_entry[1]})
+        if item.get("kept"):
+            out[-1]["kept"] = peer.setdefault("kept", {})
     return out
 
 
@@ -191,10 +201,12 @@ class ParameterReceiver(UpdateReceiver):
     parameter got nothing since `start`; `held_checksums` reads the parameters back.
 
     A bucket arrives as one CUDA IPC handle (from IPCEngine) or one shared-memory file (from
-    SharedMemoryEngine). The two most recent mappings stay open, so a sender's two reused buffers
-    are mapped once (for CUDA IPC, torch's rebuild_cuda_tensor then finds them in its cache), and
-    each (mapping, layout) pair's copy plan is built once: a later sync of the same model is a few
-    grouped copies per bucket (flat.run_copies). The receiver replies only after its copies finished."""
+    SharedMemoryEngine). IPCEngine shares each of its two reused buffers once per connection
+    ("kept"): those are mapped once and stay mapped until released or the connection ends. Of other
+    buffers the two most recent mappings stay open (a handle shared anew at each request is
+    rebuilt each time, from torch's cache). Each (mapping, layout) pair's copy plan is built once:
+    a later sync of the same model is a few grouped copies per bucket (flat.run_copies). The
+    receiver replies only after its copies finished."""
 
     def __init__(self, params: dict[str, torch.Tensor], address: str, authkey: bytes,
                  timeout: float = DEFAULT_TIMEOUT):
@@ -214,7 +226,7 @@ class ParameterReceiver(UpdateReceiver):
     def load(self, buffers: list[dict]) -> None:
         for item in buffers:
             ipc = item.get("ipc")
-            key = f"{ipc['handle']}:{ipc['offset_bytes']}" if ipc else item["path"]
+            key = cuda_ipc.key(ipc) if ipc else item["path"]
             start, stop = (ipc["offset"], ipc["offset"] + ipc["numel"]) if ipc else (0, None)
             mapped = self._map(key, item)
             layout = item["layout"]  # a digest of the entries (_with_entries)
@@ -244,14 +256,29 @@ class ParameterReceiver(UpdateReceiver):
                 shared.close()
         self._mapped.clear()
 
-    def _map(self, key: str, item: dict) -> torch.Tensor:
-        """The whole buffer `item` names (a CUDA storage or a shared-memory file), mapped once. A CUDA
-        handle is rebuilt at every request even so: torch then finds the storage in its cache and
-        releases the sender's reference count for that handle (the sender's memory leaks otherwise)."""
-        if "ipc" in item:
-            from mconv.transport import cuda_ipc
+    def forget(self, kept: dict) -> None:
+        for key in kept:
+            self._drop_plans(key)
+        kept.clear()
 
+    def _drop_plans(self, key: str) -> None:
+        self._plans = {k: v for k, v in self._plans.items() if k[0] != key}  # they hold views of its mapping
+
+    def _map(self, key: str, item: dict) -> torch.Tensor:
+        """The whole buffer `item` names (a CUDA storage or a shared-memory file), mapped once. A kept
+        CUDA share is rebuilt once per connection. Another CUDA handle is rebuilt at every request
+        even so: torch then finds the storage in its cache and releases the sender's reference count
+        for that share (the sender's memory leaks otherwise)."""
+        if "ipc" in item:
             whole = {**item["ipc"], "numel": item["ipc"]["size_bytes"], "offset": 0}  # the sender's whole storage
+            kept = item.get("kept")
+            if kept is not None:
+                for old in item.get("release", ()):
+                    if kept.pop(old, None) is not None:
+                        self._drop_plans(old)
+                if key not in kept:
+                    kept[key] = cuda_ipc.attach(whole, torch.cuda.current_device())
+                return kept[key]
             mapped = (cuda_ipc.attach(whole, torch.cuda.current_device()), None)
             if key in self._mapped:
                 self._mapped.move_to_end(key)
@@ -265,7 +292,7 @@ class ParameterReceiver(UpdateReceiver):
         self._mapped[key] = mapped
         while len(self._mapped) > 2:
             old, (_, shared) = self._mapped.popitem(last=False)
-            self._plans = {k: v for k, v in self._plans.items() if k[0] != old}  # they hold views of it
+            self._drop_plans(old)
             if shared is not None:
                 shared.close()
         return mapped[0]

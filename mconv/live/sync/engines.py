@@ -130,13 +130,19 @@ class RemoteEngine(Engine):
         self._expected: tuple[str, dict] | None = None  # the receiver's model digest and shapes
         # id(entries) -> (entries, its layout number); holding the list keeps its id from being reused
         self._layouts: dict[int, tuple[list, int]] = {}
-        self._sent_layouts: set[int] = set()  # the numbers whose entries this connection has carried
+        self._carried: dict = {}  # what this connection has carried (layout numbers; IPCEngine's shares)
+
+    def _connected(self) -> dict:
+        """What the open connection has carried (the caller holds _lock); a new connection, and an
+        empty record, where none is open."""
+        if self._conn is None:
+            self._conn = shm.connect(self.address, self.authkey)
+            self._carried = {}
+        return self._carried
 
     def _request(self, message: dict) -> dict:
         with self._lock:
-            if self._conn is None:
-                self._conn = shm.connect(self.address, self.authkey)
-                self._sent_layouts = set()
+            self._connected()
             if dist.is_initialized():
                 message = {**message, "rank": dist.get_rank()}
             try:
@@ -156,11 +162,12 @@ class RemoteEngine(Engine):
             cached = self._layouts[id(entries)] = (entries, len(self._layouts))
         number = cached[1]
         with self._lock:  # the same connection from the request's sending to its marking
+            carried = self._connected().setdefault("layouts", set())
             item = {**buffer, "layout": number}
-            if number not in self._sent_layouts or self._conn is None:
+            if number not in carried:
                 item["entries"] = [e.to_json() for e in entries]
             self._request({"op": "update", "buffers": [item]})
-            self._sent_layouts.add(number)
+            carried.add(number)
 
     def expected(self) -> dict[str, list[int]]:
         reply = self._request({"op": "expected", "digest": self._expected and self._expected[0]})

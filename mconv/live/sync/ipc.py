@@ -13,8 +13,10 @@ from mconv.transport import cuda_ipc
 class IPCEngine(RemoteEngine):
     """An engine process on this GPU serving `mconv.transport.receiver.ParameterReceiver(params,
     address, authkey)`. Buckets are packed on the model's CUDA device into two reused buffers;
-    each bucket crosses as one IPC handle and its entries, and the buffer is reused only after the
-    receiver has copied from it (its reply). Raises MconvError for a model that is not on CUDA."""
+    each buffer is shared once per connection as one IPC handle, which the receiver keeps mapped
+    (until the buffer is replaced, then released, or the connection ends), and each bucket crosses
+    as that handle and its entries; a buffer is reused only after the receiver has copied from it
+    (its reply). Raises MconvError for a model that is not on CUDA."""
 
     def update(self, bucket: FlatBucket) -> None:
         if not bucket.buffer.is_cuda:
@@ -24,7 +26,19 @@ class IPCEngine(RemoteEngine):
             torch.cuda.synchronize(bucket.buffer.device)  # the packing copies, on whichever stream packed them
         else:
             bucket.wait()
-        self._update({"ipc": cuda_ipc.share(bucket.buffer)}, bucket.entries)
+        slot, buffer = next((s, b) for s, b in self._buffers.items() if b.data_ptr() == bucket.buffer.data_ptr())
+        with self._lock:  # the connection's shares, from their making to the request
+            # A share is made once per connection and buffer: sharing again at each bucket cost the
+            # receiver a mapping (a reference count released) and the sender an event per request.
+            shares = self._connected().setdefault("ipc", {})  # slot -> (buffer, its share)
+            item: dict = {"kept": True}
+            held = shares.get(slot)
+            if held is not None and held[0] is not buffer:  # the slot's buffer was replaced (grown)
+                item["release"] = [cuda_ipc.key(held[1])]
+                held = None
+            if held is None:
+                held = shares[slot] = (buffer, cuda_ipc.share(buffer))
+            self._update({**item, "ipc": held[1]}, bucket.entries)
 
     def close(self) -> None:
         super().close()
