@@ -414,7 +414,8 @@ def _run_layout(rank: int, run: MegatronRun, out: Path) -> None:
                 refused = None
             except MconvError as e:
                 refused = str(e)
-            qkv.data[0, 0] = kept
+            finally:
+                qkv.data[0, 0] = kept
             torch.save({"refused": refused, "yielded": count}, run.live_out / f"nan{rank}.pt")
     if run.language_model_of is not None:
         prefix = "language_model."

@@ -497,7 +497,7 @@ def test_a_bucket_layout_travels_once_per_connection(tmp_path, monkeypatch):
     """A layout's entries cross once per connection: the second update of the same layout carries
     only its number, a new connection carries them again (and the receiver keeps one plan for it),
     and the receiver's parameters equal the sent tensors after every update. A number never sent is
-    refused in one line."""
+    refused in one line, and so is a bucket not packed into the engine's own buffers."""
     from mconv.live.sync import SharedMemoryEngine, core
     from mconv.transport import shm
     from mconv.transport.flat import layout, pack
@@ -530,5 +530,7 @@ def test_a_bucket_layout_travels_once_per_connection(tmp_path, monkeypatch):
     engine.start("v3")
     with pytest.raises(RuntimeError, match=r"^ValueError: bucket layout 7 was never sent on this connection$"):
         engine._request({"op": "update", "buffers": [{"path": "unused", "layout": 7}]})
+    with pytest.raises(ValueError, match=r"^bucket 0 is not in a buffer this engine's buffer\(\) gave$"):
+        engine.update(core.FlatBucket("v3", 0, torch.zeros(nbytes, dtype=torch.uint8), entries))
     engine.close()
     receiver.close()

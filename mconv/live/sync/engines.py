@@ -73,6 +73,14 @@ class Engine:
     def update(self, bucket: FlatBucket) -> None:
         raise NotImplementedError
 
+    def _slot(self, buffers: dict, bucket: FlatBucket) -> int:
+        """The slot of `buffers` ({slot: uint8 tensor}) whose memory holds `bucket` (packed into
+        what `buffer(slot, ...)` returned). Raises ValueError for a bucket from elsewhere."""
+        for slot, buffer in buffers.items():
+            if buffer.data_ptr() == bucket.buffer.data_ptr():
+                return slot
+        raise ValueError(f"bucket {bucket.index} is not in a buffer this engine's buffer() gave")
+
     def finish(self, version: str) -> None:
         pass
 
@@ -192,6 +200,7 @@ class RemoteEngine(Engine):
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        self._carried = {}  # IPCEngine's shares hold their buffers
 
 
 class SharedMemoryEngine(RemoteEngine):
@@ -212,7 +221,7 @@ class SharedMemoryEngine(RemoteEngine):
         return current.tensor[:nbytes]
 
     def update(self, bucket: FlatBucket) -> None:
-        slot = next(s for s, b in self._shared.items() if b.tensor.data_ptr() == bucket.buffer.data_ptr())
+        slot = self._slot({s: b.tensor for s, b in self._shared.items()}, bucket)
         self._update({"path": self._shared[slot].path}, bucket.entries)
 
     def close(self) -> None:

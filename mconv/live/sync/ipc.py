@@ -26,19 +26,27 @@ class IPCEngine(RemoteEngine):
             torch.cuda.synchronize(bucket.buffer.device)  # the packing copies, on whichever stream packed them
         else:
             bucket.wait()
-        slot, buffer = next((s, b) for s, b in self._buffers.items() if b.data_ptr() == bucket.buffer.data_ptr())
+        slot = self._slot(self._buffers, bucket)
+        buffer = self._buffers[slot]
         with self._lock:  # the connection's shares, from their making to the request
             # A share is made once per connection and buffer: sharing again at each bucket cost the
             # receiver a mapping (a reference count released) and the sender an event per request.
-            shares = self._connected().setdefault("ipc", {})  # slot -> (buffer, its share)
-            item: dict = {"kept": True}
+            carried = self._connected()
+            shares = carried.setdefault("ipc", {})  # slot -> (buffer, its share)
+            # Keys of replaced (grown) buffers' shares, named in every request until one is answered:
+            # a request the receiver refuses (an aborted update) must not lose a release.
+            released = carried.setdefault("release", [])
             held = shares.get(slot)
-            if held is not None and held[0] is not buffer:  # the slot's buffer was replaced (grown)
-                item["release"] = [cuda_ipc.key(held[1])]
+            if held is not None and held[0] is not buffer:
+                released.append(cuda_ipc.key(held[1]))
                 held = None
             if held is None:
                 held = shares[slot] = (buffer, cuda_ipc.share(buffer))
-            self._update({**item, "ipc": held[1]}, bucket.entries)
+            item = {"kept": True, "ipc": held[1]}
+            if released:
+                item["release"] = list(released)
+            self._update(item, bucket.entries)
+            released.clear()
 
     def close(self) -> None:
         super().close()
