@@ -363,6 +363,133 @@ def test_sglang_reads_the_flattened_bucket(tmp_path):
     assert back["offsets"] == [(e.offset, e.offset + e.nbytes) for e in entries]
 
 
+SGLANG_SERVE = """
+import http.server, json, sys, torch, pydantic, torch.distributed as dist
+from sglang.srt.managers import io_struct
+from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+# An SGLang worker: its own default group, SGLang's request types (as its HTTP server validates them)
+# and its WeightUpdater joining the trainer's group and receiving each broadcast. No model: what it
+# receives is saved for the test.
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store", rank=0, world_size=1)
+updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+                        get_model=None, update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None)
+TYPES = {"init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
+         "update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput,
+         "begin_weight_update": io_struct.BeginWeightUpdateReqInput, "end_weight_update": io_struct.EndWeightUpdateReqInput,
+         "destroy_weights_update_group": io_struct.DestroyWeightsUpdateGroupReqInput}
+log, received, versions = [], {}, []
+
+def serve(route, payload):
+    if route == "flush_cache":
+        return "Cache flushed."
+    unknown = set(payload) - set(TYPES[route].__struct_fields__)
+    assert not unknown, f"{route}: SGLang has no field {sorted(unknown)}"
+    req = pydantic.TypeAdapter(TYPES[route]).validate_python(payload)
+    if route == "init_weights_update_group":
+        return updater.init_weights_update_group(req.master_address, req.master_port, req.rank_offset,
+                                                 req.world_size, req.group_name, req.backend)
+    if route == "update_weights_from_distributed":
+        tensors = updater.receive_weights_from_distributed(names=req.names, dtypes=req.dtypes, shapes=req.shapes,
+                                                           group_name=req.group_name, load_format=req.load_format)
+        received.update((name, tensor.clone()) for name, tensor in tensors)
+        versions.append((req.weight_version, req.load_format, req.flush_cache))
+        return True, ""
+    if route == "destroy_weights_update_group":
+        return updater.destroy_weights_update_group(req.group_name)
+    return True, ""
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        route = self.path.strip("/")
+        log.append(route)
+        answer = serve(route, json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        body = answer.encode() if isinstance(answer, str) else json.dumps(
+            {"success": answer[0], "message": answer[1]}).encode()
+        self.send_response(200 if isinstance(answer, str) or answer[0] else 400)
+        self.end_headers()
+        self.wfile.write(body)
+        if route == "destroy_weights_update_group":
+            torch.save({"log": log, "received": received, "versions": versions}, sys.argv[1] + ".pt")
+            raise SystemExit
+
+server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+open(sys.argv[1] + ".port", "w").write(str(server.server_port))
+try:
+    server.serve_forever()
+except SystemExit:
+    pass
+"""
+
+
+@pytest.mark.skipif((not SGLANG.is_dir() or not VLLM_PYTHON.is_file()) and not os.environ.get("CI"),
+                    reason="no SGLang at .sglang (scripts/install-sglang.sh)")
+@pytest.mark.slow
+def test_sglang_receives_broadcast_buckets(tmp_path):
+    """SGLangDistributedEngine against SGLang 0.5.23's own request types and WeightUpdater, in another
+    process (Python 3.11, torch 2.13, gloo): the update group is made once, each bucket is one
+    request and one broadcast, and SGLang's FlattenedTensorBucket rebuilds exactly the tensors sent
+    (mixed dtypes, FP8 too) under the sync's version, between begin and end, with one cache flush.
+    A bucket SGLang cannot lay out (an alias) and a refusal are one line each."""
+    import socket
+
+    from mconv import MconvError
+    from mconv.live.sync.engines import FlatBucket
+    from mconv.live.sync.sglang import SGLangDistributedEngine
+    from mconv.transport.flat import layout, pack
+
+    (tmp_path / "serve.py").write_text(SGLANG_SERVE)
+    env = {**os.environ, "PYTHONPATH": f"{SGLANG}:{Path(__file__).parent / 'vllm_site'}"}
+    worker = subprocess.Popen([str(VLLM_PYTHON), "serve.py", str(tmp_path / "sglang")], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if (tmp_path / "sglang.port").is_file() and (tmp_path / "sglang.port").read_text():
+                break
+            assert worker.poll() is None, worker.stderr.read()[-3000:]
+            time.sleep(0.1)
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        engine = SGLangDistributedEngine(f"http://127.0.0.1:{(tmp_path / 'sglang.port').read_text()}",
+                                         master_address="127.0.0.1", master_port=port, world_size=2,
+                                         backend="gloo", timeout=120)
+        generator = torch.Generator().manual_seed(0)
+        buckets = [[("a", torch.randn(63, generator=generator).bfloat16()), ("b", torch.randn(8, 64, generator=generator)),
+                    ("c", torch.arange(7))],
+                   [("d", torch.randn(5, 3, generator=generator).half()),
+                    ("e", torch.randn(4, 32, generator=generator).to(torch.float8_e4m3fn))]]
+        engine.start("v7")
+        for index, named in enumerate(buckets):
+            entries, nbytes = layout(named)
+            buffer = engine.buffer(0, nbytes, torch.device("cpu"))
+            pack(named, entries, buffer)
+            engine.update(FlatBucket("v7", index, buffer, entries))
+        engine.finish("v7")
+        with pytest.raises(MconvError, match=r"^bucket 0: a is not right after the tensor before it "):
+            entries, nbytes = layout(buckets[0][1:], aliases={"a": "b"})
+            engine.update(FlatBucket("v8", 0, engine.buffer(0, nbytes, torch.device("cpu")), entries))
+        engine.close()
+        assert worker.wait(timeout=60) == 0, worker.stderr.read()[-3000:]
+    finally:
+        worker.kill()
+    refusing = SGLangDistributedEngine(lambda route, payload: (False, "not now"),  # as sglang.Engine answers
+                                       master_address="127.0.0.1", master_port=port, world_size=2)
+    with pytest.raises(RuntimeError, match=r"^SGLang refused begin_weight_update: not now$"):
+        refusing.start("v9")
+    back = torch.load(tmp_path / "sglang.pt")
+    assert back["log"] == ["begin_weight_update", "init_weights_update_group", "update_weights_from_distributed",
+                           "update_weights_from_distributed", "end_weight_update", "flush_cache",
+                           "destroy_weights_update_group"]
+    assert back["versions"] == [("v7", "flattened_bucket", False)] * 2
+    sent = dict(named for bucket in buckets for named in bucket)
+    assert sorted(back["received"]) == sorted(sent)
+    for name, tensor in sent.items():
+        got = back["received"][name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+        assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8)), name
+
+
 def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     """A receiver does not wait forever for a trainer: a connection that closes mid-update (its
     process died) or a trainer silent for the receiver's timeout aborts the update (version
