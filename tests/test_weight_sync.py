@@ -26,6 +26,10 @@ PROMPTS = [[(7 * p + 13 * i) % 300 for i in range(72)] for p in range(3)]  # two
 EXAMPLE = Path(__file__).parents[1] / "examples" / "vllm_sync_engine.py"  # the engine side
 BUCKET = 40_000  # q, k and v of one layer land in different buckets
 SPOILT = "model.layers.1.mlp.down_proj.weight"
+SGLANG = Path(__file__).parents[1] / ".sglang"
+# Skipped only outside CI (.ci/run installs it), as the vLLM tests.
+needs_sglang = pytest.mark.skipif((not SGLANG.is_dir() or not VLLM_PYTHON.is_file()) and not os.environ.get("CI"),
+                                  reason="no SGLang at .sglang (scripts/install-sglang.sh)")
 
 
 def perturbed(source: Path, out: Path, seed: int) -> Path:
@@ -213,6 +217,13 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
                               sorted(n for n, _ in seen) == sorted(expected),
                               all(torch.equal(t, expected[n]) for n, t in seen)]
 
+    # SGLang's disaggregated route: its WeightUpdater (another process) receives every HF tensor once.
+    from mconv.live.sync import SGLangDistributedEngine
+    sglang = SGLangDistributedEngine(weights["sglang"], master_address="127.0.0.1", master_port=int(weights["port"]),
+                                     world_size=2, backend="gloo", timeout=120)
+    sync_weights(chunks, TIED, sglang, version="sglang", bucket_bytes=BUCKET)
+    sglang.close()
+
     other = build_model(FIXTURES / "qwen3-tiny", Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
     refused("mismatch", lambda: sync_weights(other, FIXTURES / "qwen3-tiny", engine, version="other"))
     generate("after-mismatch")
@@ -243,6 +254,7 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
 
 @pytest.mark.slow
 @needs_vllm
+@needs_sglang
 def test_vllm_generates_with_the_synced_weights(tmp_path):
     weights = {"step-1": perturbed(TIED, tmp_path / "step-1", 1), "step-2": perturbed(TIED, tmp_path / "step-2", 2),
                "moe-1": perturbed(MOE, tmp_path / "moe-1", 3), "moe-2": perturbed(MOE, tmp_path / "moe-2", 4)}
@@ -257,6 +269,8 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
     try:
         old, new1, new2 = reference(TIED), reference(weights["step-1"]), reference(weights["step-2"])  # vLLM starts meanwhile
         moe_old, moe_new1, moe_new2 = reference(MOE), reference(weights["moe-1"]), reference(weights["moe-2"])
+        sglang, weights["sglang"], weights["port"] = start_sglang(tmp_path)
+        engines.append(sglang)
         started = time.monotonic()
         for engine, log in zip(engines, logs):
             while "\nREADY\n" not in "\n" + log.read_text():
@@ -277,6 +291,12 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
             engine.wait()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     served = ranks[0]["served"]
+
+    from safetensors.torch import load_file
+    sglang = torch.load(tmp_path / "sglang.pt")  # SGLang's WeightUpdater, after sync_weights at TP2
+    step2 = load_file(weights["step-2"] / "model.safetensors")
+    assert sorted(sglang["received"]) == sorted(step2) and all(torch.equal(sglang["received"][n], t) for n, t in step2.items())
+    assert {version for version, _, _ in sglang["versions"]} == {"sglang"} and len(sglang["versions"]) > 5
 
     moe = served["moe"]  # Qwen3-MoE at TP2/EP2: both routes
     assert same(moe["before"], moe_old) and not same(moe["before"], moe_new1)
@@ -311,7 +331,6 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
     assert same(served["killed"], new1)  # and vLLM serves again (the update's lock was released)
 
 
-SGLANG = Path(__file__).parents[1] / ".sglang"
 SGLANG_READ = """
 import sys, torch
 from sglang.srt.utils import MultiprocessingSerializer
@@ -330,9 +349,7 @@ torch.save({"tensors": {n: t.clone() for n, t in tensors},
 """
 
 
-# Skipped only outside CI (.ci/run installs it), as the vLLM tests.
-@pytest.mark.skipif((not SGLANG.is_dir() or not VLLM_PYTHON.is_file()) and not os.environ.get("CI"),
-                    reason="no SGLang at .sglang (scripts/install-sglang.sh)")
+@needs_sglang
 @pytest.mark.slow
 def test_sglang_reads_the_flattened_bucket(tmp_path):
     """SGLang's own deserializer and FlattenedTensorBucket, in another process (Python 3.11, another
@@ -422,8 +439,27 @@ except SystemExit:
 """
 
 
-@pytest.mark.skipif((not SGLANG.is_dir() or not VLLM_PYTHON.is_file()) and not os.environ.get("CI"),
-                    reason="no SGLang at .sglang (scripts/install-sglang.sh)")
+def start_sglang(tmp: Path) -> tuple[subprocess.Popen, str, int]:
+    """SGLang's worker (SGLANG_SERVE) in another process, its HTTP address once it listens, and a free
+    port for the update group's store. It saves what it received to tmp/sglang.pt when the group goes."""
+    import socket
+
+    (tmp / "serve.py").write_text(SGLANG_SERVE)
+    env = {**os.environ, "PYTHONPATH": f"{SGLANG}:{Path(__file__).parent / 'vllm_site'}"}
+    worker = subprocess.Popen([str(VLLM_PYTHON), "serve.py", str(tmp / "sglang")], cwd=tmp, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):
+        if (tmp / "sglang.port").is_file() and (tmp / "sglang.port").read_text():
+            break
+        assert worker.poll() is None, worker.stderr.read()[-3000:]
+        time.sleep(0.1)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    return worker, f"http://127.0.0.1:{(tmp / 'sglang.port').read_text()}", port
+
+
+@needs_sglang
 @pytest.mark.slow
 def test_sglang_receives_broadcast_buckets(tmp_path):
     """SGLangDistributedEngine against SGLang 0.5.23's own request types and WeightUpdater, in another
@@ -431,28 +467,14 @@ def test_sglang_receives_broadcast_buckets(tmp_path):
     request and one broadcast, and SGLang's FlattenedTensorBucket rebuilds exactly the tensors sent
     (mixed dtypes, FP8 too) under the sync's version, between begin and end, with one cache flush.
     A bucket SGLang cannot lay out (an alias) and a refusal are one line each."""
-    import socket
-
     from mconv import MconvError
     from mconv.live.sync.engines import FlatBucket
     from mconv.live.sync.sglang import SGLangDistributedEngine
     from mconv.transport.flat import layout, pack
 
-    (tmp_path / "serve.py").write_text(SGLANG_SERVE)
-    env = {**os.environ, "PYTHONPATH": f"{SGLANG}:{Path(__file__).parent / 'vllm_site'}"}
-    worker = subprocess.Popen([str(VLLM_PYTHON), "serve.py", str(tmp_path / "sglang")], cwd=tmp_path, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    worker, url, port = start_sglang(tmp_path)
     try:
-        for _ in range(600):
-            if (tmp_path / "sglang.port").is_file() and (tmp_path / "sglang.port").read_text():
-                break
-            assert worker.poll() is None, worker.stderr.read()[-3000:]
-            time.sleep(0.1)
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
-        engine = SGLangDistributedEngine(f"http://127.0.0.1:{(tmp_path / 'sglang.port').read_text()}",
-                                         master_address="127.0.0.1", master_port=port, world_size=2,
+        engine = SGLangDistributedEngine(url, master_address="127.0.0.1", master_port=port, world_size=2,
                                          backend="gloo", timeout=120)
         generator = torch.Generator().manual_seed(0)
         buckets = [[("a", torch.randn(63, generator=generator).bfloat16()), ("b", torch.randn(8, 64, generator=generator)),
