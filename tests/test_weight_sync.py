@@ -296,7 +296,7 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
     sglang = torch.load(tmp_path / "sglang.pt")  # SGLang's WeightUpdater, after sync_weights at TP2
     step2 = load_file(weights["step-2"] / "model.safetensors")
     assert sorted(sglang["received"]) == sorted(step2) and all(torch.equal(sglang["received"][n], t) for n, t in step2.items())
-    assert {version for version, _, _ in sglang["versions"]} == {"sglang"} and len(sglang["versions"]) > 5
+    assert sglang["versions"][-1] == ("sglang", False) and len(sglang["versions"]) > 5
 
     moe = served["moe"]  # Qwen3-MoE at TP2/EP2: both routes
     assert same(moe["before"], moe_old) and not same(moe["before"], moe_new1)
@@ -394,12 +394,20 @@ updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, cu
 TYPES = {"init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
          "update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput,
          "begin_weight_update": io_struct.BeginWeightUpdateReqInput, "end_weight_update": io_struct.EndWeightUpdateReqInput,
-         "destroy_weights_update_group": io_struct.DestroyWeightsUpdateGroupReqInput}
-log, received, versions = [], {}, []
+         "destroy_weights_update_group": io_struct.DestroyWeightsUpdateGroupReqInput,
+         "update_weight_version": io_struct.UpdateWeightVersionReqInput}
+log, received, versions, session = [], {}, [], []
 
 def serve(route, payload):
-    if route == "flush_cache":
+    if route.startswith("flush_cache?timeout="):
         return "Cache flushed."
+    if route == "begin_weight_update" and session:  # SGLang's scheduler refuses so (weight_updater.py)
+        return False, "a weight-update session is already open; call end_weight_update() first"
+    if route == "update_weights_from_distributed" and "refused" in payload["names"]:
+        return False, "Unaligned received tensor refused"  # as SGLang refuses a bucket before receiving it
+    if route == "update_weights_from_distributed" and not session:
+        return False, "must run between begin_weight_update() and end_weight_update()"
+    session[:] = [True] if route == "begin_weight_update" else [] if route == "end_weight_update" else session
     unknown = set(payload) - set(TYPES[route].__struct_fields__)
     assert not unknown, f"{route}: SGLang has no field {sorted(unknown)}"
     req = pydantic.TypeAdapter(TYPES[route]).validate_python(payload)
@@ -410,8 +418,10 @@ def serve(route, payload):
         tensors = updater.receive_weights_from_distributed(names=req.names, dtypes=req.dtypes, shapes=req.shapes,
                                                            group_name=req.group_name, load_format=req.load_format)
         received.update((name, tensor.clone()) for name, tensor in tensors)
-        versions.append((req.weight_version, req.load_format, req.flush_cache))
+        versions.append((req.load_format, req.flush_cache))
         return True, ""
+    if route == "update_weight_version":
+        versions.append((req.new_version, req.abort_all_requests))
     if route == "destroy_weights_update_group":
         return updater.destroy_weights_update_group(req.group_name)
     return True, ""
@@ -426,32 +436,30 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(200 if isinstance(answer, str) or answer[0] else 400)
         self.end_headers()
         self.wfile.write(body)
-        if route == "destroy_weights_update_group":
+        if route == "destroy_weights_update_group":  # what came so far, for the test
             torch.save({"log": log, "received": received, "versions": versions}, sys.argv[1] + ".pt")
-            raise SystemExit
 
 server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
 open(sys.argv[1] + ".port", "w").write(str(server.server_port))
-try:
-    server.serve_forever()
-except SystemExit:
-    pass
+server.serve_forever()
 """
 
 
 def start_sglang(tmp: Path) -> tuple[subprocess.Popen, str, int]:
     """SGLang's worker (SGLANG_SERVE) in another process, its HTTP address once it listens, and a free
-    port for the update group's store. It saves what it received to tmp/sglang.pt when the group goes."""
+    port for the update group's store. It saves what it received so far to tmp/sglang.pt whenever a
+    group goes; the caller kills it."""
     import socket
 
     (tmp / "serve.py").write_text(SGLANG_SERVE)
     env = {**os.environ, "PYTHONPATH": f"{SGLANG}:{Path(__file__).parent / 'vllm_site'}"}
-    worker = subprocess.Popen([str(VLLM_PYTHON), "serve.py", str(tmp / "sglang")], cwd=tmp, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(tmp / "sglang.log", "w") as log:  # a file, not a pipe, which could fill and stall it
+        worker = subprocess.Popen([str(VLLM_PYTHON), "serve.py", str(tmp / "sglang")], cwd=tmp, env=env,
+                                  stdout=log, stderr=subprocess.STDOUT)
     for _ in range(1200):
         if (tmp / "sglang.port").is_file() and (tmp / "sglang.port").read_text():
             break
-        assert worker.poll() is None, worker.stderr.read()[-3000:]
+        assert worker.poll() is None, (tmp / "sglang.log").read_text()[-3000:]
         time.sleep(0.1)
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
@@ -466,7 +474,8 @@ def test_sglang_receives_broadcast_buckets(tmp_path):
     process (Python 3.11, torch 2.13, gloo): the update group is made once, each bucket is one
     request and one broadcast, and SGLang's FlattenedTensorBucket rebuilds exactly the tensors sent
     (mixed dtypes, FP8 too) under the sync's version, between begin and end, with one cache flush.
-    A bucket SGLang cannot lay out (an alias) and a refusal are one line each."""
+    A bucket SGLang cannot lay out (an alias) and a refusal are one line each; a refused bucket
+    fails at once and the next goes through a group made anew; an aborted sync ends SGLang's session."""
     from mconv import MconvError
     from mconv.live.sync.engines import FlatBucket
     from mconv.live.sync.sglang import SGLangDistributedEngine
@@ -488,11 +497,23 @@ def test_sglang_receives_broadcast_buckets(tmp_path):
             pack(named, entries, buffer)
             engine.update(FlatBucket("v7", index, buffer, entries))
         engine.finish("v7")
+        engine.start("v8")
+        refused = [("refused", torch.ones(3))]
+        entries, nbytes = layout(refused)
+        pack(refused, entries, engine.buffer(0, nbytes, torch.device("cpu")))
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^SGLang refused update_weights_from_distributed: Unaligned "):
+            engine.update(FlatBucket("v8", 0, engine.buffer(0, nbytes, torch.device("cpu")), entries))
+        assert time.monotonic() - started < 60  # at once, not after the engine's timeout (120 s)
+        entries, nbytes = layout(buckets[1])  # the next bucket goes through a group made anew
+        pack(buckets[1], entries, engine.buffer(0, nbytes, torch.device("cpu")))
+        engine.update(FlatBucket("v8", 1, engine.buffer(0, nbytes, torch.device("cpu")), entries))
         with pytest.raises(MconvError, match=r"^bucket 0: a is not right after the tensor before it "):
             entries, nbytes = layout(buckets[0][1:], aliases={"a": "b"})
             engine.update(FlatBucket("v8", 0, engine.buffer(0, nbytes, torch.device("cpu")), entries))
+        engine.abort("v8", "the trainer failed")  # SGLang's session ends: it would refuse the next one
         engine.close()
-        assert worker.wait(timeout=60) == 0, worker.stderr.read()[-3000:]
+        assert worker.poll() is None, (tmp_path / "sglang.log").read_text()[-3000:]
     finally:
         worker.kill()
     refusing = SGLangDistributedEngine(lambda route, payload: (False, "not now"),  # as sglang.Engine answers
@@ -501,9 +522,11 @@ def test_sglang_receives_broadcast_buckets(tmp_path):
         refusing.start("v9")
     back = torch.load(tmp_path / "sglang.pt")
     assert back["log"] == ["begin_weight_update", "init_weights_update_group", "update_weights_from_distributed",
-                           "update_weights_from_distributed", "end_weight_update", "flush_cache",
-                           "destroy_weights_update_group"]
-    assert back["versions"] == [("v7", "flattened_bucket", False)] * 2
+                           "update_weights_from_distributed", "end_weight_update", "update_weight_version",
+                           "flush_cache?timeout=60", "begin_weight_update", "update_weights_from_distributed",
+                           "destroy_weights_update_group", "init_weights_update_group",
+                           "update_weights_from_distributed", "end_weight_update", "destroy_weights_update_group"]
+    assert back["versions"] == [("flattened_bucket", False)] * 2 + [("v7", False), ("flattened_bucket", False)]
     sent = dict(named for bucket in buckets for named in bucket)
     assert sorted(back["received"]) == sorted(sent)
     for name, tensor in sent.items():

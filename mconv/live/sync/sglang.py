@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
+import os
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 from functools import partial
 from multiprocessing.reduction import ForkingPickler
@@ -54,32 +56,40 @@ class SGLangDistributedEngine(Engine):
     names, dtypes and shapes alone (back to back, in the order sent: mconv's layout, widest dtype
     first, is that order). The group opens at the first bucket and stays open until `close()`.
 
-    `server`: SGLang's HTTP address ("http://host:30000") or a function `(route, payload) -> dict`
-    that calls that route another way (an in-process `sglang.Engine`'s method of the same name; a
-    (success, message) tuple is read as SGLang's reply). Raises RuntimeError naming the route
-    SGLang refuses or does not answer.
-    `master_address` / `master_port`: where the trainer's rank 0 hosts the group's TCPStore, which
-    the engine's workers reach; `world_size`: the engine's workers (GPUs) plus one; `backend`:
-    "nccl" between GPUs ("gloo" on the CPU). `session=True` wraps each sync in
-    `begin_weight_update` / `end_weight_update`, which SGLang >= 0.5.21 requires. The radix cache is
-    flushed once, at `finish`.
+    `server`: SGLang's HTTP address ("http://host:30000") or a function `(route, payload) -> reply`
+    that calls that route another way (for an in-process `sglang.Engine`: its method of the same
+    name, minus the payload keys it does not take); a reply is a dict, a `(success, message)` tuple
+    or an object with `.success` / `.message`. `master_address` / `master_port`: where the trainer's
+    rank 0 hosts the group's TCPStore, which the engine's workers reach; `world_size`: SGLang's
+    `tp_size` plus one (SGLang takes weights this way only at DP 1 and PP 1); `group_name`: unique
+    per engine object (default: made from the process id and a counter); `backend`: "nccl" between
+    GPUs ("gloo" on the CPU). `session=True` wraps each sync in `begin_weight_update` /
+    `end_weight_update`, which SGLang >= 0.5.21 requires. At `finish` the version is set
+    (`update_weight_version`, without aborting requests) and the radix cache flushed, waiting up to
+    `flush_timeout` seconds for running requests to end.
 
-    SGLang has no way to abort an update: after a failed sync `end_weight_update` is not sent and
-    the engine holds a mix of old and new weights until the next sync finishes. Only trainer rank
-    0 sends: `start` refuses a trainer with several pipeline stages (MconvError; SGLang would need
-    one group per stage). SGLang cannot read its weights back in mconv's checksum, so verify=True is
-    refused. Checked against sglang 0.5.23's own request types and receiving code
-    (tests/test_weight_sync.py)."""
+    Failures: a request SGLang refuses is a RuntimeError naming the route and SGLang's message, at
+    once (the trainer does not wait out its broadcast); the group is then dropped on both sides and
+    made anew at the next bucket. SGLang cannot undo an update: `abort` ends its session (it would
+    refuse the next one otherwise), and the engine holds a mix of old and new weights until a sync
+    finishes. Only trainer rank 0 sends: `start` refuses a trainer with several pipeline stages
+    (MconvError; SGLang would need one group per stage). SGLang cannot read its weights back in
+    mconv's checksum, so verify=True is refused. Checked against sglang 0.5.23's own request types
+    and receiving code (tests/test_weight_sync.py)."""
 
-    def __init__(self, server: str | Callable[[str, dict], dict], *, master_address: str, master_port: int,
-                 world_size: int, group_name: str = "mconv_weight_update", backend: str = "nccl",
-                 session: bool = True, timeout: float = 600.0):
+    _names = itertools.count(1)
+
+    def __init__(self, server: str | Callable[[str, dict], object], *, master_address: str, master_port: int,
+                 world_size: int, group_name: str | None = None, backend: str = "nccl", session: bool = True,
+                 timeout: float = 600.0, flush_timeout: float = 60.0):
         super().__init__()
         self._post = server if callable(server) else partial(_post_json, server.rstrip("/"), timeout=timeout)
         self.master_address, self.master_port, self.world_size = master_address, int(master_port), int(world_size)
-        self.group_name, self.backend, self.session, self.timeout = group_name, backend, session, timeout
+        self.group_name = group_name or f"mconv-{os.getpid()}-{next(self._names)}"
+        self.backend, self.session, self.timeout, self.flush_timeout = backend, session, timeout, flush_timeout
         self._group = None
-        self._store = None  # the group's TCPStore, hosted here: it must live as long as the group
+        self._store = None  # the groups' TCPStore, hosted here: it must live as long as they do
+        self._joins = 0  # groups made so far: a group made anew after a failure gets a name of its own
         self._version: str | None = None
 
     def start(self, version: str, verify: bool = False) -> None:
@@ -91,7 +101,13 @@ class SGLangDistributedEngine(Engine):
                              "not supported)")
         self._version = version
         if self.session:
-            self._call("begin_weight_update", {})
+            try:
+                self._call("begin_weight_update", {})
+            except RuntimeError as e:
+                if "already open" not in str(e):
+                    raise
+                self._call("end_weight_update", {})  # a session an earlier trainer left open
+                self._call("begin_weight_update", {})
 
     def update(self, bucket: FlatBucket) -> None:
         end = 0
@@ -102,64 +118,96 @@ class SGLangDistributedEngine(Engine):
             end += entry.nbytes
         bucket.wait()
         if self._group is None:
-            self._group = self._with_engine("init_weights_update_group", {
+            self._joins += 1
+            name = self.group_name if self._joins == 1 else f"{self.group_name}-{self._joins}"
+            self._with_engine("init_weights_update_group", {
                 "master_address": self.master_address, "master_port": self.master_port, "rank_offset": 1,
-                "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend},
-                self._join)
+                "world_size": self.world_size, "group_name": name, "backend": self.backend},
+                partial(self._join, name))
         self._with_engine("update_weights_from_distributed", {
             "names": [e.name for e in bucket.entries], "dtypes": [e.dtype for e in bucket.entries],
-            "shapes": [list(e.shape) for e in bucket.entries], "group_name": self.group_name,
-            "load_format": "flattened_bucket", "flush_cache": False, "weight_version": self._version},
-            lambda: dist.broadcast(bucket.buffer[:end], src=0, group=self._group))
+            "shapes": [list(e.shape) for e in bucket.entries], "group_name": self._group[0],
+            "load_format": "flattened_bucket", "flush_cache": False},
+            lambda: dist.broadcast(bucket.buffer[:end], src=0, group=self._group[1]))
 
     def finish(self, version: str) -> None:
         if self.session:
             self._call("end_weight_update", {})
-        self._call("flush_cache", {})
+        self._call("update_weight_version", {"new_version": version, "abort_all_requests": False})
+        self._call(f"flush_cache?timeout={self.flush_timeout:g}", {})
+
+    def abort(self, version: str, reason: str) -> None:
+        if self.session:
+            self._call("end_weight_update", {})
 
     def close(self) -> None:
         super().close()
-        if self._group is not None:
-            group, self._group = self._group, None
-            try:
-                self._call("destroy_weights_update_group", {"group_name": self.group_name})
-            finally:
-                dist.destroy_process_group(group)
-                self._store = None
+        self._drop_group()
+        self._store = None
 
-    def _call(self, route: str, payload: dict) -> dict:
+    def _call(self, route: str, payload: dict) -> object:
         reply = self._post(route, payload)
         if isinstance(reply, (tuple, list)) and reply and isinstance(reply[0], bool):  # sglang.Engine's methods
-            reply = {"success": reply[0], "message": reply[1] if len(reply) > 1 else ""}
-        if isinstance(reply, dict) and reply.get("success") is False:
-            raise RuntimeError(f"SGLang refused {route}: {reply.get('message')}")
+            success, message = reply[0], reply[1] if len(reply) > 1 else ""
+        elif isinstance(reply, dict):
+            success, message = reply.get("success"), reply.get("message")
+        else:
+            success, message = getattr(reply, "success", None), getattr(reply, "message", None)
+        if success is False:
+            raise RuntimeError(f"SGLang refused {route.split('?')[0]}: {message}")
         return reply
 
-    def _with_engine(self, route: str, payload: dict, ours: Callable[[], object]):
+    def _with_engine(self, route: str, payload: dict, ours: Callable[[], object]) -> None:
         """Send `route` and do `ours` meanwhile: SGLang answers only once its side of the group
-        operation (joining, receiving the broadcast) is done, which needs ours."""
-        pool = ThreadPoolExecutor(1)
+        operation (joining, receiving the broadcast) is done, which needs ours. A refusal or a
+        failure of ours raises at once; the group is then dropped (SGLang's side too)."""
+        pool = ThreadPoolExecutor(2)
         try:
-            reply = pool.submit(self._call, route, payload)
-            result = ours()
-            reply.result(timeout=self.timeout)
-            return result
+            reply, done = pool.submit(self._call, route, payload), pool.submit(ours)
+            finished, _ = wait([reply, done], timeout=self.timeout, return_when=FIRST_EXCEPTION)
+            failed = [f for f in finished if f.exception() is not None]
+            if failed or len(finished) < 2:
+                self._drop_group(pending=not done.done())
+                if failed:
+                    raise failed[0].exception()
+                raise RuntimeError(f"SGLang did not answer {route} within {self.timeout:g} s")
         finally:
-            pool.shutdown(wait=False)  # after a failure of ours, SGLang's reply is not awaited
+            pool.shutdown(wait=False)  # after a failure, the other side is not awaited
 
-    def _join(self):
+    def _join(self, name: str) -> None:
         """The group SGLang's workers join as ranks 1..world_size-1, made as SGLang makes theirs
         (sglang.srt.utils.init_custom_process_group: a TCPStore at tcp://master_address:master_port
         prefixed by the group's name), with this process as rank 0 hosting the store."""
         from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
-        self._store = store = dist.TCPStore(self.master_address, self.master_port, self.world_size, is_master=True,
-                              timeout=timedelta(seconds=self.timeout))
+        if dist.is_initialized() and getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None):
+            # torch would split the new group from the trainer's world communicator: a collective of
+            # trainer ranks that never join, which hangs
+            raise MconvError("SGLangDistributedEngine cannot make its group beside a default process group bound to "
+                             "a device (init_process_group(device_id=...)); start the trainer's group without device_id")
+        if self._store is None:  # one store for every group this engine makes, each under its own name
+            self._store = dist.TCPStore(self.master_address, self.master_port, self.world_size, is_master=True,
+                                        timeout=timedelta(seconds=self.timeout), wait_for_workers=False)
         group, _ = _new_process_group_helper(self.world_size, 0, [], dist.Backend(self.backend),
-                                             dist.PrefixStore(self.group_name, store), group_name=self.group_name,
+                                             dist.PrefixStore(name, self._store), group_name=name,
                                              timeout=timedelta(seconds=self.timeout))
         _world.pg_group_ranks[group] = {i: i for i in range(self.world_size)}
-        return group
+        self._group = (name, group)
+
+    def _drop_group(self, pending: bool = False) -> None:
+        """Leave the update group, SGLang's side too. Where our side's work is still `pending` on
+        another thread (SGLang refused before receiving), an NCCL group is aborted and a gloo one
+        left to time out (each group made has a name of its own; they share one store)."""
+        held, self._group = self._group, None
+        if held is not None:
+            try:
+                self._call("destroy_weights_update_group", {"group_name": held[0]})
+            except RuntimeError:
+                pass  # SGLang may never have made it, or already dropped it
+            if not pending:
+                dist.destroy_process_group(held[1])
+            elif self.backend == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+                dist.distributed_c10d._abort_process_group(held[1])
 
 
 def _post_json(base: str, route: str, payload: dict, timeout: float) -> dict:
