@@ -124,17 +124,18 @@ class SGLangDistributedEngine(Engine):
                 "master_address": self.master_address, "master_port": self.master_port, "rank_offset": 1,
                 "world_size": self.world_size, "group_name": name, "backend": self.backend},
                 partial(self._join, name))
+        name, group = self._group
         self._with_engine("update_weights_from_distributed", {
             "names": [e.name for e in bucket.entries], "dtypes": [e.dtype for e in bucket.entries],
-            "shapes": [list(e.shape) for e in bucket.entries], "group_name": self._group[0],
+            "shapes": [list(e.shape) for e in bucket.entries], "group_name": name,
             "load_format": "flattened_bucket", "flush_cache": False},
-            lambda: dist.broadcast(bucket.buffer[:end], src=0, group=self._group[1]))
+            lambda: dist.broadcast(bucket.buffer[:end], src=0, group=group))
 
     def finish(self, version: str) -> None:
         if self.session:
             self._call("end_weight_update", {})
         self._call("update_weight_version", {"new_version": version, "abort_all_requests": False})
-        self._call(f"flush_cache?timeout={self.flush_timeout:g}", {})
+        self._call("flush_cache", {"timeout": self.flush_timeout})
 
     def abort(self, version: str, reason: str) -> None:
         if self.session:
@@ -154,7 +155,7 @@ class SGLangDistributedEngine(Engine):
         else:
             success, message = getattr(reply, "success", None), getattr(reply, "message", None)
         if success is False:
-            raise RuntimeError(f"SGLang refused {route.split('?')[0]}: {message}")
+            raise RuntimeError(f"SGLang refused {route}: {message}")
         return reply
 
     def _with_engine(self, route: str, payload: dict, ours: Callable[[], object]) -> None:
@@ -214,6 +215,8 @@ def _post_json(base: str, route: str, payload: dict, timeout: float) -> dict:
     """POST `payload` as JSON to `base`/`route`. Returns SGLang's JSON reply ({"success", "message"}
     for the weight routes), or {} for a plain-text success (flush_cache). A refusal (HTTP 400 with
     JSON) comes back as the reply; anything else is a RuntimeError naming the route."""
+    if route == "flush_cache":  # its one argument is a query parameter
+        route, payload = f"flush_cache?timeout={payload.get('timeout', 0):g}", {}
     request = urllib.request.Request(f"{base}/{route}", data=json.dumps(payload).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
     try:
