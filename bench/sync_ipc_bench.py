@@ -11,7 +11,9 @@ and copies every tensor into them. In one run, best of 3 each:
   - verify: one sync with verify=True (the receiver's parameters read back and compared per tensor).
 Then bf16 and FP8 (quantize="fp8") each: the receiver's parameters are checked bit for bit against
 the exported tensors (a positional checksum per tensor, computed in both processes), and the peak
-extra device memory of the trainer's process during a sync. Prints one JSON line per dtype.
+extra device memory of the trainer's process during a sync. Prints one JSON line per dtype and
+bucket size (`--bucket-mb`, default 512, mconv's default; several sizes to choose that default:
+`--no-baselines` skips the per-tensor and verified syncs).
 """
 from __future__ import annotations
 
@@ -29,9 +31,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.live_bench import MODELS, build, log, require_gpu, timed  # noqa: E402
-
-BUCKET = 512 << 20
-
 
 CHUNK = 64 << 20  # bytes a checksum takes at a time, so that it fits beside a full model
 
@@ -60,16 +59,16 @@ def receive(shapes, address, authkey, ready, done, sums):
     receiver.close()
 
 
-def run(hf: dict, model, quantize: str | None) -> dict:
+def run(hf: dict, model, quantize: str | None, bucket: int, baselines: bool) -> dict:
     from mconv.live import iter_hf_weights
     from mconv.live.sync import IPCEngine, sync_weights
     from mconv.transport import cuda_ipc
     from mconv.transport.flat import Entry, dtype_name
 
     def export():
-        return iter_hf_weights([model], hf, bucket_bytes=BUCKET, quantize=quantize)
+        return iter_hf_weights([model], hf, bucket_bytes=bucket, quantize=quantize)
 
-    sent = {name: (list(t.shape), dtype_name(t.dtype), checksum(t)) for bucket in export() for name, t in bucket}
+    sent = {name: (list(t.shape), dtype_name(t.dtype), checksum(t)) for named in export() for name, t in named}
     nbytes = sum(torch.Size(s).numel() * getattr(torch, d).itemsize for s, d, _ in sent.values())
     largest = max(torch.Size(s).numel() * getattr(torch, d).itemsize for s, d, _ in sent.values())
     # The floor: one device copy of the synced bytes, through a buffer of at most 4 GiB copied as many
@@ -88,13 +87,13 @@ def run(hf: dict, model, quantize: str | None) -> dict:
     receiver.start()
     assert ready.wait(120), "receiver did not start"
     engine = IPCEngine(address, authkey)
-    result = {"quantize": quantize or "bf16", "tensors": len(sent), "bytes": nbytes, "bucket_bytes": BUCKET,
+    result = {"quantize": quantize or "bf16", "tensors": len(sent), "bytes": nbytes, "bucket_bytes": bucket,
               "floor_copy_s": floor_copy_s}
 
-    result["export_s"] = timed(lambda: [None for bucket in export() for _ in bucket], repeats=3)
+    result["export_s"] = timed(lambda: [None for named in export() for _ in named], repeats=3)
 
     def ipc():
-        result["last"] = sync_weights([model], hf, engine, bucket_bytes=BUCKET, quantize=quantize).seconds
+        result["last"] = sync_weights([model], hf, engine, bucket_bytes=bucket, quantize=quantize).seconds
 
     ipc()  # buffers allocated and mapped once, as in every sync after a trainer's first
     torch.cuda.synchronize()
@@ -102,32 +101,40 @@ def run(hf: dict, model, quantize: str | None) -> dict:
     torch.cuda.reset_peak_memory_stats()
     result["ipc_s"] = timed(ipc, repeats=3)
     result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
-    result["two_buckets_plus_largest_bytes"] = 2 * BUCKET + largest
+    result["two_buckets_plus_largest_bytes"] = 2 * bucket + largest
+
+    if not baselines:
+        return finished(result, receiver, done, sums, engine, sent, nbytes)
 
     def per_tensor():
         engine.start("per-tensor")
-        for bucket in export():
+        for named in export():
             torch.cuda.synchronize()
             engine._request({"op": "update", "buffers": [
                 {"ipc": cuda_ipc.share(t.contiguous().view(-1).view(torch.uint8)),
                  "entries": [Entry(name, dtype_name(t.dtype), tuple(t.shape), 0, t.numel() * t.element_size())
-                             .to_json()]} for name, t in bucket]})
+                             .to_json()]} for name, t in named]})
         engine.finish("per-tensor")
 
     result["per_tensor_s"] = timed(per_tensor, repeats=3)
 
     def verified():
-        sync_weights([model], hf, engine, bucket_bytes=BUCKET, quantize=quantize, verify=True)
+        sync_weights([model], hf, engine, bucket_bytes=bucket, quantize=quantize, verify=True)
         result["engine_verified"] = True  # an MconvError names the tensors otherwise
 
     result["verify_s"] = timed(verified, repeats=1)  # the receiver ends holding what the flat path sent
+    result["ipc_vs_per_tensor"] = result["ipc_s"] / result["per_tensor_s"]
+    return finished(result, receiver, done, sums, engine, sent, nbytes)
+
+
+def finished(result, receiver, done, sums, engine, sent, nbytes) -> dict:
+    """Stop the receiver, check what it holds against what was sent, and add the ratios."""
     done.set()
     received = sums.get(timeout=600)
     receiver.join(60)
     engine.close()
     result["verified"] = received == {name: v[2] for name, v in sent.items()}
     result["ipc_vs_floor"] = result["ipc_s"] / result["floor_copy_s"]
-    result["ipc_vs_per_tensor"] = result["ipc_s"] / result["per_tensor_s"]
     result["ipc_GBps"] = nbytes / result["ipc_s"] / 1e9
     return result
 
@@ -136,6 +143,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--quantize", nargs="+", default=["bf16", "fp8"])
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[512], help="bucket sizes in MiB, each a run")
+    parser.add_argument("--no-baselines", action="store_true", help="skip the per-tensor and verified syncs")
     options = parser.parse_args()
     require_gpu("sync_ipc_bench.py")
     import torch.distributed as dist
@@ -150,12 +159,13 @@ def main():
         log("building the model")
         model, _ = build(hf)
         for quantize in options.quantize:
-            log("syncing", quantize)
-            started = time.perf_counter()
-            line = run(hf, model, None if quantize == "bf16" else quantize)
-            print(json.dumps({"model": "qwen3-30b-a3b", "layers": options.layers, **line,
-                              "wall_s": time.perf_counter() - started}), flush=True)
-            torch.cuda.empty_cache()
+            for bucket_mb in options.bucket_mb:
+                log("syncing", quantize, f"{bucket_mb} MiB buckets")
+                started = time.perf_counter()
+                line = run(hf, model, None if quantize == "bf16" else quantize, bucket_mb << 20, not options.no_baselines)
+                print(json.dumps({"model": "qwen3-30b-a3b", "layers": options.layers, **line,
+                                  "wall_s": time.perf_counter() - started}), flush=True)
+                torch.cuda.empty_cache()
         ps.destroy_model_parallel()
         dist.destroy_process_group()
 

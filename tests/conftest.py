@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -13,6 +14,11 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # megatron-core loads, two at a time: 88 s wall with two threads, 80 s with one, 2026-12-02). torch
 # reads it when imported (set later, as tests/megatron_oracle.py did, it changed nothing).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A run started in the background of a non-interactive shell (`nohup`, `cmd &`) has SIGINT ignored,
+# and every process it starts inherits that: the interrupt tests' mconv processes would not see
+# their Ctrl-C. A handler (unlike SIG_IGN) is reset to the default in a started program.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest
 

@@ -223,6 +223,11 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
                                      world_size=2, backend="gloo", timeout=120)
     sync_weights(chunks, TIED, sglang, version="sglang", bucket_bytes=BUCKET)
     sglang.close()
+    # And its colocated route: each bucket read by SGLang's update_weights_from_tensor code.
+    from mconv.live.sync import SGLangEngine
+    torch.multiprocessing.set_sharing_strategy("file_system")  # SGLang's process is no child of this one
+    sync_weights(chunks, TIED, SGLangEngine(weights["sglang"], timeout=120), version="sglang-colocated",
+                 bucket_bytes=BUCKET)
 
     other = build_model(FIXTURES / "qwen3-tiny", Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
     refused("mismatch", lambda: sync_weights(other, FIXTURES / "qwen3-tiny", engine, version="other"))
@@ -282,8 +287,12 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
                     for rank in range(2)]
         for trainer in trainers:
             trainer.start()
-        for trainer in trainers:
-            trainer.join(600)
+        # Not join(): torch's shared-memory manager, which rank 0 starts for SGLangEngine's CPU buffers,
+        # inherits the trainers' descriptors, their end-of-process pipes too, and lives until SGLang's
+        # process, its client, is gone (killed below).
+        deadline = time.monotonic() + 600
+        while any(t.exitcode is None for t in trainers) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert [t.exitcode for t in trainers] == [0, -signal.SIGKILL]  # rank 1 killed mid-sync
     finally:
         for engine in engines:
@@ -293,10 +302,12 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
     served = ranks[0]["served"]
 
     from safetensors.torch import load_file
-    sglang = torch.load(tmp_path / "sglang.pt")  # SGLang's WeightUpdater, after sync_weights at TP2
+    sglang = torch.load(tmp_path / "sglang.pt")  # SGLang's WeightUpdater, after sync_weights at TP2 by both routes
     step2 = load_file(weights["step-2"] / "model.safetensors")
     assert sorted(sglang["received"]) == sorted(step2) and all(torch.equal(sglang["received"][n], t) for n, t in step2.items())
-    assert sglang["versions"][-1] == ("sglang", False) and len(sglang["versions"]) > 5
+    assert sorted(sglang["loaded"]) == sorted(step2) and all(torch.equal(sglang["loaded"][n], t) for n, t in step2.items())
+    assert ("sglang", False) in sglang["versions"] and sglang["versions"][-1] == ("sglang-colocated", False)
+    assert len(sglang["versions"]) > 10
 
     moe = served["moe"]  # Qwen3-MoE at TP2/EP2: both routes
     assert same(moe["before"], moe_old) and not same(moe["before"], moe_new1)
@@ -384,15 +395,29 @@ SGLANG_SERVE = """
 import http.server, json, sys, torch, pydantic, torch.distributed as dist
 from sglang.srt.managers import io_struct
 from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+from sglang.srt.runtime_context import _CONTEXT
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
 # An SGLang worker: its own default group, SGLang's request types (as its HTTP server validates them)
-# and its WeightUpdater joining the trainer's group and receiving each broadcast. No model: what it
-# receives is saved for the test.
+# and its WeightUpdater, joining the trainer's group and receiving each broadcast, or reading each
+# update_weights_from_tensor payload as TP rank 0 of SGLang's scheduler does. Its model is a recorder:
+# what reaches load_weights is saved for the test.
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store", rank=0, world_size=1)
+_CONTEXT.set_server_args(ServerArgs(model_path=sys.argv[2], device="cpu"))
+
+class Recorder(torch.nn.Module):
+    def load_weights(self, named):
+        loaded.update((name, tensor.clone()) for name, tensor in named)
+
+loaded, recorder = {}, Recorder()
 updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                        get_model=None, update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None)
+                        get_model=lambda: recorder, update_model_fields=None, recapture_cuda_graph=None,
+                        get_model_runner=None)
 TYPES = {"init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
          "update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput,
+         "update_weights_from_tensor": io_struct.UpdateWeightsFromTensorReqInput,
          "begin_weight_update": io_struct.BeginWeightUpdateReqInput, "end_weight_update": io_struct.EndWeightUpdateReqInput,
          "destroy_weights_update_group": io_struct.DestroyWeightsUpdateGroupReqInput,
          "update_weight_version": io_struct.UpdateWeightVersionReqInput}
@@ -405,7 +430,7 @@ def serve(route, payload):
         return False, "a weight-update session is already open; call end_weight_update() first"
     if route == "update_weights_from_distributed" and "refused" in payload["names"]:
         return False, "Unaligned received tensor refused"  # as SGLang refuses a bucket before receiving it
-    if route == "update_weights_from_distributed" and not session:
+    if route.startswith("update_weights_from_") and not session:
         return False, "must run between begin_weight_update() and end_weight_update()"
     session[:] = [True] if route == "begin_weight_update" else [] if route == "end_weight_update" else session
     unknown = set(payload) - set(TYPES[route].__struct_fields__)
@@ -420,6 +445,11 @@ def serve(route, payload):
         received.update((name, tensor.clone()) for name, tensor in tensors)
         versions.append((req.load_format, req.flush_cache))
         return True, ""
+    if route == "update_weights_from_tensor":  # as SGLang's scheduler and model runner do, on TP rank 0
+        monkey_patch_torch_reductions()
+        named = MultiprocessingSerializer.deserialize(req.serialized_named_tensors[0])
+        versions.append((req.load_format, req.flush_cache))
+        return updater.update_weights_from_tensor(named_tensors=named, load_format=req.load_format)
     if route == "update_weight_version":
         versions.append((req.new_version, req.abort_all_requests))
     if route == "destroy_weights_update_group":
@@ -436,8 +466,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(200 if isinstance(answer, str) or answer[0] else 400)
         self.end_headers()
         self.wfile.write(body)
-        if route == "destroy_weights_update_group":  # what came so far, for the test
-            torch.save({"log": log, "received": received, "versions": versions}, sys.argv[1] + ".pt")
+        if route in ("destroy_weights_update_group", "flush_cache?timeout=60"):  # what came so far, for the test
+            torch.save({"log": log, "received": received, "loaded": loaded, "versions": versions}, sys.argv[1] + ".pt")
 
 server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
 open(sys.argv[1] + ".port", "w").write(str(server.server_port))
@@ -454,7 +484,7 @@ def start_sglang(tmp: Path) -> tuple[subprocess.Popen, str, int]:
     (tmp / "serve.py").write_text(SGLANG_SERVE)
     env = {**os.environ, "PYTHONPATH": f"{SGLANG}:{Path(__file__).parent / 'vllm_site'}"}
     with open(tmp / "sglang.log", "w") as log:  # a file, not a pipe, which could fill and stall it
-        worker = subprocess.Popen([str(VLLM_PYTHON), "serve.py", str(tmp / "sglang")], cwd=tmp, env=env,
+        worker = subprocess.Popen([str(VLLM_PYTHON), "serve.py", str(tmp / "sglang"), str(TIED)], cwd=tmp, env=env,
                                   stdout=log, stderr=subprocess.STDOUT)
     for _ in range(1200):
         if (tmp / "sglang.port").is_file() and (tmp / "sglang.port").read_text():
@@ -469,27 +499,53 @@ def start_sglang(tmp: Path) -> tuple[subprocess.Popen, str, int]:
 
 @needs_sglang
 @pytest.mark.slow
-def test_sglang_receives_broadcast_buckets(tmp_path):
-    """SGLangDistributedEngine against SGLang 0.5.23's own request types and WeightUpdater, in another
-    process (Python 3.11, torch 2.13, gloo): the update group is made once, each bucket is one
-    request and one broadcast, and SGLang's FlattenedTensorBucket rebuilds exactly the tensors sent
-    (mixed dtypes, FP8 too) under the sync's version, between begin and end, with one cache flush.
-    A bucket SGLang cannot lay out (an alias) and a refusal are one line each; a refused bucket
-    fails at once and the next goes through a group made anew; an aborted sync ends SGLang's session."""
+def test_sglang_receives_buckets_by_both_routes(tmp_path):
+    """SGLang 0.5.23's own request types and weight-update code, in another process (Python 3.11,
+    torch 2.13, gloo, no GPU), take mconv's buckets by both routes, exactly (mixed dtypes, FP8 too),
+    under the sync's version, between begin and end, with one cache flush:
+
+    - SGLangEngine (colocated): each bucket one update_weights_from_tensor request, read as SGLang's
+      TP rank 0 reads it (its deserializer, then WeightUpdater.update_weights_from_tensor with the
+      flattened bucket into the model's load_weights), an alias (tied lm_head) too; outside a session
+      SGLang's refusal is one line.
+    - SGLangDistributedEngine: the update group is made once, each bucket is one request and one
+      broadcast. A bucket SGLang cannot lay out (an alias) and a refusal are one line each; a refused
+      bucket fails at once and the next goes through a group made anew; an aborted sync ends SGLang's
+      session."""
     from mconv import MconvError
     from mconv.live.sync.engines import FlatBucket
-    from mconv.live.sync.sglang import SGLangDistributedEngine
+    from mconv.live.sync.sglang import SGLangDistributedEngine, SGLangEngine
     from mconv.transport.flat import layout, pack
 
     worker, url, port = start_sglang(tmp_path)
+    strategy = torch.multiprocessing.get_sharing_strategy()
     try:
-        engine = SGLangDistributedEngine(url, master_address="127.0.0.1", master_port=port, world_size=2,
-                                         backend="gloo", timeout=120)
         generator = torch.Generator().manual_seed(0)
         buckets = [[("a", torch.randn(63, generator=generator).bfloat16()), ("b", torch.randn(8, 64, generator=generator)),
                     ("c", torch.arange(7))],
                    [("d", torch.randn(5, 3, generator=generator).half()),
                     ("e", torch.randn(4, 32, generator=generator).to(torch.float8_e4m3fn))]]
+        torch.multiprocessing.set_sharing_strategy("file_system")  # SGLang's process is no child of this one
+        colocated = SGLangEngine(url, timeout=120)
+        colocated.start("v6")
+        for index, named in enumerate(buckets):
+            entries, nbytes = layout(named, aliases={"lm_head": "a"} if index == 0 else None)
+            pack(named, entries, colocated.buffer(index, nbytes, torch.device("cpu")))
+            colocated.update(FlatBucket("v6", index, colocated.buffer(index, nbytes, torch.device("cpu")), entries))
+        colocated.finish("v6")
+        with pytest.raises(RuntimeError, match=r"^SGLang refused update_weights_from_tensor: must run between "):
+            SGLangEngine(url, session=False).update(FlatBucket("v6", 1, colocated.buffer(1, nbytes, torch.device("cpu")),
+                                                               entries))
+        colocated.close()
+        loaded = torch.load(tmp_path / "sglang.pt")["loaded"]
+        sent = dict(named for bucket in buckets for named in bucket) | {"lm_head": buckets[0][0][1]}
+        assert sorted(loaded) == sorted(sent)
+        for name, tensor in sent.items():
+            assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name].view(torch.uint8),
+                                                                       tensor.view(torch.uint8)), name
+
+        engine = SGLangDistributedEngine(url, master_address="127.0.0.1", master_port=port, world_size=2,
+                                         backend="gloo", timeout=120)
         engine.start("v7")
         for index, named in enumerate(buckets):
             entries, nbytes = layout(named)
@@ -516,17 +572,21 @@ def test_sglang_receives_broadcast_buckets(tmp_path):
         assert worker.poll() is None, (tmp_path / "sglang.log").read_text()[-3000:]
     finally:
         worker.kill()
+        torch.multiprocessing.set_sharing_strategy(strategy)
     refusing = SGLangDistributedEngine(lambda route, payload: (False, "not now"),  # as sglang.Engine answers
                                        master_address="127.0.0.1", master_port=port, world_size=2)
     with pytest.raises(RuntimeError, match=r"^SGLang refused begin_weight_update: not now$"):
         refusing.start("v9")
     back = torch.load(tmp_path / "sglang.pt")
-    assert back["log"] == ["begin_weight_update", "init_weights_update_group", "update_weights_from_distributed",
+    assert back["log"] == ["begin_weight_update", "update_weights_from_tensor", "update_weights_from_tensor",
+                           "end_weight_update", "update_weight_version", "flush_cache?timeout=60",
+                           "update_weights_from_tensor", "begin_weight_update", "init_weights_update_group", "update_weights_from_distributed",
                            "update_weights_from_distributed", "end_weight_update", "update_weight_version",
                            "flush_cache?timeout=60", "begin_weight_update", "update_weights_from_distributed",
                            "destroy_weights_update_group", "init_weights_update_group",
                            "update_weights_from_distributed", "end_weight_update", "destroy_weights_update_group"]
-    assert back["versions"] == [("flattened_bucket", False)] * 2 + [("v7", False), ("flattened_bucket", False)]
+    assert back["versions"] == ([("flattened_bucket", False)] * 2 + [("v6", False)]
+                                + [("flattened_bucket", False)] * 2 + [("v7", False), ("flattened_bucket", False)])
     sent = dict(named for bucket in buckets for named in bucket)
     assert sorted(back["received"]) == sorted(sent)
     for name, tensor in sent.items():

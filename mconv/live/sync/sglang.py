@@ -1,9 +1,10 @@
-"""SGLang: the flattened-bucket payload of a FlatBucket that `update_weights_from_tensor(
-serialized_named_tensors=..., load_format="flattened_bucket")` reads (colocated, CUDA IPC; SGLang
->= 0.5.21: between `begin_weight_update()` and `end_weight_update()`), checked against sglang
-0.5.23's own deserializer (MultiprocessingSerializer / SafeUnpickler) and FlattenedTensorBucket;
-and `SGLangDistributedEngine`, the disaggregated route (a process group and one broadcast per
-bucket)."""
+"""SGLang's two weight-update routes as engines of `sync_weights`, over one session protocol
+(`begin_weight_update` / `end_weight_update`, which SGLang >= 0.5.21 requires, then the version and
+one cache flush): `SGLangEngine`, colocated (`update_weights_from_tensor` with the flattened-bucket
+payload of `sglang_payload`: one CUDA IPC handle per bucket), and `SGLangDistributedEngine`,
+disaggregated (a process group and one broadcast per bucket). Checked against sglang 0.5.23's own
+request types, deserializer (MultiprocessingSerializer / SafeUnpickler), FlattenedTensorBucket and
+WeightUpdater."""
 from __future__ import annotations
 
 import base64
@@ -48,7 +49,97 @@ def sglang_payload(bucket: FlatBucket, tp_size: int = 1) -> list[str]:
     return entries
 
 
-class SGLangDistributedEngine(Engine):
+class _SGLangServer(Engine):
+    """What both routes share: SGLang's HTTP server or a function calling an in-process engine
+    (`server`, see the engines' docstrings), its replies read as success or a RuntimeError, and the
+    session around each sync."""
+
+    def __init__(self, server: str | Callable[[str, dict], object], *, session: bool, timeout: float,
+                 flush_timeout: float):
+        super().__init__()
+        self._post = server if callable(server) else partial(_post_json, server.rstrip("/"), timeout=timeout)
+        self.session, self.timeout, self.flush_timeout = session, timeout, flush_timeout
+
+    def start(self, version: str, verify: bool = False) -> None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            raise MconvError(f"{type(self).__name__} sends from trainer rank 0 only, and this trainer has "
+                             f"{parallel_state.get_pipeline_model_parallel_world_size()} pipeline stages (PP > 1 is "
+                             "not supported)")
+        if self.session:
+            try:
+                self._call("begin_weight_update", {})
+            except RuntimeError as e:
+                if "already open" not in str(e):
+                    raise
+                self._call("end_weight_update", {})  # a session an earlier trainer left open
+                self._call("begin_weight_update", {})
+
+    def finish(self, version: str) -> None:
+        if self.session:
+            self._call("end_weight_update", {})
+        self._call("update_weight_version", {"new_version": version, "abort_all_requests": False})
+        self._call("flush_cache", {"timeout": self.flush_timeout})
+
+    def abort(self, version: str, reason: str) -> None:
+        if self.session:
+            self._call("end_weight_update", {})
+
+    def _call(self, route: str, payload: dict) -> object:
+        reply = self._post(route, payload)
+        if isinstance(reply, (tuple, list)) and reply and isinstance(reply[0], bool):  # sglang.Engine's methods
+            success, message = reply[0], reply[1] if len(reply) > 1 else ""
+        elif isinstance(reply, dict):
+            success, message = reply.get("success"), reply.get("message")
+        else:
+            success, message = getattr(reply, "success", None), getattr(reply, "message", None)
+        if success is False:
+            raise RuntimeError(f"SGLang refused {route}: {message}")
+        return reply
+
+
+class SGLangEngine(_SGLangServer):
+    """A running SGLang engine on the trainer's GPU, updated through `update_weights_from_tensor`
+    (SGLang's colocated route): each bucket is one request whose `serialized_named_tensors` is
+    `sglang_payload(bucket, tp_size)`, the bucket's flat buffer as one CUDA IPC handle per SGLang TP
+    rank plus its entries (`load_format="flattened_bucket"`, no cache flush per bucket). SGLang
+    copies the bucket into its parameters through its model's `load_weights` and answers; the
+    buffer is reused two buckets later. (SGLang's process synchronizes its stream when it frees the
+    tensors it mapped, before it answers: torch's deleter of a received CUDA storage does so, which
+    is what makes reusing a shared buffer safe.)
+
+    `server`: SGLang's HTTP address ("http://host:30000") or a function `(route, payload) -> reply`
+    for an in-process `sglang.Engine` (its `update_weights_from_tensor` takes the payload's
+    `serialized_named_tensors` as `named_tensors`); a reply is a dict, a `(success, message)` tuple
+    or an object with `.success` / `.message`. `tp_size`: SGLang's TP size; every rank maps the one
+    buffer, which lives on the trainer's sending GPU (rank 0's), so its TP ranks must be able to
+    reach that GPU (written for SGLang at TP 1 on the trainer's GPU; tested on the CPU only, against
+    sglang 0.5.23's own reading code). `session=True` wraps each sync in
+    `begin_weight_update` / `end_weight_update` (SGLang >= 0.5.21 requires them). At `finish` the
+    version is set (`update_weight_version`, without aborting requests) and the radix cache flushed,
+    waiting up to `flush_timeout` seconds for running requests to end.
+
+    Failures: a request SGLang refuses is a RuntimeError naming the route and SGLang's message.
+    SGLang cannot undo an update: `abort` ends its session, and the engine holds a mix of old and
+    new weights until a sync finishes. `start` refuses a trainer with several pipeline stages
+    (MconvError). verify=True is refused (SGLang cannot read its weights back in mconv's checksum).
+    On the CPU the buffer crosses as a shared-memory storage, which a process outside this one's
+    tree opens only under `torch.multiprocessing.set_sharing_strategy("file_system")`."""
+
+    def __init__(self, server: str | Callable[[str, dict], object], *, tp_size: int = 1, session: bool = True,
+                 timeout: float = 600.0, flush_timeout: float = 60.0):
+        super().__init__(server, session=session, timeout=timeout, flush_timeout=flush_timeout)
+        self.tp_size = int(tp_size)
+
+    def update(self, bucket: FlatBucket) -> None:
+        bucket.wait()  # the packing's copies, before another process reads the buffer
+        self._call("update_weights_from_tensor", {
+            "serialized_named_tensors": sglang_payload(bucket, self.tp_size), "load_format": "flattened_bucket",
+            "flush_cache": False})
+
+
+class SGLangDistributedEngine(_SGLangServer):
     """A running SGLang engine, updated by NCCL broadcast (SGLang's disaggregated route): the trainer
     joins a process group with the engine's workers as its rank 0 (`init_weights_update_group`),
     then each bucket is one `update_weights_from_distributed(load_format="flattened_bucket")`
@@ -82,32 +173,13 @@ class SGLangDistributedEngine(Engine):
     def __init__(self, server: str | Callable[[str, dict], object], *, master_address: str, master_port: int,
                  world_size: int, group_name: str | None = None, backend: str = "nccl", session: bool = True,
                  timeout: float = 600.0, flush_timeout: float = 60.0):
-        super().__init__()
-        self._post = server if callable(server) else partial(_post_json, server.rstrip("/"), timeout=timeout)
+        super().__init__(server, session=session, timeout=timeout, flush_timeout=flush_timeout)
         self.master_address, self.master_port, self.world_size = master_address, int(master_port), int(world_size)
         self.group_name = group_name or f"mconv-{os.getpid()}-{next(self._names)}"
-        self.backend, self.session, self.timeout, self.flush_timeout = backend, session, timeout, flush_timeout
+        self.backend = backend
         self._group = None
         self._store = None  # the groups' TCPStore, hosted here: it must live as long as they do
         self._joins = 0  # groups made so far: a group made anew after a failure gets a name of its own
-        self._version: str | None = None
-
-    def start(self, version: str, verify: bool = False) -> None:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            raise MconvError("SGLangDistributedEngine sends from trainer rank 0 only, and this trainer has "
-                             f"{parallel_state.get_pipeline_model_parallel_world_size()} pipeline stages (PP > 1 is "
-                             "not supported)")
-        self._version = version
-        if self.session:
-            try:
-                self._call("begin_weight_update", {})
-            except RuntimeError as e:
-                if "already open" not in str(e):
-                    raise
-                self._call("end_weight_update", {})  # a session an earlier trainer left open
-                self._call("begin_weight_update", {})
 
     def update(self, bucket: FlatBucket) -> None:
         end = 0
@@ -131,32 +203,10 @@ class SGLangDistributedEngine(Engine):
             "load_format": "flattened_bucket", "flush_cache": False},
             lambda: dist.broadcast(bucket.buffer[:end], src=0, group=group))
 
-    def finish(self, version: str) -> None:
-        if self.session:
-            self._call("end_weight_update", {})
-        self._call("update_weight_version", {"new_version": version, "abort_all_requests": False})
-        self._call("flush_cache", {"timeout": self.flush_timeout})
-
-    def abort(self, version: str, reason: str) -> None:
-        if self.session:
-            self._call("end_weight_update", {})
-
     def close(self) -> None:
         super().close()
         self._drop_group()
         self._store = None
-
-    def _call(self, route: str, payload: dict) -> object:
-        reply = self._post(route, payload)
-        if isinstance(reply, (tuple, list)) and reply and isinstance(reply[0], bool):  # sglang.Engine's methods
-            success, message = reply[0], reply[1] if len(reply) > 1 else ""
-        elif isinstance(reply, dict):
-            success, message = reply.get("success"), reply.get("message")
-        else:
-            success, message = getattr(reply, "success", None), getattr(reply, "message", None)
-        if success is False:
-            raise RuntimeError(f"SGLang refused {route}: {message}")
-        return reply
 
     def _with_engine(self, route: str, payload: dict, ours: Callable[[], object]) -> None:
         """Send `route` and do `ours` meanwhile: SGLang answers only once its side of the group
