@@ -408,7 +408,8 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
                    "keep the delta-net's in_proj_b/in_proj_a, conv1d, shared_expert_gate and mtp.fc). For Qwen3, "
                    "Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5/3.6 (text and VL) and Qwen3-Next (stacked experts "
                    "quantized expert by expert; Qwen3.5/3.6-MoE experts written per expert unless "
-                   "--expert-orientation is given); refused for BailingMoeV3 (its FP8 is read, not written). "
+                   "--expert-orientation is given) and BailingMoeV3 (KDA b_proj and MLA g_proj kept, as vLLM "
+                   "loads it). "
                    "See docs/fp8.md.")
 @click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
               help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two, DeepGEMM / SGLang). "

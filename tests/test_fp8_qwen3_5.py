@@ -230,17 +230,6 @@ def test_export_lora_merge_writes_fp8_experts_per_expert(tmp_path, qwen3_5_moe_d
     assert_quantized(per_expert(ours) | {name: base[name].float() for name in mtp}, written)
 
 
-def test_bailing_v3_is_refused_in_one_line(tmp_path):
-    """BailingMoeV3: which weights Ling's FP8 releases keep in 16-bit was not found whole (docs/fp8.md),
-    so `mcore2hf --quantize fp8` is refused in one line, nothing written."""
-    from tests.conftest import FIXTURES
-    from tests.test_errors import assert_refused, mconv
-
-    hf2mcore(FIXTURES / "bailing-v3-tiny", tmp_path / "m", Layout(), fmt="torch", progress=False)
-    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--quantize", "fp8"), tmp_path / "out",
-                   "--quantize fp8: mconv does not write FP8 checkpoints of BailingMoeV3ForCausalLM yet")
-
-
 @pytest.mark.slow
 @needs_compressed_tensors
 def test_live_fp8_of_aligned_gated_attention(tmp_path, monkeypatch):

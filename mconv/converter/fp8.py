@@ -11,6 +11,7 @@ two, SGLang's `per_block_cast_to_fp8`. Dequantization: `w = float(q) * float(s)`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -181,7 +182,8 @@ def writer_quantization(arch, quantize: str | None, fp8_scale: str | None,
                          "(which of its weights the FP8 releases keep in 16-bit is not established)")
     source = (config or {}).get("quantization_config")
     source_scale = source.get("scale_fmt") if isinstance(source, dict) and source.get("quant_method") == "fp8" else None
-    return Quantization(arch.fp8, fp8_scale or (source_scale if source_scale in SCALE_FORMATS else "float"))
+    return Quantization(partial(arch.fp8, d=arch.dims(config or {})),
+                        fp8_scale or (source_scale if source_scale in SCALE_FORMATS else "float"))
 
 
 def block_note(config: dict | None, quantization: Quantization | None) -> str | None:

@@ -7,6 +7,7 @@ import json
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -112,7 +113,8 @@ def _schedule(live: LiveModel, bucket_bytes: int, stacked: bool = False) -> list
              "etp": [_exported(live.peer_plan(etp=r)) for r in range(live.layout.etp)]}
     ep_peers = [_exported(live.peer_plan(ep=r)) for r in range(live.layout.ep)]
     index = {id(task): i for i, (_, task) in enumerate(tasks)}
-    fp8_weights = fp8.Quantization(live.arch.fp8) if live.arch.fp8 is not None else None  # what quantize="fp8" picks
+    fp8_weights = (fp8.Quantization(partial(live.arch.fp8, d=live.dims)) if live.arch.fp8 is not None
+                   else None)  # what quantize="fp8" picks
 
     def nbytes(item) -> int:
         v, task = item

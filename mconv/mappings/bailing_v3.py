@@ -258,6 +258,21 @@ def hf_config(config: dict, d: SimpleNamespace) -> dict:
     return {**config, "num_nextn_predict_layers": 0} if d.hf_mtp_layers and not d.mtp_layers else config
 
 
+def fp8_projection(name: str, d: SimpleNamespace) -> bool:
+    """Which HF weights mconv stores in FP8: every projection (`*_proj.weight`, MLA's `dense`: the
+    routed and shared experts, the dense MLP, KDA q/k/v/f/g/o, MLA q/q_a/q_b/kv_a/kv_b, MTP `eh_proj`)
+    but KDA's `b_proj` and MLA's head-wise `g_proj` ([heads, hidden]: too few rows for a TP rank to
+    hold whole 128-row blocks). That is what vLLM 0.32's BailingMoeV3 loads at any TP
+    (model_executor/models/bailing_moe_v3.py: MLA `q_a_proj` and `kv_a_proj_with_mqa` fuse into one
+    FP8 `fused_qkv_a_proj`, an FP8 KDA `b_proj` fuses into `qkvb_proj`, whose scales it places only at
+    TP 1, and MLA `g_proj` must hold whole blocks per rank) and the narrowed exclusions Ling's own
+    repository adopts (docs/fp8.md). The router, conv1d, norms, embeddings and lm_head stay 16-bit."""
+    if (not name.endswith(("_proj.weight", ".attention.kv_a_proj_with_mqa.weight", ".attention.dense.weight"))
+            or name.endswith(".attention.b_proj.weight")):
+        return False
+    return not (name.endswith(".attention.g_proj.weight") and int(name.split(".")[2]) in d.mla_layers)
+
+
 BAILING_V3 = Architecture("BailingMoeV3ForCausalLM", dims,
                           embedding_and_output("model.word_embeddings.weight") + INPUT_NORM + KDA + MLA
                           + DENSE_MLP + MOE_MLP + MOE_EXTRAS + MTP, megatron_args, dropped=lambda d: {
@@ -267,7 +282,7 @@ BAILING_V3 = Architecture("BailingMoeV3ForCausalLM", dims,
                           # torch_dist: KDA and MLA layers differ, so keys are per layer; local names
                           # (megatron-core's local MLA spec has no keys map, AReaL's KDA layer has its own
                           # input_layernorm).
-                          torch_dist=DistKeys(per_layer=True),
+                          torch_dist=DistKeys(per_layer=True), fp8=fp8_projection,
                           needs_bridge="megatron-core has no Kimi Delta Attention (KDA) layer; AReaL's Bailing V3 "
                                        "model (areal/models/mcore/bailing_v3.py) builds it, and load_hf_weights "
                                        "fills it")

@@ -104,7 +104,7 @@ def embedding_and_output(embedding: str = "model.embed_tokens.weight") -> tuple[
 EMBEDDING_AND_OUTPUT = embedding_and_output()
 
 
-def fp8_projection(name: str) -> bool:
+def fp8_projection(name: str, d: SimpleNamespace | None = None) -> bool:
     """The Qwen3 FP8 releases' choice (reference fp8.md, 1.3): the language model's q/k/v/o and
     gate/up/down projections are FP8, routed experts included (per expert, or stacked: Qwen3-VL-MoE's
     `mlp.experts.gate_up_proj` / `down_proj`); embeddings, lm_head, norms, the MoE router and a vision

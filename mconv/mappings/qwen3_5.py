@@ -187,7 +187,7 @@ def hf_config(config: dict, d: SimpleNamespace) -> dict:
 GDN_FP8 = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_qkvz.weight")
 
 
-def fp8_projection(name: str) -> bool:
+def fp8_projection(name: str, d: SimpleNamespace | None = None) -> bool:
     """Which HF weights Qwen's FP8 releases of Qwen3.5 / Qwen3.6 (dense and MoE, text and VL) and
     Qwen3-Next store in FP8: Qwen3's choice (qwen3.fp8_projection: every `*_proj.weight` of the
     language model, routed experts per expert or stacked, the vision tower 16-bit), which takes in the

@@ -108,9 +108,10 @@ class Architecture:
     # Why megatron-core cannot build this model itself, naming the bridge that can (None: its GPTModel
     # can; mconv.live.build_model builds it).
     needs_bridge: str | None = None
-    # Which HF weights its block-wise FP8 releases store in FP8 (the others stay 16-bit); None: mconv
-    # does not write FP8 for it (`mcore2hf --quantize fp8` refuses).
-    fp8: Callable[[str], bool] | None = None
+    # Which HF weights its block-wise FP8 releases store in FP8 (the others stay 16-bit), given the
+    # HF name and the model's dims (where a name's layer kind decides); None: mconv does not write FP8
+    # for it (`mcore2hf --quantize fp8` refuses).
+    fp8: Callable[[str, SimpleNamespace], bool] | None = None
 
     def fp32_kind(self, hf_name: str) -> str | None:
         """For an HF tensor the table keeps in float32 (Rule.fp32), its kind: the name past the
