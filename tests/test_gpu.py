@@ -205,3 +205,54 @@ def test_gpu_stacked_fp8_export_is_the_offline_bytes(process_group, tmp_path):
         assert yielded["model.language_model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.float8_e4m3fn
         for name, tensor in yielded.items():
             assert torch.equal(bits(tensor.to(offline[name].dtype)), bits(offline[name])), (orientation, name)
+
+
+def _sglang_reader(payload, out):
+    """What SGLang's TP rank 0 does with its entry (sglang 0.5.23: tp_worker.deserialize_own_rank after
+    srt/utils/patch_torch.monkey_patch_torch_reductions, whose rebuild maps a device UUID to this
+    process's device number; written out here, SGLang does not install on the GPU machine)."""
+    import base64
+    import pickle
+
+    from torch.multiprocessing import reductions
+
+    original = reductions.rebuild_cuda_tensor
+
+    def rebuild(*args):
+        uuid = args[6]
+        index = next(i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == uuid)
+        return original(*args[:6], index, *args[7:])
+
+    reductions.rebuild_cuda_tensor = rebuild
+    data = pickle.loads(base64.b64decode(payload))
+    # bytes, not tensors: a CPU tensor in a queue is a shared file this process would have to outlive
+    out.put([(m.name, str(m.dtype), list(m.shape), data["flattened_tensor"][m.start_idx:m.end_idx].cpu().numpy().tobytes())
+             for m in data["metadata"]])
+    del data
+    torch.cuda.synchronize()
+
+
+def test_sglang_payload_opens_in_another_process():
+    """sglang_payload of a CUDA bucket: one CUDA IPC handle naming the GPU by UUID (a string where
+    torch puts the device number), which another process opens (with SGLang's UUID rebuild) into
+    exactly the tensors packed."""
+    from mconv.live.sync.engines import FlatBucket
+    from mconv.live.sync.sglang import sglang_payload
+    from mconv.transport.flat import layout, pack
+
+    named = [("a", torch.randn(63, device="cuda").bfloat16()), ("b", torch.randn(8, 64, device="cuda")),
+             ("c", torch.arange(7, device="cuda"))]
+    entries, nbytes = layout(named)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pack(named, entries, buffer)
+    torch.cuda.synchronize()
+    (payload,) = sglang_payload(FlatBucket("v1", 0, buffer, entries))
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    reader = context.Process(target=_sglang_reader, args=(payload, out))
+    reader.start()
+    back = {name: (dtype, shape, data) for name, dtype, shape, data in out.get(timeout=120)}
+    reader.join(60)
+    assert reader.exitcode == 0
+    for name, tensor in named:
+        assert back[name] == (str(tensor.dtype), list(tensor.shape), tensor.cpu().view(torch.uint8).numpy().tobytes()), name

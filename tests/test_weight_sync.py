@@ -430,8 +430,8 @@ def serve(route, payload):
         return False, "a weight-update session is already open; call end_weight_update() first"
     if route == "update_weights_from_distributed" and "refused" in payload["names"]:
         return False, "Unaligned received tensor refused"  # as SGLang refuses a bucket before receiving it
-    if route.startswith("update_weights_from_") and not session:
-        return False, "must run between begin_weight_update() and end_weight_update()"
+    if route.startswith("update_weights_from_") and not session:  # SGLang's words (weight_updater.py)
+        return False, f"{route} must run between begin_weight_update() and end_weight_update()"
     session[:] = [True] if route == "begin_weight_update" else [] if route == "end_weight_update" else session
     unknown = set(payload) - set(TYPES[route].__struct_fields__)
     assert not unknown, f"{route}: SGLang has no field {sorted(unknown)}"
@@ -457,6 +457,11 @@ def serve(route, payload):
     return True, ""
 
 class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # server_info: SGLang's server arguments, tp_size among them
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(json.dumps({"tp_size": 1, "dp_size": 1}).encode())
+
     def do_POST(self):
         route = self.path.strip("/")
         log.append(route)
@@ -466,7 +471,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(200 if isinstance(answer, str) or answer[0] else 400)
         self.end_headers()
         self.wfile.write(body)
-        if route in ("destroy_weights_update_group", "flush_cache?timeout=60"):  # what came so far, for the test
+        if route == "destroy_weights_update_group" or route.startswith("flush_cache"):  # what came so far, for the test
             torch.save({"log": log, "received": received, "loaded": loaded, "versions": versions}, sys.argv[1] + ".pt")
 
 server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
@@ -526,17 +531,21 @@ def test_sglang_receives_buckets_by_both_routes(tmp_path):
                    [("d", torch.randn(5, 3, generator=generator).half()),
                     ("e", torch.randn(4, 32, generator=generator).to(torch.float8_e4m3fn))]]
         torch.multiprocessing.set_sharing_strategy("file_system")  # SGLang's process is no child of this one
+        SGLangEngine(url).start("v5")  # a trainer that died mid-sync leaves SGLang's session open
         colocated = SGLangEngine(url, timeout=120)
-        colocated.start("v6")
+        colocated.start("v6")  # ends it and begins its own
         for index, named in enumerate(buckets):
             entries, nbytes = layout(named, aliases={"lm_head": "a"} if index == 0 else None)
             pack(named, entries, colocated.buffer(index, nbytes, torch.device("cpu")))
             colocated.update(FlatBucket("v6", index, colocated.buffer(index, nbytes, torch.device("cpu")), entries))
         colocated.finish("v6")
-        with pytest.raises(RuntimeError, match=r"^SGLang refused update_weights_from_tensor: must run between "):
+        with pytest.raises(RuntimeError, match=r"^SGLang refused update_weights_from_tensor: update_weights_from_"
+                                               r"tensor must run between "):
             SGLangEngine(url, session=False).update(FlatBucket("v6", 1, colocated.buffer(1, nbytes, torch.device("cpu")),
                                                                entries))
         colocated.close()
+        with pytest.raises(MconvError, match=r"^SGLangEngine needs SGLang at TP 1 \(its server runs tp_size=2\)"):
+            SGLangEngine(lambda route, payload: {"tp_size": 2} if route == "server_info" else {}).start("v6")
         loaded = torch.load(tmp_path / "sglang.pt")["loaded"]
         sent = dict(named for bucket in buckets for named in bucket) | {"lm_head": buckets[0][0][1]}
         assert sorted(loaded) == sorted(sent)
@@ -578,11 +587,12 @@ def test_sglang_receives_buckets_by_both_routes(tmp_path):
     with pytest.raises(RuntimeError, match=r"^SGLang refused begin_weight_update: not now$"):
         refusing.start("v9")
     back = torch.load(tmp_path / "sglang.pt")
-    assert back["log"] == ["begin_weight_update", "update_weights_from_tensor", "update_weights_from_tensor",
-                           "end_weight_update", "update_weight_version", "flush_cache?timeout=60",
+    assert back["log"] == ["begin_weight_update", "begin_weight_update", "end_weight_update",
+                           "begin_weight_update", "update_weights_from_tensor", "update_weights_from_tensor",
+                           "end_weight_update", "update_weight_version", "flush_cache?timeout=60.0",
                            "update_weights_from_tensor", "begin_weight_update", "init_weights_update_group", "update_weights_from_distributed",
                            "update_weights_from_distributed", "end_weight_update", "update_weight_version",
-                           "flush_cache?timeout=60", "begin_weight_update", "update_weights_from_distributed",
+                           "flush_cache?timeout=60.0", "begin_weight_update", "update_weights_from_distributed",
                            "destroy_weights_update_group", "init_weights_update_group",
                            "update_weights_from_distributed", "end_weight_update", "destroy_weights_update_group"]
     assert back["versions"] == ([("flattened_bucket", False)] * 2 + [("v6", False)]

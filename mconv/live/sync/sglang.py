@@ -8,6 +8,7 @@ WeightUpdater."""
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import itertools
 import json
@@ -23,7 +24,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing  # noqa: F401  registers torch's tensor reductions with ForkingPickler
+from torch.multiprocessing import reductions  # also registers torch's tensor reductions with ForkingPickler
 
 from mconv.errors import MconvError
 from mconv.live.sync.engines import Engine, FlatBucket
@@ -34,7 +35,7 @@ def sglang_payload(bucket: FlatBucket, tp_size: int = 1) -> list[str]:
     """`serialized_named_tensors` for an SGLang engine with `tp_size` TP ranks: one entry per rank
     (each rank deserializes only its own, for CUDA IPC reference counting), each the base64 of a
     ForkingPickler dump of {"flattened_tensor": bucket.buffer, "metadata": [...]}. The buffer
-    pickles as one CUDA IPC handle on a GPU (a shared-memory storage on the CPU); the metadata are
+    pickles as one CUDA IPC handle on a GPU (naming the GPU by UUID, as SGLang's sender does) (a shared-memory storage on the CPU); the metadata are
     `types.SimpleNamespace(name, shape, dtype, start_idx, end_idx, numel)` (byte offsets), a
     class SGLang's allow-listing unpickler accepts. Keep `bucket.buffer` unchanged until SGLang's
     call has returned and its copies are done."""
@@ -44,9 +45,25 @@ def sglang_payload(bucket: FlatBucket, tp_size: int = 1) -> list[str]:
     entries = []
     for _ in range(tp_size):
         out = io.BytesIO()
-        ForkingPickler(out).dump(payload)
+        pickler = ForkingPickler(out)
+        pickler.dispatch_table[torch.Tensor] = _reduce_by_device_uuid
+        pickler.dump(payload)
         entries.append(base64.b64encode(out.getvalue()).decode())
     return entries
+
+
+def _reduce_by_device_uuid(tensor: torch.Tensor):
+    """torch's reduction of a tensor, a CUDA one naming its GPU by UUID instead of this process's
+    device index, as SGLang's own sender does (sglang/srt/utils/patch_torch.py: its receiver maps the
+    UUID to its own index, so the two processes may number the GPUs differently)."""
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda and isinstance(args[_DEVICE_ARG], int):
+        args = (*args[:_DEVICE_ARG], str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid),
+                *args[_DEVICE_ARG + 1:])
+    return rebuild, args
+
+
+_DEVICE_ARG = 6  # the device in torch's rebuild_cuda_tensor arguments (SGLang's patch relies on it too)
 
 
 class _SGLangServer(Engine):
@@ -55,9 +72,10 @@ class _SGLangServer(Engine):
     session around each sync."""
 
     def __init__(self, server: str | Callable[[str, dict], object], *, session: bool, timeout: float,
-                 flush_timeout: float):
+                 flush_timeout: float, api_key: str | None = None):
         super().__init__()
-        self._post = server if callable(server) else partial(_post_json, server.rstrip("/"), timeout=timeout)
+        self._post = server if callable(server) else partial(_post_json, server.rstrip("/"), timeout=timeout,
+                                                             api_key=api_key)
         self.session, self.timeout, self.flush_timeout = session, timeout, flush_timeout
 
     def start(self, version: str, verify: bool = False) -> None:
@@ -102,20 +120,19 @@ class _SGLangServer(Engine):
 class SGLangEngine(_SGLangServer):
     """A running SGLang engine on the trainer's GPU, updated through `update_weights_from_tensor`
     (SGLang's colocated route): each bucket is one request whose `serialized_named_tensors` is
-    `sglang_payload(bucket, tp_size)`, the bucket's flat buffer as one CUDA IPC handle per SGLang TP
-    rank plus its entries (`load_format="flattened_bucket"`, no cache flush per bucket). SGLang
+    `sglang_payload(bucket)`, the bucket's flat buffer as one CUDA IPC handle plus its entries (`load_format="flattened_bucket"`, no cache flush per bucket). SGLang
     copies the bucket into its parameters through its model's `load_weights` and answers; the
     buffer is reused two buckets later. (SGLang's process synchronizes its stream when it frees the
     tensors it mapped, before it answers: torch's deleter of a received CUDA storage does so, which
     is what makes reusing a shared buffer safe.)
 
-    `server`: SGLang's HTTP address ("http://host:30000") or a function `(route, payload) -> reply`
-    for an in-process `sglang.Engine` (its `update_weights_from_tensor` takes the payload's
-    `serialized_named_tensors` as `named_tensors`); a reply is a dict, a `(success, message)` tuple
-    or an object with `.success` / `.message`. `tp_size`: SGLang's TP size; every rank maps the one
-    buffer, which lives on the trainer's sending GPU (rank 0's), so its TP ranks must be able to
-    reach that GPU (written for SGLang at TP 1 on the trainer's GPU; tested on the CPU only, against
-    sglang 0.5.23's own reading code). `session=True` wraps each sync in
+    SGLang must run at TP 1: only its TP rank 0 answers, and its other ranks' copies from the shared
+    buffer are not ordered before that answer, so the next packing could overwrite what they still
+    read (`start` refuses a server whose `server_info` says otherwise). `server`: SGLang's HTTP
+    address ("http://host:30000") or a function `(route, payload) -> reply` (routes as below;
+    `server_info` may answer None); a reply is a dict, a `(success, message)` tuple or an object with
+    `.success` / `.message`. The GPU is named by UUID in the payload, as SGLang's own sender does.
+    Tested on the CPU only, against sglang 0.5.23's own reading code. `session=True` wraps each sync in
     `begin_weight_update` / `end_weight_update` (SGLang >= 0.5.21 requires them). At `finish` the
     version is set (`update_weight_version`, without aborting requests) and the radix cache flushed,
     waiting up to `flush_timeout` seconds for running requests to end.
@@ -127,15 +144,22 @@ class SGLangEngine(_SGLangServer):
     On the CPU the buffer crosses as a shared-memory storage, which a process outside this one's
     tree opens only under `torch.multiprocessing.set_sharing_strategy("file_system")`."""
 
-    def __init__(self, server: str | Callable[[str, dict], object], *, tp_size: int = 1, session: bool = True,
-                 timeout: float = 600.0, flush_timeout: float = 60.0):
-        super().__init__(server, session=session, timeout=timeout, flush_timeout=flush_timeout)
-        self.tp_size = int(tp_size)
+    def __init__(self, server: str | Callable[[str, dict], object], *, session: bool = True,
+                 timeout: float = 600.0, flush_timeout: float = 60.0, api_key: str | None = None):
+        super().__init__(server, session=session, timeout=timeout, flush_timeout=flush_timeout, api_key=api_key)
+
+    def start(self, version: str, verify: bool = False) -> None:
+        info = self._post("server_info", {})
+        tp = (info or {}).get("tp_size", 1) if isinstance(info, dict) else 1
+        if tp != 1:
+            raise MconvError(f"SGLangEngine needs SGLang at TP 1 (its server runs tp_size={tp}): its other TP ranks' "
+                             "copies from the shared bucket would race the next bucket's packing")
+        super().start(version, verify)
 
     def update(self, bucket: FlatBucket) -> None:
         bucket.wait()  # the packing's copies, before another process reads the buffer
         self._call("update_weights_from_tensor", {
-            "serialized_named_tensors": sglang_payload(bucket, self.tp_size), "load_format": "flattened_bucket",
+            "serialized_named_tensors": sglang_payload(bucket), "load_format": "flattened_bucket",
             "flush_cache": False})
 
 
@@ -172,8 +196,8 @@ class SGLangDistributedEngine(_SGLangServer):
 
     def __init__(self, server: str | Callable[[str, dict], object], *, master_address: str, master_port: int,
                  world_size: int, group_name: str | None = None, backend: str = "nccl", session: bool = True,
-                 timeout: float = 600.0, flush_timeout: float = 60.0):
-        super().__init__(server, session=session, timeout=timeout, flush_timeout=flush_timeout)
+                 timeout: float = 600.0, flush_timeout: float = 60.0, api_key: str | None = None):
+        super().__init__(server, session=session, timeout=timeout, flush_timeout=flush_timeout, api_key=api_key)
         self.master_address, self.master_port, self.world_size = master_address, int(master_port), int(world_size)
         self.group_name = group_name or f"mconv-{os.getpid()}-{next(self._names)}"
         self.backend = backend
@@ -261,25 +285,31 @@ class SGLangDistributedEngine(_SGLangServer):
                 dist.distributed_c10d._abort_process_group(held[1])
 
 
-def _post_json(base: str, route: str, payload: dict, timeout: float) -> dict:
-    """POST `payload` as JSON to `base`/`route`. Returns SGLang's JSON reply ({"success", "message"}
-    for the weight routes), or {} for a plain-text success (flush_cache). A refusal (HTTP 400 with
-    JSON) comes back as the reply; anything else is a RuntimeError naming the route."""
+def _post_json(base: str, route: str, payload: dict, timeout: float, api_key: str | None = None) -> dict:
+    """POST `payload` as JSON to `base`/`route` (GET for `server_info`), with `api_key` as a bearer
+    token where given (SGLang's --api-key / --admin-api-key). Returns SGLang's JSON reply ({"success",
+    "message"} for the weight routes), or {} for a plain-text success (flush_cache). A refusal (HTTP
+    4xx with JSON) comes back as the reply, its message SGLang's `message`, `error` or `detail`;
+    anything else is a RuntimeError naming the route."""
     if route == "flush_cache":  # its one argument is a query parameter
-        route, payload = f"flush_cache?timeout={payload.get('timeout', 0):g}", {}
-    request = urllib.request.Request(f"{base}/{route}", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        route, payload = f"flush_cache?timeout={float(payload.get('timeout', 0))!r}", {}
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+    request = urllib.request.Request(f"{base}/{route}", headers=headers,
+                                     **({"method": "GET"} if route == "server_info" else
+                                        {"data": json.dumps(payload).encode(), "method": "POST"}))
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
     except urllib.error.HTTPError as e:
         body = e.read()
         try:
-            return dict(json.loads(body), success=False)
-        except (ValueError, TypeError):
+            reply = json.loads(body)
+            message = next((reply[k] for k in ("message", "error", "detail") if reply.get(k)), body.decode())
+            return dict(reply, success=False, message=message)
+        except (ValueError, TypeError, AttributeError):
             raise RuntimeError(f"SGLang at {base} answered {route} with HTTP {e.code}: "
                                f"{body[:200].decode(errors='replace').strip()}") from None
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise RuntimeError(f"SGLang at {base} did not answer {route}: {e}") from None
     try:
         return json.loads(body)
