@@ -120,9 +120,10 @@ class _SGLangServer(Engine):
 class SGLangEngine(_SGLangServer):
     """A running SGLang engine on the trainer's GPU, updated through `update_weights_from_tensor`
     (SGLang's colocated route): each bucket is one request whose `serialized_named_tensors` is
-    `sglang_payload(bucket)`, the bucket's flat buffer as one CUDA IPC handle plus its entries (`load_format="flattened_bucket"`, no cache flush per bucket). SGLang
-    copies the bucket into its parameters through its model's `load_weights` and answers; the
-    buffer is reused two buckets later. (SGLang's process synchronizes its stream when it frees the
+    `sglang_payload(bucket)`, the bucket's flat buffer as one CUDA IPC handle plus its entries
+    (`load_format="flattened_bucket"`, no cache flush per bucket). SGLang copies the bucket into its
+    parameters through its model's `load_weights` and answers; the buffer is reused two buckets
+    later. (At TP 1 SGLang's process synchronizes its stream when it frees the
     tensors it mapped, before it answers: torch's deleter of a received CUDA storage does so, which
     is what makes reusing a shared buffer safe.)
 
@@ -132,7 +133,8 @@ class SGLangEngine(_SGLangServer):
     address ("http://host:30000") or a function `(route, payload) -> reply` (routes as below;
     `server_info` may answer None); a reply is a dict, a `(success, message)` tuple or an object with
     `.success` / `.message`. The GPU is named by UUID in the payload, as SGLang's own sender does.
-    Tested on the CPU only, against sglang 0.5.23's own reading code. `session=True` wraps each sync in
+    Tested against sglang 0.5.23's own reading code on the CPU; on a GPU, the payload opened in
+    another process (tests/test_gpu.py). `session=True` wraps each sync in
     `begin_weight_update` / `end_weight_update` (SGLang >= 0.5.21 requires them). At `finish` the
     version is set (`update_weight_version`, without aborting requests) and the radix cache flushed,
     waiting up to `flush_timeout` seconds for running requests to end.
