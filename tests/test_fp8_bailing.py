@@ -61,6 +61,7 @@ def hf_weights(vllm_module: str, written: dict) -> list[str]:
     return [f"{at}.{part}.weight" for part in PARTS.get(name, [name])]
 
 
+@pytest.mark.slow
 @needs_compressed_tensors
 @needs_vllm
 def test_fp8_output_is_what_vllm_loads(tmp_path):

@@ -35,7 +35,8 @@ def sglang_payload(bucket: FlatBucket, tp_size: int = 1) -> list[str]:
     """`serialized_named_tensors` for an SGLang engine with `tp_size` TP ranks: one entry per rank
     (each rank deserializes only its own, for CUDA IPC reference counting), each the base64 of a
     ForkingPickler dump of {"flattened_tensor": bucket.buffer, "metadata": [...]}. The buffer
-    pickles as one CUDA IPC handle on a GPU (naming the GPU by UUID, as SGLang's sender does) (a shared-memory storage on the CPU); the metadata are
+    pickles as one CUDA IPC handle naming its GPU by UUID, as SGLang's own sender does (on the CPU: a
+    shared-memory storage); the metadata are
     `types.SimpleNamespace(name, shape, dtype, start_idx, end_idx, numel)` (byte offsets), a
     class SGLang's allow-listing unpickler accepts. Keep `bucket.buffer` unchanged until SGLang's
     call has returned and its copies are done."""
@@ -52,6 +53,9 @@ def sglang_payload(bucket: FlatBucket, tp_size: int = 1) -> list[str]:
     return entries
 
 
+_DEVICE_ARG = 6  # the device in torch's rebuild_cuda_tensor arguments (SGLang's patch relies on it too)
+
+
 def _reduce_by_device_uuid(tensor: torch.Tensor):
     """torch's reduction of a tensor, a CUDA one naming its GPU by UUID instead of this process's
     device index, as SGLang's own sender does (sglang/srt/utils/patch_torch.py: its receiver maps the
@@ -61,9 +65,6 @@ def _reduce_by_device_uuid(tensor: torch.Tensor):
         args = (*args[:_DEVICE_ARG], str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid),
                 *args[_DEVICE_ARG + 1:])
     return rebuild, args
-
-
-_DEVICE_ARG = 6  # the device in torch's rebuild_cuda_tensor arguments (SGLang's patch relies on it too)
 
 
 class _SGLangServer(Engine):
