@@ -360,6 +360,57 @@ torch.save({"tensors": {n: t.clone() for n, t in tensors},
 """
 
 
+VLLM_PACKED_READ = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from safetensors.torch import save_file
+from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+from mconv.transport.vllm_receiver import packed_update_info
+info = packed_update_info(json.load(open("entries.json")))
+buffer = torch.frombuffer(bytearray(open("bucket.bin", "rb").read()), dtype=torch.uint8)
+dtypes = [getattr(torch, name) for name in info["dtype_names"]]
+tensors = unpack_tensor(buffer, info["names"], info["shapes"], dtypes, info["tensor_sizes"])
+save_file({name: tensor.clone() for name, tensor in tensors}, "back.safetensors")
+try:
+    packed_update_info(json.load(open("aliased.json")))
+    print("UNPACKED " + json.dumps(None))
+except ValueError as e:
+    print("UNPACKED " + json.dumps(str(e)))
+"""
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_packed_format_cuts_the_flat_bucket(tmp_path):
+    """The update info VLLMIPCEngine's buckets reach vLLM's ipc backend with (packed_update_info:
+    names and byte sizes in buffer order), cut by vLLM's own unpack_tensor (the split its
+    packed_ipc_consumer makes), gives back exactly the tensors sent, mixed dtypes in mconv's
+    widest-first order; a bucket with an alias (tied lm_head sharing the embedding's bytes) is refused."""
+    from safetensors.torch import load_file
+
+    from mconv.transport.flat import layout, pack
+    from tests.conftest import ROOT
+    from tests.test_lora import run_vllm
+
+    generator = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(63, generator=generator).bfloat16()), ("b", torch.randn(8, 64, generator=generator)),
+             ("c", torch.randn(5, 3, generator=generator).half()), ("d", torch.arange(7)),
+             ("e", torch.randn(64, 64, generator=generator).to(torch.float8_e4m3fn))]
+    entries, nbytes = layout(named)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    pack(named, entries, buffer)
+    (tmp_path / "bucket.bin").write_bytes(buffer.numpy().tobytes())
+    (tmp_path / "entries.json").write_text(json.dumps([e.to_json() for e in entries]))
+    aliased, _ = layout(named, aliases={"lm_head": "b"})
+    (tmp_path / "aliased.json").write_text(json.dumps([e.to_json() for e in aliased]))
+    refusal = run_vllm(tmp_path, VLLM_PACKED_READ, ROOT, marker="UNPACKED ")
+    back = load_file(tmp_path / "back.safetensors")
+    for name, tensor in named:
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name].view(torch.uint8),
+                                                                tensor.view(torch.uint8)), name
+    assert refusal is not None and refusal.startswith("bucket entry lm_head at byte"), refusal
+
+
 @needs_sglang
 @pytest.mark.slow
 def test_sglang_reads_the_flattened_bucket(tmp_path):

@@ -20,7 +20,8 @@ _BYTES = ("handle", "ref_counter_handle", "event_handle")
 
 
 def share(buffer: torch.Tensor) -> dict:
-    """One CUDA IPC handle for `buffer` (1-D uint8 on a CUDA device), as JSON. The caller keeps
+    """One CUDA IPC handle for `buffer` (1-D uint8 on a CUDA device), as JSON; "uuid" names the GPU
+    as every process sees it (vLLM's ipc backend looks its handle up by it). The caller keeps
     `buffer` alive and unchanged until the receiver has copied from it."""
     if not buffer.is_cuda or buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise ValueError(f"CUDA IPC shares a 1-D uint8 CUDA buffer, not {buffer.dtype} {list(buffer.shape)} "
@@ -29,6 +30,7 @@ def share(buffer: torch.Tensor) -> dict:
     (_, size, stride, offset, _, _, device, handle, size_bytes, offset_bytes, _, ref_counter_handle,
      ref_counter_offset, event_handle, event_sync_required) = args
     return {"numel": size[0], "offset": offset, "device": device, "size_bytes": size_bytes,
+            "uuid": str(torch.cuda.get_device_properties(device).uuid),
             "offset_bytes": offset_bytes, "ref_counter_offset": ref_counter_offset,
             "event_sync_required": bool(event_sync_required),
             **{k: None if raw is None else bytes(raw).hex()
@@ -40,11 +42,17 @@ def key(shared: dict) -> str:
     return f"{shared['handle']}:{shared['offset_bytes']}"
 
 
+def rebuild_args(shared: dict, device: int) -> tuple:
+    """The arguments of torch's `rebuild_cuda_tensor` for a `share()` result on `device` (the
+    sender's GPU as this process numbers it): what torch's own reduce_tensor gives, and what
+    vLLM's ipc weight-transfer backend takes as a handle."""
+    raw = {k: None if shared[k] is None else bytes.fromhex(shared[k]) for k in _BYTES}
+    return (torch.Tensor, torch.Size([shared["numel"]]), (1,), shared["offset"], torch.UntypedStorage, torch.uint8,
+            device, raw["handle"], shared["size_bytes"], shared["offset_bytes"], False, raw["ref_counter_handle"],
+            shared["ref_counter_offset"], raw["event_handle"], shared["event_sync_required"])
+
+
 def attach(shared: dict, device: int) -> torch.Tensor:
     """The uint8 CUDA tensor a `share()` result names, mapped into this process on `device`
     (the sender's GPU as this process numbers it)."""
-    raw = {k: None if shared[k] is None else bytes.fromhex(shared[k]) for k in _BYTES}
-    return rebuild_cuda_tensor(torch.Tensor, torch.Size([shared["numel"]]), (1,), shared["offset"],
-                               torch.UntypedStorage, torch.uint8, device, raw["handle"], shared["size_bytes"],
-                               shared["offset_bytes"], False, raw["ref_counter_handle"],
-                               shared["ref_counter_offset"], raw["event_handle"], shared["event_sync_required"])
+    return rebuild_cuda_tensor(*rebuild_args(shared, device))

@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
 
-from mconv.transport import shm
+from mconv.transport import cuda_ipc, shm
 from mconv.transport.flat import Entry, checksums, unpack
 from mconv.transport.receiver import DEFAULT_TIMEOUT, UpdateReceiver
 
@@ -113,17 +113,19 @@ def _prepack_cpu_experts_on_update(model: torch.nn.Module) -> None:
         method._mconv_prepacks = True
 
 
-def engine_args() -> dict:
-    """The `LLM(...)` keyword arguments that select the `mconv_shm` backend (registered on first call)."""
-    if BACKEND not in WeightTransferEngineFactory._registry:
+def engine_args(backend: str = BACKEND) -> dict:
+    """The `LLM(...)` keyword arguments that select weight-transfer `backend`: "mconv_shm" (this
+    module's, registered on first call; trainer: VLLMEngine) or vLLM's own "ipc" (one GPU; trainer:
+    VLLMIPCEngine)."""
+    if backend == BACKEND and BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, FlatBucketTransfer)
-    return {"weight_transfer_config": WeightTransferConfig(backend=BACKEND)}
+    return {"weight_transfer_config": WeightTransferConfig(backend=backend)}
 
 
-def expected_tensors(llm) -> dict[str, list[int]]:
+def expected_tensors(llm, tied_lm_head: bool = True) -> dict[str, list[int]]:
     """{HF name: shape} the engine's model loads: its checkpoint's safetensors headers (a local
-    directory or a hub repository), plus lm_head.weight for tied embeddings (which vLLM's CPU build
-    must be sent: its prepacked lm_head kernel does not follow the embedding)."""
+    directory or a hub repository), plus, with `tied_lm_head`, lm_head.weight for tied embeddings
+    (which vLLM's CPU build must be sent: its prepacked lm_head kernel does not follow the embedding)."""
     from safetensors import safe_open
 
     config = llm.llm_engine.model_config
@@ -139,66 +141,84 @@ def expected_tensors(llm) -> dict[str, list[int]]:
         metadata = get_safetensors_metadata(config.model, revision=config.revision)
         shapes = {name: list(info.shape) for file in metadata.files_metadata.values()
                   for name, info in file.tensors.items()}
-    if getattr(config.hf_text_config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in shapes:
+    if tied_lm_head and getattr(config.hf_text_config, "tie_word_embeddings", False) \
+            and "model.embed_tokens.weight" in shapes:
         shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     return shapes
 
 
 class Receiver(UpdateReceiver):
-    """Serves a trainer's weight syncs to an in-process `LLM` built with `engine_args()`
-    (receiver.UpdateReceiver: requests, `lock`, updates aborted when the trainer disappears).
+    """Serves a trainer's weight syncs to an in-process `LLM` built with `engine_args()` (or
+    `engine_args("ipc")`) (receiver.UpdateReceiver: requests, `lock`, updates aborted when the
+    trainer disappears). Routes, as the trainer's engine asks: "transfer" (VLLMEngine, backend
+    mconv_shm), "reload" (VLLMEngine(route="reload"), any backend) and "ipc" (VLLMIPCEngine, vLLM's
+    own ipc backend: each bucket's CUDA IPC handle is handed to it as its packed update info).
 
-    `finish` sets vLLM's weight version and resets the prefix cache (unless the request says
-    otherwise); after an abort `llm.get_weight_version()` is "failed:<version>" and the model holds
-    a mix of old and new layers until the next sync. `checksums` reads back, on every worker, each
-    parameter vLLM keeps under its HF name and shape, and otherwise the tensor the worker loaded
-    (vLLM fuses q/k/v and gate/up, shards them over its TP ranks, and its CPU build prepacks linear
-    weights into kernels that cannot be read back)."""
+    `finish` sets vLLM's weight version (on vLLMs that keep one: `update_weight_version`, 0.32) and
+    resets the prefix cache (unless the request says otherwise); after an abort the version is
+    "failed:<version>" and the model holds a mix of old and new layers until the next sync.
+    `checksums` reads back, on every worker, each parameter vLLM keeps under its HF name and shape,
+    and otherwise the tensor the worker loaded (vLLM fuses q/k/v and gate/up, shards them over its
+    TP ranks, and its CPU build prepacks linear weights into kernels that cannot be read back)."""
 
     def __init__(self, llm, address: str, authkey: bytes, timeout: float = DEFAULT_TIMEOUT):
         super().__init__(address, authkey, timeout)
         self.llm = llm
         self._verify, self._route = False, "transfer"
-        llm.init_weight_transfer_engine({"init_info": {}})
+        config = llm.llm_engine.vllm_config.weight_transfer_config
+        self.backend = None if config is None else config.backend
+        if self.backend is not None:
+            llm.init_weight_transfer_engine({"init_info": {}})
 
     def expected(self) -> dict[str, list[int]]:
-        return expected_tensors(self.llm)
+        return expected_tensors(self.llm, tied_lm_head=self.backend != "ipc")
 
     def begin(self, message: dict) -> None:
         self._verify, self._route = bool(message.get("verify")), message.get("route", "transfer")
-        if self._route == "transfer":
-            self.llm.start_weight_update()
-        elif self._route == "reload":
+        needs = {"transfer": BACKEND, "ipc": "ipc", "reload": self.backend}.get(self._route, "")
+        if needs == "":
+            raise ValueError(f"unknown route {self._route!r} (transfer, ipc or reload)")
+        if needs != self.backend:
+            raise ValueError(f"route {self._route!r} needs an LLM built with engine_args({needs!r}); this one's "
+                             f"weight-transfer backend is {self.backend!r}")
+        if self._route == "reload":
             _LOADED.clear()
             self._queue = queue.Queue(maxsize=1)
             self._reload = ThreadPoolExecutor(1).submit(
                 self.llm.collective_rpc, "reload_weights",
                 kwargs={"weights_iterator": _drained(self._queue), "is_checkpoint_format": True})
-        else:
-            raise ValueError(f"unknown route {self._route!r} (transfer or reload)")
+            return
+        if self._route == "ipc":
+            self.llm.collective_rpc(_record_loads, args=(self._verify,))
+        self.llm.start_weight_update()
 
     def load(self, buffers: list[dict]) -> None:
         for item in buffers:
-            if self._route == "transfer":
+            if self._route == "ipc":
+                self.llm.update_weights({"update_info": _packed_ipc_update(item)})
+            elif self._route == "transfer":
                 self.llm.update_weights({"update_info": {"path": item["path"], "entries": item["entries"],
                                                          "verify": self._verify}})
-                continue
-            while True:  # hand the bucket to reload_weights, unless it has already stopped
-                try:
-                    self._queue.put(_cloned(item["path"], item["entries"], self._verify), timeout=0.1)
-                    break
-                except queue.Full:
-                    if self._reload.done():
-                        self._reload.result()  # its error
-                        raise RuntimeError("vLLM's reload_weights stopped before the update's last bucket")
+            else:
+                self._hand_to_reload(_cloned(item["path"], item["entries"], self._verify))
+
+    def _hand_to_reload(self, bucket: list) -> None:
+        while True:  # hand the bucket to reload_weights, unless it has already stopped
+            try:
+                self._queue.put(bucket, timeout=0.1)
+                return
+            except queue.Full:
+                if self._reload.done():
+                    self._reload.result()  # its error
+                    raise RuntimeError("vLLM's reload_weights stopped before the update's last bucket")
 
     def complete(self, message: dict) -> None:
-        if self._route == "transfer":
-            self.llm.finish_weight_update(weight_version=message["version"])
-        else:
+        if self._route == "reload":
             self._queue.put(None)
             self._reload.result()
-            self.llm.update_weight_version(message["version"])
+        else:
+            self.llm.finish_weight_update()
+        self._set_version(message["version"])
         if message.get("reset_prefix_cache", True):
             self.llm.reset_prefix_cache()
 
@@ -206,6 +226,10 @@ class Receiver(UpdateReceiver):
         try:
             if self._route == "transfer":
                 self.llm.update_weights({"update_info": {"abort": reason}})
+            elif self._route == "ipc":
+                # vLLM's ipc backend has no abort: finishing puts every layer back (those that got all
+                # their tensors hold the new weights); the version then says the update failed.
+                self.llm.finish_weight_update()
             else:
                 if not self._reload.done():
                     self._queue.put(RuntimeError(f"weight update aborted by the trainer: {reason}"))
@@ -215,7 +239,12 @@ class Receiver(UpdateReceiver):
         except RuntimeError:
             pass  # the worker ends its update session whatever the reason
         finally:
-            self.llm.update_weight_version(f"failed:{version}")
+            self._set_version(f"failed:{version}")
+
+    def _set_version(self, version: str) -> None:
+        """vLLM's weight version, where it keeps one (vLLM 0.26 does not: `Receiver.version` says it)."""
+        if hasattr(self.llm, "update_weight_version"):
+            self.llm.update_weight_version(version)
 
     def held_checksums(self, names: list[str]) -> dict[str, int]:
         merged: dict[str, int] = {}
@@ -241,6 +270,49 @@ def _cloned(path: str, entries: list, verify: bool) -> list[tuple[str, torch.Ten
         sums = checksums(named)
         _LOADED.update((name, (list(t.shape), sums[name])) for name, t in named)
     return named
+
+
+def packed_update_info(entries: list) -> dict:
+    """vLLM's packed update info (its ipc backend's `packed=True` form, without the handle) for a flat
+    bucket's entries (Entry.to_json lists): the tensors in buffer order, whose byte sizes cut the
+    buffer into them, as vLLM's `packed_tensor.unpack_tensor` splits it (vLLM 0.26 and 0.32). Raises
+    ValueError for entries that are not back to back from offset 0 (aliases of one tensor's bytes,
+    which that format cannot express)."""
+    ordered = sorted((Entry.from_json(e) for e in entries), key=lambda e: e.offset)
+    end = 0
+    for entry in ordered:
+        if entry.offset != end:
+            raise ValueError(f"bucket entry {entry.name} at byte {entry.offset}, not {end}: vLLM's packed format "
+                             "takes tensors back to back")
+        end += entry.nbytes
+    return {"names": [e.name for e in ordered], "dtype_names": [e.dtype for e in ordered],
+            "shapes": [list(e.shape) for e in ordered], "tensor_sizes": [e.nbytes for e in ordered], "packed": True}
+
+
+def _packed_ipc_update(item: dict) -> dict:
+    """The ipc backend's update info for one bucket shared by cuda_ipc.share: packed_update_info and
+    the handle under the GPU's UUID (vLLM's worker puts its own device index in)."""
+    shared = item["ipc"]
+    return {**packed_update_info(item["entries"]),
+            "ipc_handles": {shared["uuid"]: cuda_ipc.rebuild_args(shared, torch.cuda.current_device())}}
+
+
+def _record_loads(worker, record: bool) -> None:
+    """Make this worker's model keep in _LOADED the checksum of every tensor its load_weights gets
+    while `record` is on (vLLM's own backends call it with the update's tensors)."""
+    model = worker.model_runner.model
+    _LOADED.clear()
+    model._mconv_record = record
+    if record and "load_weights" not in model.__dict__:
+        unrecorded = model.load_weights
+
+        def load_weights(weights, *args, **kwargs):
+            if model._mconv_record:
+                weights = list(weights)
+                sums = checksums(weights)
+                _LOADED.update((name, (list(t.shape), sums[name])) for name, t in weights)
+            return unrecorded(weights, *args, **kwargs)
+        model.load_weights = load_weights
 
 
 def _drained(buckets: queue.Queue):

@@ -16,7 +16,13 @@ class IPCEngine(RemoteEngine):
     each buffer is shared once per connection as one IPC handle, which the receiver keeps mapped
     (until the buffer is replaced, then released, or the connection ends), and each bucket crosses
     as that handle and its entries; a buffer is reused only after the receiver has copied from it
-    (its reply). Raises MconvError for a model that is not on CUDA."""
+    (its reply). Raises MconvError for a model that is not on CUDA.
+
+    A subclass whose receiver maps the buffer anew at every bucket (vLLM's ipc backend) sets
+    `keeps_shares = False`: each bucket is then shared afresh, one share for one mapping, as
+    torch's reference counting of shared CUDA memory requires (cuda_ipc)."""
+
+    keeps_shares = True
 
     def update(self, bucket: FlatBucket) -> None:
         if not bucket.buffer.is_cuda:
@@ -27,6 +33,9 @@ class IPCEngine(RemoteEngine):
         else:
             bucket.wait()
         slot = self._slot(self._buffers, bucket)
+        if not self.keeps_shares:
+            self._update({"ipc": cuda_ipc.share(bucket.buffer)}, bucket.entries)
+            return
         buffer = self._buffers[slot]
         with self._lock:  # the connection's shares, from their making to the request
             # A share is made once per connection and buffer: sharing again at each bucket cost the

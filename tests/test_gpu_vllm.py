@@ -1,0 +1,166 @@
+"""vLLM on a GPU (skipped without a GPU or without a CUDA build of vLLM; scripts/bundle-vllm-gpu.sh
+makes one that this project's H200 machine can carry, and tests/vllm_gpu_engine.py runs it):
+
+- sync_weights through vLLM's own `ipc` weight-transfer backend (VLLMIPCEngine) leaves vLLM holding,
+  bit for bit, what vLLM's own loader makes of the same weights written as HF files, and generating
+  the same tokens with the same log-probabilities;
+- vLLM loads `mcore2hf --quantize fp8` output as FP8 linear layers holding the bytes and scales mconv
+  wrote, and its log-probabilities stay close to the bf16 model's.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import FIXTURES, ROOT, hf_tensors
+from tests.test_gpu import _gpu_model, process_group  # noqa: F401 (a fixture)
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (CUDA build)")]
+
+
+class VLLMProcess:
+    """tests/vllm_gpu_engine.py in a subprocess (its log lines are passed on to stderr)."""
+
+    def __init__(self, hf_dir, socket: str | None = None, authkey: bytes | None = None):
+        served = [socket, authkey.hex()] if socket else []
+        self.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_gpu_engine.py"), str(hf_dir),
+                                         *served], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._answer()
+
+    def _answer(self) -> str:
+        for line in self.process.stdout:
+            if line.startswith("MCONV "):
+                return line[len("MCONV "):].strip()
+            sys.stderr.write(line)
+        raise RuntimeError(f"vLLM's process ended with status {self.process.wait()}")
+
+    def dump(self, path) -> tuple[dict, dict]:
+        """({name: tensor} of every parameter vLLM holds, its answer: tokens, logprobs, version)."""
+        from safetensors.torch import load_file
+
+        self.process.stdin.write(json.dumps({"op": "dump", "path": str(path)}) + "\n")
+        self.process.stdin.flush()
+        answer = json.loads(self._answer())
+        return load_file(path), answer
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.process.stdin.close()
+            try:
+                self.process.wait(120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    assert sorted(a) == sorted(b)
+    return [n for n in a if a[n].dtype != b[n].dtype or a[n].shape != b[n].shape or not torch.equal(bits(a[n]), bits(b[n]))]
+
+
+@pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_vllm_ipc_sync_holds_what_vllm_loads(process_group, fixture, tmp_path):  # noqa: F811
+    import mconv.live
+    from mconv.live.sync import VLLMIPCEngine, sync_weights
+
+    hf_dir, authkey, socket = FIXTURES / fixture, os.urandom(16), str(tmp_path / "engine.sock")
+    synced = VLLMProcess(hf_dir, socket, authkey)
+    try:
+        model = _gpu_model(hf_dir).bfloat16()
+        mconv.live.load_hf_weights([model], hf_dir)
+        before, _ = synced.dump(tmp_path / "before.safetensors")
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)  # an optimizer step's worth of change, everywhere
+        mconv.live.save_hf_weights([model], tmp_path / "stepped", hf_dir)
+        engine = VLLMIPCEngine(socket, authkey)
+        result = sync_weights([model], hf_dir, engine, version="step-1", bucket_bytes=1 << 16, verify=True)
+        assert result.buckets > 3, result
+        after, synced_answer = synced.dump(tmp_path / "after.safetensors")
+        assert synced_answer["version"] == "step-1"
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-1)
+        again = sync_weights([model], hf_dir, engine, version="step-2", bucket_bytes=1 << 16, verify=True)
+        assert again.buckets == result.buckets
+        engine.close()
+    finally:
+        synced.close()
+    fresh = VLLMProcess(tmp_path / "stepped")
+    try:
+        loaded, loaded_answer = fresh.dump(tmp_path / "loaded.safetensors")
+    finally:
+        fresh.close()
+    assert differing(after, loaded) == []
+    assert synced_answer["tokens"] == loaded_answer["tokens"]
+    assert synced_answer["logprobs"] == loaded_answer["logprobs"]
+    unchanged = set(after) - set(differing(before, after))
+    print(f"{fixture}: {len(after)} vLLM parameters, unchanged by the sync: {sorted(unchanged)}")
+    assert not unchanged
+
+
+# vLLM's fused modules and the HF projections they are made of, in order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def written_form(vllm_name: str, written: dict) -> torch.Tensor | None:
+    """What vLLM's parameter `vllm_name` holds when it keeps the file's tensors as they are: fused
+    projections concatenated along dim 0, experts stacked (w13: gate then up; w2: down)."""
+    prefix, _, leaf = vllm_name.rpartition(".")
+    suffix = "_scale_inv" if leaf.endswith("_scale_inv") else ""
+    if prefix.endswith(".experts") and leaf.startswith(("w13_weight", "w2_weight")):
+        parts = ("gate_proj", "up_proj") if leaf.startswith("w13") else ("down_proj",)
+        experts = []
+        while all(f"{prefix}.{len(experts)}.{p}.weight{suffix}" in written for p in parts):
+            experts.append(torch.cat([written[f"{prefix}.{len(experts)}.{p}.weight{suffix}"] for p in parts]))
+        return torch.stack(experts) if experts else None
+    module, _, proj = prefix.rpartition(".")
+    names = [f"{module}.{p}.{leaf}" for p in FUSED.get(proj, (proj,))]
+    return torch.cat([written[n] for n in names]) if all(n in written for n in names) else None
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_vllm_loads_mcore2hf_fp8_as_fp8(kind, tmp_path):
+    from fixtures.make_fixtures import make_qwen3, make_qwen3_moe
+    from mconv import Layout, hf2mcore, mcore2hf
+    from tests.test_fp8 import ALIGNED, MOE
+
+    source = (make_qwen3(tmp_path / "bf16", **ALIGNED) if kind == "dense"
+              else make_qwen3_moe(tmp_path / "bf16", **MOE))
+    hf2mcore(source, tmp_path / "m", Layout(), progress=False)
+    mcore2hf(tmp_path / "m", tmp_path / "fp8", progress=False, quantize="fp8")
+    written = hf_tensors(tmp_path / "fp8")
+    held, answers = {}, {}
+    for name in ("fp8", "bf16"):
+        engine = VLLMProcess(tmp_path / "fp8" if name == "fp8" else source)
+        try:
+            held[name], answers[name] = engine.dump(tmp_path / f"{name}.safetensors")
+        finally:
+            engine.close()
+    report = {}
+    for name, tensor in held["fp8"].items():
+        expected = written_form(name, written)
+        report[name] = (str(tensor.dtype), list(tensor.shape),
+                        None if expected is None else (str(expected.dtype), list(expected.shape),
+                                                       expected.shape == tensor.shape and expected.dtype == tensor.dtype
+                                                       and torch.equal(bits(expected), bits(tensor))))
+    print(json.dumps(report, indent=1))
+    fp8_held = {n for n, t in held["fp8"].items() if t.dtype == torch.float8_e4m3fn}
+    fp8_written = {n for n, t in written.items() if t.dtype == torch.float8_e4m3fn}
+    assert fp8_held and all(report[n][2] and report[n][2][2] for n in fp8_held), report
+    assert sum(written_form(n, written).numel() for n in fp8_held) == sum(written[n].numel() for n in fp8_written)
+    gaps = [abs(lp - step_b[t]) for a, b in zip(answers["fp8"]["logprobs"], answers["bf16"]["logprobs"])
+            for step_a, step_b in zip(a, b) for t, lp in step_a.items() if t in step_b]
+    print(f"{kind}: FP8 vs bf16 prompt log-probabilities, largest gap {max(gaps):.4f} over {len(gaps)}; "
+          f"greedy tokens {answers['fp8']['tokens']} vs {answers['bf16']['tokens']}")
+    assert 0 < max(gaps) < 0.1
