@@ -157,7 +157,8 @@ def test_vllm_loads_mcore2hf_fp8_as_fp8(kind, tmp_path):
     print(json.dumps(report, indent=1))
     fp8_held = {n for n, t in held["fp8"].items() if t.dtype == torch.float8_e4m3fn}
     fp8_written = {n for n, t in written.items() if t.dtype == torch.float8_e4m3fn}
-    assert fp8_held and all(report[n][2] and report[n][2][2] for n in fp8_held), report
+    scales = {n for n in held["fp8"] if n.endswith("_scale_inv")}
+    assert fp8_held and scales and all(report[n][2] and report[n][2][2] for n in fp8_held | scales), report
     assert sum(written_form(n, written).numel() for n in fp8_held) == sum(written[n].numel() for n in fp8_written)
     gaps = [abs(lp - step_b[t]) for a, b in zip(answers["fp8"]["logprobs"], answers["bf16"]["logprobs"])
             for step_a, step_b in zip(a, b) for t, lp in step_a.items() if t in step_b]

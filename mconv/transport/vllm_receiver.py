@@ -189,6 +189,11 @@ class Receiver(UpdateReceiver):
                 kwargs={"weights_iterator": _drained(self._queue), "is_checkpoint_format": True})
             return
         if self._route == "ipc":
+            workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
+            if workers != 1:
+                # The trainer's one sender shares each bucket on its own GPU; vLLM's ipc backend finds
+                # a worker's handle by that worker's GPU, so only a one-GPU engine gets every bucket.
+                raise ValueError(f"route 'ipc' (VLLMIPCEngine) needs vLLM on one GPU; this LLM has {workers} workers")
             self.llm.collective_rpc(_record_loads, args=(self._verify,))
         self.llm.start_weight_update()
 

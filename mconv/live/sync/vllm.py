@@ -55,7 +55,9 @@ class VLLMIPCEngine(_VLLMUpdate, IPCEngine):
     as one CUDA IPC handle, named by the GPU's UUID, and vLLM's backend opens it, cuts it into
     tensors by their byte sizes (mconv's flat buckets are back to back, so the cuts fall on the
     entries) and loads them through its layerwise reload. Tied embeddings are not sent twice (on a
-    GPU vLLM's lm_head is the embedding). Tested with vLLM 0.26.0 (CUDA) on an H200, the `LLM` in
+    GPU vLLM's lm_head is the embedding). vLLM must run on that one GPU (TP 1, PP 1: its ipc backend
+    finds each worker's handle by the worker's GPU, and the trainer shares from one): `start` refuses
+    another engine. Tested with vLLM 0.26.0 (CUDA) on an H200, the `LLM` in
     the Receiver's process with its engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): with
     an engine-core process vLLM would have to pickle the handle."""
 
