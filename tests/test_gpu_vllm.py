@@ -7,6 +7,7 @@ makes one that this project's H200 machine can carry, and tests/vllm_gpu_engine.
 - vLLM loads `mcore2hf --quantize fp8` output as FP8 linear layers holding the bytes and scales mconv
   wrote, and its log-probabilities stay close to the bf16 model's.
 """
+import dataclasses
 import importlib.util
 import json
 import os
@@ -16,6 +17,8 @@ import sys
 import pytest
 import torch
 
+from mconv.errors import MconvError
+from mconv.live.sync import VLLMIPCEngine, sync_weights
 from tests.conftest import FIXTURES, ROOT, hf_tensors
 from tests.test_gpu import _gpu_model, process_group  # noqa: F401 (a fixture)
 
@@ -67,10 +70,24 @@ def differing(a: dict, b: dict) -> list[str]:
     return [n for n in a if a[n].dtype != b[n].dtype or a[n].shape != b[n].shape or not torch.equal(bits(a[n]), bits(b[n]))]
 
 
+class SpoiledShape(VLLMIPCEngine):
+    """Names the first matrix of its third bucket with the shape reversed: vLLM's loader refuses it
+    in the middle of the update."""
+
+    spoiled, sent = None, 0
+
+    def _update(self, buffer, entries):
+        self.sent += 1
+        if self.sent == 3:
+            victim = next(e for e in entries if len(e.shape) == 2 and e.shape[0] != e.shape[1])
+            entries = [dataclasses.replace(e, shape=e.shape[::-1]) if e is victim else e for e in entries]
+            self.spoiled = victim.name
+        super()._update(buffer, entries)
+
+
 @pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen3-moe-tiny"])
 def test_vllm_ipc_sync_holds_what_vllm_loads(process_group, fixture, tmp_path):  # noqa: F811
     import mconv.live
-    from mconv.live.sync import VLLMIPCEngine, sync_weights
 
     hf_dir, authkey, socket = FIXTURES / fixture, os.urandom(16), str(tmp_path / "engine.sock")
     synced = VLLMProcess(hf_dir, socket, authkey)
@@ -88,11 +105,20 @@ def test_vllm_ipc_sync_holds_what_vllm_loads(process_group, fixture, tmp_path): 
         assert result.buckets > 3, result
         after, synced_answer = synced.dump(tmp_path / "after.safetensors")
         assert synced_answer["version"] == "step-1"
+        spoiled = SpoiledShape(socket, authkey)
+        with pytest.raises(MconvError, match="weight sync step-bad") as refused:
+            sync_weights([model], hf_dir, spoiled, version="step-bad", bucket_bytes=1 << 16)
+        spoiled.close()
+        print(f"{fixture}: {spoiled.spoiled} sent with its shape reversed: {refused.value}")
+        assert spoiled.spoiled is not None
+        _, aborted = synced.dump(tmp_path / "aborted.safetensors")  # vLLM generates after the abort
+        assert aborted["version"] == "failed:step-bad"
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(-1)
         again = sync_weights([model], hf_dir, engine, version="step-2", bucket_bytes=1 << 16, verify=True)
         assert again.buckets == result.buckets
+        assert synced.dump(tmp_path / "step-2.safetensors")[1]["version"] == "step-2"
         engine.close()
     finally:
         synced.close()
@@ -117,6 +143,7 @@ def written_form(vllm_name: str, written: dict) -> torch.Tensor | None:
     """What vLLM's parameter `vllm_name` holds when it keeps the file's tensors as they are: fused
     projections concatenated along dim 0, experts stacked (w13: gate then up; w2: down)."""
     prefix, _, leaf = vllm_name.rpartition(".")
+    prefix = prefix.removesuffix(".routed_experts")  # vLLM 0.26's fused-MoE module, inside Qwen3-MoE's experts
     suffix = "_scale_inv" if leaf.endswith("_scale_inv") else ""
     if prefix.endswith(".experts") and leaf.startswith(("w13_weight", "w2_weight")):
         parts = ("gate_proj", "up_proj") if leaf.startswith("w13") else ("down_proj",)

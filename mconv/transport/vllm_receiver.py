@@ -167,8 +167,16 @@ class Receiver(UpdateReceiver):
         self._verify, self._route = False, "transfer"
         config = llm.llm_engine.vllm_config.weight_transfer_config
         self.backend = None if config is None else config.backend
+        self._packed_at_init = False
+        if self.backend == "ipc":
+            from dataclasses import fields
+
+            from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
+
+            # vLLM 0.32 agrees on the packed form once, at init; 0.26 says it in every update
+            self._packed_at_init = "packed" in {f.name for f in fields(IPCWeightTransferInitInfo)}
         if self.backend is not None:
-            llm.init_weight_transfer_engine({"init_info": {}})
+            llm.init_weight_transfer_engine({"init_info": {"packed": True} if self._packed_at_init else {}})
 
     def expected(self) -> dict[str, list[int]]:
         return expected_tensors(self.llm, tied_lm_head=self.backend != "ipc")
@@ -181,26 +189,34 @@ class Receiver(UpdateReceiver):
         if needs != self.backend:
             raise ValueError(f"route {self._route!r} needs an LLM built with engine_args({needs!r}); this one's "
                              f"weight-transfer backend is {self.backend!r}")
-        if self._route == "reload":
-            _LOADED.clear()
-            self._queue = queue.Queue(maxsize=1)
-            self._reload = ThreadPoolExecutor(1).submit(
-                self.llm.collective_rpc, "reload_weights",
-                kwargs={"weights_iterator": _drained(self._queue), "is_checkpoint_format": True})
-            return
         if self._route == "ipc":
             workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
             if workers != 1:
                 # The trainer's one sender shares each bucket on its own GPU; vLLM's ipc backend finds
                 # a worker's handle by that worker's GPU, so only a one-GPU engine gets every bucket.
                 raise ValueError(f"route 'ipc' (VLLMIPCEngine) needs vLLM on one GPU; this LLM has {workers} workers")
-            self.llm.collective_rpc(_record_loads, args=(self._verify,))
-        self.llm.start_weight_update()
+            (self._gpu,) = self.llm.collective_rpc(_gpu_uuid)
+        # Recording is on only for a verified ipc update (the other routes record as they unpack).
+        self.llm.collective_rpc(_record_loads, args=(self._verify and self._route == "ipc",))
+        if self._route == "reload":
+            self._queue = queue.Queue(maxsize=1)
+            self._reload = ThreadPoolExecutor(1).submit(
+                self.llm.collective_rpc, "reload_weights",
+                kwargs={"weights_iterator": _drained(self._queue), "is_checkpoint_format": True})
+        else:
+            self.llm.start_weight_update()
 
     def load(self, buffers: list[dict]) -> None:
         for item in buffers:
             if self._route == "ipc":
-                self.llm.update_weights({"update_info": _packed_ipc_update(item)})
+                if item["ipc"]["uuid"] != self._gpu:
+                    raise ValueError(f"the trainer shared bucket entry {item['entries'][0][0]} on GPU "
+                                     f"{item['ipc']['uuid']}, vLLM runs on GPU {self._gpu}: VLLMIPCEngine needs the "
+                                     "sending trainer rank on vLLM's GPU")
+                info = _packed_ipc_update(item)
+                if self._packed_at_init:
+                    del info["packed"]
+                self.llm.update_weights({"update_info": info})
             elif self._route == "transfer":
                 self.llm.update_weights({"update_info": {"path": item["path"], "entries": item["entries"],
                                                          "verify": self._verify}})
@@ -233,8 +249,12 @@ class Receiver(UpdateReceiver):
                 self.llm.update_weights({"update_info": {"abort": reason}})
             elif self._route == "ipc":
                 # vLLM's ipc backend has no abort: finishing puts every layer back (those that got all
-                # their tensors hold the new weights); the version then says the update failed.
-                self.llm.finish_weight_update()
+                # their tensors hold the new weights). After a refused bucket vLLM's worker has already
+                # ended the session without doing so (its layers half-loaded): that is done here.
+                try:
+                    self.llm.finish_weight_update()
+                except RuntimeError:
+                    self.llm.collective_rpc(_finalize)
             else:
                 if not self._reload.done():
                     self._queue.put(RuntimeError(f"weight update aborted by the trainer: {reason}"))
@@ -280,7 +300,8 @@ def _cloned(path: str, entries: list, verify: bool) -> list[tuple[str, torch.Ten
 def packed_update_info(entries: list) -> dict:
     """vLLM's packed update info (its ipc backend's `packed=True` form, without the handle) for a flat
     bucket's entries (Entry.to_json lists): the tensors in buffer order, whose byte sizes cut the
-    buffer into them, as vLLM's `packed_tensor.unpack_tensor` splits it (vLLM 0.26 and 0.32). Raises
+    buffer into them, as vLLM's `packed_tensor.unpack_tensor` splits it (vLLM 0.26; 0.32 takes the
+    `packed` flag once at init instead, and the same cuts). Raises
     ValueError for entries that are not back to back from offset 0 (aliases of one tensor's bytes,
     which that format cannot express)."""
     ordered = sorted((Entry.from_json(e) for e in entries), key=lambda e: e.offset)
@@ -305,7 +326,7 @@ def _packed_ipc_update(item: dict) -> dict:
 def _record_loads(worker, record: bool) -> None:
     """Make this worker's model keep in _LOADED the checksum of every tensor its load_weights gets
     while `record` is on (vLLM's own backends call it with the update's tensors)."""
-    model = worker.model_runner.model
+    model = worker.get_model()  # the model itself (model_runner.model may be vLLM's CUDA-graph wrapper)
     _LOADED.clear()
     model._mconv_record = record
     if record and "load_weights" not in model.__dict__:
@@ -329,12 +350,15 @@ def _drained(buckets: queue.Queue):
 
 
 def _finalize(worker) -> None:
-    runner = worker.model_runner
-    finalize_layerwise_reload(runner.model, runner.model_config)
+    finalize_layerwise_reload(worker.get_model(), worker.model_runner.model_config)
+
+
+def _gpu_uuid(worker) -> str:
+    return str(torch.cuda.get_device_properties(worker.device).uuid)
 
 
 def _worker_checksums(worker, names: list[str]) -> dict[str, int]:
-    held = dict(worker.model_runner.model.named_parameters())
+    held = dict(worker.get_model().named_parameters())
     readable = [(name, held[name].data) for name in names
                 if name in _LOADED and name in held and list(held[name].shape) == _LOADED[name][0]]
     return {**{name: _LOADED[name][1] for name in names if name in _LOADED}, **checksums(readable)}

@@ -63,3 +63,21 @@ class VLLMIPCEngine(_VLLMUpdate, IPCEngine):
 
     route = "ipc"
     keeps_shares = False  # vLLM's backend opens the handle at every bucket and drops it after
+
+    def finish(self, version: str) -> None:
+        try:
+            super().finish(version)
+        finally:
+            self._fresh_buffers()
+
+    def abort(self, version: str, reason: str) -> None:
+        try:
+            super().abort(version, reason)
+        finally:
+            self._fresh_buffers()
+
+    def _fresh_buffers(self) -> None:
+        """New bucket buffers at the next sync (the sender is rank 0 here: vLLM on one GPU): torch
+        keeps a record per share with the shared storage for as long as it lives, and a buffer that
+        vLLM never opened (a refused bucket) stays with torch's IPC limbo until the trainer exits."""
+        self._buffers.clear()
