@@ -61,4 +61,7 @@ echo '"""Stands in for Ray: vLLM 0.26 ipc_engine imports it at module level for 
 mkdir -p "$OUT"
 tar -C "$SITE" -cf - . | xz -9 -T0 > "$OUT/site.tar.xz.tmp"
 mv "$OUT/site.tar.xz.tmp" "$OUT/site.tar.xz"
-du -h "$OUT/site.tar.xz"
+SIZE=$(stat -c %s "$OUT/site.tar.xz")
+echo "$OUT/site.tar.xz: $((SIZE >> 20)) MiB"
+# The device machine takes at most 64 MiB of files in a call, the repository and megatron-core's wheels too.
+[ "$SIZE" -le $((58 << 20)) ] || { echo "bundle-vllm-gpu: $OUT/site.tar.xz is over 58 MiB: it and the rest will not travel" >&2; exit 1; }

@@ -18,6 +18,7 @@ Usage: python fatbin_keep_arch.py LIB.so 90   (rewrites LIB.so in place)
 """
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -28,7 +29,10 @@ PTX, ELF = 1, 2
 
 def fatbin_section(path: str) -> tuple[int, int]:
     """(file offset, size) of `.nv_fatbin` in the ELF at `path`, read with binutils' readelf."""
-    listing = subprocess.run(["readelf", "-S", "-W", path], capture_output=True, text=True, check=True).stdout
+    done = subprocess.run(["readelf", "-S", "-W", path], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{path}: readelf cannot read it: {done.stderr.strip()}")
+    listing = done.stdout
     for line in listing.splitlines():
         if " .nv_fatbin " in line:
             fields = line.split("]", 1)[1].split()
@@ -44,9 +48,13 @@ def entries(data: bytearray, start: int, size: int):
         if magic != CONTAINER_MAGIC:
             position += 8  # containers are 8-byte aligned; padding between them is skipped
             continue
+        if header_size == 0 or position + header_size + entries_size > end:
+            raise SystemExit(f"fat binary container at byte {position}: sizes {header_size}, {entries_size} do not fit")
         entry = position + header_size
         while entry < position + header_size + entries_size:
             kind, _entry_version, entry_header_size, payload_size = struct.unpack_from("<HHIQ", data, entry)
+            if kind not in (PTX, ELF) or entry_header_size == 0:
+                raise SystemExit(f"fat binary entry at byte {entry}: unknown kind {kind} or empty header")
             arch = struct.unpack_from("<I", data, entry + 28)[0]
             yield position, entry + entry_header_size, payload_size, kind, arch
             entry += entry_header_size + payload_size
@@ -71,8 +79,9 @@ def keep_arch(path: str, arch: int) -> tuple[int, int]:
             else:
                 data[payload:payload + length] = bytes(length)
                 zeroed += length
-    with open(path, "wb") as f:
+    with open(path + ".tmp", "wb") as f:
         f.write(data)
+    os.replace(path + ".tmp", path)
     return zeroed, kept
 
 

@@ -116,7 +116,9 @@ def _prepack_cpu_experts_on_update(model: torch.nn.Module) -> None:
 def engine_args(backend: str = BACKEND) -> dict:
     """The `LLM(...)` keyword arguments that select weight-transfer `backend`: "mconv_shm" (this
     module's, registered on first call; trainer: VLLMEngine) or vLLM's own "ipc" (one GPU; trainer:
-    VLLMIPCEngine)."""
+    VLLMIPCEngine). Raises ValueError for another backend."""
+    if backend not in (BACKEND, "ipc"):
+        raise ValueError(f"engine_args backend must be {BACKEND!r} or 'ipc', not {backend!r}")
     if backend == BACKEND and BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, FlatBucketTransfer)
     return {"weight_transfer_config": WeightTransferConfig(backend=backend)}
@@ -164,12 +166,21 @@ class Receiver(UpdateReceiver):
     def __init__(self, llm, address: str, authkey: bytes, timeout: float = DEFAULT_TIMEOUT):
         super().__init__(address, authkey, timeout)
         self.llm = llm
-        self._verify, self._route = False, "transfer"
+        self._verify, self._route, self._recording = False, "transfer", False
         config = llm.llm_engine.vllm_config.weight_transfer_config
         self.backend = None if config is None else config.backend
         self._packed_at_init = False
         if self.backend == "ipc":
             from dataclasses import fields
+
+            from vllm import envs
+
+            if not torch.cuda.is_available():
+                raise ValueError("vLLM's ipc weight-transfer backend needs a CUDA GPU; this process has none")
+            if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+                raise ValueError("the Receiver of vLLM's ipc backend needs the engine core in this process "
+                                 "(VLLM_ENABLE_V1_MULTIPROCESSING=0): the CUDA IPC handle reaches vLLM's worker "
+                                 "by reference, unpickled")
 
             from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
 
@@ -183,7 +194,9 @@ class Receiver(UpdateReceiver):
 
     def begin(self, message: dict) -> None:
         self._verify, self._route = bool(message.get("verify")), message.get("route", "transfer")
-        needs = {"transfer": BACKEND, "ipc": "ipc", "reload": self.backend}.get(self._route, "")
+        # reload: any backend but ipc (whose trainer side, VLLMIPCEngine, does not send tied lm_head)
+        needs = {"transfer": BACKEND, "ipc": "ipc",
+                 "reload": BACKEND if self.backend == "ipc" else self.backend}.get(self._route, "")
         if needs == "":
             raise ValueError(f"unknown route {self._route!r} (transfer, ipc or reload)")
         if needs != self.backend:
@@ -196,8 +209,13 @@ class Receiver(UpdateReceiver):
                 # a worker's handle by that worker's GPU, so only a one-GPU engine gets every bucket.
                 raise ValueError(f"route 'ipc' (VLLMIPCEngine) needs vLLM on one GPU; this LLM has {workers} workers")
             (self._gpu,) = self.llm.collective_rpc(_gpu_uuid)
-        # Recording is on only for a verified ipc update (the other routes record as they unpack).
-        self.llm.collective_rpc(_record_loads, args=(self._verify and self._route == "ipc",))
+            self._refused = False
+        # Recording is on only for a verified ipc update (the other routes record as they unpack);
+        # a worker function is passed only where one is needed (vLLM pickles it for worker processes).
+        record = self._verify and self._route == "ipc"
+        if record or self._recording:
+            self.llm.collective_rpc(_record_loads, args=(record,))
+            self._recording = record
         if self._route == "reload":
             self._queue = queue.Queue(maxsize=1)
             self._reload = ThreadPoolExecutor(1).submit(
@@ -216,7 +234,11 @@ class Receiver(UpdateReceiver):
                 info = _packed_ipc_update(item)
                 if self._packed_at_init:
                     del info["packed"]
-                self.llm.update_weights({"update_info": info})
+                try:
+                    self.llm.update_weights({"update_info": info})
+                except BaseException:
+                    self._refused = True  # vLLM's worker ended the session, its layers half-loaded
+                    raise
             elif self._route == "transfer":
                 self.llm.update_weights({"update_info": {"path": item["path"], "entries": item["entries"],
                                                          "verify": self._verify}})
@@ -251,10 +273,10 @@ class Receiver(UpdateReceiver):
                 # vLLM's ipc backend has no abort: finishing puts every layer back (those that got all
                 # their tensors hold the new weights). After a refused bucket vLLM's worker has already
                 # ended the session without doing so (its layers half-loaded): that is done here.
-                try:
-                    self.llm.finish_weight_update()
-                except RuntimeError:
+                if self._refused:
                     self.llm.collective_rpc(_finalize)
+                else:
+                    self.llm.finish_weight_update()
             else:
                 if not self._reload.done():
                     self._queue.put(RuntimeError(f"weight update aborted by the trainer: {reason}"))
@@ -305,12 +327,14 @@ def packed_update_info(entries: list) -> dict:
     ValueError for entries that are not back to back from offset 0 (aliases of one tensor's bytes,
     which that format cannot express)."""
     ordered = sorted((Entry.from_json(e) for e in entries), key=lambda e: e.offset)
-    end = 0
+    end, previous = 0, None
     for entry in ordered:
         if entry.offset != end:
-            raise ValueError(f"bucket entry {entry.name} at byte {entry.offset}, not {end}: vLLM's packed format "
-                             "takes tensors back to back")
-        end += entry.nbytes
+            where = (f"shares bytes with {previous.name}" if entry.offset < end and previous is not None
+                     else f"starts at byte {entry.offset}, not {end}")
+            raise ValueError(f"bucket entry {entry.name} {where}: vLLM's packed format takes tensors back to back, "
+                             "each once")
+        end, previous = end + entry.nbytes, entry
     return {"names": [e.name for e in ordered], "dtype_names": [e.dtype for e in ordered],
             "shapes": [list(e.shape) for e in ordered], "tensor_sizes": [e.nbytes for e in ordered], "packed": True}
 

@@ -44,6 +44,9 @@ class VLLMEngine(_VLLMUpdate, SharedMemoryEngine):
 
     def __init__(self, address: str, authkey: bytes, reset_prefix_cache: bool = True, route: str = "transfer",
                  timeout: float | None = 600.0):
+        if route not in ("transfer", "reload"):
+            raise ValueError(f"VLLMEngine route must be 'transfer' or 'reload', not {route!r} (vLLM's ipc backend: "
+                             "VLLMIPCEngine)")
         super().__init__(address, authkey, reset_prefix_cache, timeout)
         self.route = route
 
@@ -81,3 +84,4 @@ class VLLMIPCEngine(_VLLMUpdate, IPCEngine):
         keeps a record per share with the shared storage for as long as it lives, and a buffer that
         vLLM never opened (a refused bucket) stays with torch's IPC limbo until the trainer exits."""
         self._buffers.clear()
+        self.__dict__.pop("_views", None)  # sync_weights' packing views of them would keep them alive
