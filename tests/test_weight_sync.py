@@ -231,6 +231,9 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
 
     other = build_model(FIXTURES / "qwen3-tiny", Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
     refused("mismatch", lambda: sync_weights(other, FIXTURES / "qwen3-tiny", engine, version="other"))
+    # A CUDA IPC engine for a model on the CPU: refused before it is told anything (no receiver listens there)
+    from mconv.live.sync import VLLMIPCEngine
+    refused("cpu-ipc", lambda: sync_weights(chunks, TIED, VLLMIPCEngine(socket + ".none", authkey), version="cpu"))
     generate("after-mismatch")
 
     # The other route: vLLM's reload_weights, fed bucket by bucket.
@@ -328,6 +331,8 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
         assert rank["errors"]["mismatch"].startswith(
             "weight sync other refused before any bucket was sent: rank 0: the trainer's model does not match "
             "the engine's: the engine's model has no model.layers.2.input_layernorm.weight")
+        assert rank["errors"]["cpu-ipc"] == ("weight sync cpu refused before any bucket was sent: rank 0: "
+                                             "VLLMIPCEngine needs the model on a CUDA device; it is on cpu")
     assert served["after-mismatch"] == served["step-2"]
     assert ranks[0]["errors"]["callable"] == [True, True, True]
 

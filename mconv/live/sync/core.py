@@ -87,6 +87,7 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
         if verify and not engine.verifiable:
             refused = MconvError(f"verify=True: {type(engine).__name__} cannot read the engine's weights back (give "
                                  "CallableEngine a checksums function)")
+        refused = refused or _attempt(lambda: engine.check_device(_model_device(chunks)))
         refused = refused or _attempt(lambda: _agree_models(engine, lambda: _sent_shapes(
             live, config, tied, quantize, fp8_scale, quantization)))
         refused = refused or _attempt(lambda: engine.start(version, verify=True) if verify else engine.start(version))
@@ -224,6 +225,14 @@ def _sent_shapes(live, config: dict, tied: bool, quantize, fp8_scale, quantizati
             shapes[LM_HEAD] = shapes[EMBEDDING]
         cache[key] = shapes
     return cache[key]
+
+
+def _model_device(chunks) -> torch.device:
+    """The device of this rank's model (its first parameter's)."""
+    for chunk in chunks:
+        for parameter in chunk.parameters():
+            return parameter.device
+    return torch.device("cpu")
 
 
 def _agree_models(engine, sent) -> None:

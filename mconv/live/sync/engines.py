@@ -60,6 +60,10 @@ class Engine:
         same dict object as at the last sync says the model is unchanged: the check is skipped."""
         return None
 
+    def check_device(self, device: torch.device) -> None:
+        """Raise MconvError if the engine cannot take buckets packed on `device` (the model's, on
+        rank 0): asked before the engine is told anything."""
+
     def start(self, version: str, verify: bool = False) -> None:
         pass
 

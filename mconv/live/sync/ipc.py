@@ -24,6 +24,10 @@ class IPCEngine(RemoteEngine):
 
     keeps_shares = True
 
+    def check_device(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise MconvError(f"{type(self).__name__} needs the model on a CUDA device; it is on {device}")
+
     def update(self, bucket: FlatBucket) -> None:
         if not bucket.buffer.is_cuda:
             raise MconvError(f"IPCEngine needs the model on a CUDA device; bucket {bucket.index} is on "
