@@ -30,11 +30,16 @@ def share(buffer: torch.Tensor) -> dict:
     (_, size, stride, offset, _, _, device, handle, size_bytes, offset_bytes, _, ref_counter_handle,
      ref_counter_offset, event_handle, event_sync_required) = args
     return {"numel": size[0], "offset": offset, "device": device, "size_bytes": size_bytes,
-            "uuid": str(torch.cuda.get_device_properties(device).uuid),
+            "uuid": gpu_uuid(device),
             "offset_bytes": offset_bytes, "ref_counter_offset": ref_counter_offset,
             "event_sync_required": bool(event_sync_required),
             **{k: None if raw is None else bytes(raw).hex()
                for k, raw in zip(_BYTES, (handle, ref_counter_handle, event_handle))}}
+
+
+def gpu_uuid(device: int | torch.device) -> str:
+    """The UUID of CUDA `device`: the name every process gives that GPU, whatever index it sees it at."""
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def key(shared: dict) -> str:

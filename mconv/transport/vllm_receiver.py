@@ -235,8 +235,8 @@ class Receiver(UpdateReceiver):
                                      f"{item['ipc']['uuid']}, vLLM runs on GPU {self._gpu}: VLLMIPCEngine needs the "
                                      "sending trainer rank on vLLM's GPU")
                 info = _packed_ipc_update(item)
-                if self._packed_at_init:
-                    del info["packed"]
+                if not self._packed_at_init:
+                    info["packed"] = True  # vLLM 0.26 takes it with every update
                 try:
                     self.llm.update_weights({"update_info": info})
                 except BaseException:
@@ -323,11 +323,10 @@ def _cloned(path: str, entries: list, verify: bool) -> list[tuple[str, torch.Ten
 
 
 def packed_update_info(entries: list) -> dict:
-    """vLLM's packed update info (its ipc backend's `packed=True` form, without the handle) for a flat
-    bucket's entries (Entry.to_json lists): the tensors in buffer order, whose byte sizes cut the
-    buffer into them, as vLLM's `packed_tensor.unpack_tensor` splits it (vLLM 0.26; 0.32 takes the
-    `packed` flag once at init instead, and the same cuts). Raises
-    ValueError for entries that are not back to back from offset 0 (aliases of one tensor's bytes,
+    """vLLM's packed update info (its ipc backend's `packed` form, less the handle and the flag,
+    which vLLM 0.26 takes with every update and 0.32 once at init) for a flat bucket's entries
+    (Entry.to_json lists): the tensors in buffer order, whose byte sizes cut the buffer into them,
+    as vLLM's `packed_tensor.unpack_tensor` splits it (0.26 and 0.32 alike). Raises ValueError for entries that are not back to back from offset 0 (aliases of one tensor's bytes,
     which that format cannot express)."""
     ordered = sorted((Entry.from_json(e) for e in entries), key=lambda e: e.offset)
     end, previous = 0, None
@@ -339,7 +338,7 @@ def packed_update_info(entries: list) -> dict:
                              "each once")
         end, previous = end + entry.nbytes, entry
     return {"names": [e.name for e in ordered], "dtype_names": [e.dtype for e in ordered],
-            "shapes": [list(e.shape) for e in ordered], "tensor_sizes": [e.nbytes for e in ordered], "packed": True}
+            "shapes": [list(e.shape) for e in ordered], "tensor_sizes": [e.nbytes for e in ordered]}
 
 
 def _packed_ipc_update(item: dict) -> dict:
@@ -381,7 +380,7 @@ def _finalize(worker) -> None:
 
 
 def _gpu_uuid(worker) -> str:
-    return str(torch.cuda.get_device_properties(worker.device).uuid)
+    return cuda_ipc.gpu_uuid(worker.device)
 
 
 def _worker_checksums(worker, names: list[str]) -> dict[str, int]:

@@ -28,6 +28,7 @@ from torch.multiprocessing import reductions  # also registers torch's tensor re
 
 from mconv.errors import MconvError
 from mconv.live.sync.engines import Engine, FlatBucket
+from mconv.transport import cuda_ipc
 from mconv.transport.flat import _DTYPES
 
 
@@ -62,8 +63,7 @@ def _reduce_by_device_uuid(tensor: torch.Tensor):
     UUID to its own index, so the two processes may number the GPUs differently)."""
     rebuild, args = reductions.reduce_tensor(tensor)
     if tensor.is_cuda and isinstance(args[_DEVICE_ARG], int):
-        args = (*args[:_DEVICE_ARG], str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid),
-                *args[_DEVICE_ARG + 1:])
+        args = (*args[:_DEVICE_ARG], cuda_ipc.gpu_uuid(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
     return rebuild, args
 
 
