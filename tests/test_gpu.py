@@ -36,11 +36,13 @@ def _gpu_model(hf_dir):
 
     from tests.megatron_oracle import MegatronRun, _transformer_config, read_config
 
-    config, theta = _transformer_config(MegatronRun(hf_dir, read_config(hf_dir)))
+    hf_config = read_config(hf_dir)
+    config, theta = _transformer_config(MegatronRun(hf_dir, hf_config))
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", qk_l2_norm=False)
     with torch.device("cuda"):
         return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=384, max_sequence_length=256,
-                        position_embedding_type="rope", rotary_base=theta, parallel_output=False).eval()
+                        position_embedding_type="rope", rotary_base=theta, parallel_output=False,
+                        share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings"))).eval()
 
 
 @pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen3-moe-tiny"])

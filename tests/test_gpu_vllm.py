@@ -87,7 +87,7 @@ class SpoiledShape(VLLMIPCEngine):
         super()._update(buffer, entries)
 
 
-@pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen3-tiny-tied", "qwen3-moe-tiny"])
 def test_vllm_ipc_sync_holds_what_vllm_loads(process_group, fixture, tmp_path):  # noqa: F811
     import mconv.live
 

@@ -1,11 +1,16 @@
-"""fp8.quantize for many weights at once on a GPU: two Triton kernel launches per input dtype and
-alignment for a whole bucket, whatever its number of tensors (per-tensor torch runs launch-bound at
-3-6% of the copy rate on an H200; reference fp8.md section 5, bench/fp8_bench.py).
+"""fp8.quantize for many weights at once on a GPU: one Triton kernel launch per input dtype and
+alignment for a whole bucket (two for UE8M0 scales), whatever its number of tensors (per-tensor
+torch runs launch-bound at 3-6% of the copy rate on an H200; reference fp8.md section 5,
+bench/fp8_bench.py).
 
-Same rule, same bytes: the first kernel takes each 128x128 block's amax (edge blocks masked to zero,
-NaN counted as inf so that it is refused); the scales are then computed from all the bucket's amax
-values at once by fp8.scales, the very code the per-tensor path runs; the second kernel divides
-each block by its scale with IEEE round-to-nearest division (div_rn: Triton's `/` is approximate),
+Same rule, same bytes. Each program takes one 128x128 block (edge blocks masked to zero) and its
+amax (NaN counted as inf, so that the scale is not finite and the weight refused). Float scales
+(the default) are computed in the kernel, `amax / 448` by IEEE round-to-nearest division (div_rn:
+Triton's `/` is approximate; torch divides by a tensor exactly so), an all-zero block's scale
+float32 eps: fp8.scales' rule, one pass over the weights. UE8M0 scales need torch's log2 (a
+libdevice log2 may round differently next to a power of two), so there the first launch stores the
+amax, fp8.scales (the very code the per-tensor path runs) turns all the bucket's amax values into
+scales at once, and a second launch quantizes. Quantizing divides the block by its scale (div_rn),
 clamps to +-448 and casts to e4m3 (round to nearest even, as torch's cast).
 """
 from __future__ import annotations
@@ -25,11 +30,15 @@ from mconv.converter import fp8
 _DTYPES = dict(zip(fp8._BATCHED_DTYPES, (tl.bfloat16, tl.float16, tl.float32)))  # the input dtypes quantize_all sends
 
 
+AMAX, QUANTIZE, FUSED = (tl.constexpr(mode) for mode in range(3))  # what a launch does (_kernel's MODE)
+
+
 @triton.jit
 def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-            QUANTIZE: tl.constexpr, ALIGNED: tl.constexpr):
+            MODE: tl.constexpr, ALIGNED: tl.constexpr):
     """Block `base + program id` of the batch (a launch's blocks start at `base`), zero outside its
-    tensor: its amax into `scale` (not QUANTIZE), or its values divided by `scale` into `out`.
+    tensor. MODE AMAX: its amax into `scale`; QUANTIZE: its values divided by `scale` into `out`;
+    FUSED: its float scale (fp8.scales' rule) into `scale` and its values divided by it into `out`.
     `table` holds a row of 8 int64 per tensor: address, rows, columns, row stride (elements; columns
     are contiguous), first block, scale-grid columns, offset of its FP8 output (elements), number of
     blocks. ALIGNED: every address of the launch is a multiple of 16 bytes and every row stride,
@@ -48,13 +57,20 @@ def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: t
     c = (b % grid_cols) * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = (r < rows) & (c < cols)
     x = tl.load(src + r * stride + c, mask=mask, other=0.0).to(tl.float32)
-    if QUANTIZE:
-        s = tl.full((BLOCK, BLOCK), 0.0, tl.float32) + tl.load(scale + base + pid)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
-        tl.store(dst + r * cols + c, q.to(tl.float8e4nv), mask=mask)
-    else:
+    if MODE != QUANTIZE:
         magnitude = tl.where(x != x, float("inf"), tl.abs(x))
-        tl.store(scale + base + pid, tl.max(tl.max(magnitude, axis=1), axis=0))
+        amax = tl.max(tl.max(magnitude, axis=1), axis=0)
+    if MODE == AMAX:
+        tl.store(scale + base + pid, amax)
+    else:
+        if MODE == QUANTIZE:
+            s = tl.load(scale + base + pid)
+        else:
+            s = tl.math.div_rn(amax, 448.0)
+            s = tl.where(s == 0.0, 1.1920928955078125e-07, s)  # fp8.ZERO_BLOCK_SCALE
+            tl.store(scale + base + pid, s)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.full((BLOCK, BLOCK), 0.0, tl.float32) + s), -448.0), 448.0)
+        tl.store(dst + r * cols + c, q.to(tl.float8e4nv), mask=mask)
 
 
 def _launcher(device: torch.device):
@@ -126,9 +142,9 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool]) -> _Plan:
 
 def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float") -> list[tuple]:
     """fp8.quantize of each (name, 2-D weight) (bfloat16, float16 or float32; any strides; all on one
-    device), bit for bit, in two kernel launches per dtype and alignment: (q float8_e4m3fn [out, in],
-    scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one flat FP8 buffer and one flat
-    scale buffer. One host synchronisation: MconvError naming the first weight of `named` that holds
+    device), bit for bit, in one kernel launch per dtype and alignment (two for UE8M0 scales):
+    (q float8_e4m3fn [out, in], scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one
+    flat FP8 buffer and one flat scale buffer. One host synchronisation: MconvError naming the first weight of `named` that holds
     inf or NaN.
 
     The launch tables are planned once per list of dtypes, shapes, strides and alignments (a sync
@@ -159,15 +175,14 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
         plan.table[:, 0].copy_(torch.tensor([addresses[i] for i in plan.order], dtype=torch.int64,
                                             pin_memory=device.type == "cuda").to(device, non_blocking=True))
         out = torch.empty(plan.out_numel, dtype=fp8.FP8, device=device)
-        amax = torch.empty(plan.blocks, dtype=torch.float32, device=device)
+        scale = torch.empty(plan.blocks, dtype=torch.float32, device=device)  # amax values first, for UE8M0
         kernel = _launcher(device)
-        for table, block_tensor, base, dtype, aligned_ in plan.launches:
-            kernel[(block_tensor.numel(),)](table, block_tensor, base, amax, out, dtype, fp8.BLOCK, False, aligned_,
-                                            num_warps=8)
-        scale = fp8.scales(amax, scale_fmt)
-        for table, block_tensor, base, dtype, aligned_ in plan.launches:
-            kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, True, aligned_,
-                                            num_warps=8)
+        for mode in ((FUSED,) if scale_fmt == "float" else (AMAX, QUANTIZE)):
+            if mode == QUANTIZE:
+                scale = fp8.scales(scale, scale_fmt)
+            for table, block_tensor, base, dtype, aligned_ in plan.launches:
+                kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, mode.value,
+                                                aligned_, num_warps=8)
         quantized: list = [None] * len(weights)
         for indices, offset, (rows, cols), first, grid in plan.runs:
             n = len(indices)
