@@ -1,5 +1,6 @@
 """vLLM on a GPU, for tests/test_gpu_vllm.py: an in-process `LLM` of HF_DIR (its dtype; vLLM's Triton
-attention, as scripts/bundle-vllm-gpu.sh carries no flash-attention), serving mconv's Receiver with
+attention and Triton delta-net kernels, as scripts/bundle-vllm-gpu.sh carries neither flash-attention
+nor FlashInfer; a vision-language model served text only, its vision tower not built), serving mconv's Receiver with
 vLLM's own `ipc` weight-transfer backend when SOCKET and AUTHKEY_HEX are given. It prints
 "MCONV READY" and then answers JSON lines on stdin, each with one "MCONV {json}" line on stdout:
 
@@ -20,7 +21,9 @@ os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_U
 PROMPTS = [list(range(3, 60, 4)), [5, 9, 2, 7, 11, 30, 8]]
 LLM_ARGS = dict(max_model_len=128, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=128,
                 kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.3, distributed_executor_backend="uni",
-                skip_tokenizer_init=True, enable_prefix_caching=True, attention_backend="TRITON_ATTN")
+                skip_tokenizer_init=True, enable_prefix_caching=True, attention_backend="TRITON_ATTN",
+                additional_config={"gdn_prefill_backend": "triton"})
+TEXT_ONLY = dict(limit_mm_per_prompt={"image": 0, "video": 0})
 
 
 def _parameters(worker) -> dict:
@@ -36,7 +39,9 @@ def main() -> None:
     from mconv.transport.vllm_receiver import Receiver, engine_args
 
     hf_dir, serve = sys.argv[1], len(sys.argv) > 2
-    llm = LLM(model=hf_dir, **LLM_ARGS, **(engine_args("ipc") if serve else {}))
+    with open(os.path.join(hf_dir, "config.json")) as config:
+        vision = "vision_config" in json.load(config)
+    llm = LLM(model=hf_dir, **LLM_ARGS, **(TEXT_ONLY if vision else {}), **(engine_args("ipc") if serve else {}))
     receiver = Receiver(llm, sys.argv[2], bytes.fromhex(sys.argv[3])) if serve else None
     if receiver is not None:
         receiver.start()
