@@ -126,7 +126,8 @@ print(len(fp8_batch._PLANS), "plans")
 def assert_batch_is_the_rule() -> str:
     """`fp8.quantize_all(named, scale_fmt, batched=True)` (fp8_batch's kernels where Triton imports)
     gives fp8.quantize's bytes and scales for float32 / bfloat16 / float16 weights, a transposed and
-    a column-sliced view, edge and all-zero blocks, values beyond 448, both scale formats, and again
+    a column-sliced view, edge and all-zero blocks, values beyond 448, blocks of subnormal values and
+    scales (and one whose scale underflows to 0: eps), both scale formats, and again
     for other weights of the same shapes and strides (the batch's plan is reused: new addresses, new
     values); a NaN weight is refused by name. Returns the refusal's message."""
     def quantize_batch(named, fmt="float"):
@@ -134,10 +135,16 @@ def assert_batch_is_the_rule() -> str:
 
     w = awkward_weight(torch.float32)
     big = (torch.randn(256, 256) * 0.02).bfloat16()
+    # blocks whose amax / 448 is subnormal or underflows to 0 (eps then), and subnormal inputs: the
+    # kernel's division must not flush them (float32: the interpreter converts bf16 subnormals wrongly)
+    tiny = torch.randn(256, 130) * 1e-37
+    tiny[128:, :128] = torch.tensor(2.0 ** -149) * torch.randint(-300, 300, (128, 128))
+    tiny[:128, 128:] = torch.tensor(2.0 ** -149)
     for again in (False, True):
         if again:
             w, big = w.flip(0).contiguous() * 0.5, (torch.randn(256, 256) * 0.02).bfloat16()
-        named = [("a", w.bfloat16()), ("b", w), ("c", big.t()), ("d", big[:, 100:300]), ("e", big.half())]
+        named = [("a", w.bfloat16()), ("b", w), ("c", big.t()), ("d", big[:, 100:300]), ("e", big.half()),
+                 ("f", tiny)]
         for fmt in fp8.SCALE_FORMATS:
             for (name, x), (q, scale) in zip(named, quantize_batch(named, fmt)):
                 expected_q, expected_scale = fp8.quantize(x, fmt)

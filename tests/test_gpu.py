@@ -90,8 +90,8 @@ def test_fp8_quantize_on_gpu_gives_the_cpu_bytes():
 
 def test_fp8_batched_quantize_on_gpu_gives_the_cpu_bytes():
     """quantize_tensors on CUDA (fp8_batch's Triton kernels: many weights, mixed dtypes, strided
-    views, edge blocks, in one batch) gives fp8.quantize's CPU bytes and scales, both scale formats;
-    a weight holding NaN is refused by name. (Triton's CPU interpreter casts to e4m3 wrongly, so
+    views, edge blocks, subnormal values and scales, in one batch) gives fp8.quantize's CPU bytes and
+    scales, both scale formats; a weight holding NaN is refused by name. (Triton's CPU interpreter casts to e4m3 wrongly, so
     the hardware cast is checked here only.)"""
     from mconv.converter import fp8
     from mconv.errors import MconvError
@@ -101,7 +101,10 @@ def test_fp8_batched_quantize_on_gpu_gives_the_cpu_bytes():
     w[:128, :128] = 0
     w[200, 5], w[130, :10] = 5000.0, -1e-7
     big = torch.randn(1536, 2048, device="cuda") * 0.02
-    weights = [w, w.bfloat16(), big.bfloat16(), big.bfloat16().t(), big[100:1000, 3:700], w.half()]
+    tiny = torch.randn(256, 130, device="cuda") * 1e-37  # subnormal scales, and one underflowing to 0 (eps)
+    tiny[128:, :128] = torch.tensor(2.0 ** -149) * torch.randint(-300, 300, (128, 128))
+    tiny[:128, 128:] = torch.tensor(2.0 ** -149)
+    weights = [w, w.bfloat16(), big.bfloat16(), big.bfloat16().t(), big[100:1000, 3:700], w.half(), tiny]
     for fmt in fp8.SCALE_FORMATS:
         out = fp8.quantize_tensors([(str(i), x) for i, x in enumerate(weights)], fp8.Quantization(lambda n: True, fmt))
         for i, x in enumerate(weights):

@@ -165,17 +165,17 @@ def written_form(vllm_name: str, written: dict) -> torch.Tensor | None:
     return torch.cat([written[n] for n in names]) if all(n in written for n in names) else None
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "qwen3.5-vl"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "qwen3.5-vl", "qwen3.5-vl-moe"])
 def test_vllm_loads_mcore2hf_fp8_as_fp8(kind, tmp_path):
     from fixtures.make_fixtures import QWEN3_5, make_qwen3, make_qwen3_5, make_qwen3_moe
     from mconv import Layout, hf2mcore, mcore2hf
     from tests.test_fp8 import ALIGNED, MOE
-    from tests.test_fp8_qwen3_5 import ALIGNED as ALIGNED_3_5
+    from tests.test_fp8_qwen3_5 import ALIGNED as ALIGNED_3_5, EXPERTS
 
-    if kind == "qwen3.5-vl":  # every FP8 projection whole 128-row blocks, as vLLM's fused FP8 modules need
+    if kind.startswith("qwen3.5"):  # every FP8 projection whole 128-row blocks, as vLLM's fused FP8 modules need
         rope = {**QWEN3_5["rope_parameters"], "mrope_section": [8, 4, 4], "mrope_interleaved": True}
-        source = make_qwen3_5(tmp_path / "bf16", seed=3, vl=True, rope_parameters=rope, intermediate_size=128,
-                              **ALIGNED_3_5)
+        mlp = dict(moe=True, **EXPERTS) if kind.endswith("moe") else dict(intermediate_size=128)
+        source = make_qwen3_5(tmp_path / "bf16", seed=3, vl=True, rope_parameters=rope, **mlp, **ALIGNED_3_5)
     else:
         source = (make_qwen3(tmp_path / "bf16", **ALIGNED) if kind == "dense"
                   else make_qwen3_moe(tmp_path / "bf16", **MOE))
@@ -208,6 +208,6 @@ def test_vllm_loads_mcore2hf_fp8_as_fp8(kind, tmp_path):
     print(f"{kind}: FP8 vs bf16 prompt log-probabilities, largest gap {max(gaps):.4f}, median {median:.4f} over "
           f"{len(gaps)}; greedy tokens {answers['fp8']['tokens']} vs {answers['bf16']['tokens']}")
     # Random tiny models, FP8 activations too (vLLM quantizes them per token group): the top-20 tails
-    # move most (largest gaps 0.05 dense, 0.07 MoE, 0.30 Qwen3.5-VL on the H200); a misplaced scale
-    # or block moves every log-probability.
-    assert 0 < median < 0.05 and max(gaps) < 0.5
+    # move most (largest gaps 0.05 dense, 0.07 MoE, 0.30 Qwen3.5-VL on the H200: its delta-net layers
+    # carry the error along the sequence); a misplaced scale or block moves every log-probability.
+    assert 0 < median < 0.05 and max(gaps) < (0.5 if kind.startswith("qwen3.5") else 0.1)

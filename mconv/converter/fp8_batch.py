@@ -3,11 +3,11 @@ alignment for a whole bucket (two for UE8M0 scales), whatever its number of tens
 torch runs launch-bound at 3-6% of the copy rate on an H200; reference fp8.md section 5,
 bench/fp8_bench.py).
 
-Same rule, same bytes. Each program takes one 128x128 block (edge blocks masked to zero) and its
-amax (NaN counted as inf, so that the scale is not finite and the weight refused). Float scales
-(the default) are computed in the kernel, `amax / 448` by IEEE round-to-nearest division (div_rn:
-Triton's `/` is approximate; torch divides by a tensor exactly so), an all-zero block's scale
-float32 eps: fp8.scales' rule, one pass over the weights. UE8M0 scales need torch's log2 (a
+Same rule, same bytes. Each program takes one 128x128 block (edge blocks masked to zero). Float
+scales (the default) are computed in the kernel from the block's amax (NaN counted as inf, so that
+the scale is not finite and the weight refused): `amax / 448` by IEEE round-to-nearest division
+(div_rn: Triton's `/` is approximate; torch divides by a tensor exactly so), float32 eps where that
+is 0 (an all-zero block): fp8.scales' rule, one pass over the weights. UE8M0 scales need torch's log2 (a
 libdevice log2 may round differently next to a power of two), so there the first launch stores the
 amax, fp8.scales (the very code the per-tensor path runs) turns all the bucket's amax values into
 scales at once, and a second launch quantizes. Quantizing divides the block by its scale (div_rn),
@@ -31,6 +31,7 @@ _DTYPES = dict(zip(fp8._BATCHED_DTYPES, (tl.bfloat16, tl.float16, tl.float32))) 
 
 
 AMAX, QUANTIZE, FUSED = (tl.constexpr(mode) for mode in range(3))  # what a launch does (_kernel's MODE)
+_FP8_MAX, _ZERO_BLOCK_SCALE = tl.constexpr(fp8.FP8_MAX), tl.constexpr(fp8.ZERO_BLOCK_SCALE)  # the rule's, in the kernel
 
 
 @triton.jit
@@ -66,10 +67,11 @@ def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: t
         if MODE == QUANTIZE:
             s = tl.load(scale + base + pid)
         else:
-            s = tl.math.div_rn(amax, 448.0)
-            s = tl.where(s == 0.0, 1.1920928955078125e-07, s)  # fp8.ZERO_BLOCK_SCALE
+            s = tl.math.div_rn(amax, _FP8_MAX)
+            s = tl.where(s == 0.0, _ZERO_BLOCK_SCALE, s)
             tl.store(scale + base + pid, s)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.full((BLOCK, BLOCK), 0.0, tl.float32) + s), -448.0), 448.0)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.full((BLOCK, BLOCK), 0.0, tl.float32) + s), -_FP8_MAX),
+                       _FP8_MAX)
         tl.store(dst + r * cols + c, q.to(tl.float8e4nv), mask=mask)
 
 
