@@ -165,6 +165,7 @@ def written_form(vllm_name: str, written: dict) -> torch.Tensor | None:
     return torch.cat([written[n] for n in names]) if all(n in written for n in names) else None
 
 
+# qwen3.5-vl-moe was added after the last GPU run of this test (2026-12-03) and has not run on a GPU yet.
 @pytest.mark.parametrize("kind", ["dense", "moe", "qwen3.5-vl", "qwen3.5-vl-moe"])
 def test_vllm_loads_mcore2hf_fp8_as_fp8(kind, tmp_path):
     from fixtures.make_fixtures import QWEN3_5, make_qwen3, make_qwen3_5, make_qwen3_moe
