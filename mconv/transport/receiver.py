@@ -29,6 +29,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
@@ -36,6 +37,29 @@ from mconv.transport import cuda_ipc, shm
 from mconv.transport.flat import Entry, checksums, copy_groups, run_copies, unpack
 
 DEFAULT_TIMEOUT = 600.0
+
+
+def checkpoint_shapes(model: str, revision: str | None = None, tied_lm_head: bool = False) -> dict[str, list[int]]:
+    """{HF name: shape} of the checkpoint `model`, a local directory or a hub repository id (at
+    `revision`): its safetensors headers, read without loading a tensor. With `tied_lm_head`,
+    lm_head.weight beside model.embed_tokens.weight (engines that are sent both for tied
+    embeddings). A checkpoint that cannot be read raises its library's error (OSError, ...)."""
+    from safetensors import safe_open
+
+    if Path(model).is_dir():
+        shapes = {}
+        for path in sorted(Path(model).glob("*.safetensors")):
+            with safe_open(path, "pt") as f:
+                shapes.update((name, list(f.get_slice(name).get_shape())) for name in f.keys())
+    else:
+        from huggingface_hub import get_safetensors_metadata
+
+        metadata = get_safetensors_metadata(model, revision=revision)
+        shapes = {name: list(info.shape) for file in metadata.files_metadata.values()
+                  for name, info in file.tensors.items()}
+    if tied_lm_head and "model.embed_tokens.weight" in shapes:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+    return shapes
 
 
 class UpdateReceiver:

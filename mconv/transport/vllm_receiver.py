@@ -23,7 +23,6 @@ from __future__ import annotations
 import queue
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -34,7 +33,7 @@ from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise
 
 from mconv.transport import cuda_ipc, shm
 from mconv.transport.flat import Entry, checksums, unpack
-from mconv.transport.receiver import DEFAULT_TIMEOUT, UpdateReceiver
+from mconv.transport.receiver import DEFAULT_TIMEOUT, UpdateReceiver, checkpoint_shapes
 
 BACKEND = "mconv_shm"
 
@@ -121,34 +120,27 @@ def engine_args(backend: str = BACKEND) -> dict:
     VLLMIPCEngine). Raises ValueError for another backend."""
     if backend not in (BACKEND, "ipc"):
         raise ValueError(f"engine_args backend must be {BACKEND!r} or 'ipc', not {backend!r}")
-    if backend == BACKEND and BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, FlatBucketTransfer)
+    if backend == BACKEND:
+        register()
     return {"weight_transfer_config": WeightTransferConfig(backend=backend)}
+
+
+def register() -> None:
+    """Register the `mconv_shm` backend with vLLM's weight-transfer factory (once). vLLM calls this
+    in each of its processes as a general plugin (setup.cfg's `vllm.general_plugins` entry point),
+    so a `vllm serve --weight-transfer-config '{"backend": "mconv_shm"}'` with mconv installed beside
+    it has the backend in its engine core and workers."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, FlatBucketTransfer)
 
 
 def expected_tensors(llm, tied_lm_head: bool = True) -> dict[str, list[int]]:
     """{HF name: shape} the engine's model loads: its checkpoint's safetensors headers (a local
     directory or a hub repository), plus, with `tied_lm_head`, lm_head.weight for tied embeddings
     (which vLLM's CPU build must be sent: its prepacked lm_head kernel does not follow the embedding)."""
-    from safetensors import safe_open
-
     config = llm.llm_engine.model_config
-    model = Path(config.model)
-    if model.is_dir():
-        shapes = {}
-        for path in sorted(model.glob("*.safetensors")):
-            with safe_open(path, "pt") as f:
-                shapes.update((name, list(f.get_slice(name).get_shape())) for name in f.keys())
-    else:
-        from huggingface_hub import get_safetensors_metadata
-
-        metadata = get_safetensors_metadata(config.model, revision=config.revision)
-        shapes = {name: list(info.shape) for file in metadata.files_metadata.values()
-                  for name, info in file.tensors.items()}
-    if tied_lm_head and getattr(config.hf_text_config, "tie_word_embeddings", False) \
-            and "model.embed_tokens.weight" in shapes:
-        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
-    return shapes
+    tied = tied_lm_head and bool(getattr(config.hf_text_config, "tie_word_embeddings", False))
+    return checkpoint_shapes(config.model, config.revision, tied)
 
 
 class Receiver(UpdateReceiver):

@@ -5,7 +5,7 @@ from mconv.live.sync.core import SyncResult, sync_weights
 from mconv.live.sync.engines import CallableEngine, Engine, FlatBucket, RemoteEngine, SharedMemoryEngine
 from mconv.live.sync.ipc import IPCEngine
 from mconv.live.sync.sglang import SGLangDistributedEngine, SGLangEngine, sglang_payload
-from mconv.live.sync.vllm import VLLMEngine, VLLMIPCEngine
+from mconv.live.sync.vllm import VLLMEngine, VLLMIPCEngine, VLLMServerEngine
 
-__all__ = ["sync_weights", "SyncResult", "Engine", "CallableEngine", "FlatBucket", "RemoteEngine", "SharedMemoryEngine", "VLLMEngine", "VLLMIPCEngine", "IPCEngine",
+__all__ = ["sync_weights", "SyncResult", "Engine", "CallableEngine", "FlatBucket", "RemoteEngine", "SharedMemoryEngine", "VLLMEngine", "VLLMIPCEngine", "VLLMServerEngine", "IPCEngine",
            "SGLangEngine", "SGLangDistributedEngine", "sglang_payload"]

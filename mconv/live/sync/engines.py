@@ -207,13 +207,12 @@ class RemoteEngine(Engine):
         self._carried = {}  # IPCEngine's shares hold their buffers
 
 
-class SharedMemoryEngine(RemoteEngine):
-    """An engine process on this host (mconv.transport.receiver.ParameterReceiver, or vLLM's
-    Receiver): each sender rank keeps two bucket buffers as files in /dev/shm (grown as needed,
-    removed by `close()`), and a bucket crosses as its file's path and entries."""
+class SharedMemoryBuffers(Engine):
+    """Bucket buffers as files in /dev/shm, for engines on this host whose processes map a bucket by
+    its file's path: two per sender rank (grown as needed, removed by `close()`)."""
 
-    def __init__(self, address: str, authkey: bytes, timeout: float | None = 600.0):
-        super().__init__(address, authkey, timeout)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._shared: dict[int, shm.SharedBuffer] = {}
 
     def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -224,15 +223,24 @@ class SharedMemoryEngine(RemoteEngine):
             self._shared[slot] = current = shm.SharedBuffer.create(nbytes)
         return current.tensor[:nbytes]
 
-    def update(self, bucket: FlatBucket) -> None:
-        slot = self._slot({s: b.tensor for s, b in self._shared.items()}, bucket)
-        self._update({"path": self._shared[slot].path}, bucket.entries)
+    def _path(self, bucket: FlatBucket) -> str:
+        """The file holding `bucket`."""
+        return self._shared[self._slot({s: b.tensor for s, b in self._shared.items()}, bucket)].path
 
     def close(self) -> None:
         for buffer in self._shared.values():
             buffer.close()
         self._shared.clear()
         super().close()
+
+
+class SharedMemoryEngine(SharedMemoryBuffers, RemoteEngine):
+    """An engine process on this host (mconv.transport.receiver.ParameterReceiver, or vLLM's
+    Receiver) serving mconv's requests: each sender rank keeps two bucket buffers as files in
+    /dev/shm (SharedMemoryBuffers), and a bucket crosses as its file's path and entries."""
+
+    def update(self, bucket: FlatBucket) -> None:
+        self._update({"path": self._path(bucket)}, bucket.entries)
 
 
 _CALLABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

