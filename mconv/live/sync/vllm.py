@@ -132,7 +132,9 @@ class VLLMServerEngine(SharedMemoryBuffers):
         reply = call_json(self.url, route, payload, timeout=self.timeout, api_key=self.api_key,
                           server=f"vLLM at {self.url}")
         if reply.get("success") is False:
-            raise RuntimeError(f"vLLM at {self.url} refused {route.split('?')[0]}: {reply['message']}")
+            hint = (" (vLLM serves its weight-transfer routes only when started with VLLM_SERVER_DEV_MODE=1)"
+                    if reply["message"] == "Not Found" else "")
+            raise RuntimeError(f"vLLM at {self.url} refused {route.split('?')[0]}: {reply['message']}{hint}")
         return reply
 
     def expected(self) -> dict[str, list[int]]:
