@@ -271,3 +271,20 @@ def test_training_checkpoints_with_optimizer_and_rng_state_convert_bit_exactly(c
     assert rank["rng_state"][0]["np_rng_state"][1].dtype.name == "uint32" and "exp_avg" in str(rank["optimizer"])
     mcore2hf(legacy, tmp_path / "hf-legacy", progress=False)
     assert_bit_identical(read_all(TINY), read_all(tmp_path / "hf-legacy"))
+
+
+def test_a_bucket_request_maps_only_bucket_files(tmp_path):
+    """An engine maps the file an update request names (vLLM's mconv_shm backend, ParameterReceiver):
+    only a bucket file `SharedBuffer.create` made, not any file the request's sender names."""
+    from mconv.transport.shm import SHM_DIR, SharedBuffer
+
+    made = SharedBuffer.create(64)
+    try:
+        SharedBuffer.attach(made.path).close()
+        (tmp_path / "mconv-bucket-x").write_bytes(b"0" * 64)
+        elsewhere = os.path.join(SHM_DIR or str(tmp_path), "not-a-bucket")
+        for path in ("/etc/passwd", str(tmp_path / "mconv-bucket-x"), made.path + "/../" + os.path.basename(elsewhere)):
+            with pytest.raises(ValueError, match="is not an mconv bucket file"):
+                SharedBuffer.attach(path)
+    finally:
+        made.close()

@@ -5,9 +5,10 @@ vLLM finds through mconv's `vllm.general_plugins` entry point (setup.cfg's, inst
 distribution's metadata on the server's path). A Megatron trainer (gloo, CPU, Qwen3 with tied
 embeddings) syncs new weights into it, and the server's greedy tokens and logprobs then equal
 transformers' on those weights (before: they differ; the prompts' prefix blocks are cached, so a
-sync without the prefix-cache reset would serve stale answers). A sync that fails mid-way leaves
-the server serving with its version "failed:<version>", and the next sync works; a trainer model
-that is not the served one is refused before any bucket."""
+sync without the prefix-cache reset would serve stale answers), also after a trainer that died
+mid-sync left the server paused with its update open. A sync that fails mid-way leaves the server
+serving with its version "failed:<version>", and the next sync works; a trainer model that is not
+the served one, and verify=True, are refused before any bucket."""
 import configparser
 import json
 import os
@@ -55,9 +56,12 @@ def _trainer(tmp: Path, url: str, weights: dict) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
+    from safetensors.torch import load_file
+
     from mconv import Layout, MconvError
     from mconv.live import build_model, load_hf_weights
-    from mconv.live.sync import sync_weights
+    from mconv.live.sync import FlatBucket, sync_weights
+    from mconv.transport.flat import layout, pack
     from tests.megatron_oracle import _cpu_shims
 
     _cpu_shims()
@@ -66,6 +70,16 @@ def _trainer(tmp: Path, url: str, weights: dict) -> None:
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     chunks = build_model(TIED, Layout(), dtype=torch.float32, use_cpu_initialization=True)
     engine, seen = VLLMServerEngine(url), {"before": complete(url)}
+    # A trainer that dies mid-sync: the server paused, its update open, a bucket loaded. The next sync
+    # ends that update and starts its own.
+    dead = VLLMServerEngine(url)
+    dead.start("dead")
+    named = sorted(load_file(Path(weights["step-1"]) / "model.safetensors").items())[:3]
+    entries, size = layout(named)
+    pack(named, entries, buffer := dead.buffer(0, size, torch.device("cpu")))
+    dead.update(FlatBucket("dead", 0, buffer, entries))
+    with urllib.request.urlopen(f"{url}/is_paused", timeout=60) as response:
+        seen["paused by the dead trainer"] = json.loads(response.read())["is_paused"]
     for step, version, sync_engine in ((1, "step-1", engine), (2, "step-2-broken", BreaksAtSecondBucket(url)),
                                        (2, "step-2", engine)):
         load_hf_weights(chunks, weights[f"step-{step}"])
@@ -140,6 +154,7 @@ def test_vllm_server_takes_syncs(tmp_path):
             server.kill()
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert same(seen["before"], old) and not same(seen["before"], new1)
+    assert seen["paused by the dead trainer"] is True
     assert same(seen["step-1"], new1) and seen["step-1"]["version"] == "step-1"
     assert seen["step-2-broken error"] == ("weight sync step-2-broken failed; the engine was told to abort it: "
                                            "rank 0: RuntimeError: injected failure")

@@ -43,7 +43,8 @@ def checkpoint_shapes(model: str, revision: str | None = None, tied_lm_head: boo
     """{HF name: shape} of the checkpoint `model`, a local directory or a hub repository id (at
     `revision`): its safetensors headers, read without loading a tensor. With `tied_lm_head`,
     lm_head.weight beside model.embed_tokens.weight (engines that are sent both for tied
-    embeddings). A checkpoint that cannot be read raises its library's error (OSError, ...)."""
+    embeddings). A checkpoint that cannot be read raises its library's error (OSError, ...), one
+    without safetensors files FileNotFoundError."""
     from safetensors import safe_open
 
     if Path(model).is_dir():
@@ -57,6 +58,8 @@ def checkpoint_shapes(model: str, revision: str | None = None, tied_lm_head: boo
         metadata = get_safetensors_metadata(model, revision=revision)
         shapes = {name: list(info.shape) for file in metadata.files_metadata.values()
                   for name, info in file.tensors.items()}
+    if not shapes:
+        raise FileNotFoundError(f"{model} holds no *.safetensors files")
     if tied_lm_head and "model.embed_tokens.weight" in shapes:
         shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     return shapes

@@ -14,6 +14,7 @@ from multiprocessing.connection import Client, Connection, Listener
 import torch
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+BUCKET_PREFIX = "mconv-bucket-"
 
 
 class SharedBuffer:
@@ -28,7 +29,7 @@ class SharedBuffer:
 
     @classmethod
     def create(cls, nbytes: int) -> "SharedBuffer":
-        fd, path = tempfile.mkstemp(prefix="mconv-bucket-", dir=SHM_DIR)
+        fd, path = tempfile.mkstemp(prefix=BUCKET_PREFIX, dir=SHM_DIR)
         try:
             os.ftruncate(fd, max(nbytes, 1))
         finally:
@@ -37,6 +38,12 @@ class SharedBuffer:
 
     @classmethod
     def attach(cls, path: str) -> "SharedBuffer":
+        """Map the bucket file `path` that `create` made (in SHM_DIR, named mconv-bucket-*). Raises
+        ValueError for any other path: a request naming a file is not trusted to name any file."""
+        real = os.path.realpath(path)
+        if os.path.dirname(real) != os.path.realpath(SHM_DIR or tempfile.gettempdir()) or \
+                not os.path.basename(real).startswith(BUCKET_PREFIX):
+            raise ValueError(f"{path} is not an mconv bucket file ({SHM_DIR or tempfile.gettempdir()}/{BUCKET_PREFIX}*)")
         return cls(path, os.path.getsize(path), owner=False)
 
     def close(self) -> None:

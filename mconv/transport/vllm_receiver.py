@@ -28,14 +28,13 @@ import torch
 
 from vllm.config import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
 
 from mconv.transport import cuda_ipc, shm
 from mconv.transport.flat import Entry, checksums, unpack
 from mconv.transport.receiver import DEFAULT_TIMEOUT, UpdateReceiver, checkpoint_shapes
+from mconv.transport.vllm_plugin import BACKEND, register
 
-BACKEND = "mconv_shm"
 
 
 @dataclass
@@ -123,15 +122,6 @@ def engine_args(backend: str = BACKEND) -> dict:
     if backend == BACKEND:
         register()
     return {"weight_transfer_config": WeightTransferConfig(backend=backend)}
-
-
-def register() -> None:
-    """Register the `mconv_shm` backend with vLLM's weight-transfer factory (once). vLLM calls this
-    in each of its processes as a general plugin (setup.cfg's `vllm.general_plugins` entry point),
-    so a `vllm serve --weight-transfer-config '{"backend": "mconv_shm"}'` with mconv installed beside
-    it has the backend in its engine core and workers."""
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, FlatBucketTransfer)
 
 
 def expected_tensors(llm, tied_lm_head: bool = True) -> dict[str, list[int]]:

