@@ -239,10 +239,7 @@ class VLLMServerEngine(SharedMemoryBuffers):
 def _tied(model: str) -> bool:
     """Whether the checkpoint `model` (a directory or a hub repository) ties its embeddings, as
     sync_weights reads it (config.json's top-level tie_word_embeddings)."""
-    if Path(model).is_dir():
-        path = Path(model) / "config.json"
-    else:
-        from huggingface_hub import hf_hub_download
+    from mconv.converter.hf_config import read_config
+    from mconv.converter.hub import resolve_model
 
-        path = Path(hf_hub_download(model, "config.json"))
-    return bool(json.loads(path.read_text()).get("tie_word_embeddings"))
+    return bool(read_config(resolve_model(model, weights=False, progress=False)).get("tie_word_embeddings"))
