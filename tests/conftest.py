@@ -1,3 +1,4 @@
+import configparser
 import os
 import signal
 import sys
@@ -124,3 +125,16 @@ def qwen3_6_vl_moe_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_next_dir(tmp_path_factory):
     return _make_qwen3_5(tmp_path_factory.mktemp("qwen3_next") / "hf", seed=9, next=True, mtp=True)
+
+
+def plugin_metadata(where: Path) -> Path:
+    """A distribution's metadata holding setup.cfg's `vllm.general_plugins` entry points (what `pip
+    install mconv` puts beside vLLM), in `where`, which goes on the server's path."""
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    info = where / "mconv_vllm_plugin-0.dist-info"  # not "mconv": the checkout's own egg-info would shadow it
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mconv-vllm-plugin\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]" + setup["options.entry_points"]["vllm.general_plugins"]
+                                           + "\n")
+    return where

@@ -1,7 +1,8 @@
 """vLLM on a GPU (skipped without a GPU or without a CUDA build of vLLM; scripts/bundle-vllm-gpu.sh
 makes one that this project's H200 machine can carry, and tests/vllm_gpu_engine.py runs it):
 
-- sync_weights through vLLM's own `ipc` weight-transfer backend (VLLMIPCEngine) leaves vLLM holding,
+- sync_weights through CUDA IPC (VLLMIPCEngine), into vLLM's own `ipc` weight-transfer backend (engine core
+  in the Receiver's process) or mconv's `mconv_shm` backend (vLLM's default engine-core process), leaves vLLM holding,
   bit for bit, what vLLM's own loader makes of the same weights written as HF files, and generating
   the same tokens with the same log-probabilities; a sync whose bucket vLLM refuses (a spoiled
   shape) is aborted, vLLM still generates, and the next sync verifies; tied embeddings too;
@@ -15,13 +16,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from mconv.errors import MconvError
 from mconv.live.sync import VLLMIPCEngine, sync_weights
-from tests.conftest import FIXTURES, ROOT, hf_tensors
+from tests.conftest import FIXTURES, ROOT, hf_tensors, plugin_metadata
 from tests.test_gpu import _gpu_model, process_group  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -31,10 +34,14 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 class VLLMProcess:
     """tests/vllm_gpu_engine.py in a subprocess (its log lines are passed on to stderr)."""
 
-    def __init__(self, hf_dir, socket: str | None = None, authkey: bytes | None = None):
-        served = [socket, authkey.hex()] if socket else []
+    def __init__(self, hf_dir, socket: str | None = None, authkey: bytes | None = None, backend: str = "ipc"):
+        served = [socket, authkey.hex(), backend] if socket else []
+        env = dict(os.environ)
+        if backend == "mconv_shm":  # vLLM's engine-core process finds the backend through mconv's plugin, as installed
+            plugin = plugin_metadata(Path(tempfile.mkdtemp()))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT), str(plugin)]))
         self.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_gpu_engine.py"), str(hf_dir),
-                                         *served], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                         *served], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._answer()
 
     def _answer(self) -> str:
@@ -87,12 +94,13 @@ class SpoiledShape(VLLMIPCEngine):
         super()._update(buffer, entries)
 
 
-@pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen3-tiny-tied", "qwen3-moe-tiny"])
-def test_vllm_ipc_sync_holds_what_vllm_loads(process_group, fixture, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("fixture,backend", [("qwen3-tiny", "ipc"), ("qwen3-tiny-tied", "ipc"), ("qwen3-moe-tiny", "ipc"),
+                                             ("qwen3-tiny-tied", "mconv_shm"), ("qwen3-moe-tiny", "mconv_shm")])
+def test_vllm_ipc_sync_holds_what_vllm_loads(process_group, fixture, backend, tmp_path):  # noqa: F811
     import mconv.live
 
     hf_dir, authkey, socket = FIXTURES / fixture, os.urandom(16), str(tmp_path / "engine.sock")
-    synced = VLLMProcess(hf_dir, socket, authkey)
+    synced = VLLMProcess(hf_dir, socket, authkey, backend)
     try:
         model = _gpu_model(hf_dir).bfloat16()
         mconv.live.load_hf_weights([model], hf_dir)
@@ -160,20 +168,23 @@ def written_form(vllm_name: str, written: dict) -> torch.Tensor | None:
         while all(f"{prefix}.{len(experts)}.{p}.weight{suffix}" in written for p in parts):
             experts.append(torch.cat([written[f"{prefix}.{len(experts)}.{p}.weight{suffix}"] for p in parts]))
         return torch.stack(experts) if experts else None
+    if f"{prefix}.{leaf}" in written:  # fused in the checkpoint too (Qwen3-Next's in_proj_qkvz, in_proj_ba)
+        return written[f"{prefix}.{leaf}"]
     module, _, proj = prefix.rpartition(".")
     names = [f"{module}.{p}.{leaf}" for p in FUSED.get(proj, (proj,))]
     return torch.cat([written[n] for n in names]) if all(n in written for n in names) else None
 
 
-# qwen3.5-vl-moe was added after the last GPU run of this test (2026-12-03) and has not run on a GPU yet.
-@pytest.mark.parametrize("kind", ["dense", "moe", "qwen3.5-vl", "qwen3.5-vl-moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "qwen3.5-vl", "qwen3.5-vl-moe", "qwen3-next"])
 def test_vllm_loads_mcore2hf_fp8_as_fp8(kind, tmp_path):
     from fixtures.make_fixtures import QWEN3_5, make_qwen3, make_qwen3_5, make_qwen3_moe
     from mconv import Layout, hf2mcore, mcore2hf
     from tests.test_fp8 import ALIGNED, MOE
     from tests.test_fp8_qwen3_5 import ALIGNED as ALIGNED_3_5, EXPERTS
 
-    if kind.startswith("qwen3.5"):  # every FP8 projection whole 128-row blocks, as vLLM's fused FP8 modules need
+    if kind == "qwen3-next":
+        source = make_qwen3_5(tmp_path / "bf16", seed=3, next=True, intermediate_size=256, **EXPERTS, **ALIGNED_3_5)
+    elif kind.startswith("qwen3.5"):  # every FP8 projection whole 128-row blocks, as vLLM's fused FP8 modules need
         rope = {**QWEN3_5["rope_parameters"], "mrope_section": [8, 4, 4], "mrope_interleaved": True}
         mlp = dict(moe=True, **EXPERTS) if kind.endswith("moe") else dict(intermediate_size=128)
         source = make_qwen3_5(tmp_path / "bf16", seed=3, vl=True, rope_parameters=rope, **mlp, **ALIGNED_3_5)
@@ -211,4 +222,4 @@ def test_vllm_loads_mcore2hf_fp8_as_fp8(kind, tmp_path):
     # Random tiny models, FP8 activations too (vLLM quantizes them per token group): the top-20 tails
     # move most (largest gaps 0.05 dense, 0.07 MoE, 0.30 Qwen3.5-VL on the H200: its delta-net layers
     # carry the error along the sequence); a misplaced scale or block moves every log-probability.
-    assert 0 < median < 0.05 and max(gaps) < (0.5 if kind.startswith("qwen3.5") else 0.1)
+    assert 0 < median < 0.05 and max(gaps) < (0.5 if kind.startswith("qwen3") else 0.1)

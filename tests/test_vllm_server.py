@@ -9,7 +9,6 @@ sync without the prefix-cache reset would serve stale answers), also after a tra
 mid-sync left the server paused with its update open. A sync that fails mid-way leaves the server
 serving with its version "failed:<version>", and the next sync works; a trainer model that is not
 the served one, and verify=True, are refused before any bucket."""
-import configparser
 import json
 import os
 import socket
@@ -23,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from mconv.live.sync import VLLMServerEngine
+from tests.conftest import plugin_metadata
 from tests.test_lora import VLLM_PYTHON, needs_vllm
 from tests.test_weight_sync import BUCKET, MOE, PROMPTS, TIED, perturbed, reference, same
 
@@ -98,19 +98,6 @@ def _trainer(tmp: Path, url: str, weights: dict) -> None:
     (tmp / "seen.json").write_text(json.dumps(seen))
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-
-
-def plugin_metadata(where: Path) -> Path:
-    """A distribution's metadata holding setup.cfg's `vllm.general_plugins` entry points (what `pip
-    install mconv` puts beside vLLM), in `where`, which goes on the server's path."""
-    setup = configparser.ConfigParser()
-    setup.read(ROOT / "setup.cfg")
-    info = where / "mconv_vllm_plugin-0.dist-info"  # not "mconv": the checkout's own egg-info would shadow it
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mconv-vllm-plugin\nVersion: 0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]" + setup["options.entry_points"]["vllm.general_plugins"]
-                                           + "\n")
-    return where
 
 
 @pytest.mark.slow

@@ -234,6 +234,10 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     # A CUDA IPC engine for a model on the CPU: refused before it is told anything (no receiver listens there)
     from mconv.live.sync import VLLMIPCEngine
     refused("cpu-ipc", lambda: sync_weights(chunks, TIED, VLLMIPCEngine(socket + ".none", authkey), version="cpu"))
+    if rank == 0:  # the Receiver asks the ipc route for no tied lm_head (on a GPU vLLM's is the embedding)
+        ipc = VLLMIPCEngine(socket, authkey)
+        errors["ipc-expected"] = sorted(set(engine.expected()) ^ set(ipc.expected()))
+        ipc.close()
     generate("after-mismatch")
 
     # The other route: vLLM's reload_weights, fed bucket by bucket.
@@ -334,6 +338,7 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
         assert rank["errors"]["cpu-ipc"] == ("weight sync cpu refused before any bucket was sent: rank 0: "
                                              "VLLMIPCEngine needs the model on a CUDA device; it is on cpu")
     assert served["after-mismatch"] == served["step-2"]
+    assert ranks[0]["errors"]["ipc-expected"] == ["lm_head.weight"]
     assert ranks[0]["errors"]["callable"] == [True, True, True]
 
     assert ranks[0]["errors"]["own"] == ["own-2", True, {"make_plan": 0, "_check": 0, "layout": 0, "_block_aligned": 0},

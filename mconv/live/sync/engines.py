@@ -134,6 +134,8 @@ class RemoteEngine(Engine):
     authenticated with `authkey`. Subclasses say how a bucket travels (`update`). A request
     unanswered within `timeout` seconds raises (and the connection is reopened at the next)."""
 
+    route: str | None = None  # how its buckets reach a receiver that serves several ways (vLLM's Receiver)
+
     def __init__(self, address: str, authkey: bytes, timeout: float | None = 600.0):
         super().__init__()
         self.address, self.authkey, self.timeout = address, authkey, timeout
@@ -182,7 +184,7 @@ class RemoteEngine(Engine):
             carried.add(number)
 
     def expected(self) -> dict[str, list[int]]:
-        reply = self._request({"op": "expected", "digest": self._expected and self._expected[0]})
+        reply = self._request({"op": "expected", "digest": self._expected and self._expected[0], "route": self.route})
         if "tensors" in reply or self._expected is None:
             self._expected = (reply["digest"], reply["tensors"])
         return self._expected[1]

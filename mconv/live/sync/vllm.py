@@ -60,17 +60,19 @@ class VLLMEngine(_VLLMUpdate, SharedMemoryEngine):
 
 
 class VLLMIPCEngine(_VLLMUpdate, IPCEngine):
-    """A vLLM `LLM` on the trainer's GPU built with `vllm_receiver.engine_args("ipc")` (vLLM's own
-    `ipc` weight-transfer backend), served by `Receiver(llm, address, authkey)` in its process.
-    Buckets are packed on the model's GPU into two reused buffers (IPCEngine); each bucket crosses
-    as one CUDA IPC handle, named by the GPU's UUID, and vLLM's backend opens it, cuts it into
-    tensors by their byte sizes (mconv's flat buckets are back to back, so the cuts fall on the
-    entries) and loads them through its layerwise reload. Tied embeddings are not sent twice (on a
-    GPU vLLM's lm_head is the embedding). vLLM must run on that one GPU (TP 1, PP 1: its ipc backend
-    finds each worker's handle by the worker's GPU, and the trainer shares from one): `start` refuses
-    another engine. Tested with vLLM 0.26.0 (CUDA) on an H200, the `LLM` in
-    the Receiver's process with its engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): with
-    an engine-core process vLLM would have to pickle the handle."""
+    """A vLLM `LLM` on the trainer's GPU, served by `Receiver(llm, address, authkey)` in its
+    process. Buckets are packed on the model's GPU into two reused buffers (IPCEngine); each bucket
+    crosses as one CUDA IPC handle, named by the GPU's UUID, and is loaded through vLLM's layerwise
+    reload, by one of two backends the `LLM` is built with:
+    `vllm_receiver.engine_args()` (mconv's `mconv_shm`: the handle travels as JSON, so vLLM's
+    default engine-core process passes it to its worker unpickled) or `engine_args("ipc")` (vLLM's
+    own: it cuts the bucket by the tensors' byte sizes, mconv's flat buckets being back to back; its
+    handle is a tuple vLLM would have to pickle, so the engine core must run in the Receiver's
+    process, VLLM_ENABLE_V1_MULTIPROCESSING=0). Tied embeddings are not sent twice (on a GPU vLLM's
+    lm_head is the embedding). vLLM must run on that one GPU (TP 1, PP 1: a worker opens only a
+    handle shared on its own GPU, and the trainer shares from one): `start` refuses another engine.
+    Tested with vLLM 0.26.0 (CUDA) on an H200, both backends; mconv's with the engine core in its
+    own process."""
 
     route = "ipc"
     keeps_shares = False  # vLLM's backend opens the handle at every bucket and drops it after
