@@ -3,7 +3,8 @@ attention and Triton delta-net kernels, as scripts/bundle-vllm-gpu.sh carries ne
 nor FlashInfer; a vision-language model served text only, its vision tower not built), serving mconv's Receiver
 when SOCKET and AUTHKEY_HEX are given, with weight-transfer BACKEND: vLLM's own "ipc" (the default; the engine core
 in this process) or mconv's "mconv_shm" (vLLM's default engine-core process; VLLM_ALLOW_INSECURE_SERIALIZATION=1
-then, as this script's parameter dump and a verified sync hand functions to the worker). It prints
+then, as this script's parameter dump and a verified sync hand functions to the worker; the engine core spawned,
+finding mconv's backend through its plugin entry point, which the caller puts on PYTHONPATH). It prints
 "MCONV READY" and then answers JSON lines on stdin, each with one "MCONV {json}" line on stdout:
 
     {"op": "dump", "path": P}  writes every parameter vLLM holds to P (safetensors) and answers
@@ -18,11 +19,6 @@ import json
 import os
 import sys
 
-# The bundle carries no FlashInfer: vLLM's sampler then uses its PyTorch top-k/top-p.
-BACKEND = sys.argv[4] if len(sys.argv) > 4 else "ipc"
-os.environ.update(HF_HUB_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0",
-                  **(dict(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-                     if BACKEND == "mconv_shm" else dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")))
 PROMPTS = [list(range(3, 60, 4)), [5, 9, 2, 7, 11, 30, 8]]
 LLM_ARGS = dict(max_model_len=128, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=128,
                 kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.3, distributed_executor_backend="uni",
@@ -36,6 +32,13 @@ def _parameters(worker) -> dict:
 
 
 def main() -> None:
+    backend = sys.argv[4] if len(sys.argv) > 4 else "ipc"
+    # Before vLLM is imported. The bundle carries no FlashInfer: vLLM's sampler then uses its PyTorch top-k/top-p.
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_USE_FLASHINFER_SAMPLER="0",
+                      # spawned, not forked: the engine core finds mconv's backend through its plugin, as installed
+                      **(dict(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+                              VLLM_WORKER_MULTIPROC_METHOD="spawn")
+                         if backend == "mconv_shm" else dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")))
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
@@ -46,7 +49,11 @@ def main() -> None:
     hf_dir, serve = sys.argv[1], len(sys.argv) > 2
     with open(os.path.join(hf_dir, "config.json")) as config:
         vision = "vision_config" in json.load(config)
-    llm = LLM(model=hf_dir, **LLM_ARGS, **(TEXT_ONLY if vision else {}), **(engine_args(BACKEND) if serve else {}))
+    llm = LLM(model=hf_dir, **LLM_ARGS, **(TEXT_ONLY if vision else {}), **(engine_args(backend) if serve else {}))
+    if serve and backend == "mconv_shm":
+        from vllm.v1.engine.core_client import InprocClient
+
+        assert not isinstance(llm.llm_engine.engine_core, InprocClient), "the engine core runs in this process"
     receiver = Receiver(llm, sys.argv[2], bytes.fromhex(sys.argv[3])) if serve else None
     if receiver is not None:
         receiver.start()

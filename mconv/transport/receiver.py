@@ -195,8 +195,12 @@ class UpdateReceiver:
             time.sleep(min(1.0, self.timeout / 4))
             with self._mutex:
                 if self._session is not None and time.monotonic() - self._last > self.timeout:
-                    self._fail(f"no request from the trainer for {self.timeout:g} s in the middle of update "
-                               f"{self._session}")
+                    try:
+                        self._fail(f"no request from the trainer for {self.timeout:g} s in the middle of update "
+                                   f"{self._session}")
+                    except Exception:
+                        pass  # the update has ended as failed whatever the engine said; keep watching
+
 
 
 def _with_entries(buffers: list[dict], peer: dict) -> list[dict]:

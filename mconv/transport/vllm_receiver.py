@@ -95,6 +95,11 @@ class FlatBucketTransfer(WeightTransferEngine[FlatInitInfo, FlatUpdateInfo]):
     def shutdown(self) -> None:
         pass
 
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """vLLM 0.26 asks every backend for its trainer side; mconv's is mconv.live.sync."""
+        raise NotImplementedError("the mconv_shm backend's trainer side is mconv.live.sync (VLLMEngine, VLLMIPCEngine)")
+
 
 def _prepack_cpu_experts_on_update(model: torch.nn.Module) -> None:
     """Make every later weight update of `model`'s fused-MoE layers end as its first load did, on
@@ -202,12 +207,17 @@ class Receiver(UpdateReceiver):
             raise ValueError(f"route {self._route!r} needs an LLM built with engine_args({needs[0]!r}); this one's "
                              f"weight-transfer backend is {self.backend!r}")
         from vllm import envs
+        from vllm.v1.engine.core_client import InprocClient
 
-        if self._verify and envs.VLLM_ENABLE_V1_MULTIPROCESSING and not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
+        in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
+        if self._verify and not in_process and not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
             raise ValueError("verify=True reads the weights back with a function vLLM must pickle to reach an "
                              "engine-core process: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 for vLLM, run its engine "
                              "core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), or sync without verify")
         if self._route == "ipc":
+            device = self.llm.llm_engine.vllm_config.device_config.device_type
+            if device != "cuda":
+                raise ValueError(f"route 'ipc' (VLLMIPCEngine) needs vLLM on a CUDA GPU; this LLM runs on {device}")
             workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
             if workers != 1:
                 # The trainer's one sender shares each bucket on its own GPU; a worker can open only a
@@ -293,8 +303,10 @@ class Receiver(UpdateReceiver):
                     wait([self._reload])
                 if self._reload.exception() is not None:
                     self.llm.collective_rpc(_finalize)  # reload_weights stopped mid-way: put every layer back
-        except RuntimeError:
-            pass  # the worker ends its update session whatever the reason
+        except Exception:
+            # The worker ends its update session whatever the reason (mconv's backend by raising on
+            # purpose; an engine-core process reports a worker's error as a plain Exception).
+            pass
         finally:
             self._set_version(f"failed:{version}")
 

@@ -2,7 +2,7 @@
 (`start_weight_update` / `update_weights` / `finish_weight_update`): in vLLM's own process by
 mconv.transport.vllm_receiver.Receiver, where `VLLMEngine` hands each bucket over as a shared-memory
 file (mconv's `mconv_shm` backend, or vLLM's layerwise `reload_weights`) and `VLLMIPCEngine` as one
-CUDA IPC handle that vLLM's own `ipc` backend opens (colocated on one GPU); or over HTTP to a
+CUDA IPC handle that mconv's backend or vLLM's own `ipc` backend opens (colocated on one GPU); or over HTTP to a
 running `vllm serve` (`VLLMServerEngine`, shared-memory files and the `mconv_shm` backend)."""
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class VLLMIPCEngine(_VLLMUpdate, IPCEngine):
     lm_head is the embedding). vLLM must run on that one GPU (TP 1, PP 1: a worker opens only a
     handle shared on its own GPU, and the trainer shares from one): `start` refuses another engine.
     Tested with vLLM 0.26.0 (CUDA) on an H200, both backends; mconv's with the engine core in its
-    own process."""
+    own process (spawned, finding the backend through mconv's plugin entry point)."""
 
     route = "ipc"
     keeps_shares = False  # vLLM's backend opens the handle at every bucket and drops it after
