@@ -146,6 +146,122 @@ def test_vllm_ipc_sync_holds_what_vllm_loads(process_group, fixture, backend, tm
     assert not unchanged
 
 
+
+class VLLMServer:
+    """`vllm serve` (its OpenAI server, vLLM's engine core and worker in processes of their own) of
+    HF_DIR on this GPU with VLLM_SERVER_DEV_MODE=1 and mconv's backend, found through mconv's plugin
+    entry point (a distribution's metadata on its path, as installing mconv gives); its log goes to
+    LOG."""
+
+    def __init__(self, hf_dir, log):
+        import socket
+        import time
+        import urllib.request
+
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            self.url = f"http://127.0.0.1:{free.getsockname()[1]}"
+        plugin = plugin_metadata(Path(tempfile.mkdtemp()))
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+               "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT), str(plugin)]))}
+        self.log = open(log, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir), "--host", "127.0.0.1",
+             "--port", self.url.rsplit(":", 1)[1], "--dtype", "bfloat16", "--max-model-len", "128", "--enforce-eager",
+             "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--kv-cache-memory-bytes", str(256 << 20),
+             "--gpu-memory-utilization", "0.3", "--enable-prefix-caching", "--attention-backend", "TRITON_ATTN",
+             "--weight-transfer-config", '{"backend": "mconv_shm"}'],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.model = str(hf_dir)
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM's server ended with status {self.process.returncode}: "
+                                   + Path(log).read_text()[-3000:])
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
+                    return
+            except OSError:
+                time.sleep(2)
+        self.close()
+        raise RuntimeError("vLLM's server did not start in 400 s: " + Path(log).read_text()[-3000:])
+
+    def complete(self) -> dict:
+        """Greedy tokens for PROMPTS, their log-probabilities and the prompts' top-5 log-probabilities."""
+        import urllib.request
+
+        from tests.vllm_gpu_engine import PROMPTS
+
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": self.model, "prompt": PROMPTS, "max_tokens": 8, "temperature": 0, "logprobs": 0,
+                             "prompt_logprobs": 5, "ignore_eos": True, "return_token_ids": True}).encode())
+        with urllib.request.urlopen(request, timeout=120) as response:
+            choices = sorted(json.loads(response.read())["choices"], key=lambda c: c["index"])
+        return {"tokens": [c["token_ids"] for c in choices],
+                "logprobs": [c["logprobs"]["token_logprobs"] for c in choices],
+                "prompt_logprobs": [c["prompt_logprobs"] for c in choices]}
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def test_vllm_server_takes_cuda_ipc_syncs(process_group, tmp_path):  # noqa: F811
+    """VLLMServerEngine with the model on the server's GPU: each bucket one CUDA IPC handle in an
+    /update_weights request. The server then answers as a fresh server of the same weights written
+    as HF files does (tokens, their log-probabilities, the prompts' top-5), a sync failing at its
+    second bucket is aborted (version failed:<v>, the server generating), and the next sync holds."""
+    import mconv.live
+    from mconv.live.sync import VLLMServerEngine
+
+    class BreaksAtSecondBucket(VLLMServerEngine):
+        def update(self, bucket):
+            if bucket.index == 1:
+                raise RuntimeError("injected failure")
+            super().update(bucket)
+
+    hf_dir = FIXTURES / "qwen3-tiny-tied"
+    server = VLLMServer(hf_dir, tmp_path / "synced.log")
+    try:
+        model = _gpu_model(hf_dir).bfloat16()
+        mconv.live.load_hf_weights([model], hf_dir)
+        before = server.complete()
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        mconv.live.save_hf_weights([model], tmp_path / "stepped", hf_dir)
+        engine = VLLMServerEngine(server.url)
+        result = sync_weights([model], hf_dir, engine, version="step-1", bucket_bytes=1 << 16)
+        assert result.buckets > 3, result
+        synced = server.complete()
+        assert engine.version == "step-1"
+        broken = BreaksAtSecondBucket(server.url)
+        with pytest.raises(MconvError, match="weight sync step-bad failed") as refused:
+            sync_weights([model], hf_dir, broken, version="step-bad", bucket_bytes=1 << 16)
+        assert "telling the engine failed" not in str(refused.value)
+        assert broken.version == "failed:step-bad"
+        server.complete()  # the server generates after the abort
+        sync_weights([model], hf_dir, engine, version="step-2", bucket_bytes=1 << 16)
+        assert server.complete() == synced
+        engine.close()
+        broken.close()
+    finally:
+        server.close()
+    fresh = VLLMServer(tmp_path / "stepped", tmp_path / "fresh.log")
+    try:
+        loaded = fresh.complete()
+    finally:
+        fresh.close()
+    print(f"served after the sync: {synced['tokens']}; a fresh server of the stepped files: {loaded['tokens']}")
+    assert synced == loaded
+    assert before["prompt_logprobs"] != synced["prompt_logprobs"]
+
 # vLLM's fused modules and the HF projections they are made of, in order (Qwen3.5's delta-net
 # projections: vLLM's Qwen3_5 packed_modules_mapping).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),

@@ -342,6 +342,9 @@ def _cloned_from_gpu(shared: dict, entries: list, verify: bool, device: torch.de
     worker's GPU, which must be the one it was shared on) as _cloned does. The mapping is dropped
     once cloned: torch then releases the trainer's reference to that share. Raises ValueError for a
     buffer on another GPU."""
+    if device.type != "cuda":
+        raise ValueError(f"the trainer shared bucket entry {entries[0][0] if entries else '?'} as a CUDA IPC handle; "
+                         f"this vLLM worker runs on {device.type}: CUDA IPC buckets need vLLM on the trainer's GPU")
     if shared.get("uuid") != cuda_ipc.gpu_uuid(device):
         raise ValueError(f"the trainer shared bucket entry {entries[0][0] if entries else '?'} on GPU "
                          f"{shared.get('uuid')}, this vLLM worker runs on GPU {cuda_ipc.gpu_uuid(device)}: CUDA IPC "

