@@ -6,9 +6,11 @@ makes one that this project's H200 machine can carry, and tests/vllm_gpu_engine.
   bit for bit, what vLLM's own loader makes of the same weights written as HF files, and generating
   the same tokens with the same log-probabilities; a sync whose bucket vLLM refuses (a spoiled
   shape) is aborted, vLLM still generates, and the next sync verifies; tied embeddings too;
-- vLLM loads `mcore2hf --quantize fp8` output (Qwen3, Qwen3-MoE, Qwen3.5-VL served text only) as FP8
-  linear layers holding the bytes and scales mconv wrote, and its log-probabilities stay close to the
-  bf16 model's.
+- VLLMServerEngine(transport="cuda_ipc") into `vllm serve` on the trainer's GPU (skipped where vLLM's
+  server packages are missing: the H200 bundle has none);
+- vLLM loads `mcore2hf --quantize fp8` output (Qwen3, Qwen3-MoE, Qwen3.5-VL and Qwen3.5-VL-MoE served text
+  only, Qwen3-Next) as FP8 linear layers holding the bytes and scales mconv wrote, and its log-probabilities
+  stay within what the rounding of the weights alone explains (transformers on the CPU, same prompts).
 """
 import dataclasses
 import importlib.util
@@ -241,12 +243,12 @@ def test_vllm_server_takes_cuda_ipc_syncs(process_group, tmp_path):  # noqa: F81
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         mconv.live.save_hf_weights([model], tmp_path / "stepped", hf_dir)
-        engine = VLLMServerEngine(server.url)
+        engine = VLLMServerEngine(server.url, transport="cuda_ipc")
         result = sync_weights([model], hf_dir, engine, version="step-1", bucket_bytes=1 << 16)
         assert result.buckets > 3, result
         synced = server.complete()
         assert engine.version == "step-1"
-        broken = BreaksAtSecondBucket(server.url)
+        broken = BreaksAtSecondBucket(server.url, transport="cuda_ipc")
         with pytest.raises(MconvError, match="weight sync step-bad failed") as refused:
             sync_weights([model], hf_dir, broken, version="step-bad", bucket_bytes=1 << 16)
         assert "telling the engine failed" not in str(refused.value)

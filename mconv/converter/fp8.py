@@ -103,14 +103,24 @@ def _not_finite(name: str) -> MconvError:
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, origin=(0, 0),
-               block=(BLOCK, BLOCK)) -> torch.Tensor:
-    """`float(q) * float(scale_inv)` block by block, cast to `dtype`. `q` [rows, cols] may be a window
-    of a larger weight starting at element `origin` (row, column); `scale_inv` is then the window's
-    scale rows and columns, from block (origin[0] // block[0], origin[1] // block[1]) on."""
-    index = [(torch.arange(o, o + n, device=q.device) // b) - o // b
-             for o, n, b in zip(origin, q.shape, block)]
-    scale = scale_inv.float().index_select(0, index[0]).index_select(1, index[1])
-    return (q.float() * scale).to(dtype)
+               block=(BLOCK, BLOCK), out: torch.Tensor | None = None) -> torch.Tensor:
+    """`float(q) * float(scale_inv)` block by block, cast to `dtype` (into `out`, of that dtype and
+    q's shape, where given). `q` [rows, cols] may be a window of a larger weight starting at element
+    `origin` (row, column); `scale_inv` is then the window's scale rows and columns, from block
+    (origin[0] // block[0], origin[1] // block[1]) on."""
+    rows, cols = q.shape
+    if all(o % b == 0 and n % b == 0 for o, n, b in zip(origin, q.shape, block)):
+        # Whole blocks: each times its scale by broadcasting (the same float32 products, without a
+        # per-element scale tensor as large as the weight).
+        product = q.to(torch.float32, copy=True).reshape(rows // block[0], block[0], cols // block[1], block[1])
+        product = product.mul_(scale_inv.float()[:, None, :, None]).reshape(rows, cols)
+    else:
+        index = [(torch.arange(o, o + n, device=q.device) // b) - o // b
+                 for o, n, b in zip(origin, q.shape, block)]
+        product = q.float() * scale_inv.float().index_select(0, index[0]).index_select(1, index[1])
+    if out is None:
+        return product.to(dtype)
+    return out.copy_(product)
 
 
 def quantization_config(kept: list[str], scale_fmt: str = "float") -> dict:

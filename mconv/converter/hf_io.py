@@ -370,11 +370,13 @@ class HFCheckpoint:
             if ((per_element == 0) & (q.float() != 0)).any():
                 raise MconvError(f"{where}: tensor {scale_name} holds a zero block scale for a block of "
                                  f"{name} that is not all zeros")
-        dequantized = fp8.dequantize(q, scale, out.dtype, origin, block)
-        if torch.isinf(dequantized).any():  # e4m3 holds no inf: a scale too large for the dtype made it
+        fp8.dequantize(q, scale, out.dtype, origin, block, out=out)
+        # e4m3 holds no inf: a scale too large for the dtype made it. One reduction pass, no mask;
+        # aminmax propagates NaN (e4m3's NaN code), and then the mask decides.
+        low, high = torch.aminmax(out) if out.numel() else (out.new_zeros(()), out.new_zeros(()))
+        if low.isinf() or high.isinf() or (low.isnan() and torch.isinf(out).any()):
             raise MconvError(f"{where}: tensor {scale_name} holds block scales so large "
                              f"that {name} dequantized into {str(out.dtype).removeprefix('torch.')} overflows to inf")
-        out.copy_(dequantized)
 
     def _read_stored(self, info: TensorInfo, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
         """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor, into `out` of its dtype."""

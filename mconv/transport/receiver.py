@@ -144,8 +144,9 @@ class UpdateReceiver:
 
     # What an engine does; ParameterReceiver and vllm_receiver.Receiver fill these in.
     def expected(self, route: str | None = None) -> dict[str, list[int]]:
-        """{HF name: shape} of the engine's model as a trainer using `route` (the `start` request's,
-        where the engine serves several) sends it (asked once per route; the model must not change after)."""
+        """{HF name: shape} of the engine's model as a trainer using `route` (named in its `expected`
+        request, where the engine serves several) sends it (asked once per route; the model must not
+        change after)."""
         raise NotImplementedError
 
     def begin(self, message: dict) -> None:

@@ -210,10 +210,15 @@ class Receiver(UpdateReceiver):
         from vllm.v1.engine.core_client import InprocClient
 
         in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
+        if self._route == "reload" and not in_process:
+            raise ValueError("route 'reload' hands vLLM's worker an iterator, which only an engine core in this "
+                             "process takes: build the LLM with VLLM_ENABLE_V1_MULTIPROCESSING=0, or use route "
+                             "'transfer' (the default)")
         if self._verify and not in_process and not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
             raise ValueError("verify=True reads the weights back with a function vLLM must pickle to reach an "
-                             "engine-core process: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 for vLLM, run its engine "
-                             "core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), or sync without verify")
+                             "engine-core process: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the environment before "
+                             "the LLM is built, run its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), "
+                             "or sync without verify")
         if self._route == "ipc":
             device = self.llm.llm_engine.vllm_config.device_config.device_type
             if device != "cuda":
@@ -341,7 +346,7 @@ def _cloned_from_gpu(shared: dict, entries: list, verify: bool, device: torch.de
     """The bucket in the CUDA buffer `shared` (cuda_ipc.share) names, cloned on `device` (this
     worker's GPU, which must be the one it was shared on) as _cloned does. The mapping is dropped
     once cloned: torch then releases the trainer's reference to that share. Raises ValueError for a
-    buffer on another GPU."""
+    buffer on another GPU, or a worker not on a GPU."""
     if device.type != "cuda":
         raise ValueError(f"the trainer shared bucket entry {entries[0][0] if entries else '?'} as a CUDA IPC handle; "
                          f"this vLLM worker runs on {device.type}: CUDA IPC buckets need vLLM on the trainer's GPU")

@@ -115,10 +115,12 @@ class VLLMServerEngine(SharedMemoryBuffers):
     `url`: the server's address ("http://127.0.0.1:8000"); `api_key`: its --api-key, if any (vLLM
     checks it on /v1 routes only).
 
-    A model on the CPU sends its buckets as shared-memory files (SharedMemoryBuffers: the server runs
-    on this host, as this user); a model on a GPU packs them there, into two buffers new at each
-    sync, and sends each as one CUDA IPC handle (JSON), which only a server on that same GPU can
-    open (colocated; its worker refuses another GPU's, naming both). Each bucket is one
+    `transport="shm"` (the default) sends the buckets as shared-memory files (SharedMemoryBuffers:
+    the server runs on this host, as this user), wherever the model and the server run;
+    `transport="cuda_ipc"` packs them on the model's GPU, into two buffers new at each sync, and
+    sends each as one CUDA IPC handle (JSON), which only a one-GPU server on that same GPU can open
+    (colocated: a server of more GPUs is refused before the sync starts, and its worker refuses
+    another GPU's handle, naming both; MconvError for a model not on a GPU). Each bucket is one
     `/update_weights` request that vLLM's workers answer by mapping it and loading its tensors
     through vLLM's layerwise reload. A sync pauses the server's scheduling (`/pause?mode=wait`: each
     sequence running finishes on the old weights, new ones wait), starts vLLM's update, sends the
@@ -148,18 +150,26 @@ class VLLMServerEngine(SharedMemoryBuffers):
              "Invalid init_info": "start vLLM with --weight-transfer-config '{\"backend\": \"mconv_shm\"}'"}
 
     def __init__(self, url: str, *, model_dir: str | Path | None = None, api_key: str | None = None,
-                 reset_prefix_cache: bool = True, timeout: float = 600.0):
+                 reset_prefix_cache: bool = True, timeout: float = 600.0, transport: str = "shm"):
+        if transport not in ("shm", "cuda_ipc"):
+            raise ValueError(f"VLLMServerEngine transport must be 'shm' or 'cuda_ipc', not {transport!r}")
         super().__init__()
+        self.transport = transport
         self.url, self.model_dir, self.api_key = url.rstrip("/"), model_dir, api_key
         self.reset_prefix_cache, self.timeout = reset_prefix_cache, timeout
         self._initialized = False
         self._expected: dict | None = None
         self._version: str | None = None  # the last version this engine set, for a vLLM that keeps none
 
+    def check_device(self, device: torch.device) -> None:
+        if self.transport == "cuda_ipc" and device.type != "cuda":
+            raise MconvError(f"VLLMServerEngine(transport='cuda_ipc') needs the model on a CUDA device; it is on "
+                             f"{device} (transport='shm' sends from anywhere on this host)")
+
     def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        if device.type == "cuda":
+        if self.transport == "cuda_ipc":
             return Engine.buffer(self, slot, nbytes, device)
-        return super().buffer(slot, nbytes, device)
+        return super().buffer(slot, nbytes, torch.device("cpu"))
 
     def _call(self, route: str, payload: dict | None = None) -> dict:
         reply = call_json(self.url, route, payload, timeout=self.timeout, api_key=self.api_key,
@@ -192,7 +202,7 @@ class VLLMServerEngine(SharedMemoryBuffers):
         try:
             return self._call("weight_info").get("weight_version")
         except RuntimeError as e:
-            if "Not Found" not in str(e):
+            if "Not Found" not in str(e) or not self._initialized:  # no dev routes at all: the hint says so
                 raise
             return self._version
 
@@ -201,6 +211,11 @@ class VLLMServerEngine(SharedMemoryBuffers):
             if not self._initialized:
                 self._call("init_weight_transfer_engine", {"init_info": {}})
                 self._initialized = True
+            if self.transport == "cuda_ipc":
+                workers = self._call("get_world_size?include_dp=true").get("world_size")
+                if workers != 1:  # the trainer shares from one GPU; a worker opens only its own GPU's handles
+                    raise MconvError(f"VLLMServerEngine(transport='cuda_ipc') needs vLLM on one GPU (the trainer's); "
+                                     f"the server at {self.url} runs {workers} workers (transport='shm' serves any)")
             self._call("pause?mode=wait&clear_cache=false", {})
             try:
                 self._call("start_weight_update", {})
