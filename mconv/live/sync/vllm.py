@@ -2,8 +2,9 @@
 (`start_weight_update` / `update_weights` / `finish_weight_update`): in vLLM's own process by
 mconv.transport.vllm_receiver.Receiver, where `VLLMEngine` hands each bucket over as a shared-memory
 file (mconv's `mconv_shm` backend, or vLLM's layerwise `reload_weights`) and `VLLMIPCEngine` as one
-CUDA IPC handle that mconv's backend or vLLM's own `ipc` backend opens (colocated on one GPU); or over HTTP to a
-running `vllm serve` (`VLLMServerEngine`, shared-memory files or CUDA IPC handles and the `mconv_shm` backend)."""
+CUDA IPC handle that mconv's backend or vLLM's own `ipc` backend opens (colocated on one GPU); or
+over HTTP to a running `vllm serve` (`VLLMServerEngine`, shared-memory files or CUDA IPC handles,
+and the `mconv_shm` backend)."""
 from __future__ import annotations
 
 import json
@@ -125,8 +126,9 @@ class VLLMServerEngine(SharedMemoryBuffers):
     through vLLM's layerwise reload. A sync pauses the server's scheduling (`/pause?mode=wait`: each
     sequence running finishes on the old weights, new ones wait), starts vLLM's update, sends the
     buckets, finishes it with the version (`/weight_info` reads it, `version` here; a vLLM without
-    weight versions, 0.26, leaves `version` to this engine's record), resets the prefix and encoder caches (unless `reset_prefix_cache=False`: cached
-    prefixes then keep the old weights' KV) and resumes. An abort ends the update with the
+    weight versions, 0.26, leaves `version` to this engine's record), resets the prefix and encoder
+    caches (unless `reset_prefix_cache=False`: cached prefixes then keep the old weights' KV) and
+    resumes. An abort ends the update with the
     trainer's reason (vLLM puts every layer back: those that got all their tensors hold the new
     weights, the others the old), sets the version to "failed:<version>" and resumes. An update an
     earlier trainer left open (it died mid-sync: the server stays paused until then) is ended the
