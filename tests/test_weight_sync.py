@@ -673,6 +673,31 @@ def test_sglang_receives_buckets_by_both_routes(tmp_path):
         assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8)), name
 
 
+def test_a_killed_trainers_bucket_files_are_removed():
+    """A trainer killed mid-run leaves its shared-memory bucket files (memory held until they are
+    removed): the next SharedBuffer.create on the host removes those of processes that are gone,
+    and leaves a running process's files and files without a process id in their name."""
+    import sys
+
+    from mconv.transport import shm
+
+    child = subprocess.run([sys.executable, "-c", "import os, signal\nfrom mconv.transport.shm import SharedBuffer\n"
+                            "print(SharedBuffer.create(64).path, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"],
+                           capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    orphan = child.stdout.split()[0]
+    assert child.returncode == -signal.SIGKILL and os.path.exists(orphan), child
+    unnamed = os.path.join(os.path.dirname(orphan), shm.BUCKET_PREFIX + "made-by-an-older-mconv")
+    open(unnamed, "wb").close()
+    live = shm.SharedBuffer.create(64)
+    try:
+        assert not os.path.exists(orphan)
+        assert os.path.exists(live.path) and os.path.exists(unnamed)
+        assert shm.remove_orphans() == []
+    finally:
+        live.close()
+        os.unlink(unnamed)
+
+
 def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     """A receiver does not wait forever for a trainer: a connection that closes mid-update (its
     process died) or a trainer silent for the receiver's timeout aborts the update (version

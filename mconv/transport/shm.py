@@ -19,7 +19,10 @@ BUCKET_PREFIX = "mconv-bucket-"
 
 class SharedBuffer:
     """A uint8 tensor over a shared-memory file: `create` makes one of `nbytes`, `attach` maps an
-    existing one by path. `close()` unmaps it; the creator's also removes the file."""
+    existing one by path. `close()` unmaps it; the creator's also removes the file. A creator that
+    dies first (a trainer killed mid-run) leaves its files, which hold memory until removed: their
+    names carry the creator's process id, and the next `create` on the host removes those of this
+    user's processes that are gone."""
 
     def __init__(self, path: str, nbytes: int, owner: bool):
         self.path, self.nbytes, self.owner = path, nbytes, owner
@@ -29,7 +32,8 @@ class SharedBuffer:
 
     @classmethod
     def create(cls, nbytes: int) -> "SharedBuffer":
-        fd, path = tempfile.mkstemp(prefix=BUCKET_PREFIX, dir=SHM_DIR)
+        remove_orphans()
+        fd, path = tempfile.mkstemp(prefix=f"{BUCKET_PREFIX}{os.getpid()}-", dir=SHM_DIR)
         try:
             os.ftruncate(fd, max(nbytes, 1))
         finally:
@@ -51,6 +55,32 @@ class SharedBuffer:
         self._map.close()
         if self.owner and os.path.exists(self.path):
             os.unlink(self.path)
+
+
+def remove_orphans() -> list[str]:
+    """Remove the bucket files (`create`'s, named mconv-bucket-<pid>-*) of this user's processes
+    that no longer run; returns their paths. A file of a running process, of another user's, or
+    without a process id in its name is left alone."""
+    where = SHM_DIR or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(where):
+        pid = name.removeprefix(BUCKET_PREFIX).split("-", 1)[0]
+        if not name.startswith(BUCKET_PREFIX) or not pid.isdigit():
+            continue
+        path = os.path.join(where, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # raises ProcessLookupError when no such process runs
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass  # another process removed it first
+        except OSError:
+            pass  # gone already, or a process we may not signal: it runs
+    return removed
 
 
 def listen(address: str, authkey: bytes) -> Listener:
