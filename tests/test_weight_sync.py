@@ -676,7 +676,8 @@ def test_sglang_receives_buckets_by_both_routes(tmp_path):
 def test_a_killed_trainers_bucket_files_are_removed():
     """A trainer killed mid-run leaves its shared-memory bucket files (memory held until they are
     removed): the next SharedBuffer.create on the host removes those of processes that are gone,
-    and leaves a running process's files and files without a process id in their name."""
+    and leaves a running process's files, another PID namespace's and files without a process id
+    in their name."""
     import sys
 
     from mconv.transport import shm
@@ -686,16 +687,19 @@ def test_a_killed_trainers_bucket_files_are_removed():
                            capture_output=True, text=True, cwd=Path(__file__).parents[1])
     orphan = child.stdout.split()[0]
     assert child.returncode == -signal.SIGKILL and os.path.exists(orphan), child
-    unnamed = os.path.join(os.path.dirname(orphan), shm.BUCKET_PREFIX + "made-by-an-older-mconv")
-    open(unnamed, "wb").close()
+    kept = [os.path.join(os.path.dirname(orphan), shm.BUCKET_PREFIX + name)
+            for name in ("made-by-an-older-mconv", f"1.{os.path.basename(orphan).split('.')[1]}")]  # namespace 1
+    for path in kept:
+        open(path, "wb").close()
     live = shm.SharedBuffer.create(64)
     try:
         assert not os.path.exists(orphan)
-        assert os.path.exists(live.path) and os.path.exists(unnamed)
+        assert os.path.exists(live.path) and all(os.path.exists(path) for path in kept)
         assert shm.remove_orphans() == []
     finally:
         live.close()
-        os.unlink(unnamed)
+        for path in kept:
+            os.unlink(path)
 
 
 def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):

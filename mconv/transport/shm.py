@@ -21,8 +21,8 @@ class SharedBuffer:
     """A uint8 tensor over a shared-memory file: `create` makes one of `nbytes`, `attach` maps an
     existing one by path. `close()` unmaps it; the creator's also removes the file. A creator that
     dies first (a trainer killed mid-run) leaves its files, which hold memory until removed: their
-    names carry the creator's process id, and the next `create` on the host removes those of this
-    user's processes that are gone."""
+    names carry the creator's process id (and PID namespace), and the next `create` on the host
+    removes those of this user's processes that are gone (remove_orphans)."""
 
     def __init__(self, path: str, nbytes: int, owner: bool):
         self.path, self.nbytes, self.owner = path, nbytes, owner
@@ -33,7 +33,7 @@ class SharedBuffer:
     @classmethod
     def create(cls, nbytes: int) -> "SharedBuffer":
         remove_orphans()
-        fd, path = tempfile.mkstemp(prefix=f"{BUCKET_PREFIX}{os.getpid()}-", dir=SHM_DIR)
+        fd, path = tempfile.mkstemp(prefix=f"{BUCKET_PREFIX}{_pid_namespace()}.{os.getpid()}-", dir=SHM_DIR)
         try:
             os.ftruncate(fd, max(nbytes, 1))
         finally:
@@ -57,16 +57,27 @@ class SharedBuffer:
             os.unlink(self.path)
 
 
+def _pid_namespace() -> int:
+    """The id of this process's PID namespace (0 where the system does not say): process ids are
+    only comparable within one, and containers sharing a /dev/shm may each have their own."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def remove_orphans() -> list[str]:
-    """Remove the bucket files (`create`'s, named mconv-bucket-<pid>-*) of this user's processes
-    that no longer run; returns their paths. A file of a running process, of another user's, or
-    without a process id in its name is left alone."""
+    """Remove the bucket files (`create`'s, named mconv-bucket-<PID namespace>.<pid>-*) of this
+    user's processes, in this PID namespace, that no longer run; returns their paths. A file of a
+    running process, of another user's or namespace's, or without a process id in its name is
+    left alone."""
     where = SHM_DIR or tempfile.gettempdir()
-    removed = []
+    namespace, removed = str(_pid_namespace()), []
     for name in os.listdir(where):
-        pid = name.removeprefix(BUCKET_PREFIX).split("-", 1)[0]
-        if not name.startswith(BUCKET_PREFIX) or not pid.isdigit():
+        owner = name.removeprefix(BUCKET_PREFIX).split("-", 1)[0].split(".")
+        if not name.startswith(BUCKET_PREFIX) or len(owner) != 2 or owner[0] != namespace or not owner[1].isdigit():
             continue
+        pid = owner[1]
         path = os.path.join(where, name)
         try:
             if os.stat(path).st_uid != os.getuid():
