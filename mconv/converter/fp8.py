@@ -104,23 +104,52 @@ def _not_finite(name: str) -> MconvError:
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, origin=(0, 0),
                block=(BLOCK, BLOCK), out: torch.Tensor | None = None) -> torch.Tensor:
-    """`float(q) * float(scale_inv)` block by block, cast to `dtype` (into `out`, of that dtype and
-    q's shape, where given). `q` [rows, cols] may be a window of a larger weight starting at element
-    `origin` (row, column); `scale_inv` is then the window's scale rows and columns, from block
-    (origin[0] // block[0], origin[1] // block[1]) on."""
+    """`float(q) * float(scale_inv)` block by block (one float32 product, rounded once), cast to
+    `dtype` (into `out`, of that dtype and q's shape, where given). `q` [rows, cols] may be a window
+    of a larger weight starting at element `origin` (row, column); `scale_inv` is then the window's
+    scale rows and columns, from block (origin[0] // block[0], origin[1] // block[1]) on.
+
+    Computed one strip of block rows at a time (one scale row each, its float32 temporaries small
+    enough to stay in the CPU's cache) and, for float8_e4m3fn, through `_e4m3_scaled_down`: torch's
+    own e4m3 -> float32 cast runs element by element at a fraction of the memory's speed."""
     rows, cols = q.shape
-    if all(o % b == 0 and n % b == 0 for o, n, b in zip(origin, q.shape, block)):
-        # Whole blocks: each times its scale by broadcasting (the same float32 products, without a
-        # per-element scale tensor as large as the weight).
-        product = q.to(torch.float32, copy=True).reshape(rows // block[0], block[0], cols // block[1], block[1])
-        product = product.mul_(scale_inv.float()[:, None, :, None]).reshape(rows, cols)
-    else:
-        index = [(torch.arange(o, o + n, device=q.device) // b) - o // b
-                 for o, n, b in zip(origin, q.shape, block)]
-        product = q.float() * scale_inv.float().index_select(0, index[0]).index_select(1, index[1])
-    if out is None:
-        return product.to(dtype)
-    return out.copy_(product)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device) if out is None else out
+    if not q.numel():
+        return out
+    scale = scale_inv.float()
+    columns = (torch.arange(origin[1], origin[1] + cols, device=q.device) // block[1]) - origin[1] // block[1]
+    # e4m3 values come scaled by 2^-8 and the scales by 2^8 (both exact), so each product is float(q) * s.
+    # A scale of 2^119 or more would overflow; it overflows every 16-bit dtype anyway, and takes torch's cast.
+    widen = q.dtype == FP8 and bool(scale.max() < 2.0**119)
+    column_scales = scale.index_select(1, columns) * (_E4M3_DOWN if widen else 1.0)  # [scale rows, cols]
+    starts = list(range(0, rows, block[0]))
+    if origin[0] % block[0]:  # a window starting inside a block: its first strip ends at that block's end
+        starts = [0, *range(block[0] - origin[0] % block[0], rows, block[0])]
+    for index, (start, stop) in enumerate(zip(starts, [*starts[1:], rows])):
+        strip, row_scales = q[start:stop], column_scales[index]
+        values = _e4m3_scaled_down(strip) if widen else None
+        if values is None:
+            values = strip.to(torch.float32, copy=True)
+            if widen:  # this strip holds e4m3's NaN code: torch's cast, and the scales as stored
+                row_scales = row_scales / _E4M3_DOWN
+        out[start:stop].copy_(values.mul_(row_scales))
+    return out
+
+
+_E4M3_DOWN = 2.0**8
+_E4M3_AS_HALF = -16512  # int16 0xBF80: the sign bit and e4m3's exponent and mantissa, shifted into a half's
+
+
+def _e4m3_scaled_down(q: torch.Tensor) -> torch.Tensor | None:
+    """float8_e4m3fn `q` as float32 values times 2^-8, exactly, or None where `q` holds e4m3's NaN code
+    (0x7F, 0xFF; torch's cast then). An e4m3 byte s.eeee.mmm shifted into a float16's bits is
+    s.0eeee.mmm0000000: the same value at exponent bias 15 instead of 7, so 2^-8 times it, subnormals
+    included (a float16's smallest subnormal is 2^-24, e4m3's 2^-9). float16 -> float32 is exact."""
+    magnitude = q.view(torch.uint8) & 0x7F
+    if magnitude.numel() and int(magnitude.max()) == 0x7F:
+        return None
+    half = q.view(torch.int8).to(torch.int16)
+    return half.bitwise_left_shift_(7).bitwise_and_(_E4M3_AS_HALF).view(torch.float16).float()
 
 
 def quantization_config(kept: list[str], scale_fmt: str = "float") -> dict:
