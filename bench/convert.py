@@ -236,7 +236,8 @@ def main() -> None:
                         help="auto: run the mbridge peer where a GPU is; cpu: on the CPU (model in host memory).")
     parser.add_argument("--fp8", action="store_true",
                         help="Also time mcore2hf --quantize fp8 after each mcore2hf (ratio to the plain one), and "
-                             "hf2mcore of that FP8 output (ratio to copying its files).")
+                             "hf2mcore of that FP8 output (ratios to copying its files, to reading them and writing as "
+                             "many bytes as the bf16 checkpoint has, and to the plain hf2mcore of the bf16 input).")
     parser.add_argument("--json-out", type=Path, default=None, help="Also write the JSON line to this file.")
     args = parser.parse_args()
 
@@ -291,11 +292,12 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
         ckpt, back = scratch / "mcore", scratch / "hf-back"
         common = ["-q"] + (["--workers", str(workers)] if workers else [])
         suffix = f" w={workers}" if workers and len(worker_counts) > 1 else ""
+        timings = {}
         for direction, argv, source, out in (("hf2mcore", [str(src), str(ckpt), *flags, "--format", fmt], src, ckpt),
                                              ("mcore2hf", [str(ckpt), str(back)], ckpt, back)):
             command = f"{direction} {fmt}"
-            row = timed(f"{label}{command}{suffix}", command, [*mconv, direction, *argv, *common], source, out,
-                        workers=workers or default_workers())
+            row = timings[direction] = timed(f"{label}{command}{suffix}", command, [*mconv, direction, *argv, *common],
+                                             source, out, workers=workers or default_workers())
             if label == TINY:
                 fixed[command] = row["seconds"]
         if check:
@@ -316,10 +318,18 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
                                   ["sh", "-c", 'mkdir -p "$0" && cp "$@" "$0"', str(fp8_floor_out),
                                    *map(str, sorted(fp8_out.glob("*.safetensors")))], fp8_out, fp8_floor_out)
                 shutil.rmtree(fp8_floor_out)
+                # what hf2mcore of it must do at least: read the FP8 files and write the bf16 checkpoint's bytes
+                read_write = timed("I/O floor: read FP8, write bf16 bytes", "read+write floor",
+                                   ["sh", "-c", 'n=$1; shift; cat "$@" > /dev/null && mkdir -p "$0" && head -c "$n" /dev/zero > "$0/x"',
+                                    str(fp8_floor_out), str(tree_bytes(ckpt)),
+                                    *map(str, sorted(fp8_out.glob("*.safetensors")))], fp8_out, fp8_floor_out)
+                shutil.rmtree(fp8_floor_out)
                 row = timed(f"{label}hf2mcore {fmt} of the FP8 output{suffix}", f"hf2mcore {fmt} of FP8",
                             [*mconv, "hf2mcore", str(fp8_out), str(fp8_ckpt), *flags, "--format", fmt, *common],
                             fp8_out, fp8_ckpt, workers=workers or default_workers())
                 row["x FP8 floor"] = round(row["seconds"] / fp8_floor["seconds"], 2)
+                row["x read+write floor"] = round(row["seconds"] / read_write["seconds"], 2)
+                row["x plain hf2mcore"] = round(row["seconds"] / timings["hf2mcore"]["seconds"], 2)
                 shutil.rmtree(fp8_ckpt)
             shutil.rmtree(fp8_out)
         shutil.rmtree(ckpt)
@@ -373,7 +383,7 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
             result["x_transformers"] = round(r["seconds"] / transformers, 2)
         if mine and r["command"] in by_mbridge:
             result["x_mbridge"] = round(r["seconds"] / by_mbridge[r["command"]], 2)
-        for key in ("workers", "check", "x plain mcore2hf", "x FP8 floor"):
+        for key in ("workers", "check", "x plain mcore2hf", "x FP8 floor", "x read+write floor", "x plain hf2mcore"):
             if key in r:
                 result[key] = r[key]
         results.append(result)

@@ -95,27 +95,38 @@ def test_dequantize_window_equals_whole():
     assert torch.equal(window, whole[100:290, 130:170].bfloat16())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_dequantize_every_e4m3_byte_as_torch_does(dtype):
-    """Every e4m3 byte (zeros, subnormals, 448, the NaN codes) times scales from float32's smallest
-    normal to past 2^119 (products subnormal, rounded, overflowing), whole and in windows starting
-    inside a block, equal torch's own `float(q) * s` bit for bit; strips with and without the NaN
-    code are both here."""
+@pytest.mark.parametrize("dtype,block", [(torch.float32, (128, 128)), (torch.bfloat16, (128, 128)),
+                                         (torch.float16, (128, 128)), (torch.bfloat16, (1, 128)),
+                                         (torch.float32, (64, 32))])
+@pytest.mark.parametrize("strip", [None, 2**12])  # mconv's strips, or strips of 16 to 4096 elements
+def test_dequantize_every_e4m3_byte_as_torch_does(dtype, block, strip, monkeypatch):
+    """Every e4m3 byte (zeros, subnormals, 448, the NaN codes) times scales of either sign from
+    float32's smallest normal to past 2^119 (products subnormal, rounded, overflowing), whole and in
+    windows starting inside a block, equal torch's own `float(q) * s` bit for bit; strips with and
+    without the NaN code are both here, and block sizes that make many strips of a few rows."""
+    if strip:
+        monkeypatch.setattr(fp8, "_STRIP_ELEMENTS", strip)
     codes = torch.arange(256, dtype=torch.uint8)
     q = torch.stack([codes.roll(r) for r in range(0, 7 * 222, 7)])  # [222, 256], rows shifted by 7
-    q[:128][q[:128] & 0x7F == 0x7F] = 0x3A  # the first block row holds no NaN code
+    q[:128][q[:128] & 0x7F == 0x7F] = 0x3A  # the first 128 rows hold no NaN code
     q = q.view(torch.float8_e4m3fn)
+    rows, cols = fp8.grid(q.shape, block)
+    values = [2.0**-126, 2.0**-23, 1e-3, -0.7, 1.0, 3.0e30, 0.5, -2.0**-20]
 
-    def expected(scale):  # torch's cast, each block's scale repeated over its elements
-        return (q.float() * scale.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)).to(dtype)
+    def expected(q, scale):  # torch's cast, each block's scale repeated over its elements
+        per_element = scale.repeat_interleave(block[0], 0)[:q.shape[0]].repeat_interleave(block[1], 1)[:, :q.shape[1]]
+        return (q.float() * per_element).to(dtype)
 
-    for scale in ([[2.0**-126, 2.0**-23], [1e-3, 0.7]], [[1.0, 3.0e30], [0.5, 2.0**-20]],
-                  [[1.0, 3.0e30], [2.0**119, 1e38]]):  # the last: past the widened path's range
-        scale = torch.tensor(scale)
-        whole = expected(scale)
-        assert torch.equal(bits(fp8.dequantize(q, scale, dtype)), bits(whole))
-        window = fp8.dequantize(q[100:222, 50:200], scale, dtype, origin=(100, 50))
-        assert torch.equal(bits(window), bits(whole[100:222, 50:200]))
+    without_nan = torch.where(q.view(torch.uint8) & 0x7F == 0x7F, 0x3A, q.view(torch.uint8)).view(q.dtype)
+    for q in (q, without_nan):
+        for extra in ([], [2.0**119], [-2.0**120], [1e38]):  # the last three: past the widened path's range
+            scale = torch.tensor((values * (rows * cols))[:rows * cols - len(extra)] + extra).view(rows, cols)
+            whole = expected(q, scale)
+            assert torch.equal(bits(fp8.dequantize(q, scale, dtype, block=block)), bits(whole))
+            first = (100 // block[0], 50 // block[1])
+            window = fp8.dequantize(q[100:222, 50:200], scale[first[0]:, first[1]:], dtype, origin=(100, 50),
+                                    block=block)
+            assert torch.equal(bits(window), bits(whole[100:222, 50:200]))
 
 
 def test_quantize_refuses_non_finite():

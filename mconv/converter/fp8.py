@@ -109,9 +109,9 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, ori
     of a larger weight starting at element `origin` (row, column); `scale_inv` is then the window's
     scale rows and columns, from block (origin[0] // block[0], origin[1] // block[1]) on.
 
-    Computed one strip of block rows at a time (one scale row each, its float32 temporaries small
-    enough to stay in the CPU's cache) and, for float8_e4m3fn, through `_e4m3_scaled_down`: torch's
-    own e4m3 -> float32 cast runs element by element at a fraction of the memory's speed."""
+    Computed a strip of whole block rows at a time (about 2^18 elements: its float32 temporaries stay
+    in the CPU's cache) and, for float8_e4m3fn, through `_e4m3_scaled_down`: torch's own e4m3 ->
+    float32 cast runs element by element at a fraction of the memory's speed."""
     rows, cols = q.shape
     out = torch.empty(q.shape, dtype=dtype, device=q.device) if out is None else out
     if not q.numel():
@@ -119,23 +119,35 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, ori
     scale = scale_inv.float()
     columns = (torch.arange(origin[1], origin[1] + cols, device=q.device) // block[1]) - origin[1] // block[1]
     # e4m3 values come scaled by 2^-8 and the scales by 2^8 (both exact), so each product is float(q) * s.
-    # A scale of 2^119 or more would overflow; it overflows every 16-bit dtype anyway, and takes torch's cast.
-    widen = q.dtype == FP8 and bool(scale.max() < 2.0**119)
-    column_scales = scale.index_select(1, columns) * (_E4M3_DOWN if widen else 1.0)  # [scale rows, cols]
-    starts = list(range(0, rows, block[0]))
-    if origin[0] % block[0]:  # a window starting inside a block: its first strip ends at that block's end
-        starts = [0, *range(block[0] - origin[0] % block[0], rows, block[0])]
-    for index, (start, stop) in enumerate(zip(starts, [*starts[1:], rows])):
-        strip, row_scales = q[start:stop], column_scales[index]
+    # A scale of magnitude 2^119 or more would overflow (as would its block's values in every 16-bit dtype),
+    # and a NaN scale fails the comparison: those take torch's cast.
+    widen = q.dtype == FP8 and bool(scale.abs().max() < 2.0**119)
+    if widen:
+        scale = scale * _E4M3_DOWN
+    # the window's rows of each block row (the first and last may be partial), taken a few block rows
+    # at a time so that a strip holds about _STRIP_ELEMENTS
+    starts = [0, *range(block[0] - origin[0] % block[0], rows, block[0])]
+    stops = [*starts[1:], rows]
+    per_strip = max(1, _STRIP_ELEMENTS // (block[0] * cols))
+    for first in range(0, len(starts), per_strip):
+        last = min(first + per_strip, len(starts))
+        sizes = [stop - start for start, stop in zip(starts[first:last], stops[first:last])]
+        strip = q[starts[first]:stops[last - 1]]
+        row_scales = scale[first:last].index_select(1, columns)  # [block rows, cols]
         values = _e4m3_scaled_down(strip) if widen else None
         if values is None:
             values = strip.to(torch.float32, copy=True)
             if widen:  # this strip holds e4m3's NaN code: torch's cast, and the scales as stored
                 row_scales = row_scales / _E4M3_DOWN
-        out[start:stop].copy_(values.mul_(row_scales))
+        if all(size == block[0] for size in sizes):  # whole block rows: each one's scales broadcast over it
+            values.view(len(sizes), block[0], cols).mul_(row_scales[:, None, :])
+        else:
+            values.mul_(row_scales.repeat_interleave(torch.tensor(sizes, device=q.device), 0))
+        out[starts[first]:stops[last - 1]].copy_(values)
     return out
 
 
+_STRIP_ELEMENTS = 2**18  # float32 temporaries of 1 MiB
 _E4M3_DOWN = 2.0**8
 _E4M3_AS_HALF = -16512  # int16 0xBF80: the sign bit and e4m3's exponent and mantissa, shifted into a half's
 
