@@ -330,6 +330,8 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
                 row["x FP8 floor"] = round(row["seconds"] / fp8_floor["seconds"], 2)
                 row["x read+write floor"] = round(row["seconds"] / read_write["seconds"], 2)
                 row["x plain hf2mcore"] = round(row["seconds"] / timings["hf2mcore"]["seconds"], 2)
+                if f"hf2mcore {fmt}" in fixed:  # less the same command's fixed cost (the tiny fixture's hf2mcore)
+                    row["marginal x FP8 floor"] = round((row["seconds"] - fixed[f"hf2mcore {fmt}"]) / fp8_floor["seconds"], 2)
                 shutil.rmtree(fp8_ckpt)
             shutil.rmtree(fp8_out)
         shutil.rmtree(ckpt)
@@ -383,7 +385,8 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
             result["x_transformers"] = round(r["seconds"] / transformers, 2)
         if mine and r["command"] in by_mbridge:
             result["x_mbridge"] = round(r["seconds"] / by_mbridge[r["command"]], 2)
-        for key in ("workers", "check", "x plain mcore2hf", "x FP8 floor", "x read+write floor", "x plain hf2mcore"):
+        for key in ("workers", "check", "x plain mcore2hf", "x FP8 floor", "marginal x FP8 floor", "x read+write floor",
+                    "x plain hf2mcore"):
             if key in r:
                 result[key] = r[key]
         results.append(result)
