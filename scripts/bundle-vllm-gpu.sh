@@ -41,7 +41,10 @@ for lib in "$SITE"/vllm/_C_stable_libtorch.abi3.so "$SITE"/vllm/_moe_C_stable_li
 done
 # The packages vLLM 0.26.0 imports to build an offline LLM, load Qwen3 / Qwen3-MoE (bf16, block FP8)
 # and run its ipc weight-transfer backend, less those the device image has (its list: the device
-# README's KINDS.md), at the versions a resolve of vLLM's requirements gave on 2026-12-03.
+# README's KINDS.md), at the versions a resolve of vLLM's requirements gave on 2026-12-03; and, for
+# `vllm serve` (vllm.entrypoints.openai.api_server), the five its modules import beyond those (uvicorn,
+# prometheus-fastapi-instrumentator, model-hosting-container-standards and its jmespath, watchfiles),
+# found by reading the imports of vLLM 0.26.0's entrypoints: not yet run on the device.
 python3 -m pip install --quiet --no-deps "${PLATFORM[@]}" --no-compile --target "$SITE" \
     annotated-types==0.8.0 apache-tvm-ffi==0.1.15.post2 cachetools==8.0.2 cbor2==6.3.0 compressed-tensors==0.17.0 \
     dill==0.4.1 loguru==0.7.3 \
@@ -54,7 +57,9 @@ python3 -m pip install --quiet --no-deps "${PLATFORM[@]}" --no-compile --target 
     opentelemetry-exporter-otlp==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
     opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
     opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2 \
-    opentelemetry-semantic-conventions==0.66b2 opentelemetry-semantic-conventions-ai==0.5.1
+    opentelemetry-semantic-conventions==0.66b2 opentelemetry-semantic-conventions-ai==0.5.1 \
+    uvicorn==0.55.0 prometheus-fastapi-instrumentator==8.1.0 model-hosting-container-standards==0.1.16 \
+    jmespath==1.1.0 watchfiles==1.3.0
 mkdir -p "$SITE/ray"
 echo '"""Stands in for Ray: vLLM 0.26 ipc_engine imports it at module level for its Ray send mode, unused here."""' \
     > "$SITE/ray/__init__.py"

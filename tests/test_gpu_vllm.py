@@ -223,7 +223,7 @@ def test_vllm_server_takes_cuda_ipc_syncs(process_group, tmp_path):  # noqa: F81
 
     missing = [m for m in ("uvicorn", "prometheus_fastapi_instrumentator", "model_hosting_container_standards")
                if importlib.util.find_spec(m) is None]
-    if missing:  # scripts/bundle-vllm-gpu.sh carries the packages of vLLM's in-process engine, not its server's
+    if missing:  # vLLM without its server's packages (scripts/bundle-vllm-gpu.sh carries them since 2026-12-03)
         pytest.skip(f"vLLM's OpenAI server needs {', '.join(missing)}, which this environment lacks")
 
     class BreaksAtSecondBucket(VLLMServerEngine):
