@@ -305,11 +305,11 @@ def run_benchmark(args, workdir: Path, scratch: Path) -> None:
             if rows[-1]["check"] != "exact":
                 raise SystemExit(f"round trip is not exact: {rows[-1]['method']}: {rows[-1]['check']}")
         if args.fp8:  # the same mcore2hf writing block-wise FP8, against the plain one just timed
-            plain, fp8_out = rows[-1], scratch / "hf-fp8"
+            fp8_out = scratch / "hf-fp8"
             command = f"mcore2hf {fmt} --quantize fp8"
             row = timed(f"{label}{command}{suffix}", command, [*mconv, "mcore2hf", str(ckpt), str(fp8_out), "--quantize",
                                                               "fp8", *common], ckpt, fp8_out, workers=workers or default_workers())
-            row["x plain mcore2hf"] = round(row["seconds"] / plain["seconds"], 2)
+            row["x plain mcore2hf"] = round(row["seconds"] / timings["mcore2hf"]["seconds"], 2)
             if label == TINY:
                 fixed[command] = row["seconds"]
             else:  # hf2mcore reading that FP8 checkpoint (dequantized), against copying its files

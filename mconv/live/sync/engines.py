@@ -26,13 +26,16 @@ class FlatBucket:
     buffer: torch.Tensor
     entries: list[Entry]
     # On a GPU, recorded on the packing stream after the bucket's copies: waiting on it (not on the
-    # whole device) lets the next bucket's packing go on meanwhile. None: the copies are done.
+    # whole device) lets the next bucket's packing go on meanwhile. None: no event (a bucket made by
+    # hand): `wait` then waits for the buffer's whole GPU, on whichever stream packed it.
     ready: "torch.cuda.Event | None" = None
 
     def wait(self) -> None:
         """Return once the bucket's bytes are in `buffer`."""
         if self.ready is not None:
             self.ready.synchronize()
+        elif self.buffer.is_cuda:
+            torch.cuda.synchronize(self.buffer.device)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(unpack(self.buffer, self.entries))

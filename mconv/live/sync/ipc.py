@@ -32,10 +32,7 @@ class IPCEngine(RemoteEngine):
         if not bucket.buffer.is_cuda:
             raise MconvError(f"IPCEngine needs the model on a CUDA device; bucket {bucket.index} is on "
                              f"{bucket.buffer.device}")
-        if bucket.ready is None:
-            torch.cuda.synchronize(bucket.buffer.device)  # the packing copies, on whichever stream packed them
-        else:
-            bucket.wait()
+        bucket.wait()
         slot = self._slot(self._buffers, bucket)
         if not self.keeps_shares:
             self._update({"ipc": cuda_ipc.share(bucket.buffer)}, bucket.entries)

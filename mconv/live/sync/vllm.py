@@ -232,8 +232,6 @@ class VLLMServerEngine(SharedMemoryBuffers):
 
     def update(self, bucket: FlatBucket) -> None:
         if bucket.buffer.is_cuda:
-            if bucket.ready is None:
-                torch.cuda.synchronize(bucket.buffer.device)
             bucket.wait()
             # A share made afresh for each bucket: the worker maps it once and drops it (cuda_ipc).
             where = {"ipc": cuda_ipc.share(bucket.buffer)}
