@@ -7,7 +7,8 @@ once more under cProfile. Prints per sync the wall time, `SyncResult.seconds` an
 own milliseconds (its request handling, JSON, handle mapping, copy launches, load including the
 wait for its copies); then the trainer's profile (top 25 by own time). First, a micro-benchmark
 of the copy primitives on one 512 MiB bucket of 3 MiB expert matrices: one flat copy,
-torch._foreach_copy_, a copy_ per tensor.
+torch._foreach_copy_, a copy_ per tensor, torch._chunk_cat into the bucket and
+torch.split_with_sizes_copy out of it (flat.packing's and flat.unpacking's batched copies).
 
     python3 bench/sync_profile.py --layers 48 [--quantize fp8]
 """
@@ -34,7 +35,7 @@ BUCKET = 512 << 20
 
 
 def copy_primitives() -> dict:
-    """Milliseconds of each way to copy 165 [768, 2048] bf16 matrices into one buffer (best of 20)."""
+    """Milliseconds of each way to copy 165 [768, 2048] bf16 matrices into one buffer or out of it (best of 20)."""
     src = [torch.randn(768, 2048, device="cuda").to(torch.bfloat16) for _ in range(165)]
     flat = torch.empty(165 * 768 * 2048, dtype=torch.bfloat16, device="cuda")
     dst = list(flat.view(165, 768, 2048).unbind(0))
@@ -44,14 +45,16 @@ def copy_primitives() -> dict:
         for d, s in zip(dst, src):
             d.copy_(s)
 
+    sizes, outs = [s.numel() for s in src], [s.view(-1) for s in src]
     return {name: round(timed(fn, repeats=20) * 1e3, 3) for name, fn in (
         ("flat_copy", lambda: flat.copy_(other)), ("foreach_copy", lambda: torch._foreach_copy_(dst, src)),
-        ("copy_per_tensor", per_tensor))}
+        ("copy_per_tensor", per_tensor), ("chunk_cat", lambda: torch._chunk_cat(src, 0, 1, out=flat.view(1, -1))),
+        ("split_with_sizes_copy", lambda: torch.split_with_sizes_copy(flat, sizes, out=outs)))}
 
 
 def receive(shapes, address, authkey, ready, commands, reports):
     """The engine's process: a ParameterReceiver whose steps are timed (milliseconds per sync)."""
-    from mconv.transport import receiver, shm
+    from mconv.transport import flat, receiver, shm
 
     spent: dict[str, float] = {}
 
@@ -64,7 +67,7 @@ def receive(shapes, address, authkey, ready, commands, reports):
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
         return timed_call
 
-    receiver.run_copies = timer("copy_launches", receiver.run_copies)
+    flat.Copies.run = timer("copy_launches", flat.Copies.run)
     receiver.ParameterReceiver._map = timer("map_handle", receiver.ParameterReceiver._map)
     receiver.ParameterReceiver.load = timer("load", receiver.ParameterReceiver.load)
     receiver.UpdateReceiver.handle = timer("handle", receiver.UpdateReceiver.handle)
