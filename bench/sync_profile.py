@@ -7,8 +7,8 @@ once more under cProfile. Prints per sync the wall time, `SyncResult.seconds` an
 own milliseconds (its request handling, JSON, handle mapping, copy launches, load including the
 wait for its copies); then the trainer's profile (top 25 by own time). First, a micro-benchmark
 of the copy primitives on one 512 MiB bucket of 3 MiB expert matrices: one flat copy,
-torch._foreach_copy_, a copy_ per tensor, torch._chunk_cat into the bucket and
-torch.split_with_sizes_copy out of it (flat.packing's and flat.unpacking's batched copies).
+torch._foreach_copy_, a copy_ per tensor, and the batched copies torch has for flat buffers
+(torch._chunk_cat into one, torch.split_with_sizes_copy out of one: FSDP2's).
 
     python3 bench/sync_profile.py --layers 48 [--quantize fp8]
 """
@@ -54,7 +54,7 @@ def copy_primitives() -> dict:
 
 def receive(shapes, address, authkey, ready, commands, reports):
     """The engine's process: a ParameterReceiver whose steps are timed (milliseconds per sync)."""
-    from mconv.transport import flat, receiver, shm
+    from mconv.transport import receiver, shm
 
     spent: dict[str, float] = {}
 
@@ -67,7 +67,7 @@ def receive(shapes, address, authkey, ready, commands, reports):
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
         return timed_call
 
-    flat.Copies.run = timer("copy_launches", flat.Copies.run)
+    receiver.run_copies = timer("copy_launches", receiver.run_copies)
     receiver.ParameterReceiver._map = timer("map_handle", receiver.ParameterReceiver._map)
     receiver.ParameterReceiver.load = timer("load", receiver.ParameterReceiver.load)
     receiver.UpdateReceiver.handle = timer("handle", receiver.UpdateReceiver.handle)

@@ -760,61 +760,6 @@ CHECKED = [("a", (63,), torch.bfloat16), ("b", (100, 257), torch.float32), ("c",
            ("g", (70001,), torch.float8_e4m3fn), ("h", (3,), torch.bool), ("i", (5, 4), torch.float16)]
 
 
-def test_packing_and_unpacking_copy_every_byte_in_few_launches():
-    """flat.packing puts each tensor's bytes at its entry (flat.unpack reads back the very tensors,
-    by bytes: mixed dtypes, 1-byte tensors at odd offsets, a 0-d, an empty and a non-contiguous
-    tensor, an alias), and flat.unpacking copies each entry into its target (the alias into its own
-    target, a non-contiguous target too); a plan is reused with other tensors of the same shapes.
-    Runs of back-to-back contiguous tensors are one batched operator each, not one per tensor."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from mconv.transport import flat
-
-    class Kernels(TorchDispatchMode):  # operators that compute (each a kernel launch on a GPU), not views
-        calls, one_by_one = 0, 0  # and the tensors copied by torch._foreach_copy_ (not batched by bytes)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Kernels.calls += not func.is_view
-            Kernels.one_by_one += len(args[0]) if "_foreach_copy" in str(func) else 0
-            return func(*args, **(kwargs or {}))
-
-    generator = torch.Generator().manual_seed(0)
-
-    def tensors(seed_shift):
-        named = [(name, (torch.randn(shape, generator=generator) * 100 + seed_shift).to(dtype))
-                 for name, shape, dtype in CHECKED]
-        named.append(("t", torch.randn(4, 6, generator=generator).t()))  # not contiguous
-        named += [(f"run{i}", torch.randn(3, i + 1, generator=generator).bfloat16()) for i in range(300)]
-        return named
-
-    def as_bytes(tensor):
-        return tensor.detach().reshape(-1).contiguous().view(torch.uint8)
-
-    first = tensors(0)
-    entries, nbytes = flat.layout(first, {"alias": "b"})
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    packer = flat.packing(buffer, entries, first)
-    for named in (first, tensors(1)):  # the plan, made from the first tensors, run with both
-        buffer.fill_(0xAB)
-        Kernels.calls = Kernels.one_by_one = 0
-        with Kernels():
-            packer.run([t for _, t in named])
-        assert Kernels.calls < 10 and Kernels.one_by_one < 15, (Kernels.calls, Kernels.one_by_one)  # of 313
-        got = dict(flat.unpack(buffer, entries))
-        for name, tensor in named + [("alias", dict(named)["b"])]:
-            assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), name
-
-    targets = [torch.full(e.shape, 7, dtype=getattr(torch, e.dtype)) for e in entries]
-    targets[-3] = torch.zeros(entries[-3].shape[::-1], dtype=getattr(torch, entries[-3].dtype)).t()
-    unpacker = flat.unpacking(buffer, entries, targets)
-    Kernels.calls = Kernels.one_by_one = 0
-    with Kernels():
-        unpacker.run()
-    assert Kernels.calls < 10 and Kernels.one_by_one < 15, (Kernels.calls, Kernels.one_by_one)  # of 313
-    for entry, target in zip(entries, targets):
-        assert torch.equal(as_bytes(target), as_bytes(dict(flat.unpack(buffer, entries))[entry.name])), entry.name
-
-
 @pytest.mark.parametrize("chunk", [1000, None])
 def test_checksums_are_exact_and_batched(monkeypatch, chunk):
     """flat.checksums equals numpy's computation of its formula for every dtype a bucket holds,

@@ -68,96 +68,22 @@ def layout(named: Sequence[tuple[str, torch.Tensor]], aliases: dict[str, str] | 
 
 def pack(named: Sequence[tuple[str, torch.Tensor]], entries: Sequence[Entry], buffer: torch.Tensor) -> None:
     """Copy `named` into `buffer` (uint8, at least the layout's size) at their entries' offsets:
-    a few batched copies (packing), not one launch per tensor."""
-    packing(buffer, entries, named).run([tensor for _, tensor in named])
+    a few batched copies (copy_all), not one launch per tensor."""
+    tensors = dict(named)
+    copy_all([(view, tensors[entry.name]) for entry, view in _views(buffer, entries)
+              if entry.name in tensors])  # an alias shares its target's bytes
 
 
-class Copies:
-    """dst.copy_(src) for a fixed list of destinations, made once and run at every sync: runs of
-    pairs whose one side is back-to-back bytes of one flat buffer (one dtype, the other side
-    contiguous) take one batched copy each, torch._chunk_cat into the buffer or
-    torch.split_with_sizes_copy out of it (on a GPU one kernel launch for the whole run, 16-byte
-    vector copies where aligned, about a flat copy's rate [read PyTorch's
-    aten/src/ATen/native/cuda/TensorShape.cu: their contiguous fast paths, made for FSDP2's flat
-    buffers]); the other pairs one torch._foreach_copy_ per group of copy_order (non-contiguous
-    tensors take torch's per-tensor route). Built by `packing` and `unpacking`."""
-
-    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor] | None, gathers: list, scatters: list,
-                 rest: list[list[int]]):
-        self.dsts, self.srcs = dsts, srcs  # srcs: fixed sources (unpacking), else given at each run
-        self.gathers = gathers  # [(buffer region viewed [1, n], positions of its sources in order)]
-        self.scatters = scatters  # [(buffer region, sizes, flattened destinations)]
-        self.rest = rest  # [positions]: a torch._foreach_copy_ each
-
-    def run(self, srcs: Sequence[torch.Tensor] | None = None) -> None:
-        """The copies; `srcs` (packing: the tensors in the order the plan was made with, of the same
-        dtypes and shapes) or the plan's own views of the buffer (unpacking)."""
-        srcs = self.srcs if srcs is None else srcs
-        with torch.no_grad():
-            for out, positions in self.gathers:
-                torch._chunk_cat([srcs[i] for i in positions], 0, 1, out=out)
-            for region, sizes, outs in self.scatters:
-                torch.split_with_sizes_copy(region, sizes, out=outs)
-            for positions in self.rest:
-                torch._foreach_copy_([self.dsts[i] for i in positions], [srcs[i] for i in positions])
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """dst.copy_(src) for every (dst, src) pair (same shapes and dtypes), as one torch._foreach_copy_
+    per group of copy_groups."""
+    run_copies(copy_groups(pairs))
 
 
-def packing(buffer: torch.Tensor, entries: Sequence[Entry], named: Sequence[tuple[str, torch.Tensor]]) -> Copies:
-    """The copies of `named`'s tensors into their entries' bytes of `buffer` (`Copies.run(tensors)`,
-    the tensors in `named`'s order). Which tensors are batched is decided from these (contiguous
-    ones), so later tensors should be alike (a different one is still copied right, maybe slower).
-    The plan keeps views of `buffer`, not the tensors."""
-    by_name = dict(unpack(buffer, entries))
-    position = {name: i for i, (name, _) in enumerate(named)}
-    dsts = [by_name[name] for name, _ in named]
-    runs = _runs(entries, [position.get(e.name) for e in entries], lambda i: _flat(named[i][1], buffer.device))
-    gathers = [(buffer[start:stop].view(dtype).view(1, -1), positions) for start, stop, dtype, positions in runs]
-    batched = {i for *_, positions in runs for i in positions}
-    pairs = [(d, s) for d, (_, s) in zip(dsts, named)]
-    return Copies(dsts, None, gathers, [], _rest(pairs, batched))
-
-
-def unpacking(buffer: torch.Tensor, entries: Sequence[Entry], targets: Sequence[torch.Tensor]) -> Copies:
-    """The copies of `buffer`'s entries into `targets` (one per entry, same order, dtypes and
-    shapes; e.g. an engine's parameters): `Copies.run()`. The plan keeps views of `buffer`."""
-    views = [view for _, view in unpack(buffer, entries)]
-    runs = _runs(entries, list(range(len(entries))), lambda i: _flat(targets[i], buffer.device))
-    scatters = [(buffer[start:stop].view(dtype), [math.prod(entries[i].shape) for i in positions],
-                 [targets[i].view(-1) for i in positions]) for start, stop, dtype, positions in runs]
-    batched = {i for *_, positions in runs for i in positions}
-    return Copies(list(targets), views, [], scatters, _rest(list(zip(targets, views)), batched))
-
-
-def _flat(tensor: torch.Tensor, device: torch.device) -> bool:
-    """Whether `tensor` can take part in a batched run of a buffer on `device`."""
-    return tensor.is_contiguous() and tensor.numel() > 0 and tensor.dim() > 0 and tensor.device == device
-
-
-def _runs(entries, positions, eligible) -> list[tuple[int, int, torch.dtype, list[int]]]:
-    """Maximal runs (two or more) of entries back to back in the buffer, of one dtype, each with a
-    position (None: an alias, left out) that is `eligible(position)`: (first byte, end byte, dtype,
-    their positions)."""
-    runs, run, end, dtype = [], [], None, None
-    for entry, pos in sorted(zip(entries, positions), key=lambda e: e[0].offset):
-        if pos is None:
-            continue
-        ok = entry.nbytes > 0 and eligible(pos)
-        if ok and run and entry.offset == end and _DTYPES[entry.dtype] == dtype:
-            run.append((entry, pos))
-            end += entry.nbytes
-            continue
-        if len(run) > 1:
-            runs.append((run[0][0].offset, end, dtype, [p for _, p in run]))
-        run, end, dtype = ([(entry, pos)], entry.offset + entry.nbytes, _DTYPES[entry.dtype]) if ok else ([], None, None)
-    if len(run) > 1:
-        runs.append((run[0][0].offset, end, dtype, [p for _, p in run]))
-    return runs
-
-
-def _rest(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], batched: set[int]) -> list[list[int]]:
-    """copy_order's groups of the pairs not in `batched` (empty ones left out: nothing to copy)."""
-    left = [i for i, (dst, _) in enumerate(pairs) if i not in batched and dst.numel()]
-    return [[left[j] for j in group] for group in copy_order([pairs[i] for i in left])]
+def copy_groups(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[list, list]]:
+    """The pairs as [(dsts, srcs)], one group per dtype, devices and contiguity (copy_order): a
+    receiver whose pairs stay the same keeps the groups and calls run_copies alone."""
+    return [([pairs[i][0] for i in group], [pairs[i][1] for i in group]) for group in copy_order(pairs)]
 
 
 def copy_order(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[int]]:
@@ -169,6 +95,12 @@ def copy_order(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[
     for i, (dst, src) in enumerate(pairs):
         groups[dst.dtype, dst.device, src.device, src.is_contiguous() and dst.is_contiguous()].append(i)
     return list(groups.values())
+
+
+def run_copies(groups: Sequence[tuple[list, list]]) -> None:
+    """The copies of copy_groups' groups: one torch._foreach_copy_ each."""
+    for dsts, srcs in groups:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def checksums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:

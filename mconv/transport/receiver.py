@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from mconv.transport import cuda_ipc, shm
-from mconv.transport.flat import Copies, Entry, checksums, unpack, unpacking
+from mconv.transport.flat import Entry, checksums, copy_groups, run_copies, unpack
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -240,7 +240,7 @@ class ParameterReceiver(UpdateReceiver):
     ("kept"): those are mapped once and stay mapped until released or the connection ends. Of other
     buffers the two most recent mappings stay open (a handle shared anew at each request is
     rebuilt each time, from torch's cache). Each (mapping, layout) pair's copy plan is built once:
-    a later sync of the same model is a few batched copies per bucket (flat.unpacking). The
+    a later sync of the same model is a few grouped copies per bucket (flat.run_copies). The
     receiver replies only after its copies finished."""
 
     def __init__(self, params: dict[str, torch.Tensor], address: str, authkey: bytes,
@@ -250,7 +250,7 @@ class ParameterReceiver(UpdateReceiver):
         self._cuda = any(t.is_cuda for t in params.values())
         self._received: set[str] = set()
         self._mapped: OrderedDict[str, object] = OrderedDict()  # key -> (tensor, SharedBuffer or None)
-        self._plans: dict[tuple, tuple[Copies, list[str]]] = {}  # (mapping, start, stop, entries) -> plan
+        self._plans: dict[tuple, tuple[list, list[str]]] = {}  # (mapping, start, stop, entries) -> plan
 
     def expected(self, route: str | None = None) -> dict[str, list[int]]:
         return {name: list(t.shape) for name, t in self.params.items()}
@@ -269,7 +269,7 @@ class ParameterReceiver(UpdateReceiver):
             if plan is None:
                 plan = self._plans[key, start, stop, layout] = self._plan(mapped[start:stop], [
                     Entry.from_json(e) for e in item["entries"]])
-            plan[0].run()
+            run_copies(plan[0])
             self._received.update(plan[1])
         if self._cuda:
             torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we reply
@@ -332,14 +332,14 @@ class ParameterReceiver(UpdateReceiver):
                 shared.close()
         return mapped[0]
 
-    def _plan(self, storage: torch.Tensor, entries: list[Entry]) -> tuple[Copies, list[str]]:
-        targets, names = [], []
+    def _plan(self, storage: torch.Tensor, entries: list[Entry]) -> tuple[list, list[str]]:
+        pairs, names = [], []
         for name, view in unpack(storage, entries):
             target = self.params.get(name)
             if target is None or target.shape != view.shape or target.dtype != view.dtype:
                 raise ValueError(f"weight update tensor {name} ({view.dtype} {list(view.shape)}) does not match the "
                                  f"engine's " + ("model: no such parameter" if target is None else
                                                  f"{target.dtype} {list(target.shape)}"))
-            targets.append(target)
+            pairs.append((target, view))
             names.append(name)
-        return unpacking(storage, entries, targets), names
+        return copy_groups(pairs), names

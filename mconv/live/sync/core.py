@@ -19,7 +19,7 @@ from mconv.live.chunks import _config
 from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _prepared, iter_hf_weights
 from mconv.live.sync.engines import FlatBucket, as_engine
 from mconv.mappings import architecture_for
-from mconv.transport.flat import checksums, layout, packing
+from mconv.transport.flat import checksums, copy_order, layout, run_copies, unpack
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _VERSIONS = itertools.count(1)
@@ -187,23 +187,26 @@ def _is_sender(live) -> bool:
 
 def _pack(engine, slot: int, named, aliases, device) -> tuple[list, torch.Tensor]:
     """Pack `named` into the engine's buffer for `slot`: its entries and the buffer. A bucket's
-    layout is computed once per signature (names, dtypes, shapes), and its copy plan into the
-    slot's buffer (flat.packing, made from the first sync's tensors: later tensors of the same
-    signature come from the same parameters) once while the engine keeps that buffer, so a later
-    sync's packing is a few batched copies."""
+    layout is computed once per signature (names, dtypes, shapes), and its views of the slot's
+    buffer and their grouping into batched copies (flat.copy_order, taken from the first sync's
+    tensors: later tensors of the same signature come from the same parameters) once while the
+    engine keeps that buffer, so a later sync's packing is a few grouped copies."""
     layouts = engine.__dict__.setdefault("_layouts", {})  # signature -> (entries, nbytes)
-    plans = engine.__dict__.setdefault("_packing", {})  # (slot, signature) -> (buffer, flat.Copies)
+    views = engine.__dict__.setdefault("_views", {})  # (slot, signature) -> (buffer, [view per tensor], copy order)
     signature = (tuple((name, t.dtype, t.shape) for name, t in named), tuple(sorted((aliases or {}).items())))
     if signature not in layouts:
         layouts[signature] = layout(named, aliases)
     entries, nbytes = layouts[signature]
     buffer = engine.buffer(slot, nbytes, device)
-    hit = plans.get((slot, signature))
+    hit = views.get((slot, signature))
     if hit is None or hit[0].data_ptr() != buffer.data_ptr() or hit[0].device != buffer.device:
-        for key in [k for k, v in plans.items() if k[0] == slot and v[0].data_ptr() != buffer.data_ptr()]:
-            del plans[key]  # plans of a buffer the engine replaced: their views would keep it alive
-        hit = plans[slot, signature] = (buffer, packing(buffer, entries, named))
-    hit[1].run([tensor for _, tensor in named])
+        for key in [k for k, v in views.items() if k[0] == slot and v[0].data_ptr() != buffer.data_ptr()]:
+            del views[key]  # views of a buffer the engine replaced: they would keep it alive
+        by_name = dict(unpack(buffer, entries))
+        targets = [by_name[name] for name, _ in named]
+        hit = views[slot, signature] = (buffer, targets, copy_order(list(zip(targets, (t for _, t in named)))))
+    _, targets, order = hit
+    run_copies([([targets[i] for i in group], [named[i][1] for i in group]) for group in order])
     return entries, buffer
 
 

@@ -105,7 +105,7 @@ def _fresh_cuda_buffers(engine) -> None:
     if not engine._buffers:
         return
     engine._buffers.clear()
-    engine.__dict__.pop("_packing", None)  # sync_weights' packing plans hold views of them: they would keep them alive
+    engine.__dict__.pop("_views", None)  # sync_weights' packing views of them would keep them alive
 
 
 class VLLMServerEngine(SharedMemoryBuffers):
