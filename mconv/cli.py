@@ -493,7 +493,7 @@ def verify_command(first, second, quiet):
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the base model's HF config.json; needed for checkpoints not "
                    "written by mconv.")
-@click.option("--rank", type=int, default=None,
+@click.option("--rank", type=click.IntRange(min=1), default=None,
               help="Expected LoRA rank r (Megatron-Bridge's `dim`); the export stops if the adapters have another. "
                    "Read from the tensors either way.")
 @click.option("--alpha", type=float, default=None,

@@ -293,6 +293,19 @@ def test_a_torchrun_job_to_an_output_another_job_writes_is_refused(tmp_path):
     assert (out / "config.json").read_text() == "first" and leftovers(tmp_path) == []
 
 
+def test_a_killed_runs_staging_is_removed_by_the_next_run(tmp_path):
+    """A staging directory of OUT that a SIGKILLed run left is removed by the next run to OUT, which
+    holds OUT's lock (so no live run uses it); another output's, and a link, are left alone."""
+    stale = tmp_path / ".out.mconv-partial-k1ll3d"
+    (stale / "release").mkdir(parents=True)
+    (stale / "release" / "half.pt").write_bytes(b"x" * 100)
+    other = tmp_path / ".out2.mconv-partial-k1ll3d"
+    other.mkdir()
+    (tmp_path / ".out.mconv-partial-link").symlink_to(other)
+    assert legacy(TINY, tmp_path / "out").exit_code == 0
+    assert not stale.exists() and other.is_dir() and (tmp_path / ".out.mconv-partial-link").is_symlink()
+
+
 def test_checkpoint_args_disagree_with_hf_config(tmp_path):
     assert legacy(TINY, tmp_path / "m").exit_code == 0
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--hf-config", FIXTURES / "qwen3-tiny-tied"),
@@ -331,6 +344,22 @@ def test_shards_with_different_dtypes_are_refused(tmp_path):
     torch.save(state, path)
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "-q"), tmp_path / "out", name,
                    "different dtypes (bfloat16, float16")
+
+
+def test_torch_dist_refuses_layers_of_different_dtypes(tmp_path):
+    """torch_dist stores a parameter of every layer as one tensor: an HF model whose layers differ in
+    dtype is refused naming two of them (it was an 'internal' error); the legacy rank files take it."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "mixed"
+    shutil.copytree(TINY, hf)
+    tensors = load_file(hf / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(torch.float16)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out"), tmp_path / "out", f"{name} is float16",
+                   "model.layers.1.mlp.down_proj.weight is bfloat16", "--dtype", "--format torch")
+    assert mconv("hf2mcore", hf, tmp_path / "out", "--format", "torch", "-q").exit_code == 0
 
 
 class Exploit:
@@ -1210,7 +1239,7 @@ def test_truncated_distcp_is_reported_by_inspect_and_refused_by_mcore2hf(tmp_pat
         assert_refused(mconv(*args), tmp_path / "out", f"{data} is truncated: it ends at byte {size - 5000:,}",
                        "stores output_layer.weight at bytes", "the checkpoint is damaged")
     data.unlink()
-    assert_refused(mconv("inspect", tmp_path / "d"), tmp_path / "out", f"{data}: is missing, but .metadata stores")
+    assert_refused(mconv("inspect", tmp_path / "d"), tmp_path / "out", f"{data} is missing, but .metadata stores")
 
 
 # ----------------------------------------------------------------------------- -q, progress bars in logs

@@ -345,6 +345,15 @@ BAD = {
     "shard missing on one rank": (
         lambda chunk: chunk.pop("decoder.layers.3.self_attention.linear_qkv.adapter.linear_out.weight"),
         ["decoder.layers.3.self_attention.linear_qkv.adapter.linear_out.weight", "mp_rank_01", "other ranks"]),
+    "A without its B": (  # on every rank: peft would load the adapter with no B for it
+        lambda chunk: chunk.pop("decoder.layers.0.self_attention.linear_qkv.adapter.linear_out.weight"),
+        ["decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight", "no linear_out"]),
+    "B without its A": (  # peft would give the missing A random values
+        lambda chunk: chunk.pop("decoder.layers.1.mlp.linear_fc1.adapter.linear_in.weight"),
+        ["decoder.layers.1.mlp.linear_fc1.adapter.linear_out.weight", "no linear_in"]),
+    "integer adapter": (lambda chunk: chunk.update({"decoder.layers.2.mlp.linear_fc2.adapter.linear_in.weight":
+                                                    torch.zeros(4, 48, dtype=torch.int32)}),
+                        ["linear_fc2.adapter.linear_in.weight", "int32, not a floating-point tensor"]),
     "wrong shape": (lambda chunk: chunk.update({"decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight":
                                                 torch.zeros(4, 64)}), ["linear_fc1.adapter.linear_in.weight", "[4, 64]",
                                                                        "expected [2, 64]"]),
@@ -356,9 +365,12 @@ def test_bad_adapters_are_refused(tmp_path, case):
     edit, fragments = BAD[case]
     lora, _ = lora_checkpoint(tmp_path, FIXTURES / "qwen3-tiny", Layout(tp=2), adapter_only=True)
     edit_rank(lora, "mp_rank_01", edit)
-    if case == "no adapters":
+    if case in ("no adapters", "A without its B", "B without its A"):
         edit_rank(lora, "mp_rank_00", edit)
     assert_refused(mconv("export-lora", lora, tmp_path / "out", "--alpha", 8), tmp_path / "out", *fragments)
+    if case == "B without its A":  # merging too (it was a KeyError's traceback)
+        assert_refused(mconv("export-lora", lora, tmp_path / "out", "--alpha", 8, "--merge", "--base-model",
+                             FIXTURES / "qwen3-tiny"), tmp_path / "out", *fragments)
 
 
 def test_options_are_checked(tmp_path):
@@ -366,6 +378,7 @@ def test_options_are_checked(tmp_path):
     out = tmp_path / "out"
     assert_refused(mconv("export-lora", lora, out), out, "alpha", "--alpha")
     assert_refused(mconv("export-lora", lora, out, "--alpha", 8, "--rank", 16), out, "rank 4", "--rank 16")
+    assert mconv("export-lora", lora, out, "--alpha", 8, "--rank", 0).exit_code == 2  # a usage error
     assert_refused(mconv("export-lora", lora, out, "--alpha", 8, "--merge"), out, "--merge needs --base-model")
     assert_refused(mconv("export-lora", lora, out, "--alpha", 8, "--merge", "--base-model",
                          FIXTURES / "qwen3-moe-tiny"), out, "Qwen3MoeForCausalLM", "Qwen3ForCausalLM")

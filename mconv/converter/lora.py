@@ -177,6 +177,7 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
         MTP_ADAPTER.search(name) for chunks in states.values() for chunk in chunks for name in chunk)
     expected: set[tuple[Rank, int, str]] = set()
     tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}  # PEFT key -> the Megatron tensor it was gathered from
     merge_only: set[str] = set()
     for canonical in (False, True):
         plan = make_plan(lora_architecture(arch, rank, canonical), config, layout, "local", mtp=mtp)
@@ -201,7 +202,9 @@ def adapter_to_peft(states: RankStates, config: dict, layout: Layout,
                 if PEFT_PREFIX + name in tensors:
                     raise MconvError(f"{where}: {name.rsplit('.', 2)[0]} has both a LoRA and a CanonicalLoRA adapter")
                 tensors[PEFT_PREFIX + name] = tensor
+                origin[PEFT_PREFIX + name] = export.sources[0].megatron
     _refuse_unknown(states, arch, expected, layout, where)
+    _refuse_unpaired(tensors, origin, where)
     modules = {key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for key in tensors}
     modules = _target_modules(arch, {m for m in modules if not (arch.stacked_experts and ".mlp.experts." in m)})
     if arch.stacked_experts:
@@ -296,11 +299,26 @@ def _gather(states: RankStates, export: ExportTask, rule, target: Target, plan, 
         raise MconvError(f"{where}: {names[present.index(False)]} is missing from {layout.rank_dir(missing.rank)} "
                          f"(model chunk {missing.chunk}), but other ranks hold shards of it")
     for source, name, shard in zip(export.sources, names, shards):
+        if not shard.is_floating_point():
+            raise MconvError(f"{where}: {name} in {layout.rank_dir(source.rank)} is "
+                             f"{str(shard.dtype).removeprefix('torch.')}, not a floating-point tensor as LoRA's A and "
+                             "B are")
         want = source.shard.shape(export.hf_shapes)
         if tuple(shard.shape) != want:
             raise MconvError(f"{where}: {name} in {layout.rank_dir(source.rank)} has shape {list(shard.shape)}, "
                              f"expected {list(want)} for a rank-{plan.dims.lora_rank} adapter at {layout.describe()}")
     return merge([s.shard for s in export.sources], shards, export.hf_shapes)
+
+
+def _refuse_unpaired(tensors: dict[str, torch.Tensor], origin: dict[str, str], where: str) -> None:
+    """Every adapter's A beside its B and B beside its A: peft loads an adapter lacking one (a missing
+    A initialised at random), so the model it serves would be silently wrong."""
+    for key in sorted(tensors):
+        for have, lacks, what in ((".lora_A.weight", ".lora_B.weight", "linear_out (its LoRA B)"),
+                                  (".lora_B.weight", ".lora_A.weight", "linear_in (its LoRA A)")):
+            if key.endswith(have) and key.removesuffix(have) + lacks not in tensors:
+                raise MconvError(f"{where}: {origin[key]} has no {what} beside it; a LoRA adapter needs both "
+                                 "its linear_in and linear_out tensors")
 
 
 def _refuse_unknown(states: RankStates, arch: Architecture, expected: set, layout: Layout, where: str) -> None:

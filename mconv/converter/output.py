@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import os
 import shutil
 import signal
@@ -208,10 +209,12 @@ class Claim:
     def __init__(self, out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()):
         self.out = output_path(out)
         self.overwrite = overwrite
-        self._lock: int | None = _lock(self.out)
+        self._lock, locked = _lock(self.out)
         try:
             check_output_path(self.out, overwrite, inputs)
             self.found = _identity(self.out)
+            if locked:  # no other mconv run is writing OUT: a staging directory of OUT is a killed run's
+                _remove_stale_staging(self.out)
         except BaseException:
             self.release()
             raise
@@ -255,11 +258,13 @@ def _lock_path(out: Path) -> Path:
     return out.with_name(f".{out.name}.mconv-lock")
 
 
-def _lock(out: Path) -> int:
-    """Take the exclusive lock beside `out`; MconvError if another process holds it."""
+def _lock(out: Path) -> tuple[int, bool]:
+    """Take the exclusive lock beside `out`: its file descriptor, and whether it is locked (False on a
+    file system without locks). MconvError if another process holds it."""
     path = _lock_path(out)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        locked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -270,12 +275,21 @@ def _lock(out: Path) -> int:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):  # a file system without locks: none to take
                 os.close(fd)
                 raise
+            locked = False
         try:
             if os.path.samestat(os.fstat(fd), os.stat(path)):
-                return fd
+                return fd, locked
         except FileNotFoundError:
             pass
         os.close(fd)  # locked after its holder removed it: take the new one
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Remove the staging directories of `out` (`.NAME.mconv-partial-*`) that a killed run (SIGKILL,
+    a machine that stopped) left; called under OUT's lock, so none is in use."""
+    for stale in out.parent.glob(f".{glob.escape(out.name)}.mconv-partial-*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _identity(path: Path) -> tuple[int, int, int] | None:

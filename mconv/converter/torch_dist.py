@@ -184,11 +184,17 @@ def entries(plan: Plan, args: Namespace, common: dict,
     `common` state (as Megatron-LM's: args, checkpoint_version, iteration). `windows(task, start,
     stop)` gives rows [start, stop) of a parameter's full TP1 tensor as consecutive windows of its
     bytes (DistEntry.produce), `dtypes` each parameter's dtype by its local-spec name."""
-    out = []
+    out, first = [], {}  # first: key -> the first task stored under it (its layers share one tensor)
     for box in plan_boxes(plan, args):
         if box.global_shape is None:
             out.append(DistEntry(box.key, None, None, lambda: None))
         else:
+            other = first.setdefault(box.key, box.task)
+            if dtypes[other.megatron] != dtypes[box.task.megatron]:
+                a, b = (str(dtypes[t.megatron]).removeprefix("torch.") for t in (other, box.task))
+                raise MconvError(f"{other.hf[0]} is {a} and {box.task.hf[0]} is {b}, but torch_dist stores them as "
+                                 f"one tensor of one dtype ({box.key}); pass {option('dtype')} to cast every tensor "
+                                 f"to one dtype, or {option('fmt', 'torch')}, whose rank files keep each tensor's own")
             out.append(DistEntry(box.key, box.global_shape, dtypes[box.task.megatron],
                                  functools.partial(windows, box.task, box.start, box.start + box.length),
                                  box.offsets, box.sizes, group=box.task.megatron))

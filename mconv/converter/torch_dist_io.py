@@ -222,8 +222,7 @@ class TorchDistReader:
             if chunk.file not in sizes:
                 path = self.iter_dir / chunk.file
                 if not path.is_file():  # a directory would fail later without a name; a FIFO would block
-                    raise MconvError(f"{path}: {'is not a regular file' if os.path.lexists(path) else 'is missing'}, "
-                                     f"but .metadata stores {key} in it")
+                    raise MconvError(f"{path} {_not_a_file(path)}, but .metadata stores {key} in it")
                 sizes[chunk.file] = path.stat().st_size
             if chunk.offset + chunk.length > sizes[chunk.file]:
                 raise MconvError(f"{self.iter_dir / chunk.file} is truncated: it ends at byte {sizes[chunk.file]:,}, but "
@@ -460,8 +459,7 @@ class TorchDistReader:
             if name not in self._fds:
                 path = self.iter_dir / name
                 if not path.is_file():  # a directory would fail later without a name; a FIFO would block
-                    raise MconvError(f"{path}: {'is not a regular file' if os.path.lexists(path) else 'is missing'}, "
-                                     "but .metadata stores tensors in it")
+                    raise MconvError(f"{path} {_not_a_file(path)}, but .metadata stores tensors in it")
                 try:
                     self._fds[name] = os.open(path, os.O_RDONLY)
                 except OSError as e:
@@ -565,3 +563,8 @@ def _index(path: Path, metadata) -> tuple[dict[str, StoredTensor], dict[str, Sto
             chunks.append(StoredChunk(offsets, sizes, *where[(key, offsets)]))
         tensors[key] = StoredTensor(key, shape, properties[0], chunks)
     return tensors, objects
+
+
+def _not_a_file(path: Path) -> str:
+    """Why `path`, a data file .metadata names, cannot be read: it is missing, or no regular file."""
+    return "is not a regular file" if os.path.lexists(path) else "is missing"
