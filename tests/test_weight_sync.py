@@ -745,6 +745,65 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     listener.close()
 
 
+def _serve_receiver(address: str, ready) -> None:
+    """A ParameterReceiver's process (for a test that kills it)."""
+    from mconv.transport.receiver import ParameterReceiver
+
+    ParameterReceiver({"w": torch.zeros(4)}, address, b"good").start()
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_receiver_outlives_bad_clients_and_a_trainer_outlives_its_restart(tmp_path):
+    """Clients with the wrong key, that close at once or never answer the handshake leave a
+    ParameterReceiver serving the next trainer (its accept loop died of the first before); the
+    wrong key is said so; connecting to a listener that never answers takes no longer than the
+    engine's timeout (it hung); an engine whose receiver's process was killed and started again
+    between syncs takes the next sync's first request on a new connection (it failed once)."""
+    import multiprocessing
+    import socket
+    import time
+
+    from mconv.live.sync import SharedMemoryEngine
+
+    context = multiprocessing.get_context("spawn")
+    address = str(tmp_path / "r.sock")
+
+    def receiver():
+        ready = context.Event()
+        process = context.Process(target=_serve_receiver, args=(address, ready), daemon=True)
+        process.start()
+        assert ready.wait(60)
+        return process
+
+    process = receiver()
+    with pytest.raises(RuntimeError, match="refused the connection: another authkey"):
+        SharedMemoryEngine(address, b"bad", timeout=5).expected()
+    closed = socket.socket(socket.AF_UNIX)
+    closed.connect(address)
+    closed.close()
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(address)  # never answers the challenge
+    engine = SharedMemoryEngine(address, b"good", timeout=5)
+    assert engine.expected() == {"w": [4]}
+    process.kill()
+    process.join()
+    os.unlink(address)  # a killed receiver leaves its socket file
+    process = receiver()
+    assert engine.expected() == {"w": [4]}
+    process.kill()
+    silent.close()
+
+    mute = socket.socket(socket.AF_UNIX)
+    mute.bind(str(tmp_path / "mute.sock"))
+    mute.listen()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no answer from .* within 0.5 s while connecting"):
+        SharedMemoryEngine(str(tmp_path / "mute.sock"), b"good", timeout=0.5).expected()
+    assert time.monotonic() - started < 5
+    mute.close()
+
+
 def _reference_checksum(tensor: torch.Tensor) -> int:
     """The checksum flat.checksums documents, computed by numpy: sum of int16 words w[i] of the
     bytes (little-endian, a zero byte appended to an odd count) times (i % 65521 + 1)."""

@@ -9,7 +9,7 @@ import mmap
 import os
 import tempfile
 import threading
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 
 import torch
 
@@ -94,13 +94,67 @@ def remove_orphans() -> list[str]:
     return removed
 
 
-def listen(address: str, authkey: bytes) -> Listener:
+class AuthListener:
+    """The engine side's listener on a Unix socket path (or "host:port"): multiprocessing's Listener,
+    whose handshake (an HMAC challenge each way with `authkey`, as Listener(authkey=...) makes it) is
+    done by `accept`, or by `serve` on each connection's own thread, so that a client that fails it
+    or never answers stops no other."""
+
+    def __init__(self, address: str, authkey: bytes):
+        self._listener, self.authkey = Listener(_address(address)), authkey
+
+    def accept(self) -> Connection:
+        """The next authenticated connection (multiprocessing.AuthenticationError for a wrong key)."""
+        return _handshake(self._listener.accept(), self.authkey)
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def __enter__(self) -> "AuthListener":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _handshake(conn: Connection, authkey: bytes) -> Connection:
+    """The server side of multiprocessing's handshake (Listener.accept's order); closes `conn` if it fails."""
+    try:
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def listen(address: str, authkey: bytes) -> AuthListener:
     """The engine side's listener on a Unix socket path (or "host:port")."""
-    return Listener(_address(address), authkey=authkey)
+    return AuthListener(address, authkey)
 
 
-def connect(address: str, authkey: bytes) -> Connection:
-    return Client(_address(address), authkey=authkey)
+def connect(address: str, authkey: bytes, timeout: float | None = None) -> Connection:
+    """A connection to the listener at `address`, authenticated with `authkey`; TimeoutError where
+    connecting and the handshake take more than `timeout` seconds (a listener that never answers:
+    multiprocessing's Client has no timeout, so it runs on a thread of its own, left to end when
+    that listener closes)."""
+    if timeout is None:
+        return Client(_address(address), authkey=authkey)
+    outcome: dict = {}
+
+    def attempt() -> None:
+        try:
+            outcome["conn"] = Client(_address(address), authkey=authkey)
+        except BaseException as e:
+            outcome["error"] = e
+    thread = threading.Thread(target=attempt, daemon=True, name="mconv-connect")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer from {address} within {timeout:g} s while connecting")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["conn"]
 
 
 def _address(address: str):
@@ -116,12 +170,17 @@ def receive(conn: Connection) -> dict:
     return json.loads(conn.recv_bytes().decode())
 
 
-def serve(listener: Listener, handle, closed=None) -> threading.Thread:
-    """Accept connections on a daemon thread, each served on a thread of its own: every request
+def serve(listener: AuthListener, handle, closed=None) -> threading.Thread:
+    """Accept connections on a daemon thread, each authenticated and served on a thread of its own
+    (one that fails the handshake is closed; the others go on): every request
     goes to `handle(message, peer)`, `peer` a dict kept per connection; its dict is the reply, an
     exception becomes {"error": its text} (which `request` raises on the other side). When a
     connection ends, `closed(peer)` is called (if given)."""
     def answer(conn: Connection) -> None:
+        try:
+            _handshake(conn, listener.authkey)
+        except Exception:  # a wrong key, or a client gone: this connection only
+            return
         peer: dict = {}
         with conn:
             while True:
@@ -143,7 +202,7 @@ def serve(listener: Listener, handle, closed=None) -> threading.Thread:
     def accept() -> None:
         while True:
             try:
-                conn = listener.accept()
+                conn = listener._listener.accept()  # authenticated on its own thread (answer)
             except OSError:  # the listener was closed
                 return
             threading.Thread(target=answer, args=(conn,), daemon=True).start()

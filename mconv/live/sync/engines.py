@@ -7,6 +7,7 @@ from typing import Callable, Iterator
 
 import threading
 import weakref
+from multiprocessing import AuthenticationError
 
 import torch
 import torch.distributed as dist
@@ -135,7 +136,9 @@ class RemoteEngine(Engine):
     """An engine in another process that serves mconv's JSON requests (a
     mconv.transport.receiver.UpdateReceiver) on `address` (a Unix socket path or "host:port"),
     authenticated with `authkey`. Subclasses say how a bucket travels (`update`). A request
-    unanswered within `timeout` seconds raises (and the connection is reopened at the next)."""
+    unanswered within `timeout` seconds, connecting included, raises (and the connection is
+    reopened at the next); a sync's first request on a connection an earlier sync left broken (the
+    engine's process restarted) is sent once more on a new one."""
 
     route: str | None = None  # how its buckets reach a receiver that serves several ways (vLLM's Receiver)
 
@@ -153,22 +156,31 @@ class RemoteEngine(Engine):
         """What the open connection has carried (the caller holds _lock); a new connection, and an
         empty record, where none is open."""
         if self._conn is None:
-            self._conn = shm.connect(self.address, self.authkey)
+            self._conn = shm.connect(self.address, self.authkey, self.timeout)
             self._carried = {}
         return self._carried
 
     def _request(self, message: dict) -> dict:
         with self._lock:
-            self._connected()
             if dist.is_initialized():
                 message = {**message, "rank": dist.get_rank()}
-            try:
-                return shm.request(self._conn, message, self.timeout)
-            except (TimeoutError, OSError, EOFError) as e:
-                self._conn.close()
-                self._conn = None
-                raise RuntimeError(f"the engine at {self.address} did not answer {message['op']!r}: "
-                                   f"{type(e).__name__}: {e}") from None
+            # A sync's first requests may find the connection of an earlier sync broken (the engine's
+            # process restarted meanwhile): they are sent once more on a new connection.
+            for retry in (message["op"] in ("expected", "start") and self._conn is not None, False):
+                try:
+                    self._connected()
+                    return shm.request(self._conn, message, self.timeout)
+                except (TimeoutError, OSError, EOFError, AuthenticationError) as e:
+                    if self._conn is not None:
+                        self._conn.close()
+                    self._conn = None
+                    if retry and not isinstance(e, (TimeoutError, AuthenticationError)):
+                        continue
+                    if isinstance(e, AuthenticationError):
+                        raise RuntimeError(f"the engine at {self.address} refused the connection: another authkey "
+                                           "than its receiver's") from None
+                    raise RuntimeError(f"the engine at {self.address} did not answer {message['op']!r}: "
+                                       f"{type(e).__name__}: {e or 'the connection closed'}") from None
 
     def _update(self, buffer: dict, entries: list[Entry]) -> None:
         """One `update` request for one bucket buffer ({"ipc": ...} or {"path": ...}). A layout (the
