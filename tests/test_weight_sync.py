@@ -200,6 +200,14 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     if rank == 1:
         core.iter_hf_weights = original
     generate("failed")
+    # A config missing on one node: rank 0 has told vLLM to start; every rank refuses, vLLM is told abort.
+    refused("one-rank", lambda: sync_weights(chunks, TIED if rank == 0 else tmp / "missing", engine,
+                                             version="one-rank", bucket_bytes=BUCKET))
+    refused("int8", lambda: sync_weights(chunks, TIED, engine, version="int8", dtype=torch.int8))  # zeros before
+    import sys
+    refused("exit", lambda: sync_weights(chunks, TIED, lambda bucket: sys.exit(3), version="exit"))  # rank 1 hung
+    refused("nested", lambda: sync_weights(chunks, TIED, lambda bucket: sync_weights(chunks, TIED, engine,
+                                                                                     version="inner"), version="outer"))
     sync_weights(chunks, TIED, engine, version="step-2", bucket_bytes=BUCKET, verify=True)  # vLLM's checksums agree
     generate("step-2")
 
@@ -329,6 +337,16 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
         assert rank["errors"]["failure"] == ("weight sync step-2-broken failed; the engine was told to abort it: "
                                              "rank 1: RuntimeError: injected failure")
     assert served["failed"]["version"] == "failed:step-2-broken"
+    for rank in ranks:  # refused on every rank, whichever rank failed (each hung or broke the group before)
+        assert rank["errors"]["one-rank"].startswith("weight sync one-rank refused before any bucket was sent: rank 1: ")
+        assert "missing" in rank["errors"]["one-rank"]
+        assert rank["errors"]["int8"] == ("weight sync int8 refused before any bucket was sent: rank 0: "
+                                          "dtype=torch.int8 is not a dtype mconv writes; available: float32, bfloat16, "
+                                          "float16")
+        assert rank["errors"]["exit"] == ("weight sync exit failed; the engine was told to abort it: rank 0: "
+                                          "SystemExit: 3")
+        assert rank["errors"]["nested"].startswith("weight sync outer failed; the engine was told to abort it: rank 0: "
+                                                   "weight sync inner: another sync_weights is running in this process")
     assert same(served["step-2"], new2) and served["step-2"]["version"] == "step-2"  # the next sync works
 
     for rank in ranks:  # a 4-layer untied trainer model against the engine's 2-layer tied one: nothing sent

@@ -19,7 +19,7 @@ from mconv.converter.hf_config import copy_side_files, read_config, write_config
 from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, stack_experts, stacked_expert
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.output import SharedStaging, output_path, write_failure
-from mconv.converter.options import DEFAULT_SHARD_BYTES, shard_bytes
+from mconv.converter.options import DEFAULT_SHARD_BYTES, check_count, shard_bytes, torch_dtype
 from mconv.converter.planner import RankPlan, TensorTask, make_plan, model_dims
 from mconv.converter.transforms import Piece, ShardLayout, cast_dtype, check_cast, merge, merge_single
 from mconv.errors import MconvError
@@ -160,6 +160,20 @@ def _parameter_slots(model_chunks) -> list[tuple[dict, str, torch.Tensor, int]]:
 
 def _unmoved(slots) -> bool:
     return all(params.get(name) is param and param.data_ptr() == address for params, name, param, address in slots)
+
+
+def _checked(model_chunks, bucket_bytes: int, dtype) -> tuple[list[torch.nn.Module], torch.dtype | None]:
+    """`model_chunks` as a list and `dtype` as a torch dtype (a name such as "bfloat16" taken too).
+    MconvError naming the argument for model_chunks that are no list of modules, a bucket_bytes that
+    is no positive integer, a dtype mconv does not write (options.torch_dtype)."""
+    chunks = None if isinstance(model_chunks, (torch.nn.Module, str, bytes)) else list(model_chunks)
+    if not chunks or not all(isinstance(chunk, torch.nn.Module) for chunk in chunks):
+        what = ("empty" if chunks == [] else f"a {type(model_chunks).__name__}" if chunks is None
+                else "a list of " + ", ".join(sorted({type(chunk).__name__ for chunk in chunks})))
+        raise MconvError(f"model_chunks is {what}; pass the list of this rank's megatron-core model chunks ([model] "
+                         "without virtual pipeline stages)")
+    check_count(bucket_bytes, "bucket_bytes")
+    return chunks, torch_dtype(dtype)
 
 
 def _prepared(model_chunks, hf_config: dict, bucket_bytes: int, stacked: bool = False) -> tuple[LiveModel, list]:
@@ -361,7 +375,8 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
         raise MconvError("expert_orientation applies with stacked_experts=True (experts come per expert otherwise)")
     stacked = _orientation(config, expert_orientation) if stacked_experts else None
     quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
-    live, schedule = _prepared(list(model_chunks), config, bucket_bytes, stacked_experts)
+    model_chunks, dtype = _checked(model_chunks, bucket_bytes, dtype)
+    live, schedule = _prepared(model_chunks, config, bucket_bytes, stacked_experts)
     if not gather_pp or live.layout.pp == 1:
         yield from _stage_buckets(live, schedule, dtype, stacked, quantization)
         return
@@ -485,7 +500,7 @@ def _attempt(action) -> Exception | None:
     sync.core's collectives)."""
     try:
         action()
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # an engine calling sys.exit fails the sync, as it does on every rank
         return e
     return None
 

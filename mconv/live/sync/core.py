@@ -3,6 +3,7 @@ in flat buckets, with all ranks agreeing on the outcome."""
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,13 +17,14 @@ from mconv.converter import fp8
 from mconv.converter.planner import make_plan
 from mconv.errors import MconvError
 from mconv.live.chunks import _config
-from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _prepared, iter_hf_weights
+from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _checked, _prepared, iter_hf_weights
 from mconv.live.sync.engines import FlatBucket, as_engine
 from mconv.mappings import architecture_for
 from mconv.transport.flat import checksums, copy_order, layout, run_copies, unpack
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _VERSIONS = itertools.count(1)
+_RUNNING = threading.Lock()  # one sync at a time in a process: two would pair their collectives wrongly
 
 
 @dataclass
@@ -54,6 +56,13 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     (`fp8_scale`) sends each weight iter_hf_weights quantizes as its FP8 weight and float32
     `_scale_inv` (MconvError as iter_hf_weights raises it for other values).
 
+    Every rank first checks its arguments and plans the sync (`model_chunks` a non-empty list of
+    modules, `bucket_bytes` a positive integer, `dtype` one mconv writes, by name or as a torch
+    dtype, the HF config readable: a path missing on one node, a parameter replaced on one rank);
+    a rank that fails there is one MconvError on every rank, before the engine is told anything
+    (or, where rank 0 had started it, after its `abort`). One sync at a time per process: a second
+    `sync_weights` while one runs (another thread, an engine calling it) is an MconvError at once.
+
     Before any bucket, rank 0 compares the names and shapes it will send with the engine's
     `expected()`: names the engine does not know, names it expects and does not get, and shapes
     that differ are one MconvError on every rank, and nothing is sent. Once started, the ranks
@@ -73,17 +82,36 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     """
     engine = as_engine(engine)
     version = str(next(_VERSIONS)) if version is None else str(version)
-    config = _config(hf_config, revision)
-    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
-    chunks = list(model_chunks)
-    live, schedule = _prepared(chunks, config, bucket_bytes)
-    tied = bool(config.get("tie_word_embeddings")) and engine.sends_tied_lm_head
-    first = dist.get_rank() == 0
-    sender = _is_sender(live)
-    result = SyncResult(version)
+    if not _RUNNING.acquire(blocking=False):
+        raise MconvError(f"weight sync {version}: another sync_weights is running in this process (another thread, "
+                         "or an engine that calls sync_weights); one sync at a time")
+    try:
+        return _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revision, quantize, fp8_scale,
+                     verify)
+    finally:
+        _RUNNING.release()
 
-    refused = None
-    if first:
+
+def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revision, quantize, fp8_scale,
+          verify) -> SyncResult:
+    first = dist.get_rank() == 0
+    result = SyncResult(version)
+    prepared: dict = {}
+
+    def prepare() -> None:  # on every rank; what fails here (a path missing on one node) is agreed on below
+        chunks, cast = _checked(model_chunks, bucket_bytes, dtype)
+        config = _config(hf_config, revision)
+        quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
+        live, schedule = _prepared(chunks, config, bucket_bytes)
+        prepared.update(chunks=chunks, dtype=cast, config=config, quantization=quantization, live=live,
+                        schedule=schedule, tied=bool(config.get("tie_word_embeddings")) and engine.sends_tied_lm_head,
+                        sender=_is_sender(live))
+
+    refused = _attempt(prepare)
+    started = False  # this rank told the engine to start (rank 0)
+    if first and refused is None:
+        chunks, config, live, tied, quantization = (prepared[k] for k in ("chunks", "config", "live", "tied",
+                                                                           "quantization"))
         if verify and not engine.verifiable:
             refused = MconvError(f"verify=True: {type(engine).__name__} cannot read the engine's weights back (give "
                                  "CallableEngine a checksums function)")
@@ -91,14 +119,19 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
         refused = refused or _attempt(lambda: _agree_models(engine, lambda: _sent_shapes(
             live, config, tied, quantize, fp8_scale, quantization)))
         refused = refused or _attempt(lambda: engine.start(version, verify=True) if verify else engine.start(version))
+        started = refused is None
     sums: dict | None = {} if verify else None
     try:
-        rounds = _started(refused, len(schedule))  # every rank agrees once per round, stage or not
+        rounds = _started(refused, len(prepared.get("schedule", ())))  # every rank agrees once per round
         if rounds is None:
-            raise MconvError(f"weight sync {version} refused before any bucket was sent: {_shared(refused)}")
-        failure = _buckets(rounds=rounds, schedule=schedule, chunks=chunks, config=config, engine=engine,
-                           sender=sender, tied=tied, version=version, result=result, sums=sums,
-                           options=dict(bucket_bytes=bucket_bytes, dtype=dtype, quantize=quantize,
+            reason = _shared(refused)
+            if started:  # another rank refused after this one started the engine's update
+                _attempt(lambda: engine.abort(version, reason))
+            raise MconvError(f"weight sync {version} refused before any bucket was sent: {reason}")
+        failure = _buckets(rounds=rounds, schedule=prepared["schedule"], chunks=prepared["chunks"],
+                           config=prepared["config"], engine=engine, sender=prepared["sender"], tied=prepared["tied"],
+                           version=version, result=result, sums=sums,
+                           options=dict(bucket_bytes=bucket_bytes, dtype=prepared["dtype"], quantize=quantize,
                                         fp8_scale=fp8_scale))
         reason = _shared(failure) if _any(failure) else None
         if reason is not None:
@@ -116,7 +149,7 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
             if _any(differ):
                 raise MconvError(f"weight sync {version} is not what the engine holds: {_shared(differ)}")
     except _Lost as lost:
-        if first and refused is None:
+        if started:
             _attempt(lambda: engine.abort(version, f"a trainer rank was lost: {lost}"))
         raise MconvError(f"weight sync {version} failed: a trainer rank was lost mid-sync ({lost}); the engine's "
                          "update was aborted (by rank 0, or by the receiver when rank 0's connection closed)") from None
