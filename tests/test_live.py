@@ -9,11 +9,13 @@ import torch
 from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.transforms import padded_vocab_size
+from mconv.live import iter_hf_weights, load_hf_weights, save_hf_weights
 from tests.conftest import FIXTURES
 from tests.megatron_oracle import MegatronRun, hf_logits, megatron_logits, read_config
 from tests.ranks import start_ranks
 
 TOKENS = list(range(7, 80, 6))
+TINY_DIR = FIXTURES / "qwen3-tiny"
 
 
 @pytest.mark.slow
@@ -112,3 +114,26 @@ def _staged_worker(rank, run, out):
                                              r"1e\+30 are beyond float16's range \(65504\)$"):
             list(mconv.live.iter_hf_weights([model], FIXTURES / "qwen3-moe-tiny", dtype=torch.float16))
         torch.save("exact", out)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: next(iter_hf_weights([], TINY_DIR)), "model_chunks is empty; pass the list of this rank's"),
+    (lambda: next(iter_hf_weights(torch.nn.Linear(2, 2), TINY_DIR)), "model_chunks is a Linear; pass the list"),
+    (lambda: next(iter_hf_weights([None], TINY_DIR)), "model_chunks is a list of NoneType; pass the list"),
+    (lambda: next(iter_hf_weights([torch.nn.Linear(2, 2)], TINY_DIR, bucket_bytes=0)),
+     "bucket_bytes=0 is not an integer of at least 1"),
+    (lambda: next(iter_hf_weights([torch.nn.Linear(2, 2)], TINY_DIR, bucket_bytes="1MB")),
+     "bucket_bytes='1MB' is not an integer of at least 1"),
+    (lambda: next(iter_hf_weights([torch.nn.Linear(2, 2)], TINY_DIR, dtype=torch.int8)),
+     "dtype=torch.int8 is not a dtype mconv writes"),
+    (lambda: load_hf_weights([torch.nn.Linear(2, 2)], {"architectures": ["Qwen3ForCausalLM"]}),
+     "a config dict holds no weights; pass the HF model directory or hub name"),
+    (lambda: save_hf_weights([torch.nn.Linear(2, 2)], "/tmp/never-written", {"architectures": ["Qwen3ForCausalLM"]}),
+     "a config dict holds no tokenizer or side files"),
+])
+def test_live_arguments_are_checked_before_the_model(call, message):
+    """Arguments that are no model chunks, bucket size, dtype or HF directory are one MconvError
+    naming them, before any collective (they were IndexError, TypeError, OSError; int8 zeroed)."""
+    with pytest.raises(MconvError, match=message):
+        call()
+

@@ -105,15 +105,23 @@ class LiveModel:
         return plan_rank(self.arch, self.dims, self.layout, self.spec, rank)
 
 
+def _model_dir(name_or_path, revision: str | None, weights: bool) -> Path:
+    """The HF model directory a name or path names; MconvError for a config dict, which holds no files."""
+    if isinstance(name_or_path, dict):
+        raise MconvError("a config dict holds no " + ("weights" if weights else "tokenizer or side files")
+                         + "; pass the HF model directory or hub name")
+    return _resolved(str(name_or_path), revision, weights)
+
+
 @functools.cache
-def _model_dir(name_or_path: str, revision: str | None, weights: bool) -> Path:
+def _resolved(name_or_path: str, revision: str | None, weights: bool) -> Path:
     """A hub name is resolved once per process (online, each resolution asks the Hub for the
     revision's commit; a weight sync must not)."""
     return resolve_model(name_or_path, revision, weights=weights)
 
 
 def _config(hf_config, revision: str | None = None) -> dict:
-    return hf_config if isinstance(hf_config, dict) else read_config(_model_dir(str(hf_config), revision, False))
+    return hf_config if isinstance(hf_config, dict) else read_config(_model_dir(hf_config, revision, False))
 
 
 def _buckets(items: list, nbytes, limit: int, together=None) -> Iterator[list]:

@@ -439,7 +439,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
 
     max_shard_bytes = shard_bytes(max_shard_bytes)
 
-    source = _model_dir(str(hf_config), revision, False)
+    source = _model_dir(hf_config, revision, False)
     config = read_config(source)
     quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
     stacked = (None if fp8_per_expert(architecture_for(config), quantization, expert_orientation)

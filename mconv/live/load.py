@@ -25,7 +25,7 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path,
     staging buffer that reaches the device in large copies. `hf_dir` is a directory or a hub name
     (`Qwen/Qwen3-8B` at `revision`, fetched into the hub cache as transformers does)."""
     dtype = next(p.dtype for chunk in model_chunks for p in chunk.parameters())
-    ckpt = HFCheckpoint(_model_dir(str(hf_dir), revision, True), dequantize=dtype)
+    ckpt = HFCheckpoint(_model_dir(hf_dir, revision, True), dequantize=dtype)
     live = LiveModel.of(model_chunks, ckpt.config)
     jobs = []
     for tasks, tensors in zip(live.plan.chunks, live.tensors):
