@@ -777,12 +777,15 @@ def test_a_receiver_outlives_bad_clients_and_a_trainer_outlives_its_restart(tmp_
     ParameterReceiver serving the next trainer (its accept loop died of the first before); the
     wrong key is said so; connecting to a listener that never answers takes no longer than the
     engine's timeout (it hung); an engine whose receiver's process was killed and started again
-    between syncs takes the next sync's first request on a new connection (it failed once)."""
+    between syncs takes the next sync's first request on a new connection (it failed once), the new
+    receiver listening at the socket file the killed one left (EADDRINUSE before); a live listener's
+    address is refused naming it."""
     import multiprocessing
     import socket
     import time
 
     from mconv.live.sync import SharedMemoryEngine
+    from mconv.transport import shm
 
     context = multiprocessing.get_context("spawn")
     address = str(tmp_path / "r.sock")
@@ -806,8 +809,7 @@ def test_a_receiver_outlives_bad_clients_and_a_trainer_outlives_its_restart(tmp_
     assert engine.expected() == {"w": [4]}
     process.kill()
     process.join()
-    os.unlink(address)  # a killed receiver leaves its socket file
-    process = receiver()
+    process = receiver()  # at the socket file the killed one left (it was EADDRINUSE)
     assert engine.expected() == {"w": [4]}
     process.kill()
     silent.close()
@@ -815,6 +817,8 @@ def test_a_receiver_outlives_bad_clients_and_a_trainer_outlives_its_restart(tmp_
     mute = socket.socket(socket.AF_UNIX)
     mute.bind(str(tmp_path / "mute.sock"))
     mute.listen()
+    with pytest.raises(OSError, match="cannot listen at .*mute.sock: .* in use .another receiver listens there"):
+        shm.listen(str(tmp_path / "mute.sock"), b"good")
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="no answer from .* within 0.5 s while connecting"):
         SharedMemoryEngine(str(tmp_path / "mute.sock"), b"good", timeout=0.5).expected()

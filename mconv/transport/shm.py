@@ -4,9 +4,12 @@ path and a list of entries (the CPU counterpart of one CUDA IPC handle per bucke
 messages are JSON over an authenticated multiprocessing connection (no pickle)."""
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
+import socket
+import stat
 import tempfile
 import threading
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
@@ -101,7 +104,15 @@ class AuthListener:
     or never answers stops no other."""
 
     def __init__(self, address: str, authkey: bytes):
-        self._listener, self.authkey = Listener(_address(address)), authkey
+        try:
+            self._listener = Listener(_address(address))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or not _stale_socket(address):
+                raise OSError(e.errno, f"cannot listen at {address}: {e.strerror}"
+                              + (" (another receiver listens there)" if e.errno == errno.EADDRINUSE else "")) from None
+            os.unlink(address)  # a killed receiver's socket file: no process listens at it
+            self._listener = Listener(_address(address))
+        self.authkey = authkey
 
     def accept(self) -> Connection:
         """The next authenticated connection (multiprocessing.AuthenticationError for a wrong key)."""
@@ -115,6 +126,22 @@ class AuthListener:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _stale_socket(address: str) -> bool:
+    """Whether `address` is a Unix socket file at which no process listens (its receiver was killed)."""
+    if not isinstance(_address(address), str):
+        return False
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(address)
+    except ConnectionRefusedError:
+        return stat.S_ISSOCK(os.lstat(address).st_mode)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
 
 
 def _handshake(conn: Connection, authkey: bytes) -> Connection:

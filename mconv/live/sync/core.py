@@ -340,6 +340,9 @@ def _gathered(sums: dict) -> dict:
 
 def _compare(engine, sent: dict[str, int]) -> None:
     held = engine.checksums(sorted(sent))
+    if not isinstance(held, dict):
+        raise MconvError(f"the engine's checksums() returned {type(held).__name__}, not a dict of name -> checksum; "
+                         "nothing was compared")
     differ = sorted(name for name, value in sent.items() if held.get(name) != value)
     if differ:
         raise MconvError(f"the engine holds other bytes than were sent for {', '.join(differ[:5])}"
