@@ -438,13 +438,22 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     from megatron.core import parallel_state as ps
 
     max_shard_bytes = shard_bytes(max_shard_bytes)
+    out = output_path(out_dir)
+    planned: dict = {}
 
-    source = _model_dir(hf_config, revision, False)
-    config = read_config(source)
-    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
-    stacked = (None if fp8_per_expert(architecture_for(config), quantization, expert_orientation)
-               else _orientation(config, expert_orientation))
-    live, schedule = _prepared(list(model_chunks), config, bucket_bytes, stacked is not None)
+    def plan() -> None:  # on every rank; what fails here (a path missing on one node) is agreed on below
+        chunks, _ = _checked(model_chunks, bucket_bytes, None)
+        source = _model_dir(hf_config, revision, False)
+        config = read_config(source)
+        quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
+        stacked = (None if fp8_per_expert(architecture_for(config), quantization, expert_orientation)
+                   else _orientation(config, expert_orientation))
+        planned.update(source=source, config=config, quantization=quantization, stacked=stacked,
+                       prepared=_prepared(chunks, config, bucket_bytes, stacked is not None))
+
+    _agree(out, None, _attempt(plan))
+    source, config, quantization, stacked = (planned[k] for k in ("source", "config", "quantization", "stacked"))
+    live, schedule = planned["prepared"]
     full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
     dtypes: dict[str, torch.dtype] = {}
     local = {name: tensor.dtype for tasks, tensors in zip(live.plan.chunks, live.tensors)
@@ -456,7 +465,6 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         dtypes.update(part)
     plain = [(name, dtypes[name], shape) for task in full.exports() for name, shape in zip(task.hf, task.hf_shapes)]
 
-    out = output_path(out_dir)
     shared = SharedStaging(out, "live", overwrite=True)
     staging = shared.path
     writer = ShardedSafetensorsWriter(staging, plain, max_shard_bytes, stacked, quantization=quantization)
@@ -505,7 +513,7 @@ def _attempt(action) -> Exception | None:
     return None
 
 
-def _agree(out: Path, staging: Path, failure: Exception | None) -> None:
+def _agree(out: Path, staging: Path | None, failure: Exception | None) -> None:
     """A collective: every rank learns whether any rank's step failed, and if one did, every rank
     raises. A failed write (full disk, read-only file system, no permission: output.write_failure)
     or an MconvError becomes one MconvError sentence naming `out` on every rank; any other exception
