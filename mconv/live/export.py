@@ -442,16 +442,20 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     planned: dict = {}
 
     def plan() -> None:  # on every rank; what fails here (a path missing on one node) is agreed on below
-        chunks, _ = _checked(model_chunks, bucket_bytes, None)
         source = _model_dir(hf_config, revision, False)
         config = read_config(source)
         quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
         stacked = (None if fp8_per_expert(architecture_for(config), quantization, expert_orientation)
                    else _orientation(config, expert_orientation))
+        chunks, _ = _checked(model_chunks, bucket_bytes, None)
         planned.update(source=source, config=config, quantization=quantization, stacked=stacked,
                        prepared=_prepared(chunks, config, bucket_bytes, stacked is not None))
 
-    _agree(out, None, _attempt(plan))
+    failure = _attempt(plan)
+    if dist.is_initialized():
+        _agree(out, None, failure)
+    elif failure is not None:  # no ranks to tell (the arguments are checked before the process group is needed)
+        raise failure
     source, config, quantization, stacked = (planned[k] for k in ("source", "config", "quantization", "stacked"))
     live, schedule = planned["prepared"]
     full = make_plan(live.arch, config, live.layout, live.spec, mtp=bool(live.dims.mtp_layers))
