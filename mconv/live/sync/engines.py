@@ -166,21 +166,27 @@ class RemoteEngine(Engine):
                 message = {**message, "rank": dist.get_rank()}
             # A sync's first requests may find the connection of an earlier sync broken (the engine's
             # process restarted meanwhile): they are sent once more on a new connection.
-            for retry in (message["op"] in ("expected", "start") and self._conn is not None, False):
+            retry = message["op"] in ("expected", "start") and self._conn is not None
+            while True:
                 try:
                     self._connected()
                     return shm.request(self._conn, message, self.timeout)
-                except (TimeoutError, OSError, EOFError, AuthenticationError) as e:
-                    if self._conn is not None:
-                        self._conn.close()
-                    self._conn = None
-                    if retry and not isinstance(e, (TimeoutError, AuthenticationError)):
+                except AuthenticationError:
+                    self._drop_connection()
+                    raise RuntimeError(f"the engine at {self.address} refused the connection: another authkey "
+                                       "than its receiver's") from None
+                except (TimeoutError, OSError, EOFError) as e:
+                    self._drop_connection()
+                    if retry and not isinstance(e, TimeoutError):
+                        retry = False
                         continue
-                    if isinstance(e, AuthenticationError):
-                        raise RuntimeError(f"the engine at {self.address} refused the connection: another authkey "
-                                           "than its receiver's") from None
                     raise RuntimeError(f"the engine at {self.address} did not answer {message['op']!r}: "
                                        f"{type(e).__name__}: {e or 'the connection closed'}") from None
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
 
     def _update(self, buffer: dict, entries: list[Entry]) -> None:
         """One `update` request for one bucket buffer ({"ipc": ...} or {"path": ...}). A layout (the
@@ -218,9 +224,7 @@ class RemoteEngine(Engine):
 
     def close(self) -> None:
         super().close()
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._drop_connection()
         self._carried = {}  # IPCEngine's shares hold their buffers
 
 
