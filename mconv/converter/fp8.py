@@ -313,17 +313,25 @@ def _triton_importable() -> bool:
 
 
 def quantize_tensors(tensors: list[tuple[str, torch.Tensor]], quantization: Quantization,
-                     done: frozenset = frozenset()) -> list[tuple[str, torch.Tensor]]:
+                     done: frozenset = frozenset(), picks: dict | None = None) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with each weight to quantize (but those named in `done`, quantized
-    already) replaced by (name, FP8 weight) and (name + "_scale_inv", float32 scale): `quantize_all`."""
-    picked = [i for i, (name, t) in enumerate(tensors) if name not in done and quantization.applies(name, t.shape)]
+    already) replaced by (name, FP8 weight) and (name + "_scale_inv", float32 scale): `quantize_all`.
+    `picks`: a dict kept by a caller that quantizes lists of the same names again and again (a live
+    export's buckets, one model): which of a list's names are quantized, and their scale names, are
+    worked out once per list of names and `done` (the names fix the shapes for one model)."""
+    key = (tuple(name for name, _ in tensors), done) if picks is not None else None
+    picked = None if key is None else picks.get(key)
+    if picked is None:
+        picked = [(i, scale_name(name)) for i, (name, t) in enumerate(tensors)
+                  if name not in done and quantization.applies(name, t.shape)]
+        if key is not None:
+            picks[key] = picked
     if not picked:
         return list(tensors)
     out, start = [], 0
-    for i, (q, scale) in zip(picked, quantize_all([tensors[i] for i in picked], quantization.scale_fmt)):
-        name = tensors[i][0]
+    for (i, scale), (q, scale_inv) in zip(picked, quantize_all([tensors[i] for i, _ in picked], quantization.scale_fmt)):
         out += tensors[start:i]
-        out += ((name, q), (scale_name(name), scale))
+        out += ((tensors[i][0], q), (scale, scale_inv))
         start = i + 1
     out += tensors[start:]
     return out

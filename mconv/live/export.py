@@ -225,6 +225,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
     # stacked experts are quantized expert by expert once stacked, each expert's matrix (gate and up
     # together) as stored: not before the gathers, which send per-expert modules
     early = quantization if stacked is None else None
+    picks = live.__dict__.setdefault("_fp8_picks", {})  # fp8.quantize_tensors' per bucket, kept with the model's plan
     for steps in schedule:
         out: Bucket = []
         done: set[str] = set()  # quantized before a gather: weights and scales
@@ -245,7 +246,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
             mine = [rebuilt[order[n]] for name in step.ep_names[live.rank.ep]
                     for n in ((name, fp8.scale_name(name)) if name in done else (name,))]  # (quantized over ETP)
             if early is not None:
-                mine = fp8.quantize_tensors(mine, early, frozenset(done))
+                mine = fp8.quantize_tensors(mine, early, frozenset(done), picks)
             for names, tensors in zip(step.ep_names, _all_gather([t for _, t in mine], ep_group)):
                 out += zip(names if early is None else _with_scales(names, mine, done), tensors)
         if stacked is not None:
@@ -256,7 +257,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
                      else cast_dtype(dtype, live.arch.fp32_kind(n) is not None) for n, x in out}
             check_cast([(n, x) for n, x in out if casts[n] == dtype], dtype)  # one host synchronisation per bucket
             out = [(n, x if casts[n] is None else x.to(casts[n])) for n, x in out]
-        yield out if quantization is None else fp8.quantize_tensors(out, quantization, frozenset(done))
+        yield out if quantization is None else fp8.quantize_tensors(out, quantization, frozenset(done), picks)
 
 
 def _with_scales(names: list[str], mine: Bucket, done: set[str]) -> list[str]:
