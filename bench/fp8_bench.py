@@ -3,9 +3,9 @@ bytes (edge blocks, all-zero blocks, values beyond +-448, both scale formats); (
 throughput against the device's copy bandwidth, on Qwen3-30B-A3B-shaped expert weights (one
 [1536, 2048] gate_up and one [2048, 768] down per expert, 128 experts): eager per tensor, and under
 torch.compile, and batched (fp8.quantize_tensors: the Triton kernels of fp8_batch, a whole bucket of
-weights per launch, as the live export quantizes), whose bytes are checked equal to the CPU's
-fp8.quantize of every weight. Copy floors: the same tensors cloned one by one, and copied in one
-launch (torch.cat). Each time is the fastest of --repeat calls. Prints one JSON line per measurement.
+weights per launch, as the live export quantizes; and that kernel's launches alone), whose bytes are checked equal to the CPU's
+fp8.quantize of every weight. Copy floors: the same tensors cloned one by one, copied in one
+launch (torch.cat), and their bytes as one flat buffer copied (the device's copy rate). Each time is the fastest of --repeat calls. Prints one JSON line per measurement.
 
     python bench/fp8_bench.py [--experts 128] [--repeat 5]
 """
@@ -67,6 +67,23 @@ def batched_bytes_equal_cpu(weights: list[torch.Tensor], scale_fmt: str) -> dict
             "differing bytes": differing_bytes, "differing scales": differing_scales}
 
 
+def kernel_alone(weights: list[torch.Tensor]):
+    """A call of fp8_batch's launches for `weights` (float scales), without the host's work around
+    them (the plan, the addresses, the output views, the finite check)."""
+    from mconv.converter import fp8_batch
+
+    plan = fp8_batch._plan(weights, [True] * len(weights))
+    plan.table[:, 0].copy_(torch.tensor([weights[i].data_ptr() for i in plan.order], dtype=torch.int64))
+    out = torch.empty(plan.out_numel, dtype=fp8.FP8, device="cuda")
+    scale = torch.empty(plan.blocks, dtype=torch.float32, device="cuda")
+
+    def launch():
+        for table, block_tensor, base, dtype, aligned in plan.launches:
+            fp8_batch._kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK,
+                                                       fp8_batch.FUSED.value, aligned, fp8_batch._ROWS, num_warps=8)
+    return launch
+
+
 def throughput(experts: int, repeat: int, compiled: bool) -> list[dict]:
     weights = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(experts) for shape in ((1536, 2048), (2048, 768))]
@@ -74,17 +91,22 @@ def throughput(experts: int, repeat: int, compiled: bool) -> list[dict]:
     quantization = fp8.Quantization(lambda name: True)
     named = [(str(i), w) for i, w in enumerate(weights)]
     copy = timed(lambda: [w.clone() for w in weights], repeat)
+    flat, into = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+    flat_copy = timed(lambda: into.copy_(flat), repeat)
+    del flat, into
     runs = [("copy one by one (clone)", copy),
             ("copy in one launch (torch.cat)", timed(lambda: torch.cat([w.view(-1) for w in weights]), repeat)),
             ("quantize eager, per tensor", timed(lambda: [fp8.quantize(w, check=False) for w in weights], repeat)),
-            ("quantize batched (quantize_tensors)", timed(lambda: fp8.quantize_tensors(named, quantization), repeat))]
+            ("quantize batched (quantize_tensors)", timed(lambda: fp8.quantize_tensors(named, quantization), repeat)),
+            ("quantize batched, the kernel alone", timed(kernel_alone(weights), repeat))]
     if compiled:
         compiled_quantize = torch.compile(fp8.quantize, dynamic=False)
         runs.append(("quantize torch.compile, per tensor",
                      timed(lambda: [compiled_quantize(w, check=False) for w in weights], repeat)))
     return [{"what": name, "tensors": len(weights), "GB": round(nbytes / 1e9, 3),
              "GB/s": round(nbytes / seconds / 1e9, 1), "ratio to copy one by one": round(copy / seconds, 3),
-             "ratio to copy in one launch": round(runs[1][1] / seconds, 3)} for name, seconds in runs]
+             "ratio to copy in one launch": round(runs[1][1] / seconds, 3),
+             "ratio to flat copy": round(flat_copy / seconds, 3)} for name, seconds in runs]
 
 
 def main() -> None:
