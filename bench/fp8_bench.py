@@ -2,10 +2,12 @@
 bytes (edge blocks, all-zero blocks, values beyond +-448, both scale formats); (2) quantization
 throughput against the device's copy bandwidth, on Qwen3-30B-A3B-shaped expert weights (one
 [1536, 2048] gate_up and one [2048, 768] down per expert, 128 experts): eager per tensor, and under
-torch.compile, and batched (fp8.quantize_tensors: the Triton kernels of fp8_batch, a whole bucket of
-weights per launch, as the live export quantizes; and that kernel's launches alone), whose bytes are checked equal to the CPU's
-fp8.quantize of every weight. Copy floors: the same tensors cloned one by one, copied in one
-launch (torch.cat), and their bytes as one flat buffer copied (the device's copy rate). Each time is the fastest of --repeat calls. Prints one JSON line per measurement.
+torch.compile, and batched (fp8.quantize_tensors: the Triton kernels of fp8_batch, a whole bucket
+of weights per launch, as the live export quantizes; and that kernel's launches alone), whose
+bytes are checked equal to the CPU's fp8.quantize of every weight. Copy floors: the same tensors
+cloned one by one, copied in one launch (torch.cat), and their bytes as one flat buffer copied
+(the device's copy rate). Each time is the fastest of --repeat calls. Prints one JSON line per
+measurement.
 
     python bench/fp8_bench.py [--experts 128] [--repeat 5]
 """

@@ -329,7 +329,8 @@ def quantize_tensors(tensors: list[tuple[str, torch.Tensor]], quantization: Quan
     if not picked:
         return list(tensors)
     out, start = [], 0
-    for (i, scale), (q, scale_inv) in zip(picked, quantize_all([tensors[i] for i, _ in picked], quantization.scale_fmt)):
+    quantized = quantize_all([tensors[i] for i, _ in picked], quantization.scale_fmt)
+    for (i, scale), (q, scale_inv) in zip(picked, quantized):
         out += tensors[start:i]
         out += ((tensors[i][0], q), (scale, scale_inv))
         start = i + 1

@@ -158,8 +158,8 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     """fp8.quantize of each (name, 2-D weight) (bfloat16, float16 or float32; any strides; all on one
     device), bit for bit, in one kernel launch per dtype and alignment (two for UE8M0 scales):
     (q float8_e4m3fn [out, in], scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one
-    flat FP8 buffer and one flat scale buffer. One host synchronisation: MconvError naming the first weight of `named` that holds
-    inf or NaN.
+    flat FP8 buffer and one flat scale buffer. One host synchronisation: MconvError naming the first
+    weight of `named` that holds inf or NaN.
 
     The launch tables are planned once per list of dtypes, shapes, strides and alignments (a sync
     quantizes the same buckets every time) and kept for the next call (the last 1024 such lists,
