@@ -13,8 +13,8 @@ import click
 
 from mconv import __version__
 from mconv.converter.layout import Layout, count, parse_layout_string
-from mconv.converter.options import (DTYPES, FORMATS, FP8_SCALES, MAX_ITERATION, MAX_SIZE, QUANTIZATIONS, SPECS,
-                                    command_line_names, parse_size)
+from mconv.converter.options import (DTYPES, FORMATS, FP8_SCALES, MAX_ITERATION, MAX_SIZE, MAX_WORKERS, QUANTIZATIONS,
+                                    SPECS, command_line_names, parse_size)
 from mconv.converter.parallel import speaks_for_itself, torchrun_rank
 from mconv.errors import MconvError
 
@@ -52,7 +52,8 @@ def default_workers() -> int:
 
 REVISION_HELP = ("Branch, tag or commit of a hub model name (default: its default branch). Hub names are "
                  "resolved as transformers does: the hub cache under HF_HOME, HF_HUB_OFFLINE, HF_TOKEN.")
-WORKERS_HELP = ("Threads that convert disjoint tensors of the output (default: half the CPUs, at most 4). "
+WORKERS_HELP = ("Threads that convert disjoint tensors of the output (default: half the CPUs, at most 4; "
+                f"1 to {MAX_WORKERS}). "
                 "Under torchrun, the ranks share the work, each with this many threads. On machines of fewer "
                 "than 4 CPUs tensor bytes are copied file to file in the kernel (copy_file_range), on larger "
                 "ones through memory (pread/pwrite), the faster of the two on each as measured; "
@@ -329,7 +330,7 @@ def main(ctx: click.Context):
                    "args mtp_num_layers); by default they are left out with a note. mcore2hf brings them back.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, tensors, bytes) and write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
-@click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
+@click.option("--workers", type=click.IntRange(1, MAX_WORKERS), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True,
               help="Print a JSON summary (tensors, bytes, seconds, peak RSS; with --dry-run: tensors, bytes, files, "
                    "plan).")
@@ -415,7 +416,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
               help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two, DeepGEMM / SGLang). "
                    "Default: the stored HF config's quantization_config.scale_fmt (a UE8M0 model comes back "
                    "UE8M0), else 'float'.")
-@click.option("--workers", type=click.IntRange(min=1), default=None, help=WORKERS_HELP)
+@click.option("--workers", type=click.IntRange(1, MAX_WORKERS), default=None, help=WORKERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (tensors, bytes, seconds, peak RSS).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_size, overwrite, expert_orientation,

@@ -402,7 +402,8 @@ def test_inputs_are_not_modified(tmp_path):
     (["hf2mcore", TINY], "Missing argument 'OUT_DIR'"),
     (["convert", TINY], "No such command 'convert'"),
     (["hf2mcore", TINY, "out", "--iteration", "-5"], "'--iteration': -5 is not in the range"),
-    (["mcore2hf", "ckpt", "out", "--workers", "0"], "'--workers': 0 is not in the range x>=1"),
+    (["mcore2hf", "ckpt", "out", "--workers", "0"], "'--workers': 0 is not in the range 1<=x<=64"),
+    (["hf2mcore", TINY, "out", "--workers", "1000"], "'--workers': 1000 is not in the range 1<=x<=64"),
 ])
 def test_usage_errors_are_one_line_with_status_2(tmp_path, args, fragment):
     result = mconv(*args)
@@ -439,8 +440,9 @@ def test_library_parameters_are_checked_as_the_command_line_checks_them(tmp_path
         "iteration=-1 is not an integer from 0 to 1000000000": [lambda: hf2mcore(TINY, out, Layout(), iteration=-1)],
         f"iteration={MAX_ITERATION + 1} is not an integer from 0": [
             lambda: hf2mcore(TINY, out, Layout(), iteration=MAX_ITERATION + 1)],
-        "workers=0 is not an integer of at least 1": [lambda: hf2mcore(TINY, out, Layout(), workers=0),
-                                                      lambda: mcore2hf("CKPT", out, workers=0)],
+        "workers=0 is not an integer from 1 to 64": [lambda: hf2mcore(TINY, out, Layout(), workers=0),
+                                                     lambda: mcore2hf("CKPT", out, workers=0)],
+        "workers=1000 is not an integer from 1 to 64": [lambda: mcore2hf("CKPT", out, workers=1000)],
         "layout='tp2' is not a Layout": [lambda: hf2mcore(TINY, out, "tp2")],
         "max_shard_bytes=0 is not a positive number of bytes": [lambda: mcore2hf("CKPT", out, max_shard_bytes=0),
                                                                 lambda: save_hf_weights([], out, TINY, max_shard_bytes=0)],

@@ -20,7 +20,7 @@ from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hf_write import StagingBuffer
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
-from mconv.converter.options import FORMATS, MAX_ITERATION, check_count, option, torch_dtype
+from mconv.converter.options import FORMATS, MAX_ITERATION, MAX_WORKERS, check_count, option, torch_dtype
 from mconv.converter.output import check_output_path, output_path, staged_directory
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.pipelines import MTP_PREFIX, _bar, _run_team, refuse_megatron
@@ -258,7 +258,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     `dtype` may be named as --dtype names it ("bfloat16"); `iteration` is 0 to options.MAX_ITERATION."""
     if not isinstance(layout, Layout):
         raise MconvError(f"{option('layout', layout)} is not a Layout (mconv.converter.layout.Layout(tp=2, ...))")
-    dtype, workers = torch_dtype(dtype), check_count(workers, "workers")
+    dtype, workers = torch_dtype(dtype), check_count(workers, "workers", high=MAX_WORKERS)
     if iteration is not None:
         check_count(iteration, "iteration", 0, MAX_ITERATION)
     if fmt not in FORMATS:

@@ -15,7 +15,7 @@ from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, s
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.options import DEFAULT_SHARD_BYTES, check_count, shard_bytes, torch_dtype
+from mconv.converter.options import DEFAULT_SHARD_BYTES, MAX_WORKERS, check_count, shard_bytes, torch_dtype
 from mconv.converter.output import check_output_path, output_path, staged_directory
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.pipelines import _bar, _kept_per_expert, _run_team
@@ -247,7 +247,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     on the layout; the rest in `dtype` or as stored; config.json's quantization_config); `fp8_scale`
     "ue8m0" for power-of-two scales (fp8.writer_quantization says what is refused). Without it, an
     FP8 source's quantization_config is dropped from config.json."""
-    dtype, workers, max_shard_bytes = torch_dtype(dtype), check_count(workers, "workers"), shard_bytes(max_shard_bytes)
+    dtype, workers, max_shard_bytes = torch_dtype(dtype), check_count(workers, "workers", high=MAX_WORKERS), shard_bytes(max_shard_bytes)
     check_revision(revision, hf_config)
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress, parameter="hf_config")
