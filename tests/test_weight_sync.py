@@ -726,7 +726,9 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     """A receiver does not wait forever for a trainer: a connection that closes mid-update (its
     process died) or a trainer silent for the receiver's timeout aborts the update (version
     "failed:...", lock released, the reason named); a trainer does not wait forever for an engine
-    that does not answer (RemoteEngine's timeout, an error naming the engine and the request)."""
+    that does not answer (RemoteEngine's timeout, an error naming the engine and the request), nor
+    twice for a receiver that hangs (the abort after a timed-out request is not sent: the closed
+    connection aborts the update once the receiver gets to it, and the next update is served)."""
     import threading
 
     from mconv.live.sync import RemoteEngine, SharedMemoryEngine
@@ -755,6 +757,29 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
         silent.finish("v2")
     silent.close()
     receiver.close()
+
+    class Hung(ParameterReceiver):
+        def begin(self, message):
+            if message["version"] == "v4":
+                time.sleep(1.5)
+
+    hung = Hung({"w": torch.zeros(4)}, str(tmp_path / "hung.sock"), b"key")
+    hung.start()
+    engine = SharedMemoryEngine(str(tmp_path / "hung.sock"), b"key", timeout=0.5)
+    with pytest.raises(RuntimeError, match="did not answer 'start': TimeoutError"):
+        engine.start("v4")
+    started = time.monotonic()
+    engine.abort("v4", "the start timed out")  # the closed connection aborts it: no second wait
+    assert time.monotonic() - started < 0.25
+    waited = time.monotonic()
+    while hung.version != "failed:v4":
+        assert time.monotonic() - waited < 5, hung.version
+        time.sleep(0.02)
+    engine.start("v5")  # the next update is served
+    engine.abort("v5", "done")
+    assert hung.version == "failed:v5"
+    engine.close()
+    hung.close()
 
     listener = shm.listen(str(tmp_path / "mute.sock"), b"key")
     accepted = []

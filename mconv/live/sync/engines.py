@@ -151,6 +151,7 @@ class RemoteEngine(Engine):
         # id(entries) -> (entries, its layout number); holding the list keeps its id from being reused
         self._layouts: dict[int, tuple[list, int]] = {}
         self._carried: dict = {}  # what this connection has carried (layout numbers; IPCEngine's shares)
+        self._unanswered = False  # the last request timed out: the receiver hangs
 
     def _connected(self) -> dict:
         """What the open connection has carried (the caller holds _lock); a new connection, and an
@@ -170,13 +171,16 @@ class RemoteEngine(Engine):
             while True:
                 try:
                     self._connected()
-                    return shm.request(self._conn, message, self.timeout)
+                    reply = shm.request(self._conn, message, self.timeout)
+                    self._unanswered = False
+                    return reply
                 except AuthenticationError:
                     self._drop_connection()
                     raise RuntimeError(f"the engine at {self.address} refused the connection: another authkey "
                                        "than its receiver's") from None
                 except (TimeoutError, OSError, EOFError) as e:
                     self._drop_connection()
+                    self._unanswered = isinstance(e, TimeoutError)
                     if retry and not isinstance(e, TimeoutError):
                         retry = False
                         continue
@@ -217,6 +221,11 @@ class RemoteEngine(Engine):
         self._request({"op": "finish", "version": version})
 
     def abort(self, version: str, reason: str) -> None:
+        """Tell the receiver to abort update `version`. After a request that timed out, nothing is
+        sent: its connection was closed, which aborts the update on the receiver's side as soon as
+        it can notice, and a receiver that hangs would hold an abort for another `timeout`."""
+        if self._unanswered:
+            return
         self._request({"op": "abort", "version": version, "reason": reason})
 
     def checksums(self, names: list[str]) -> dict[str, int]:
