@@ -225,6 +225,24 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
         errors["callable"] = [indices == list(range(result.buckets)) and result.buckets > 5,
                               sorted(n for n, _ in seen) == sorted(expected),
                               all(torch.equal(t, expected[n]) for n, t in seen)]
+    # By reference: the tensors that are views of parameters (the replicated norms at TP2) come
+    # uncopied in bucket.references, the gathered ones packed; together, every tensor once, exact.
+    from mconv.live.sync import CallableEngine
+    from mconv.transport.flat import unpack
+    storages = {p.untyped_storage().data_ptr() for chunk in chunks for p in chunk.parameters()}
+    referenced, packed = [], []
+
+    def take_by_reference(bucket):
+        referenced.extend((n, t.untyped_storage().data_ptr() in storages, t.clone()) for n, t in bucket.references)
+        packed.extend((n, t.clone()) for n, t in unpack(bucket.buffer, bucket.entries))
+    sync_weights(chunks, TIED, CallableEngine(take_by_reference, by_reference=True), bucket_bytes=BUCKET)
+    if rank == 0:
+        errors["by-reference"] = [
+            bool(referenced) and all(in_parameters for _, in_parameters, _ in referenced),
+            any("_layernorm." in n for n, _, _ in referenced) and not any("_layernorm." in n for n, _ in packed),
+            sorted([n for n, _, _ in referenced] + [n for n, _ in packed]) == sorted(expected),
+            all(torch.equal(t, expected[n]) for n, _, t in referenced) and all(
+                torch.equal(t, expected[n]) for n, t in packed)]
 
     # SGLang's disaggregated route: its WeightUpdater (another process) receives every HF tensor once.
     from mconv.live.sync import SGLangDistributedEngine
@@ -360,6 +378,7 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
     assert served["after-mismatch"] == served["step-2"]
     assert ranks[0]["errors"]["ipc-expected"] == ["lm_head.weight"]
     assert ranks[0]["errors"]["callable"] == [True, True, True]
+    assert ranks[0]["errors"]["by-reference"] == [True, True, True, True]
 
     assert ranks[0]["errors"]["own"] == ["own-2", True, {"make_plan": 0, "_check": 0, "layout": 0, "_block_aligned": 0},
                                          True]
