@@ -350,7 +350,10 @@ def _collective(fn):
 
 @_collective
 def _any(failure: Exception | None) -> bool:
-    """A collective: whether any rank has failed."""
+    """A collective: whether any rank has failed (alone, no collective: with NCCL its flag's `item()`
+    waited for all the work queued on the GPU, once per bucket)."""
+    if dist.get_world_size() == 1:
+        return failure is not None
     flag = torch.tensor([failure is not None], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
