@@ -809,6 +809,26 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     listener.close()
 
 
+def test_a_request_releases_kept_mappings(tmp_path):
+    """`finish` and `abort` may name kept mappings the trainer lets go ("release": IPCEngine by
+    reference, whose parameter storages stay allocated while mapped); the receiver drops them and
+    the copy plans made of them, whatever the request, before the update's own checks."""
+    from mconv.transport.receiver import ParameterReceiver
+
+    receiver = ParameterReceiver({}, str(tmp_path / "engine.sock"), b"key")
+    peer = {"kept": {"a:0": torch.zeros(4), "b:0": torch.zeros(4)}}
+    receiver._plans[("a:0", 0, 4, "layout")] = ([], [])
+    receiver.handle({"op": "start", "version": "v1"}, peer)
+    assert receiver.handle({"op": "finish", "version": "v1", "release": ["a:0", "gone:0"]}, peer) == {"version": "v1"}
+    assert list(peer["kept"]) == ["b:0"] and not receiver._plans
+    receiver.handle({"op": "start", "version": "v2"}, peer)
+    receiver.handle({"op": "abort", "version": "v2", "reason": "r", "release": ["b:0"]}, peer)
+    assert peer["kept"] == {} and receiver.version == "failed:v2"
+    with pytest.raises(RuntimeError, match="finish without a weight update in progress"):
+        receiver.handle({"op": "finish", "version": "v2", "release": ["b:0"]}, peer)
+    receiver.close()
+
+
 def _serve_receiver(address: str, ready) -> None:
     """A ParameterReceiver's process (for a test that kills it)."""
     from mconv.transport.receiver import ParameterReceiver

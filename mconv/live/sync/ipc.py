@@ -5,6 +5,8 @@ tensors that are contiguous views of the model's parameters are not packed at al
 holding them are shared once per connection, and the receiver copies straight out of them."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from mconv.errors import MconvError
@@ -27,12 +29,13 @@ class IPCEngine(RemoteEngine):
 
     `by_reference=True`: the tensors that are contiguous views of the model's parameters (at TP1
     and EP1 all but the ones a dtype cast or FP8 quantization makes) are not packed: each storage
-    holding parameters is shared once per connection and kept mapped by the receiver, which copies
-    those tensors straight out of it (one copy on the device instead of two), in requests of at
-    least REFERENCE_REQUEST_BYTES. Worth it where the parameters live in a few large storages (as
-    Megatron's distributed optimizer keeps them, in its contiguous parameter buffers); one storage
-    per parameter means one IPC handle each, once per connection. Storages a sync did not use (the
-    parameters moved) are released at the next sync's first request. The model must not change
+    holding parameters is shared once and kept mapped by the receiver, which copies those tensors
+    straight out of it (one copy on the device instead of two), in requests of at least
+    REFERENCE_REQUEST_BYTES. The storages are shared at a sync's first use and let go at its
+    `finish` or `abort` (a storage stays allocated while another process maps it: the trainer may
+    free or offload its parameters between syncs). Worth it where the parameters live in a few large
+    storages (as Megatron's distributed optimizer keeps them, in its contiguous parameter buffers):
+    one storage per parameter means one IPC handle each, at every sync. The model must not change
     until `sync_weights` returns (as ever).
 
     A subclass whose receiver maps the buffer anew at every bucket (vLLM's ipc backend) sets
@@ -46,28 +49,13 @@ class IPCEngine(RemoteEngine):
         self.by_reference = by_reference
         self._deferred: list[tuple[dict, list[Entry]]] = []  # referenced items not sent yet
         self._deferred_bytes = 0
-        # ids of a bucket's referenced tensors -> (those tensors, kept alive,
-        # [(storage address, the whole storage as uint8, entries)])
+        # ids of a bucket's referenced tensors -> (weak references to them, [(storage address, entries)]):
+        # planned once, holding no tensor (the parameters may be freed or offloaded between syncs)
         self._reference_layouts: dict[tuple, tuple] = {}
-        self._used: set = set()  # this sync's keys of _reference_layouts
 
     def check_device(self, device: torch.device) -> None:
         if device.type != "cuda":
             raise MconvError(f"{type(self).__name__} needs the model on a CUDA device; it is on {device}")
-
-    def start(self, version: str, verify: bool = False) -> None:
-        with self._lock:
-            self._deferred, self._deferred_bytes = [], 0
-            if self._used:  # the last sync's: what it did not use is released (parameters that moved)
-                for key in [k for k in self._reference_layouts if k not in self._used]:
-                    del self._reference_layouts[key]
-                live = {address for _, groups in self._reference_layouts.values() for address, _, _ in groups}
-                carried = self._connected()
-                shares = carried.setdefault("references", {})  # storage address -> (whole storage, its share)
-                for address in [a for a in shares if a not in live]:
-                    carried.setdefault("release", []).append(cuda_ipc.key(shares.pop(address)[1]))
-                self._used = set()
-        super().start(version, verify)
 
     def update(self, bucket: FlatBucket) -> None:
         if not bucket.buffer.is_cuda:
@@ -85,33 +73,40 @@ class IPCEngine(RemoteEngine):
     def finish(self, version: str) -> None:
         with self._lock:
             self._send_deferred()
-        super().finish(version)
+            self._request({"op": "finish", "version": version, **self._release_references()})
 
     def abort(self, version: str, reason: str) -> None:
         with self._lock:
             self._deferred, self._deferred_bytes = [], 0
-        super().abort(version, reason)
+            if self._unanswered:  # (RemoteEngine.abort: the closed connection aborts it and drops its mappings)
+                self._carried.pop("references", None)
+                return
+            self._request({"op": "abort", "version": version, "reason": reason, **self._release_references()})
+
+    def _release_references(self) -> dict:
+        """The request fields that let the receiver drop its mappings of the parameters' storages
+        (made at this sync, let go at its end: a storage stays allocated while it is mapped)."""
+        shares = self._carried.pop("references", {})
+        return {"release": [cuda_ipc.key(share) for _, share in shares.values()]} if shares else {}
 
     def _defer(self, references: list) -> None:
         """Queue the items of a bucket's referenced tensors: one per storage, its entries' offsets
-        into that storage (planned once per bucket: the export hands the same views every sync)."""
+        into that storage (planned once per bucket: the export hands the same views every sync);
+        each storage is shared at its first use in a sync."""
         key = tuple(id(t) for _, t in references)
         cached = self._reference_layouts.get(key)
-        if cached is None:
-            groups: dict[int, tuple] = {}
+        if cached is None or any(ref() is not t for ref, (_, t) in zip(cached[0], references)):
+            groups: dict[int, list[Entry]] = {}
             for name, t in references:
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in groups:
-                    whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                    groups[storage.data_ptr()] = (whole, [])
-                groups[storage.data_ptr()][1].append(Entry(name, dtype_name(t.dtype), tuple(t.shape),
-                                                           t.storage_offset() * t.element_size(), t.nbytes))
-            cached = self._reference_layouts[key] = ([t for _, t in references],
-                                                     [(a, whole, entries) for a, (whole, entries) in groups.items()])
-        self._used.add(key)
-        shares = self._connected().setdefault("references", {})
-        for address, whole, entries in cached[1]:
+                groups.setdefault(t.untyped_storage().data_ptr(), []).append(Entry(
+                    name, dtype_name(t.dtype), tuple(t.shape), t.storage_offset() * t.element_size(), t.nbytes))
+            cached = self._reference_layouts[key] = ([weakref.ref(t) for _, t in references], list(groups.items()))
+        shares = self._connected().setdefault("references", {})  # storage address -> (whole storage, its share)
+        first = {t.untyped_storage().data_ptr(): t for _, t in references}
+        for address, entries in cached[1]:
             if address not in shares:
+                whole = torch.empty(0, dtype=torch.uint8, device=first[address].device).set_(
+                    first[address].untyped_storage())
                 shares[address] = (whole, cuda_ipc.share(whole))
             self._deferred.append(({"kept": True, "ipc": shares[address][1]}, entries))
             self._deferred_bytes += sum(e.nbytes for e in entries)
@@ -122,14 +117,9 @@ class IPCEngine(RemoteEngine):
 
     def _send_deferred(self) -> None:
         taken = self._take_deferred()
-        if not taken:
-            return
-        torch.cuda.synchronize(taken[0][0]["ipc"]["device"])  # the parameters' last writes are done
-        released = self._connected().setdefault("release", [])
-        if released:  # shares let go since the last request (as _update_packed sends them)
-            taken[0] = ({**taken[0][0], "release": list(released)}, taken[0][1])
-        self._update(*taken[-1], before=taken[:-1])
-        released.clear()
+        if taken:
+            torch.cuda.synchronize(taken[0][0]["ipc"]["device"])  # the parameters' last writes are done
+            self._update(*taken[-1], before=taken[:-1])
 
     def _update_packed(self, bucket: FlatBucket, before: list) -> None:
         slot = self._slot(self._buffers, bucket)
@@ -159,6 +149,5 @@ class IPCEngine(RemoteEngine):
     def close(self) -> None:
         super().close()
         self._deferred, self._deferred_bytes = [], 0
-        self._reference_layouts.clear()
         if torch.cuda.is_initialized():
             torch.cuda.ipc_collect()  # frees the shared buffers the receiver has let go of
