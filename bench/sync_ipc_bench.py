@@ -7,11 +7,7 @@ and copies every tensor into them. In one run, best of 3 each:
   - export: iter_hf_weights alone (the gathers and splits the sync starts from);
   - ipc: sync_weights into the receiver, one CUDA IPC handle per flat bucket;
   - per_tensor: the same buckets from iter_hf_weights into the same receiver, one CUDA IPC handle
-    per tensor (one request per bucket), as trainers without flat buckets do;
-  - ipc_by_reference (`--by-reference`, which first moves the parameters into one buffer per dtype,
-    as Megatron's distributed optimizer keeps them): sync_weights through
-    IPCEngine(by_reference=True), the receiver copying the views of parameters straight out of
-    their storage (the checks below then hold for this path).
+    per tensor (one request per bucket), as trainers without flat buckets do.
   - verify: one sync with verify=True (the receiver's parameters read back and compared per tensor).
 Then bf16 and FP8 (quantize="fp8") each: the receiver's parameters are checked bit for bit against
 the exported tensors (a positional checksum per tensor, computed in both processes), and the peak
@@ -63,32 +59,7 @@ def receive(shapes, address, authkey, ready, done, sums):
     receiver.close()
 
 
-def into_one_buffer(model) -> None:
-    """Move the model's parameters into one contiguous buffer per dtype, as Megatron's distributed
-    optimizer keeps them (its parameter buffers), allocated outside expandable segments (one CUDA
-    allocation, so one IPC handle shares it all); the old storages are freed."""
-    from torch.cuda.memory import _set_allocator_settings
-
-    by_dtype: dict = {}
-    for parameter in model.parameters():
-        by_dtype.setdefault(parameter.dtype, []).append(parameter)
-    _set_allocator_settings("expandable_segments:False")
-    try:
-        buffers = {dtype: torch.empty(sum(p.numel() for p in params), dtype=dtype, device="cuda")
-                   for dtype, params in by_dtype.items()}
-    finally:
-        _set_allocator_settings("expandable_segments:True")
-    for dtype, params in by_dtype.items():
-        offset = 0
-        for parameter in params:
-            view = buffers[dtype][offset:offset + parameter.numel()].view_as(parameter)
-            view.copy_(parameter.data)
-            parameter.data = view
-            offset += parameter.numel()
-    torch.cuda.empty_cache()
-
-
-def run(hf: dict, model, quantize: str | None, bucket: int, baselines: bool, by_reference: bool) -> dict:
+def run(hf: dict, model, quantize: str | None, bucket: int, baselines: bool) -> dict:
     from mconv.live import iter_hf_weights
     from mconv.live.sync import IPCEngine, sync_weights
     from mconv.transport import cuda_ipc
@@ -132,17 +103,6 @@ def run(hf: dict, model, quantize: str | None, bucket: int, baselines: bool, by_
     result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
     result["two_buckets_plus_largest_bytes"] = 2 * bucket + largest
 
-    if by_reference:  # last: the receiver then holds (and `finished` checks) what this path sent
-        referencing = IPCEngine(address, authkey, by_reference=True)
-
-        def ipc_by_reference():
-            result["last_by_reference"] = sync_weights([model], hf, referencing, bucket_bytes=bucket,
-                                                       quantize=quantize).seconds
-
-        ipc_by_reference()  # the parameters' storages shared and mapped once
-        result["ipc_by_reference_s"] = timed(ipc_by_reference, repeats=3)
-        result["by_reference_vs_floor"] = result["ipc_by_reference_s"] / result["floor_copy_s"]
-        return finished(result, receiver, done, sums, referencing, sent, nbytes, engine)
     if not baselines:
         return finished(result, receiver, done, sums, engine, sent, nbytes)
 
@@ -167,13 +127,12 @@ def run(hf: dict, model, quantize: str | None, bucket: int, baselines: bool, by_
     return finished(result, receiver, done, sums, engine, sent, nbytes)
 
 
-def finished(result, receiver, done, sums, engine, sent, nbytes, *others) -> dict:
+def finished(result, receiver, done, sums, engine, sent, nbytes) -> dict:
     """Stop the receiver, check what it holds against what was sent, and add the ratios."""
     done.set()
     received = sums.get(timeout=600)
     receiver.join(60)
-    for each in (engine, *others):
-        each.close()
+    engine.close()
     result["verified"] = received == {name: v[2] for name, v in sent.items()}
     result["ipc_vs_floor"] = result["ipc_s"] / result["floor_copy_s"]
     result["ipc_GBps"] = nbytes / result["ipc_s"] / 1e9
@@ -186,9 +145,6 @@ def main():
     parser.add_argument("--quantize", nargs="+", default=["bf16", "fp8"])
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[512], help="bucket sizes in MiB, each a run")
     parser.add_argument("--no-baselines", action="store_true", help="skip the per-tensor and verified syncs")
-    parser.add_argument("--by-reference", action="store_true",
-                        help="the parameters in one buffer per dtype (as Megatron's distributed optimizer keeps them), "
-                             "and a sync through IPCEngine(by_reference=True) too, timed as ipc_by_reference_s")
     options = parser.parse_args()
     require_gpu("sync_ipc_bench.py")
     import torch.distributed as dist
@@ -202,15 +158,11 @@ def main():
         hf = dict(MODELS["qwen3-30b-a3b"], num_hidden_layers=options.layers)
         log("building the model")
         model, _ = build(hf)
-        if options.by_reference:
-            log("moving the parameters into one buffer")
-            into_one_buffer(model)
         for quantize in options.quantize:
             for bucket_mb in options.bucket_mb:
                 log("syncing", quantize, f"{bucket_mb} MiB buckets")
                 started = time.perf_counter()
-                line = run(hf, model, None if quantize == "bf16" else quantize, bucket_mb << 20,
-                           not options.no_baselines, options.by_reference)
+                line = run(hf, model, None if quantize == "bf16" else quantize, bucket_mb << 20, not options.no_baselines)
                 print(json.dumps({"model": "qwen3-30b-a3b", "layers": options.layers, **line,
                                   "wall_s": time.perf_counter() - started}), flush=True)
                 torch.cuda.empty_cache()

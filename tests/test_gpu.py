@@ -133,14 +133,10 @@ def _ipc_receiver(hf_dir, address, authkey, ready, done, out):
     save_file({name: t.cpu() for name, t in params.items()}, out, metadata={"version": str(receiver.version)})
 
 
-@pytest.mark.parametrize("by_reference", [False, True])
-def test_gpu_ipc_sync_is_exact(process_group, tmp_path, by_reference):
-    """sync_weights (NCCL alone: its agreement tensors on the GPU) through IPCEngine (one CUDA IPC
-    handle per bucket, two reused buffers; with by_reference, the views of parameters read straight
-    out of the parameters' storages) into a receiver process that owns preallocated parameters:
-    every HF tensor of the MoE fixture (loaded into megatron-core from the checkpoint) arrives bit
-    for bit, over many buckets; after the parameters change in place (doubled), and after they
-    move to new storages, the next syncs hold the new values."""
+def test_gpu_ipc_sync_is_exact(process_group, tmp_path):
+    """sync_weights (NCCL alone: its agreement tensors on the GPU) through IPCEngine (one CUDA IPC handle per bucket, two reused buffers) into a
+    receiver process that owns preallocated parameters: every HF tensor of the MoE fixture (loaded
+    into megatron-core from the checkpoint) arrives bit for bit, over many buckets, twice."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -150,8 +146,6 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path, by_reference):
 
     hf_dir = FIXTURES / "qwen3-moe-tiny"
     model = _gpu_model(hf_dir)
-    if by_reference:
-        model = model.to(torch.bfloat16)  # the checkpoint's dtype: no cast, so views of the parameters go as they are
     mconv.live.load_hf_weights([model], hf_dir)
     context = multiprocessing.get_context("spawn")
     address, authkey = str(tmp_path / "engine.sock"), os.urandom(16)
@@ -159,21 +153,12 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path, by_reference):
     receiver = context.Process(target=_ipc_receiver, args=(hf_dir, address, authkey, ready, done,
                                                            str(tmp_path / "received.safetensors")), daemon=True)
     receiver.start()
-    engine = IPCEngine(address, authkey, by_reference=by_reference)
+    engine = IPCEngine(address, authkey)
     try:
         assert ready.wait(120), "the receiver process did not start"
-        for step in (1, 2, 3, 4):
-            if step == 2:
-                with torch.no_grad():
-                    for parameter in model.parameters():
-                        parameter.mul_(2)  # exact in bf16
-            if step == 3:
-                for parameter in model.parameters():
-                    parameter.data = parameter.data.clone()  # new storages: shared anew, the old released
+        for step in (1, 2):
             result = sync_weights([model], hf_dir, engine, version=f"step-{step}", bucket_bytes=100_000,
                                   dtype=torch.bfloat16)
-            if by_reference:
-                assert engine._reference_layouts, "nothing went by reference"
         assert result.buckets > 4
     finally:
         engine.close()
@@ -182,10 +167,10 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path, by_reference):
     assert receiver.exitcode == 0
     received, source = load_file(tmp_path / "received.safetensors"), HFCheckpoint(hf_dir)
     with safe_open(tmp_path / "received.safetensors", "pt") as f:
-        assert f.metadata()["version"] == "step-4"
+        assert f.metadata()["version"] == "step-2"
     assert sorted(received) == sorted(source.tensors)
     for name, tensor in received.items():
-        assert torch.equal(tensor, source.read(name) * 2), name
+        assert torch.equal(tensor, source.read(name)), name
 
 
 def test_gpu_stacked_fp8_export_is_the_offline_bytes(process_group, tmp_path):

@@ -18,7 +18,7 @@ sent only when the trainer's digest of it is not current), `start` {"version"}, 
 layout carry only its number `n`; a
 receiver's `load` sees "entries" filled in and "layout" as a digest of them; an "ipc" item with
 "kept": true names a share the trainer made once for this connection: its mapping is kept until an
-item's or a request's "release" [cuda_ipc.key] names it or the connection ends, and `load` sees "kept" as the
+item's "release" [cuda_ipc.key] names it or the connection ends, and `load` sees "kept" as the
 connection's dict of such mappings), `finish` {"version"},
 `abort` {"version", "reason"}, `checksums` {"names"} (flat.checksums of what the engine holds). Every
 request may carry the trainer's "rank", used to name it in errors.
@@ -118,8 +118,6 @@ class UpdateReceiver:
                     raise
             return {}
         with self._mutex:
-            if message.get("release"):  # kept mappings let go (IPCEngine by reference: at a sync's end)
-                self.release(peer.setdefault("kept", {}), list(message["release"]))
             if op == "checksums":
                 return {"checksums": self.held_checksums(list(message["names"]))}
             if self._session is None:
@@ -186,11 +184,6 @@ class UpdateReceiver:
 
     def forget(self, kept: dict) -> None:
         """A connection ended: `kept` holds the mappings it asked to keep ("kept" items), which go."""
-
-    def release(self, kept: dict, keys: list[str]) -> None:
-        """The trainer lets go of the kept mappings `keys` (cuda_ipc.key) of its connection's `kept`."""
-        for key in keys:
-            kept.pop(key, None)
 
     def _closed(self, peer: dict) -> None:
         with self._mutex:
@@ -299,12 +292,9 @@ class ParameterReceiver(UpdateReceiver):
         self._mapped.clear()
 
     def forget(self, kept: dict) -> None:
-        self.release(kept, list(kept))
-
-    def release(self, kept: dict, keys: list[str]) -> None:
-        for key in keys:
-            if kept.pop(key, None) is not None:
-                self._drop_plans(key)
+        for key in kept:
+            self._drop_plans(key)
+        kept.clear()
 
     def _drop_plans(self, key: str) -> None:
         self._plans = {k: v for k, v in self._plans.items() if k[0] != key}  # they hold views of its mapping
@@ -318,7 +308,9 @@ class ParameterReceiver(UpdateReceiver):
             whole = {**item["ipc"], "numel": item["ipc"]["size_bytes"], "offset": 0}  # the sender's whole storage
             kept = item.get("kept")
             if kept is not None:
-                self.release(kept, item.get("release", ()))
+                for old in item.get("release", ()):
+                    if kept.pop(old, None) is not None:
+                        self._drop_plans(old)
                 if key not in kept:
                     kept[key] = cuda_ipc.attach(whole, torch.cuda.current_device())
                 return kept[key]

@@ -128,11 +128,9 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
             if started:  # another rank refused after this one started the engine's update
                 _attempt(lambda: engine.abort(version, reason))
             raise MconvError(f"weight sync {version} refused before any bucket was sent: {reason}")
-        references = (_reference_cache(prepared["live"], prepared["chunks"])
-                      if engine.by_reference and prepared["sender"] else None)
         failure = _buckets(rounds=rounds, schedule=prepared["schedule"], chunks=prepared["chunks"],
                            config=prepared["config"], engine=engine, sender=prepared["sender"], tied=prepared["tied"],
-                           version=version, result=result, sums=sums, references=references,
+                           version=version, result=result, sums=sums,
                            options=dict(bucket_bytes=bucket_bytes, dtype=prepared["dtype"], quantize=quantize,
                                         fp8_scale=fp8_scale))
         reason = _shared(failure) if _any(failure) else None
@@ -158,7 +156,7 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
     return result
 
 
-def _buckets(rounds, schedule, chunks, config, engine, sender, tied, version, result, sums, references,
+def _buckets(rounds, schedule, chunks, config, engine, sender, tied, version, result, sums,
              options) -> Exception | None:
     """The bucket rounds of one sync on this rank; returns this rank's first error (None if none)
     once the ranks have agreed that one failed, or after every round and the engine's last bucket."""
@@ -170,7 +168,7 @@ def _buckets(rounds, schedule, chunks, config, engine, sender, tied, version, re
         for index in range(rounds):
             if index < len(schedule) and failure is None:
                 failure = _attempt(lambda: _send(index, buckets, engine, sender, tied, version, pending, workers,
-                                                 result, sums, references))
+                                                 result, sums))
             if _any(failure):
                 break
         if workers is not None:
@@ -184,7 +182,7 @@ def _buckets(rounds, schedule, chunks, config, engine, sender, tied, version, re
     return failure
 
 
-def _send(index, buckets, engine, sender, tied, version, pending, workers, result, sums, references) -> None:
+def _send(index, buckets, engine, sender, tied, version, pending, workers, result, sums) -> None:
     """Gather bucket `index` (every rank of the stage takes part) and, on the sender, pack it into
     slot index % 2 once the bucket that used that slot is loaded, and queue it for the engine."""
     started = time.perf_counter()
@@ -197,52 +195,20 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
         pending[-2].result()  # the engine is done with this slot's previous bucket (raises its error)
     waited = time.perf_counter()
     device = named[0][1].device if named else torch.device("cpu")
-    aliases = {LM_HEAD: EMBEDDING} if tied else None
-    referenced = []
-    if references is not None:
-        named, referenced = _split(named, references, aliases)
-    entries, buffer = _pack(engine, index % 2, named, aliases, device)
+    entries, buffer = _pack(engine, index % 2, named, {LM_HEAD: EMBEDDING} if tied else None, device)
+    nbytes = buffer.numel()
     result.seconds["engine"] += waited - packed
     result.seconds["pack"] += time.perf_counter() - waited
-    bucket = FlatBucket(version, index, buffer, entries, references=referenced)
     result.buckets += 1
-    result.tensors += len(entries) + len(referenced)
-    result.bytes += bucket.nbytes
+    result.tensors += len(entries)
+    result.bytes += nbytes
+    bucket = FlatBucket(version, index, buffer, entries)
     if buffer.is_cuda:
         bucket.ready = torch.cuda.Event()
         bucket.ready.record(torch.cuda.current_stream(buffer.device))
     if sums is not None:
         sums.update(checksums(list(bucket)))  # before the engine may reuse the buffer
     pending.append(workers.submit(engine.update, bucket))
-
-
-def _reference_cache(live, chunks) -> dict:
-    """What `_split` needs of a model, kept with its live plan (made anew when a parameter moves, so
-    nothing here outlives the parameters it names): the addresses of the storages that hold its
-    parameters, and the tensors found to be views of them, by identity."""
-    cache = live.__dict__.get("_mconv_references")
-    if cache is None:
-        cache = live.__dict__["_mconv_references"] = {
-            "storages": frozenset(p.untyped_storage().data_ptr() for chunk in chunks for p in chunk.parameters()),
-            "known": {}}  # id(tensor) -> tensor (kept: ids stay unique)
-    return cache
-
-
-def _split(named, cache: dict, aliases) -> tuple[list, list]:
-    """`named` split into (tensors to pack, tensors sent by reference): the latter are contiguous
-    views of a parameter storage, and not aliased (an alias is laid out in the packed buffer). The
-    export hands the same view objects at every sync: a tensor found once is known by identity."""
-    known, storages = cache["known"], cache["storages"]
-    skip = set(aliases.values()) if aliases else ()
-    packed, referenced = [], []
-    for name, t in named:
-        if name not in skip and (known.get(id(t)) is t or (t.is_contiguous()
-                                                             and t.untyped_storage().data_ptr() in storages)):
-            known[id(t)] = t
-            referenced.append((name, t))
-        else:
-            packed.append((name, t))
-    return packed, referenced
 
 
 def _is_sender(live) -> bool:

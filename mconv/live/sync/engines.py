@@ -2,7 +2,7 @@
 bucket it hands over, and the adapter for a plain callable."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import threading
@@ -30,10 +30,6 @@ class FlatBucket:
     # whole device) lets the next bucket's packing go on meanwhile. None: no event (a bucket made by
     # hand): `wait` then waits for the buffer's whole GPU, on whichever stream packed it.
     ready: "torch.cuda.Event | None" = None
-    # For an engine that reads parameters in place (`Engine.by_reference`): the bucket's (HF name,
-    # tensor) pairs that are contiguous views of the model's parameters, not packed into `buffer`
-    # (valid until the sync returns; the model must not change meanwhile).
-    references: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     def wait(self) -> None:
         """Return once the bucket's bytes are in `buffer`."""
@@ -43,13 +39,11 @@ class FlatBucket:
             torch.cuda.synchronize(self.buffer.device)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) of every tensor of the bucket: views of `buffer`, then `references`."""
-        return iter(unpack(self.buffer, self.entries) + self.references)
+        return iter(unpack(self.buffer, self.entries))
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the bucket's tensors, packed and referenced."""
-        return self.buffer.numel() + sum(t.nbytes for _, t in self.references)
+        return self.buffer.numel()
 
 
 class Engine:
@@ -61,10 +55,6 @@ class Engine:
     `update(bucket)`, from one background thread, at most two buckets in flight (slots 0 and 1)."""
 
     sends_tied_lm_head = False  # send lm_head.weight beside model.embed_tokens.weight for tied embeddings
-    # Takes the tensors that are contiguous views of the model's parameters as they are, in
-    # `FlatBucket.references`, instead of packed copies (one copy less where the engine reads them
-    # in place); the others are packed as ever.
-    by_reference = False
 
     def __init__(self):
         self._buffers: dict[int, torch.Tensor] = {}
@@ -122,15 +112,13 @@ class Engine:
 class CallableEngine(Engine):
     """`engine=fn`: `fn(bucket)` on each sender rank, per bucket (a FlatBucket: iterate it for
     (name, tensor) views, or ship `bucket.buffer` and `bucket.entries` with your own transport).
-    `by_reference=True`: the tensors that are contiguous views of the model's parameters come in
-    `bucket.references`, not copied into `bucket.buffer` (read them before the sync returns).
     verify=True needs `checksums`: a function of a list of names returning {name:
     mconv.transport.flat.checksums value of what your engine holds}."""
 
     def __init__(self, fn: Callable[[FlatBucket], object],
-                 checksums: Callable[[list[str]], dict[str, int]] | None = None, by_reference: bool = False):
+                 checksums: Callable[[list[str]], dict[str, int]] | None = None):
         super().__init__()
-        self.fn, self._checksums, self.by_reference = fn, checksums, by_reference
+        self.fn, self._checksums = fn, checksums
 
     def update(self, bucket: FlatBucket) -> None:
         bucket.wait()  # fn may run on another stream than the packing
@@ -204,27 +192,21 @@ class RemoteEngine(Engine):
             self._conn.close()
         self._conn = None
 
-    def _update(self, buffer: dict, entries: list[Entry], before: list[tuple[dict, list[Entry]]] = ()) -> None:
-        """One `update` request for one bucket buffer ({"ipc": ...} or {"path": ...}), after the
-        items `before` ((buffer, entries) pairs) in the same request. A layout (the same entries
-        list, as sync_weights reuses it) carries its entries once per connection, later only its
-        number: the receiver keeps them (mconv.transport.receiver)."""
-        pairs = [*before, (buffer, entries)]
-        numbers = []
-        for _, listed in pairs:
-            cached = self._layouts.get(id(listed))
-            if cached is None:
-                cached = self._layouts[id(listed)] = (listed, len(self._layouts))
-            numbers.append(cached[1])
+    def _update(self, buffer: dict, entries: list[Entry]) -> None:
+        """One `update` request for one bucket buffer ({"ipc": ...} or {"path": ...}). A layout (the
+        same entries list, as sync_weights reuses it) carries its entries once per connection, later
+        only its number: the receiver keeps them (mconv.transport.receiver)."""
+        cached = self._layouts.get(id(entries))
+        if cached is None:
+            cached = self._layouts[id(entries)] = (entries, len(self._layouts))
+        number = cached[1]
         with self._lock:  # the same connection from the request's sending to its marking
             carried = self._connected().setdefault("layouts", set())
-            items = []
-            for (item, listed), number in zip(pairs, numbers):
-                items.append({**item, "layout": number})
-                if number not in carried:
-                    items[-1]["entries"] = [e.to_json() for e in listed]
-            self._request({"op": "update", "buffers": items})
-            carried.update(numbers)
+            item = {**buffer, "layout": number}
+            if number not in carried:
+                item["entries"] = [e.to_json() for e in entries]
+            self._request({"op": "update", "buffers": [item]})
+            carried.add(number)
 
     def expected(self) -> dict[str, list[int]]:
         reply = self._request({"op": "expected", "digest": self._expected and self._expected[0], "route": self.route})
