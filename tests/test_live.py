@@ -138,3 +138,48 @@ def test_live_arguments_are_checked_before_the_model(call, message):
     with pytest.raises(MconvError, match=message):
         call()
 
+
+
+def _moved_parameters_worker(rank: int, store: str) -> None:
+    import gc
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from mconv.live import build_model, clear_cache
+    from mconv.live.sync import sync_weights
+    from tests.megatron_oracle import _cpu_shims
+
+    _cpu_shims()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=1)
+    ps.initialize_model_parallel(1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    moe = FIXTURES / "qwen3-moe-tiny"
+    chunks = build_model(moe, Layout(), dtype=torch.float32, use_cpu_initialization=True)
+    sync_weights(chunks, moe, lambda bucket: None, bucket_bytes=100_000)
+
+    def moved_and_alive() -> int:
+        """How many of the parameters' storages outlive the parameters' move to new ones."""
+        parameters = list(chunks[0].parameters())
+        old = [StorageWeakRef(p.untyped_storage()) for p in parameters]
+        for parameter in parameters:
+            parameter.data = parameter.data.clone()  # as an offload does: `param.data = param.data.to("cpu")`
+        gc.collect()
+        return sum(not ref.expired() for ref in old)
+
+    assert moved_and_alive() == len(list(chunks[0].parameters()))  # the cached plan's views hold them
+    sync_weights(chunks, moe, lambda bucket: None, bucket_bytes=100_000)  # plans anew for the moved ones
+    clear_cache(chunks)
+    assert moved_and_alive() == 0
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_clear_cache_lets_moved_parameters_go(tmp_path):
+    """mconv's cached plan of a model (kept between syncs while no parameter moves) holds views of
+    the parameters: storages the parameters left (an offload that replaces `param.data`) stay
+    alive until the next sync plans anew, or until `clear_cache(model_chunks)`, after which none
+    does (GPU memory a colocated trainer frees for the rollout)."""
+    start_ranks(_moved_parameters_worker, args=(str(tmp_path / "store"),), nprocs=1)

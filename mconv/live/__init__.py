@@ -14,9 +14,9 @@ except ImportError:
     raise ImportError("mconv.live needs megatron-core: pip install 'mconv[live]'", name="megatron") from None
 
 from mconv.live.chunks import LiveModel  # noqa: E402
-from mconv.live.export import DEFAULT_BUCKET_BYTES, iter_hf_weights, save_hf_weights  # noqa: E402
+from mconv.live.export import DEFAULT_BUCKET_BYTES, clear_cache, iter_hf_weights, save_hf_weights  # noqa: E402
 from mconv.live.load import load_hf_weights  # noqa: E402
 from mconv.live.model import build_model, transformer_config  # noqa: E402
 
-__all__ = ["load_hf_weights", "iter_hf_weights", "save_hf_weights", "LiveModel", "transformer_config", "build_model",
-           "DEFAULT_BUCKET_BYTES"]
+__all__ = ["load_hf_weights", "iter_hf_weights", "save_hf_weights", "clear_cache", "LiveModel", "transformer_config",
+           "build_model", "DEFAULT_BUCKET_BYTES"]

@@ -151,6 +151,20 @@ def _schedule(live: LiveModel, bucket_bytes: int, stacked: bool = False) -> list
 _LIVE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def clear_cache(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """Drop what mconv keeps of `model_chunks` between exports and syncs (the LiveModel and its
+    bucket schedule, made at the first call and reused while no parameter moves), which holds views
+    of the parameters' storages. Call it before freeing or offloading the parameters by replacing
+    them (`param.data = param.data.to("cpu")`): otherwise their old storages, GPU memory, stay
+    allocated until the next export, sync or save of the model, which plans it anew. An offload in
+    place frees the memory anyway (`param.untyped_storage().resize_(0)`, as RL trainers do with
+    Megatron's parameter buffers, or torch_memory_saver's). Cheap; the next call plans again
+    (seconds for a large model)."""
+    chunks = list(model_chunks)
+    if chunks:
+        _LIVE_CACHE.pop(chunks[0], None)
+
+
 def _parameter_slots(model_chunks) -> list[tuple[dict, str, torch.Tensor, int]]:
     """Where each parameter lives (its module's parameter dict and name), the parameter and its
     storage address, to tell cheaply whether the model still holds the same tensors in place."""
