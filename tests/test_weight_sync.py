@@ -727,8 +727,9 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     process died) or a trainer silent for the receiver's timeout aborts the update (version
     "failed:...", lock released, the reason named); a trainer does not wait forever for an engine
     that does not answer (RemoteEngine's timeout, an error naming the engine and the request), nor
-    twice for a receiver that hangs (the abort after a timed-out request is not sent: the closed
-    connection aborts the update once the receiver gets to it, and the next update is served)."""
+    twice for a receiver that hangs (after a timed-out request, the update's later requests fail at
+    once and the abort is not sent: the closed connection aborts the update once the receiver gets
+    to it, and the next update is served)."""
     import threading
 
     from mconv.live.sync import RemoteEngine, SharedMemoryEngine
@@ -769,7 +770,9 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     with pytest.raises(RuntimeError, match="did not answer 'start': TimeoutError"):
         engine.start("v4")
     started = time.monotonic()
-    engine.abort("v4", "the start timed out")  # the closed connection aborts it: no second wait
+    with pytest.raises(RuntimeError, match="'finish' not sent, an earlier request of this update got no answer"):
+        engine.finish("v4")  # (an update queued behind a hung one likewise): no second wait
+    engine.abort("v4", "the start timed out")  # the closed connection aborts it
     assert time.monotonic() - started < 0.25
     waited = time.monotonic()
     while hung.version != "failed:v4":

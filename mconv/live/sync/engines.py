@@ -165,6 +165,11 @@ class RemoteEngine(Engine):
         with self._lock:
             if dist.is_initialized():
                 message = {**message, "rank": dist.get_rank()}
+            if self._unanswered and message["op"] in ("update", "finish"):
+                # A receiver that hangs holds a second request too: the sync fails now, not after
+                # another timeout (its next "expected" or "start" tries the engine again).
+                raise RuntimeError(f"the engine at {self.address}: {message['op']!r} not sent, an earlier request "
+                                   f"of this update got no answer within {self.timeout:g} s")
             # A sync's first requests may find the connection of an earlier sync broken (the engine's
             # process restarted meanwhile): they are sent once more on a new connection.
             retry = message["op"] in ("expected", "start") and self._conn is not None
