@@ -209,6 +209,15 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     refused("exit", lambda: sync_weights(chunks, TIED, lambda bucket: sys.exit(3), version="exit"))  # rank 1 hung
     refused("nested", lambda: sync_weights(chunks, TIED, lambda bucket: sync_weights(chunks, TIED, engine,
                                                                                      version="inner"), version="outer"))
+    from mconv.live.sync import Engine
+
+    class Unabortable(Engine):  # refuses a bucket, then its abort too
+        def update(self, bucket):
+            raise RuntimeError("bucket refused")
+
+        def abort(self, version, reason):
+            raise RuntimeError("abort refused")
+    refused("unabortable", lambda: sync_weights(chunks, TIED, Unabortable(), version="unabortable"))
     sync_weights(chunks, TIED, engine, version="step-2", bucket_bytes=BUCKET, verify=True)  # vLLM's checksums agree
     generate("step-2")
 
@@ -349,6 +358,9 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
                                           "SystemExit: 3")
         assert rank["errors"]["nested"].startswith("weight sync outer failed; the engine was told to abort it: rank 0: "
                                                    "weight sync inner: another sync_weights is running in this process")
+        assert rank["errors"]["unabortable"] == (  # rank 1 too says that the abort failed
+            "weight sync unabortable failed; the engine was told to abort it: rank 0: RuntimeError: bucket refused "
+            "(and telling the engine failed: rank 0: RuntimeError: abort refused)")
     assert same(served["step-2"], new2) and served["step-2"]["version"] == "step-2"  # the next sync works
 
     for rank in ranks:  # a 4-layer untied trainer model against the engine's 2-layer tied one: nothing sent

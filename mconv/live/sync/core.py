@@ -135,10 +135,10 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
                                         fp8_scale=fp8_scale))
         reason = _shared(failure) if _any(failure) else None
         if reason is not None:
-            if first:
-                aborted = _attempt(lambda: engine.abort(version, reason))
-                if aborted is not None:
-                    reason += f" (and telling the engine failed: {aborted})"
+            aborted = _attempt(lambda: engine.abort(version, reason)) if first else None
+            told = _shared(aborted)  # every rank says so, not rank 0 alone
+            if told is not None:
+                reason += f" (and telling the engine failed: {told})"
             raise MconvError(f"weight sync {version} failed; the engine was told to abort it: {reason}")
         finished = _attempt(lambda: engine.finish(version)) if first else None
         if _any(finished):
