@@ -247,7 +247,8 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     on the layout; the rest in `dtype` or as stored; config.json's quantization_config); `fp8_scale`
     "ue8m0" for power-of-two scales (fp8.writer_quantization says what is refused). Without it, an
     FP8 source's quantization_config is dropped from config.json."""
-    dtype, workers, max_shard_bytes = torch_dtype(dtype), check_count(workers, "workers", high=MAX_WORKERS), shard_bytes(max_shard_bytes)
+    dtype, max_shard_bytes = torch_dtype(dtype), shard_bytes(max_shard_bytes)
+    workers = check_count(workers, "workers", high=MAX_WORKERS)
     check_revision(revision, hf_config)
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress, parameter="hf_config")
