@@ -381,6 +381,10 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     ceil(cols/128)], each expert's matrix quantized as it is stacked (in `expert_orientation`);
     transformers 5.17 loads stacked FP8 experts unscaled (docs/fp8.md), so for transformers leave
     `stacked_experts` off (Qwen's FP8 releases of Qwen3.5/3.6-MoE hold their experts per expert).
+
+    The plan is made at the first call and kept, with views of the parameters, until a parameter
+    moves (then the next call plans anew): before freeing or offloading parameters by replacing
+    `param.data`, call `clear_cache(model_chunks)`, or their old storages stay allocated.
     """
     config = _config(hf_config, revision)
     if stacked_experts and not architecture_for(config).stacked_experts:
