@@ -139,7 +139,6 @@ def test_live_arguments_are_checked_before_the_model(call, message):
         call()
 
 
-
 def _moved_parameters_worker(rank: int, store: str) -> None:
     import gc
 
