@@ -54,7 +54,7 @@ def copy_primitives() -> dict:
 
 def receive(shapes, address, authkey, ready, commands, reports):
     """The engine's process: a ParameterReceiver whose steps are timed (milliseconds per sync)."""
-    from mconv.transport import receiver, shm
+    from mconv.transport import copies, receiver, shm
 
     spent: dict[str, float] = {}
 
@@ -67,7 +67,7 @@ def receive(shapes, address, authkey, ready, commands, reports):
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
         return timed_call
 
-    receiver.run_copies = timer("copy_launches", receiver.run_copies)
+    copies.CopyPlan.run = timer("copy_launches", copies.CopyPlan.run)
     receiver.ParameterReceiver._map = timer("map_handle", receiver.ParameterReceiver._map)
     receiver.ParameterReceiver.load = timer("load", receiver.ParameterReceiver.load)
     receiver.UpdateReceiver.handle = timer("handle", receiver.UpdateReceiver.handle)

@@ -15,6 +15,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from mconv.transport.copies import CopyPlan
+
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -68,39 +70,12 @@ def layout(named: Sequence[tuple[str, torch.Tensor]], aliases: dict[str, str] | 
 
 def pack(named: Sequence[tuple[str, torch.Tensor]], entries: Sequence[Entry], buffer: torch.Tensor) -> None:
     """Copy `named` into `buffer` (uint8, at least the layout's size) at their entries' offsets:
-    a few batched copies (copy_all), not one launch per tensor."""
+    a few batched copies (copies.CopyPlan), not one launch per tensor."""
     tensors = dict(named)
-    copy_all([(view, tensors[entry.name]) for entry, view in _views(buffer, entries)
-              if entry.name in tensors])  # an alias shares its target's bytes
-
-
-def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """dst.copy_(src) for every (dst, src) pair (same shapes and dtypes), as one torch._foreach_copy_
-    per group of copy_groups."""
-    run_copies(copy_groups(pairs))
-
-
-def copy_groups(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[list, list]]:
-    """The pairs as [(dsts, srcs)], one group per dtype, devices and contiguity (copy_order): a
-    receiver whose pairs stay the same keeps the groups and calls run_copies alone."""
-    return [([pairs[i][0] for i in group], [pairs[i][1] for i in group]) for group in copy_order(pairs)]
-
-
-def copy_order(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[int]]:
-    """The positions of `pairs` grouped by dtype, devices and contiguity: on a GPU a multi-tensor
-    kernel copies many tensors per launch where both sides are contiguous (a group of
-    non-contiguous sources takes torch's per-tensor route). The grouping only sets the speed: any
-    grouping copies the same bytes."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, (dst, src) in enumerate(pairs):
-        groups[dst.dtype, dst.device, src.device, src.is_contiguous() and dst.is_contiguous()].append(i)
-    return list(groups.values())
-
-
-def run_copies(groups: Sequence[tuple[list, list]]) -> None:
-    """The copies of copy_groups' groups: one torch._foreach_copy_ each."""
-    for dsts, srcs in groups:
-        torch._foreach_copy_(dsts, srcs)
+    views = [(view, tensors[entry.name]) for entry, view in _views(buffer, entries)
+             if entry.name in tensors]  # an alias shares its target's bytes
+    sources = [src for _, src in views]
+    CopyPlan([view for view, _ in views], sources).run(sources)
 
 
 def checksums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:

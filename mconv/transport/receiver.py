@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from mconv.transport import cuda_ipc, shm
-from mconv.transport.flat import Entry, checksums, copy_groups, run_copies, unpack
+from mconv.transport.copies import CopyPlan
+from mconv.transport.flat import Entry, checksums, unpack
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -240,7 +241,7 @@ class ParameterReceiver(UpdateReceiver):
     ("kept"): those are mapped once and stay mapped until released or the connection ends. Of other
     buffers the two most recent mappings stay open (a handle shared anew at each request is
     rebuilt each time, from torch's cache). Each (mapping, layout) pair's copy plan is built once:
-    a later sync of the same model is a few grouped copies per bucket (flat.run_copies). The
+    a later sync of the same model is one batched copy per bucket on a GPU (copies.CopyPlan). The
     receiver replies only after its copies finished."""
 
     def __init__(self, params: dict[str, torch.Tensor], address: str, authkey: bytes,
@@ -269,7 +270,7 @@ class ParameterReceiver(UpdateReceiver):
             if plan is None:
                 plan = self._plans[key, start, stop, layout] = self._plan(mapped[start:stop], [
                     Entry.from_json(e) for e in item["entries"]])
-            run_copies(plan[0])
+            plan[0].run()
             self._received.update(plan[1])
         if self._cuda:
             torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we reply
@@ -332,7 +333,7 @@ class ParameterReceiver(UpdateReceiver):
                 shared.close()
         return mapped[0]
 
-    def _plan(self, storage: torch.Tensor, entries: list[Entry]) -> tuple[list, list[str]]:
+    def _plan(self, storage: torch.Tensor, entries: list[Entry]) -> tuple[CopyPlan, list[str]]:
         pairs, names = [], []
         for name, view in unpack(storage, entries):
             target = self.params.get(name)
@@ -342,4 +343,4 @@ class ParameterReceiver(UpdateReceiver):
                                                  f"{target.dtype} {list(target.shape)}"))
             pairs.append((target, view))
             names.append(name)
-        return copy_groups(pairs), names
+        return CopyPlan([dst for dst, _ in pairs], [src for _, src in pairs], fixed_sources=True), names

@@ -20,7 +20,8 @@ from mconv.live.chunks import _config
 from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _checked, _prepared, iter_hf_weights
 from mconv.live.sync.engines import FlatBucket, as_engine
 from mconv.mappings import architecture_for
-from mconv.transport.flat import checksums, copy_order, layout, run_copies, unpack
+from mconv.transport.copies import CopyPlan
+from mconv.transport.flat import checksums, layout, unpack
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _VERSIONS = itertools.count(1)
@@ -220,26 +221,26 @@ def _is_sender(live) -> bool:
 
 def _pack(engine, slot: int, named, aliases, device) -> tuple[list, torch.Tensor]:
     """Pack `named` into the engine's buffer for `slot`: its entries and the buffer. A bucket's
-    layout is computed once per signature (names, dtypes, shapes), and its views of the slot's
-    buffer and their grouping into batched copies (flat.copy_order, taken from the first sync's
-    tensors: later tensors of the same signature come from the same parameters) once while the
-    engine keeps that buffer, so a later sync's packing is a few grouped copies."""
+    layout is computed once per signature (names, dtypes, shapes), and its copies into the slot's
+    buffer planned once while the engine keeps that buffer (copies.CopyPlan, taken from the first
+    sync's tensors: later tensors of the same signature come from the same parameters, and the plan
+    replans itself where one does not fit it), so a later sync's packing is one batched copy on a
+    GPU."""
     layouts = engine.__dict__.setdefault("_layouts", {})  # signature -> (entries, nbytes)
-    views = engine.__dict__.setdefault("_views", {})  # (slot, signature) -> (buffer, [view per tensor], copy order)
+    plans = engine.__dict__.setdefault("_copy_plans", {})  # (slot, signature) -> (buffer, CopyPlan)
     signature = (tuple((name, t.dtype, t.shape) for name, t in named), tuple(sorted((aliases or {}).items())))
     if signature not in layouts:
         layouts[signature] = layout(named, aliases)
     entries, nbytes = layouts[signature]
     buffer = engine.buffer(slot, nbytes, device)
-    hit = views.get((slot, signature))
+    sources = [t for _, t in named]
+    hit = plans.get((slot, signature))
     if hit is None or hit[0].data_ptr() != buffer.data_ptr() or hit[0].device != buffer.device:
-        for key in [k for k, v in views.items() if k[0] == slot and v[0].data_ptr() != buffer.data_ptr()]:
-            del views[key]  # views of a buffer the engine replaced: they would keep it alive
+        for key in [k for k, v in plans.items() if k[0] == slot and v[0].data_ptr() != buffer.data_ptr()]:
+            del plans[key]  # plans into a buffer the engine replaced: they would keep it alive
         by_name = dict(unpack(buffer, entries))
-        targets = [by_name[name] for name, _ in named]
-        hit = views[slot, signature] = (buffer, targets, copy_order(list(zip(targets, (t for _, t in named)))))
-    _, targets, order = hit
-    run_copies([([targets[i] for i in group], [named[i][1] for i in group]) for group in order])
+        hit = plans[slot, signature] = (buffer, CopyPlan([by_name[name] for name, _ in named], sources))
+    hit[1].run(sources)
     return entries, buffer
 
 

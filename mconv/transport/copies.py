@@ -1,0 +1,183 @@
+"""Many tensor copies planned once and run at every weight sync: a sync copies the same bucket entries
+out of (the trainer's packing) or into (a receiver's loading) the same tensors every time.
+
+On a GPU, the pairs whose sides are both contiguous are copied as bytes by one Triton kernel launch
+per alignment class, whatever their number, from a table of addresses kept on the device.
+torch._foreach_copy_, the plain choice, took 1.55x a flat copy's time for a 512 MiB bucket of 165
+expert weights on an H200 (bench/results-sync-ipc-h200.log, "copy primitives"), with host work
+growing with the number of tensors. Other pairs (non-contiguous, on the CPU, across devices) keep
+torch._foreach_copy_, one call per dtype, devices and contiguity. Either way each copy is
+`dst.copy_(src)` for tensors of one dtype and shape: the same bytes.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+
+_ALIGN = 16  # bytes: the widest load and store the kernel makes, where both addresses and the size allow
+_CHUNK = 16384  # bytes a kernel program copies
+_PART = 4096  # bytes it copies per step
+_WARPS = 4
+_KERNEL = None
+
+
+def _kernel():
+    """The Triton kernel, defined at first use: Triton is imported only where the kernel runs."""
+    global _KERNEL
+    if _KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def copy_chunks(table, chunk_pair, CHUNK: tl.constexpr, PART: tl.constexpr, ALIGNED: tl.constexpr):
+            """Chunk `program id` of the launch: up to CHUNK bytes of one pair, whose row of `table`
+            (int64) holds its source address, destination address, size in bytes, and its first
+            chunk in the launch. ALIGNED: every address and size of the launch is a multiple of 16
+            bytes (then loads and stores are vectorised; without the hint they go byte by byte)."""
+            pid = tl.program_id(0).to(tl.int64)
+            row = table + tl.load(chunk_pair + pid).to(tl.int64) * 4
+            src = tl.load(row).to(tl.pointer_type(tl.uint8))
+            dst = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
+            nbytes = tl.load(row + 2)
+            if ALIGNED:
+                src, dst, nbytes = tl.multiple_of(src, 16), tl.multiple_of(dst, 16), tl.multiple_of(nbytes, 16)
+            start = (pid - tl.load(row + 3)) * CHUNK
+            for part in tl.static_range(CHUNK // PART):
+                at = start + part * PART + tl.arange(0, PART)
+                inside = at < nbytes
+                tl.store(dst + at, tl.load(src + at, mask=inside), mask=inside)
+
+        _KERNEL = copy_chunks
+    return _KERNEL
+
+
+def _launcher(device: torch.device):
+    """The kernel as compiled for a GPU, or run by Triton's interpreter for CPU tensors (tests)."""
+    if device.type == "cuda":
+        return _kernel()
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(_kernel().fn)
+
+
+def _held(t: torch.Tensor) -> bool:
+    """Whether `t`'s storage still holds it (not freed in place by `untyped_storage().resize_(0)`:
+    a copy into or out of it, torch's own included, would touch freed memory)."""
+    if not t.numel():
+        return True
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401 (only whether it imports)
+    except ImportError:
+        return False
+    return True
+
+
+class CopyPlan:
+    """`dsts[i].copy_(srcs[i])` for every i (each pair of one dtype and shape), planned once; `run`
+    copies, from the planned sources or from new ones of the same dtypes and shapes (a trainer's
+    next sync), and replans itself where a source can no longer take the planned route (its address
+    changed and it is not contiguous, on another device, or no longer 16-byte aligned) or a
+    destination moved (its address changed: a storage freed in place and allocated again). The plan
+    keeps the destinations, and the sources only with `fixed_sources` (a receiver copying out of
+    the same mapped buffer every time: `run()` then takes none); a trainer's fresh tensors of one
+    sync are not kept alive until the next.
+
+    `kernel` (default: destinations on a GPU and Triton importable): the pairs with both sides
+    contiguous on the destinations' device go through the batched kernel, the others through
+    torch._foreach_copy_; `kernel=True` on the CPU runs the kernel in Triton's interpreter (tests).
+    Raises ValueError for a pair of differing dtypes or shapes, a tensor whose storage was freed in
+    place (a copy would touch freed memory: torch's own segfaults), or `run` given another number
+    of sources."""
+
+    def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], kernel: bool | None = None,
+                 fixed_sources: bool = False):
+        if len(dsts) != len(srcs):
+            raise ValueError(f"{len(srcs)} sources for {len(dsts)} destinations")
+        for dst, src in zip(dsts, srcs):
+            if dst.dtype != src.dtype or dst.shape != src.shape:
+                raise ValueError(f"a copy from {src.dtype} {list(src.shape)} into {dst.dtype} {list(dst.shape)}")
+        self._dsts = list(dsts)
+        self._srcs = list(srcs) if fixed_sources else None
+        self._device = self._dsts[0].device if self._dsts else torch.device("cpu")
+        self._use_kernel = ((self._device.type == "cuda" if kernel is None else kernel) and _triton_importable())
+        self._plan(list(srcs))
+
+    def _plan(self, srcs: list[torch.Tensor]) -> None:
+        batched, others = [], defaultdict(list)
+        for i, (dst, src) in enumerate(zip(self._dsts, srcs)):
+            for side, t in (("destination", dst), ("source", src)):
+                if not _held(t):
+                    raise ValueError(f"copy {i}'s {side} ({t.dtype} {list(t.shape)}) has had its storage freed in place")
+            if not dst.numel():
+                continue
+            if self._use_kernel and src.device == dst.device == self._device and dst.is_contiguous() and src.is_contiguous():
+                batched.append(i)
+            else:
+                others[dst.dtype, dst.device, src.device, dst.is_contiguous() and src.is_contiguous()].append(i)
+        self._others = list(others.values())
+        aligned = {i: not (self._dsts[i].data_ptr() % _ALIGN or srcs[i].data_ptr() % _ALIGN
+                           or self._dsts[i].numel() * self._dsts[i].element_size() % _ALIGN) for i in batched}
+        self._batched = sorted(batched, key=lambda i: not aligned[i])  # the aligned launch's rows first
+        self._needs_alignment = [aligned[i] for i in self._batched]
+        self._addresses: list[int] = []
+        self._targets = [dst.data_ptr() for dst in self._dsts]
+        self._launches: list[tuple[torch.Tensor, bool]] = []
+        if not batched:
+            return
+        sizes = [self._dsts[i].numel() * self._dsts[i].element_size() for i in self._batched]
+        counts = [-(-size // _CHUNK) for size in sizes]
+        rows = []
+        for is_aligned in (True, False):
+            members = [k for k, i in enumerate(self._batched) if aligned[i] == is_aligned]
+            if not members:
+                continue
+            firsts = itertools.accumulate((counts[k] for k in members), initial=0)
+            rows += [[0, self._dsts[self._batched[k]].data_ptr(), sizes[k], first] for k, first in zip(members, firsts)]
+            chunk_pair = torch.repeat_interleave(torch.tensor(members, dtype=torch.int32),
+                                                 torch.tensor([counts[k] for k in members]))
+            self._launches.append((chunk_pair.to(self._device), is_aligned))
+        self._table = torch.tensor(rows, dtype=torch.int64, device=self._device)
+
+    @property
+    def kernel_copies(self) -> int:
+        """How many of the pairs the batched kernel copies (the others go through torch._foreach_copy_)."""
+        return len(self._batched)
+
+    def run(self, srcs: Sequence[torch.Tensor] | None = None) -> None:
+        """Copy `srcs` (in the plan's order; with `fixed_sources`, none: the planned ones) into the
+        destinations, on the current stream."""
+        if srcs is None:
+            if self._srcs is None:
+                raise ValueError("this plan keeps no sources (fixed_sources=False): give them to run()")
+            srcs = self._srcs
+        if len(srcs) != len(self._dsts):
+            raise ValueError(f"{len(srcs)} sources for a plan of {len(self._dsts)} copies")
+        addresses = [srcs[i].data_ptr() for i in self._batched]
+        fresh = addresses != self._addresses
+        if ([dst.data_ptr() for dst in self._dsts] != self._targets
+                or fresh and any((needs and address % _ALIGN) or srcs[i].device != self._device
+                                 or not srcs[i].is_contiguous()
+                                 for i, needs, address in zip(self._batched, self._needs_alignment, addresses))):
+            self._plan(list(srcs))
+            return self.run(srcs)
+        if fresh:
+            # pinned and asynchronous: a pageable copy would wait for all the work queued on the device;
+            # the stream's order keeps the last run's kernels reading the old addresses first
+            self._table[:, 0].copy_(torch.tensor(addresses, dtype=torch.int64, pin_memory=self._device.type == "cuda")
+                                    .to(self._device, non_blocking=True))
+            self._addresses = addresses
+        for group in self._others:
+            torch._foreach_copy_([self._dsts[i] for i in group], [srcs[i] for i in group])
+        if not self._launches:
+            return
+        kernel = _launcher(self._device)
+        for chunk_pair, aligned in self._launches:
+            kernel[(chunk_pair.numel(),)](self._table, chunk_pair, _CHUNK, _PART, aligned, num_warps=_WARPS)
