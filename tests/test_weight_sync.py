@@ -204,6 +204,7 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     refused("one-rank", lambda: sync_weights(chunks, TIED if rank == 0 else tmp / "missing", engine,
                                              version="one-rank", bucket_bytes=BUCKET))
     refused("int8", lambda: sync_weights(chunks, TIED, engine, version="int8", dtype=torch.int8))  # zeros before
+    refused("version", lambda: sync_weights(chunks, TIED, engine, version="step 7\nINFO: forged"))
     refused("save-one-rank", lambda: save_hf_weights(chunks, tmp / "never", TIED if rank == 0 else tmp / "missing"))
     import sys
     refused("exit", lambda: sync_weights(chunks, TIED, lambda bucket: sys.exit(3), version="exit"))  # rank 1 hung
@@ -350,6 +351,10 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
     for rank in ranks:  # refused on every rank, whichever rank failed (each hung or broke the group before)
         assert rank["errors"]["one-rank"].startswith("weight sync one-rank refused before any bucket was sent: rank 1: ")
         assert "missing" in rank["errors"]["one-rank"]
+        assert rank["errors"]["version"] == (
+            "weight sync 'step 7\\nINFO: forged' refused before any bucket was sent: rank 0: "
+            "version='step 7\\nINFO: forged' is not a version: give a non-empty string of at most 200 printable "
+            "characters (a training step, a checkpoint name)")
         assert "missing" in rank["errors"]["save-one-rank"]  # rank 0 got gloo's error before
         assert rank["errors"]["int8"] == ("weight sync int8 refused before any bucket was sent: rank 0: "
                                           "dtype=torch.int8 is not a dtype mconv writes; available: float32, bfloat16, "

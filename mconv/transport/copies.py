@@ -115,10 +115,12 @@ class CopyPlan:
         for i, (dst, src) in enumerate(zip(self._dsts, srcs)):
             for side, t in (("destination", dst), ("source", src)):
                 if not _held(t):
-                    raise ValueError(f"copy {i}'s {side} ({t.dtype} {list(t.shape)}) has had its storage freed in place")
+                    raise ValueError(f"copy {i}'s {side} ({t.dtype} {list(t.shape)}) has had its storage freed in "
+                                     "place")
             if not dst.numel():
                 continue
-            if self._use_kernel and src.device == dst.device == self._device and dst.is_contiguous() and src.is_contiguous():
+            if (self._use_kernel and src.device == dst.device == self._device and dst.is_contiguous()
+                    and src.is_contiguous()):
                 batched.append(i)
             else:
                 others[dst.dtype, dst.device, src.device, dst.is_contiguous() and src.is_contiguous()].append(i)

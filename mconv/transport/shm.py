@@ -114,9 +114,12 @@ class AuthListener:
             self._listener = Listener(_address(address))
         self.authkey = authkey
 
-    def accept(self) -> Connection:
-        """The next authenticated connection (multiprocessing.AuthenticationError for a wrong key)."""
-        return _handshake(self._listener.accept(), self.authkey)
+    def accept(self, handshake: bool = True) -> Connection:
+        """The next authenticated connection (multiprocessing.AuthenticationError for a wrong key);
+        with `handshake=False` the next connection as it is, for the caller to authenticate
+        (`serve` does, on the connection's own thread)."""
+        connection = self._listener.accept()
+        return _handshake(connection, self.authkey) if handshake else connection
 
     def close(self) -> None:
         self._listener.close()
@@ -229,7 +232,7 @@ def serve(listener: AuthListener, handle, closed=None) -> threading.Thread:
     def accept() -> None:
         while True:
             try:
-                conn = listener._listener.accept()  # authenticated on its own thread (answer)
+                conn = listener.accept(handshake=False)  # authenticated on its own thread (answer)
             except OSError:  # the listener was closed
                 return
             threading.Thread(target=answer, args=(conn,), daemon=True).start()

@@ -84,8 +84,8 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     engine = as_engine(engine)
     version = str(next(_VERSIONS)) if version is None else str(version)
     if not _RUNNING.acquire(blocking=False):
-        raise MconvError(f"weight sync {version}: another sync_weights is running in this process (another thread, "
-                         "or an engine that calls sync_weights); one sync at a time")
+        raise MconvError(f"weight sync {_shown(version)}: another sync_weights is running in this process "
+                         "(another thread, or an engine that calls sync_weights); one sync at a time")
     try:
         return _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revision, quantize, fp8_scale,
                      verify)
@@ -96,10 +96,12 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
 def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revision, quantize, fp8_scale,
           verify) -> SyncResult:
     first = dist.get_rank() == 0
+    shown = _shown(version)
     result = SyncResult(version)
     prepared: dict = {}
 
     def prepare() -> None:  # on every rank; what fails here (a path missing on one node) is agreed on below
+        _check_version(version)
         chunks, cast = _checked(model_chunks, bucket_bytes, dtype)
         config = _config(hf_config, revision)
         quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
@@ -128,7 +130,7 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
             reason = _shared(refused)
             if started:  # another rank refused after this one started the engine's update
                 _attempt(lambda: engine.abort(version, reason))
-            raise MconvError(f"weight sync {version} refused before any bucket was sent: {reason}")
+            raise MconvError(f"weight sync {shown} refused before any bucket was sent: {reason}")
         failure = _buckets(rounds=rounds, schedule=prepared["schedule"], chunks=prepared["chunks"],
                            config=prepared["config"], engine=engine, sender=prepared["sender"], tied=prepared["tied"],
                            version=version, result=result, sums=sums,
@@ -140,21 +142,34 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
             told = _shared(aborted)  # every rank says so, not rank 0 alone
             if told is not None:
                 reason += f" (and telling the engine failed: {told})"
-            raise MconvError(f"weight sync {version} failed; the engine was told to abort it: {reason}")
+            raise MconvError(f"weight sync {shown} failed; the engine was told to abort it: {reason}")
         finished = _attempt(lambda: engine.finish(version)) if first else None
         if _any(finished):
-            raise MconvError(f"weight sync {version}: the engine did not finish it: {_shared(finished)}")
+            raise MconvError(f"weight sync {shown}: the engine did not finish it: {_shared(finished)}")
         if verify:
             sent = _gathered(sums)
             differ = _attempt(lambda: _compare(engine, sent)) if first else None
             if _any(differ):
-                raise MconvError(f"weight sync {version} is not what the engine holds: {_shared(differ)}")
+                raise MconvError(f"weight sync {shown} is not what the engine holds: {_shared(differ)}")
     except _Lost as lost:
         if started:
             _attempt(lambda: engine.abort(version, f"a trainer rank was lost: {lost}"))
-        raise MconvError(f"weight sync {version} failed: a trainer rank was lost mid-sync ({lost}); the engine's "
+        raise MconvError(f"weight sync {shown} failed: a trainer rank was lost mid-sync ({lost}); the engine's "
                          "update was aborted (by rank 0, or by the receiver when rank 0's connection closed)") from None
     return result
+
+
+def _shown(version: str) -> str:
+    """The version as error messages name it (quoted where it is not one: _check_version)."""
+    return version if version and len(version) <= 200 and version.isprintable() else repr(version[:60])
+
+
+def _check_version(version: str) -> None:
+    """MconvError for a version engines cannot carry: empty, over 200 characters, or holding control
+    characters (it goes into engines' logs, HTTP requests and `receiver.version`)."""
+    if _shown(version) != version:
+        raise MconvError(f"version={version[:60]!r} is not a version: give a non-empty string of at most 200 "
+                         "printable characters (a training step, a checkpoint name)")
 
 
 def _buckets(rounds, schedule, chunks, config, engine, sender, tied, version, result, sums,
