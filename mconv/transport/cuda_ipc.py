@@ -3,10 +3,12 @@ on the same GPU as ONE CUDA IPC handle (torch.multiprocessing's reduce_tensor / 
 carried as JSON: nothing is unpickled); mconv.transport.receiver.ParameterReceiver maps it and
 copies every entry into parameters the engine's process preallocated. Imports torch only.
 
-Lifetime and order: the sender's packing has finished on the GPU before it sends the handle (an
-event recorded after its copies, or a device synchronize), it keeps the buffer unchanged until the
-receiver's reply, and the receiver replies only after its copies have finished on the GPU (a stream
-synchronize). Each `share()` counts one more reference held by a receiver, released when that
+Lifetime and order: the sender's packing has finished on the GPU before the receiver copies (the
+sender waits for an event recorded after its copies before it sends the handle, or, with a receiver
+that orders by events, sends that event as an IPC event handle, which the receiver's stream waits
+for), it keeps the buffer unchanged until the receiver's copies are done (the receiver replies only
+after a stream synchronize, or records an IPC event after its copies and replies with its handle,
+which the sender's stream waits for before it packs into that buffer again). Each `share()` counts one more reference held by a receiver, released when that
 receiver's mapping of it goes: a share sent once and kept is rebuilt once (IPCEngine, "kept"); one
 made at every request must be rebuilt at every request (torch's cache then releases it), or the
 sender's memory is never freed [read torch/multiprocessing/reductions.py: rebuild_cuda_tensor].
@@ -61,3 +63,14 @@ def attach(shared: dict, device: int) -> torch.Tensor:
     """The uint8 CUDA tensor a `share()` result names, mapped into this process on `device`
     (the sender's GPU as this process numbers it)."""
     return rebuild_cuda_tensor(*rebuild_args(shared, device))
+
+
+def share_event(event: "torch.cuda.Event") -> str:
+    """The IPC handle of `event` (made with `interprocess=True` and recorded at least once), as hex."""
+    return bytes(event.ipc_handle()).hex()
+
+
+def open_event(handle: str, device: int) -> "torch.cuda.Event":
+    """The event another process shared with `share_event`, opened on `device`: this process's
+    streams can wait for its latest record (`stream.wait_event`)."""
+    return torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(handle))

@@ -19,7 +19,10 @@ layout carry only its number `n`; a
 receiver's `load` sees "entries" filled in and "layout" as a digest of them; an "ipc" item with
 "kept": true names a share the trainer made once for this connection: its mapping is kept until an
 item's "release" [cuda_ipc.key] names it or the connection ends, and `load` sees "kept" as the
-connection's dict of such mappings), `finish` {"version"},
+connection's dict of such mappings), `finish` {"version"}
+(a kept item may say "ordered": the trainer waits for the reply's "done" IPC event [cuda_ipc.share_event]
+before reusing the buffer, so the reply need not wait for the copies; and "ready": an IPC event the
+receiver's stream waits for before copying),
 `abort` {"version", "reason"}, `checksums` {"names"} (flat.checksums of what the engine holds). Every
 request may carry the trainer's "rank", used to name it in errors.
 """
@@ -127,9 +130,9 @@ class UpdateReceiver:
             self._peers.add(id(peer))
             self._last = time.monotonic()
             if op == "update":
-                self.load(_with_entries(message["buffers"], peer))
+                reply = self.load(_with_entries(message["buffers"], peer))
                 self._last = time.monotonic()  # the timeout counts the trainer's silence, not our loading
-                return {}
+                return reply or {}
             if op == "finish":
                 try:
                     self.complete(message)
@@ -155,7 +158,8 @@ class UpdateReceiver:
         """An update starts: the `start` request ({"version", "verify": the trainer will ask for
         checksums after it, and whatever an engine's adapter adds})."""
 
-    def load(self, buffers: list[dict]) -> None:
+    def load(self, buffers: list[dict]) -> dict | None:
+        """Take one `update` request's buffers; what it returns (if anything) is the reply."""
         raise NotImplementedError
 
     def complete(self, message: dict) -> None:
@@ -242,7 +246,10 @@ class ParameterReceiver(UpdateReceiver):
     buffers the two most recent mappings stay open (a handle shared anew at each request is
     rebuilt each time, from torch's cache). Each (mapping, layout) pair's copy plan is built once:
     a later sync of the same model is one batched copy per bucket on a GPU (copies.CopyPlan). The
-    receiver replies only after its copies finished."""
+    receiver replies once its copies finished; to IPCEngine's "ordered" items, once they are queued
+    (its stream first waits for the trainer's "ready" event, when named), with the handle of an IPC
+    event recorded after them ("done"), for the trainer's stream to wait for. `finish` is answered,
+    and a mapping released, only once every copy is done."""
 
     def __init__(self, params: dict[str, torch.Tensor], address: str, authkey: bytes,
                  timeout: float = DEFAULT_TIMEOUT):
@@ -259,7 +266,8 @@ class ParameterReceiver(UpdateReceiver):
     def begin(self, message: dict) -> None:
         self._received = set()
 
-    def load(self, buffers: list[dict]) -> None:
+    def load(self, buffers: list[dict]) -> dict | None:
+        ordered = self._cuda and bool(buffers)  # every item kept and "ordered": reply before the copies finish
         for item in buffers:
             ipc = item.get("ipc")
             key = cuda_ipc.key(ipc) if ipc else item["path"]
@@ -270,12 +278,32 @@ class ParameterReceiver(UpdateReceiver):
             if plan is None:
                 plan = self._plans[key, start, stop, layout] = self._plan(mapped[start:stop], [
                     Entry.from_json(e) for e in item["entries"]])
+            kept = item.get("kept")
+            if item.get("ready") and kept is not None:  # the trainer's packing of this bucket comes first
+                ready = "ready:" + item["ready"]
+                if ready not in kept:
+                    kept[ready] = cuda_ipc.open_event(item["ready"], torch.cuda.current_device())
+                torch.cuda.current_stream().wait_event(kept[ready])
             plan[0].run()
             self._received.update(plan[1])
-        if self._cuda:
-            torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we reply
+            ordered = ordered and bool(ipc) and kept is not None and bool(item.get("ordered"))
+        if not ordered:
+            if self._cuda:
+                torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we reply
+            return None
+        # The sender's stream waits for this event before it packs into the buffer again.
+        done = "done:" + cuda_ipc.key(buffers[0]["ipc"])
+        kept = buffers[0]["kept"]
+        if done not in kept:
+            kept[done] = torch.cuda.Event(interprocess=True)
+        kept[done].record()
+        if done + ":handle" not in kept:
+            kept[done + ":handle"] = cuda_ipc.share_event(kept[done])
+        return {"done": kept[done + ":handle"]}
 
     def complete(self, message: dict) -> None:
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()  # the parameters are whole when `finish` is answered
         missing = sorted(set(self.params) - self._received)
         if missing:
             raise RuntimeError(f"weight update {message['version']} did not send {', '.join(missing[:3])}"
@@ -293,6 +321,8 @@ class ParameterReceiver(UpdateReceiver):
         self._mapped.clear()
 
     def forget(self, kept: dict) -> None:
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()  # copies out of the mappings may still run
         for key in kept:
             self._drop_plans(key)
         kept.clear()
@@ -310,8 +340,11 @@ class ParameterReceiver(UpdateReceiver):
             kept = item.get("kept")
             if kept is not None:
                 for old in item.get("release", ()):
-                    if kept.pop(old, None) is not None:
+                    if old in kept:
+                        torch.cuda.current_stream().synchronize()  # copies out of it may still run
                         self._drop_plans(old)
+                        for name in (old, f"done:{old}", f"done:{old}:handle"):
+                            kept.pop(name, None)
                 if key not in kept:
                     kept[key] = cuda_ipc.attach(whole, torch.cuda.current_device())
                 return kept[key]

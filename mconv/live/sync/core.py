@@ -220,7 +220,7 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
     result.bytes += nbytes
     bucket = FlatBucket(version, index, buffer, entries)
     if buffer.is_cuda:
-        bucket.ready = torch.cuda.Event()
+        bucket.ready = engine.ready_event(index % 2, buffer.device)
         bucket.ready.record(torch.cuda.current_stream(buffer.device))
     if sums is not None:
         sums.update(checksums(list(bucket)))  # before the engine may reuse the buffer

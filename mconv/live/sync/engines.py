@@ -81,6 +81,11 @@ class Engine:
     def update(self, bucket: FlatBucket) -> None:
         raise NotImplementedError
 
+    def ready_event(self, slot: int, device: torch.device) -> "torch.cuda.Event":
+        """The CUDA event sync_weights records on `device`'s current stream after packing a bucket
+        into slot `slot` (FlatBucket.ready)."""
+        return torch.cuda.Event()
+
     def _slot(self, buffers: dict, bucket: FlatBucket) -> int:
         """The slot of `buffers` ({slot: uint8 tensor}) whose memory holds `bucket` (packed into
         what `buffer(slot, ...)` returned). Raises ValueError for a bucket from elsewhere."""
@@ -197,10 +202,10 @@ class RemoteEngine(Engine):
             self._conn.close()
         self._conn = None
 
-    def _update(self, buffer: dict, entries: list[Entry]) -> None:
-        """One `update` request for one bucket buffer ({"ipc": ...} or {"path": ...}). A layout (the
-        same entries list, as sync_weights reuses it) carries its entries once per connection, later
-        only its number: the receiver keeps them (mconv.transport.receiver)."""
+    def _update(self, buffer: dict, entries: list[Entry]) -> dict:
+        """One `update` request for one bucket buffer ({"ipc": ...} or {"path": ...}); its reply. A
+        layout (the same entries list, as sync_weights reuses it) carries its entries once per
+        connection, later only its number: the receiver keeps them (mconv.transport.receiver)."""
         cached = self._layouts.get(id(entries))
         if cached is None:
             cached = self._layouts[id(entries)] = (entries, len(self._layouts))
@@ -210,8 +215,9 @@ class RemoteEngine(Engine):
             item = {**buffer, "layout": number}
             if number not in carried:
                 item["entries"] = [e.to_json() for e in entries]
-            self._request({"op": "update", "buffers": [item]})
+            reply = self._request({"op": "update", "buffers": [item]})
             carried.add(number)
+            return reply
 
     def expected(self) -> dict[str, list[int]]:
         reply = self._request({"op": "expected", "digest": self._expected and self._expected[0], "route": self.route})
