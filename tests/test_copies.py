@@ -48,8 +48,8 @@ def test_batched_copies_equal_torch_copies(first_byte):
     for dst, src in zip(expected, sources):
         dst.copy_(src)
     plan = CopyPlan(views, sources, kernel=True)
-    assert plan.kernel_copies == len(sources) - 2  # not the empty one, nor the transposed one
     plan.run(sources)
+    assert plan.kernel_copies == len(sources) - 2  # all but the empty and the transposed one, by the kernel
     assert torch.equal(buffer, expected_buffer)
     # out of the buffer again (unaligned sources), and new sources of the same dtypes and shapes into it
     back = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in sources]
@@ -69,8 +69,21 @@ def test_a_plan_follows_tensors_that_move():
     plan = CopyPlan(targets, sources, kernel=True)
     plan.run(sources)
     assert all(torch.equal(t, s) for t, s in zip(targets, sources))
-    # a source that lost its 16-byte alignment, and one that is not contiguous: replanned, still exact
+    # a source that lost its 16-byte alignment: replanned into the unaligned launch, still exact
     odd = torch.randn(40 * 40 + 1, generator=generator)[1:].view(40, 40)
+    moved = [odd, sources[1] + 1, sources[2] * 2]
+    plan.run(moved)
+    assert all(torch.equal(t, s) for t, s in zip(targets, moved))
+    assert [aligned for _, aligned in plan._launches] == [True, False]
+    # at the same address as the last run's source, no longer contiguous (a square transpose) or with
+    # torch's negative bit: replanned through torch's copy
+    for changed in (moved[1].t(), torch._neg_view(moved[1])):
+        again = CopyPlan(targets, moved, kernel=True)
+        again.run(moved)
+        again.run([odd, changed, moved[2]])
+        assert torch.equal(targets[1], changed)
+    # a source in a new place that is not contiguous
+    plan.run(sources)
     moved = [odd, torch.randn(40, 40, generator=generator).t(), sources[2] * 2]
     plan.run(moved)
     assert all(torch.equal(t, s) for t, s in zip(targets, moved))
@@ -90,6 +103,8 @@ def test_plans_refuse_what_they_cannot_copy():
     a, b = torch.zeros(4), torch.zeros(4, dtype=torch.float64)
     with pytest.raises(ValueError, match="float64"):
         CopyPlan([a], [b])
+    with pytest.raises(ValueError, match=r"a copy from torch.float32 \[2\] into torch.float32 \[4\]"):
+        CopyPlan([a], [torch.ones(4)], kernel=True).run([torch.ones(2)])
     with pytest.raises(ValueError, match="1 sources for 2 destinations"):
         CopyPlan([a, a], [a])
     with pytest.raises(ValueError, match="keeps no sources"):

@@ -1001,3 +1001,22 @@ def test_a_bucket_layout_travels_once_per_connection(tmp_path, monkeypatch):
         engine.update(core.FlatBucket("v3", 0, torch.zeros(nbytes, dtype=torch.uint8), entries))
     engine.close()
     receiver.close()
+
+
+def test_fresh_buffers_let_the_old_ones_go():
+    """An engine that takes new bucket buffers at every sync (vLLM's CUDA IPC route) drops sync_weights'
+    copy plans into the old ones, which hold views of them: otherwise 2 x bucket_bytes stayed
+    allocated between syncs (the plans' cache was renamed once and the release missed it)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from mconv.live.sync import CallableEngine
+    from mconv.live.sync.core import _pack
+    from mconv.live.sync.vllm import _fresh_cuda_buffers
+
+    engine = CallableEngine(lambda bucket: None)
+    named = [("a", torch.ones(8)), ("b", torch.zeros(3, dtype=torch.bfloat16))]
+    _, buffer = _pack(engine, 0, named, None, torch.device("cpu"))
+    old = StorageWeakRef(buffer.untyped_storage())
+    del buffer
+    _fresh_cuda_buffers(engine)
+    assert old.expired()

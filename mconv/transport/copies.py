@@ -11,6 +11,7 @@ torch._foreach_copy_, one call per dtype, devices and contiguity. Either way eac
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import defaultdict
 from typing import Sequence
@@ -101,14 +102,18 @@ class CopyPlan:
                  fixed_sources: bool = False):
         if len(dsts) != len(srcs):
             raise ValueError(f"{len(srcs)} sources for {len(dsts)} destinations")
-        for dst, src in zip(dsts, srcs):
-            if dst.dtype != src.dtype or dst.shape != src.shape:
-                raise ValueError(f"a copy from {src.dtype} {list(src.shape)} into {dst.dtype} {list(dst.shape)}")
         self._dsts = list(dsts)
+        self._check(srcs)
         self._srcs = list(srcs) if fixed_sources else None
+        self._launched = False  # a launch went through (before it, a failing one falls back to torch's copies)
         self._device = self._dsts[0].device if self._dsts else torch.device("cpu")
         self._use_kernel = ((self._device.type == "cuda" if kernel is None else kernel) and _triton_importable())
         self._plan(list(srcs))
+
+    def _check(self, srcs: Sequence[torch.Tensor]) -> None:
+        for dst, src in zip(self._dsts, srcs):
+            if dst.dtype != src.dtype or dst.shape != src.shape:
+                raise ValueError(f"a copy from {src.dtype} {list(src.shape)} into {dst.dtype} {list(dst.shape)}")
 
     def _plan(self, srcs: list[torch.Tensor]) -> None:
         batched, others = [], defaultdict(list)
@@ -120,7 +125,7 @@ class CopyPlan:
             if not dst.numel():
                 continue
             if (self._use_kernel and src.device == dst.device == self._device and dst.is_contiguous()
-                    and src.is_contiguous()):
+                    and src.is_contiguous() and not (src.is_neg() or src.is_conj())):
                 batched.append(i)
             else:
                 others[dst.dtype, dst.device, src.device, dst.is_contiguous() and src.is_contiguous()].append(i)
@@ -165,9 +170,13 @@ class CopyPlan:
         addresses = [srcs[i].data_ptr() for i in self._batched]
         fresh = addresses != self._addresses
         if ([dst.data_ptr() for dst in self._dsts] != self._targets
-                or fresh and any((needs and address % _ALIGN) or srcs[i].device != self._device
-                                 or not srcs[i].is_contiguous()
-                                 for i, needs, address in zip(self._batched, self._needs_alignment, addresses))):
+                or not all(srcs[i].is_contiguous() and not srcs[i].is_neg() for i in self._batched)
+                or fresh and any((needs and address % _ALIGN) or src.device != self._device
+                                 or src.dtype != dst.dtype or src.shape != dst.shape or src.is_neg() or src.is_conj()
+                                 for needs, address, src, dst in zip(
+                                     self._needs_alignment, addresses, (srcs[i] for i in self._batched),
+                                     (self._dsts[i] for i in self._batched)))):
+            self._check(srcs)
             self._plan(list(srcs))
             return self.run(srcs)
         if fresh:
@@ -180,6 +189,16 @@ class CopyPlan:
             torch._foreach_copy_([self._dsts[i] for i in group], [srcs[i] for i in group])
         if not self._launches:
             return
-        kernel = _launcher(self._device)
-        for chunk_pair, aligned in self._launches:
-            kernel[(chunk_pair.numel(),)](self._table, chunk_pair, _CHUNK, _PART, aligned, num_warps=_WARPS)
+        try:
+            with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+                kernel = _launcher(self._device)  # (Triton launches on the current device)
+                for chunk_pair, aligned in self._launches:
+                    kernel[(chunk_pair.numel(),)](self._table, chunk_pair, _CHUNK, _PART, aligned, num_warps=_WARPS)
+        except Exception:
+            if self._launched:
+                raise
+            # The kernel does not build here (Triton without a compiler for this GPU): torch copies instead.
+            self._use_kernel = False
+            self._plan(list(srcs))
+            return self.run(srcs)
+        self._launched = True

@@ -3,17 +3,22 @@ on the same GPU as ONE CUDA IPC handle (torch.multiprocessing's reduce_tensor / 
 carried as JSON: nothing is unpickled); mconv.transport.receiver.ParameterReceiver maps it and
 copies every entry into parameters the engine's process preallocated. Imports torch only.
 
-Lifetime and order: the sender's packing has finished on the GPU before the receiver copies (the
-sender waits for an event recorded after its copies before it sends the handle, or, with a receiver
-that orders by events, sends that event as an IPC event handle, which the receiver's stream waits
-for), it keeps the buffer unchanged until the receiver's copies are done (the receiver replies only
-after a stream synchronize, or records an IPC event after its copies and replies with its handle,
-which the sender's stream waits for before it packs into that buffer again). Each `share()` counts one more reference held by a receiver, released when that
-receiver's mapping of it goes: a share sent once and kept is rebuilt once (IPCEngine, "kept"); one
-made at every request must be rebuilt at every request (torch's cache then releases it), or the
-sender's memory is never freed [read torch/multiprocessing/reductions.py: rebuild_cuda_tensor].
+Lifetime and order: the sender's packing has finished on the GPU before it sends the handle (it
+waits for an event recorded after its copies), and it keeps the buffer unchanged until the
+receiver's copies out of it are done: the receiver replies only after a stream synchronize, or,
+to a sender that says it orders by events, as soon as its copies are queued, with the handle of an
+IPC event recorded after them, which the sender waits for (`wait`) before it packs into that
+buffer again. Neither process's stream waits for the other's events: a process that dies or hangs
+cannot block the other's GPU work, and a wait gives up after its timeout.
+
+Each `share()` counts one more reference held by a receiver, released when that receiver's mapping
+of it goes: a share sent once and kept is rebuilt once (IPCEngine, "kept"); one made at every
+request must be rebuilt at every request (torch's cache then releases it), or the sender's memory
+is never freed [read torch/multiprocessing/reductions.py: rebuild_cuda_tensor].
 """
 from __future__ import annotations
+
+import time
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -71,6 +76,18 @@ def share_event(event: "torch.cuda.Event") -> str:
 
 
 def open_event(handle: str, device: int) -> "torch.cuda.Event":
-    """The event another process shared with `share_event`, opened on `device`: this process's
-    streams can wait for its latest record (`stream.wait_event`)."""
+    """The event another process shared with `share_event`, opened on `device` (for `wait`)."""
     return torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(handle))
+
+
+def wait(event: "torch.cuda.Event", timeout: float | None, what: str) -> None:
+    """Return once the work `event` last recorded has finished, polling it from the host (an IPC
+    event: no stream of this process waits for another process's GPU work). TimeoutError naming
+    `what` after `timeout` seconds (None: no limit)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 1e-5
+    while not event.query():
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not finish within {timeout:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)

@@ -70,12 +70,13 @@ def layout(named: Sequence[tuple[str, torch.Tensor]], aliases: dict[str, str] | 
 
 def pack(named: Sequence[tuple[str, torch.Tensor]], entries: Sequence[Entry], buffer: torch.Tensor) -> None:
     """Copy `named` into `buffer` (uint8, at least the layout's size) at their entries' offsets:
-    a few batched copies (copies.CopyPlan), not one launch per tensor."""
+    one torch._foreach_copy_ per dtype, not one launch per tensor (a sync's packing, done again and
+    again, plans its copies once: copies.CopyPlan)."""
     tensors = dict(named)
     views = [(view, tensors[entry.name]) for entry, view in _views(buffer, entries)
              if entry.name in tensors]  # an alias shares its target's bytes
     sources = [src for _, src in views]
-    CopyPlan([view for view, _ in views], sources).run(sources)
+    CopyPlan([view for view, _ in views], sources, kernel=False).run(sources)
 
 
 def checksums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:

@@ -21,8 +21,7 @@ receiver's `load` sees "entries" filled in and "layout" as a digest of them; an 
 item's "release" [cuda_ipc.key] names it or the connection ends, and `load` sees "kept" as the
 connection's dict of such mappings), `finish` {"version"}
 (a kept item may say "ordered": the trainer waits for the reply's "done" IPC event [cuda_ipc.share_event]
-before reusing the buffer, so the reply need not wait for the copies; and "ready": an IPC event the
-receiver's stream waits for before copying),
+before reusing the buffer, so the reply need not wait for the copies),
 `abort` {"version", "reason"}, `checksums` {"names"} (flat.checksums of what the engine holds). Every
 request may carry the trainer's "rank", used to name it in errors.
 """
@@ -246,10 +245,10 @@ class ParameterReceiver(UpdateReceiver):
     buffers the two most recent mappings stay open (a handle shared anew at each request is
     rebuilt each time, from torch's cache). Each (mapping, layout) pair's copy plan is built once:
     a later sync of the same model is one batched copy per bucket on a GPU (copies.CopyPlan). The
-    receiver replies once its copies finished; to IPCEngine's "ordered" items, once they are queued
-    (its stream first waits for the trainer's "ready" event, when named), with the handle of an IPC
-    event recorded after them ("done"), for the trainer's stream to wait for. `finish` is answered,
-    and a mapping released, only once every copy is done."""
+    receiver replies once its copies finished; to IPCEngine's "ordered" items, once they are queued,
+    with the handle of an IPC event recorded after them ("done"), which the trainer waits for before
+    it reuses the buffer. `finish` is answered, and a mapping released, only once every copy is
+    done."""
 
     def __init__(self, params: dict[str, torch.Tensor], address: str, authkey: bytes,
                  timeout: float = DEFAULT_TIMEOUT):
@@ -267,39 +266,38 @@ class ParameterReceiver(UpdateReceiver):
         self._received = set()
 
     def load(self, buffers: list[dict]) -> dict | None:
-        ordered = self._cuda and bool(buffers)  # every item kept and "ordered": reply before the copies finish
-        for item in buffers:
-            ipc = item.get("ipc")
-            key = cuda_ipc.key(ipc) if ipc else item["path"]
-            start, stop = (ipc["offset"], ipc["offset"] + ipc["numel"]) if ipc else (0, None)
-            mapped = self._map(key, item)
-            layout = item["layout"]  # a digest of the entries (_with_entries)
-            plan = self._plans.get((key, start, stop, layout))
-            if plan is None:
-                plan = self._plans[key, start, stop, layout] = self._plan(mapped[start:stop], [
-                    Entry.from_json(e) for e in item["entries"]])
-            kept = item.get("kept")
-            if item.get("ready") and kept is not None:  # the trainer's packing of this bucket comes first
-                ready = "ready:" + item["ready"]
-                if ready not in kept:
-                    kept[ready] = cuda_ipc.open_event(item["ready"], torch.cuda.current_device())
-                torch.cuda.current_stream().wait_event(kept[ready])
-            plan[0].run()
-            self._received.update(plan[1])
-            ordered = ordered and bool(ipc) and kept is not None and bool(item.get("ordered"))
+        # every item a kept CUDA share from a trainer that orders by events: reply before the copies finish
+        ordered = self._cuda and bool(buffers) and all(item.get("ipc") and item.get("kept") is not None
+                                                       and item.get("ordered") for item in buffers)
+        try:
+            for item in buffers:
+                ipc = item.get("ipc")
+                key = cuda_ipc.key(ipc) if ipc else item["path"]
+                start, stop = (ipc["offset"], ipc["offset"] + ipc["numel"]) if ipc else (0, None)
+                mapped = self._map(key, item)
+                layout = item["layout"]  # a digest of the entries (_with_entries)
+                plan = self._plans.get((key, start, stop, layout))
+                if plan is None:
+                    plan = self._plans[key, start, stop, layout] = self._plan(mapped[start:stop], [
+                        Entry.from_json(e) for e in item["entries"]])
+                plan[0].run()
+                self._received.update(plan[1])
+        except BaseException:
+            if self._cuda:  # the trainer reuses the buffers once we reply, an error too
+                torch.cuda.current_stream().synchronize()
+            raise
         if not ordered:
             if self._cuda:
                 torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we reply
             return None
-        # The sender's stream waits for this event before it packs into the buffer again.
-        done = "done:" + cuda_ipc.key(buffers[0]["ipc"])
-        kept = buffers[0]["kept"]
+        # The trainer waits for this event before it packs into the buffer again.
+        kept, done = buffers[0]["kept"], "done:" + cuda_ipc.key(buffers[0]["ipc"])
         if done not in kept:
-            kept[done] = torch.cuda.Event(interprocess=True)
-        kept[done].record()
-        if done + ":handle" not in kept:
-            kept[done + ":handle"] = cuda_ipc.share_event(kept[done])
-        return {"done": kept[done + ":handle"]}
+            event = torch.cuda.Event(interprocess=True)
+            event.record()
+            kept[done] = (event, cuda_ipc.share_event(event))
+        kept[done][0].record()
+        return {"done": kept[done][1]}
 
     def complete(self, message: dict) -> None:
         if self._cuda:
@@ -343,8 +341,8 @@ class ParameterReceiver(UpdateReceiver):
                     if old in kept:
                         torch.cuda.current_stream().synchronize()  # copies out of it may still run
                         self._drop_plans(old)
-                        for name in (old, f"done:{old}", f"done:{old}:handle"):
-                            kept.pop(name, None)
+                        kept.pop(old)
+                        kept.pop(f"done:{old}", None)
                 if key not in kept:
                     kept[key] = cuda_ipc.attach(whole, torch.cuda.current_device())
                 return kept[key]

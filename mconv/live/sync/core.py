@@ -220,7 +220,7 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
     result.bytes += nbytes
     bucket = FlatBucket(version, index, buffer, entries)
     if buffer.is_cuda:
-        bucket.ready = engine.ready_event(index % 2, buffer.device)
+        bucket.ready = torch.cuda.Event()
         bucket.ready.record(torch.cuda.current_stream(buffer.device))
     if sums is not None:
         sums.update(checksums(list(bucket)))  # before the engine may reuse the buffer
@@ -242,7 +242,7 @@ def _pack(engine, slot: int, named, aliases, device) -> tuple[list, torch.Tensor
     replans itself where one does not fit it), so a later sync's packing is one batched copy on a
     GPU."""
     layouts = engine.__dict__.setdefault("_layouts", {})  # signature -> (entries, nbytes)
-    plans = engine.__dict__.setdefault("_copy_plans", {})  # (slot, signature) -> (buffer, CopyPlan)
+    plans = engine.__dict__.setdefault(_COPY_PLANS, {})  # (slot, signature) -> (buffer, CopyPlan)
     signature = (tuple((name, t.dtype, t.shape) for name, t in named), tuple(sorted((aliases or {}).items())))
     if signature not in layouts:
         layouts[signature] = layout(named, aliases)
@@ -257,6 +257,15 @@ def _pack(engine, slot: int, named, aliases, device) -> tuple[list, torch.Tensor
         hit = plans[slot, signature] = (buffer, CopyPlan([by_name[name] for name, _ in named], sources))
     hit[1].run(sources)
     return entries, buffer
+
+
+_COPY_PLANS = "_mconv_copy_plans"  # where _pack keeps an engine's copy plans (views of its buffers)
+
+
+def forget_packing(engine) -> None:
+    """Drop `_pack`'s copy plans into `engine`'s buffers, which hold views of them: for an engine
+    that replaces its buffers at every sync (the old ones must go)."""
+    engine.__dict__.pop(_COPY_PLANS, None)
 
 
 def _sent_shapes(live, config: dict, tied: bool, quantize, fp8_scale, quantization) -> dict[str, list[int]]:

@@ -81,11 +81,6 @@ class Engine:
     def update(self, bucket: FlatBucket) -> None:
         raise NotImplementedError
 
-    def ready_event(self, slot: int, device: torch.device) -> "torch.cuda.Event":
-        """The CUDA event sync_weights records on `device`'s current stream after packing a bucket
-        into slot `slot` (FlatBucket.ready)."""
-        return torch.cuda.Event()
-
     def _slot(self, buffers: dict, bucket: FlatBucket) -> int:
         """The slot of `buffers` ({slot: uint8 tensor}) whose memory holds `bucket` (packed into
         what `buffer(slot, ...)` returned). Raises ValueError for a bucket from elsewhere."""
@@ -201,6 +196,7 @@ class RemoteEngine(Engine):
         if self._conn is not None:
             self._conn.close()
         self._conn = None
+        self._carried = {}  # a new connection carries nothing over (IPCEngine's events: the receiver drops them)
 
     def _update(self, buffer: dict, entries: list[Entry]) -> dict:
         """One `update` request for one bucket buffer ({"ipc": ...} or {"path": ...}); its reply. A

@@ -17,13 +17,11 @@ class IPCEngine(RemoteEngine):
     (until the buffer is replaced, then released, or the connection ends), and each bucket crosses
     as that handle and its entries. Raises MconvError for a model that is not on CUDA.
 
-    Order on the GPU, without the host waiting for it: once the receiver has said it orders by
-    events (its reply carries a "done" event), each request names the slot's IPC event recorded
-    after the bucket's packing ("ready"), which the receiver's stream waits for before its copies,
-    and the receiver replies once its copies are queued, with an IPC event recorded after them,
-    which the trainer's stream waits for before it packs into that buffer again (`buffer`). Until
-    then (a connection's first bucket, or a receiver that does not), the trainer waits for each
-    bucket's packing on the host and the receiver for its copies (mconv.transport.cuda_ipc).
+    Each request says the trainer orders by events ("ordered"): the receiver then replies as soon
+    as its copies are queued, with an IPC event recorded after them ("done"), and the trainer
+    waits for that event (polling it from the host, for at most `timeout`) before it packs into
+    that buffer again (`buffer`), while the receiver already takes the next bucket. A receiver
+    that replies without an event has finished its copies when it replies (mconv.transport.cuda_ipc).
 
     A subclass whose receiver maps the buffer anew at every bucket (vLLM's ipc backend) sets
     `keeps_shares = False`: each bucket is then shared afresh, one share for one mapping, as
@@ -31,23 +29,10 @@ class IPCEngine(RemoteEngine):
 
     keeps_shares = True
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._ready: dict[int, tuple[torch.cuda.Event, str]] = {}  # slot -> its IPC event and handle
-
-    def ready_event(self, slot: int, device: torch.device) -> torch.cuda.Event:
-        if not self.keeps_shares:
-            return super().ready_event(slot, device)
-        if slot not in self._ready:
-            event = torch.cuda.Event(interprocess=True)
-            event.record(torch.cuda.current_stream(device))  # (an IPC handle needs the event made on the device)
-            self._ready[slot] = (event, cuda_ipc.share_event(event))
-        return self._ready[slot][0]
-
     def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         done = self._carried.get("done", {}).get(slot)
         if done is not None:  # the receiver's copies out of this slot come first (and before a replacement's free)
-            torch.cuda.current_stream(device).wait_event(done[1])
+            cuda_ipc.wait(done[1], self.timeout, f"the engine's copies out of bucket buffer {slot}")
         return super().buffer(slot, nbytes, device)
 
     def check_device(self, device: torch.device) -> None:
@@ -58,9 +43,9 @@ class IPCEngine(RemoteEngine):
         if not bucket.buffer.is_cuda:
             raise MconvError(f"IPCEngine needs the model on a CUDA device; bucket {bucket.index} is on "
                              f"{bucket.buffer.device}")
+        bucket.wait()
         slot = self._slot(self._buffers, bucket)
         if not self.keeps_shares:
-            bucket.wait()
             self._update({"ipc": cuda_ipc.share(bucket.buffer)}, bucket.entries)
             return
         buffer = self._buffers[slot]
@@ -73,29 +58,22 @@ class IPCEngine(RemoteEngine):
             # a request the receiver refuses (an aborted update) must not lose a release.
             released = carried.setdefault("release", [])
             held = shares.get(slot)
+            known = carried.setdefault("done", {})  # slot -> (handle, the receiver's "done" event opened here)
             if held is not None and held[0] is not buffer:
                 released.append(cuda_ipc.key(held[1]))
+                known.pop(slot, None)  # the receiver drops the old buffer's event with its mapping
                 held = None
             if held is None:
                 held = shares[slot] = (buffer, cuda_ipc.share(buffer))
             item = {"kept": True, "ipc": held[1], "ordered": True}
-            ready = self._ready.get(slot)
-            if carried.get("ordered") and ready is not None and bucket.ready is ready[0]:
-                item["ready"] = ready[1]
-            else:
-                bucket.wait()
             if released:
                 item["release"] = list(released)
             done = self._update(item, bucket.entries).get("done")
             released.clear()
-            if done is not None:
-                carried["ordered"] = True
-                known = carried.setdefault("done", {})  # slot -> (handle, the receiver's event opened here)
-                if known.get(slot, (None,))[0] != done:
-                    known[slot] = (done, cuda_ipc.open_event(done, bucket.buffer.device.index))
+            if done is not None and known.get(slot, (None,))[0] != done:
+                known[slot] = (done, cuda_ipc.open_event(done, bucket.buffer.device.index))
 
     def close(self) -> None:
         super().close()
-        self._ready.clear()
         if torch.cuda.is_initialized():
             torch.cuda.ipc_collect()  # frees the shared buffers the receiver has let go of

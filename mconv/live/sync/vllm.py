@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from mconv.errors import MconvError
+from mconv.live.sync.core import forget_packing
 from mconv.live.sync.engines import Engine, FlatBucket, RemoteEngine, SharedMemoryBuffers, SharedMemoryEngine
 from mconv.live.sync.http import call_json
 from mconv.live.sync.ipc import IPCEngine
@@ -105,7 +106,7 @@ def _fresh_cuda_buffers(engine) -> None:
     if not engine._buffers:
         return
     engine._buffers.clear()
-    engine.__dict__.pop("_views", None)  # sync_weights' packing views of them would keep them alive
+    forget_packing(engine)  # sync_weights' copy plans hold views of them, which would keep them alive
 
 
 class VLLMServerEngine(SharedMemoryBuffers):
