@@ -94,9 +94,10 @@ class CopyPlan:
     `kernel` (default: destinations on a GPU and Triton importable): the pairs with both sides
     contiguous on the destinations' device go through the batched kernel, the others through
     torch._foreach_copy_; `kernel=True` on the CPU runs the kernel in Triton's interpreter (tests).
-    Raises ValueError for a pair of differing dtypes or shapes, a tensor whose storage was freed in
-    place (a copy would touch freed memory: torch's own segfaults), or `run` given another number
-    of sources."""
+    Raises ValueError for a pair of differing dtypes or shapes (new sources are checked where their
+    address changed), a tensor whose storage was freed in place when the plan is made or remade (a
+    copy would touch freed memory: torch's own segfaults), or `run` given another number of
+    sources. A source freed in place after that is the caller's to avoid, as with torch's copies."""
 
     def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], kernel: bool | None = None,
                  fixed_sources: bool = False):
