@@ -159,6 +159,20 @@ class CopyPlan:
         """How many of the pairs the batched kernel copies (the others go through torch._foreach_copy_)."""
         return len(self._batched)
 
+    def _fits(self, srcs: Sequence[torch.Tensor], addresses: list[int] | None) -> bool:
+        """Whether the plan still holds for `srcs`: no destination moved, every batched source is
+        contiguous without torch's negative bit and, where their `addresses` are new (None: the last
+        run's), on the plan's device, of its dtype and shape, and 16-byte aligned where planned so."""
+        if [dst.data_ptr() for dst in self._dsts] != self._targets:
+            return False
+        batched = [(srcs[i], self._dsts[i]) for i in self._batched]
+        if not all(src.is_contiguous() and not src.is_neg() for src, _ in batched):
+            return False
+        return addresses is None or not any(
+            (needs and address % _ALIGN) or src.device != self._device or src.dtype != dst.dtype
+            or src.shape != dst.shape or src.is_conj()
+            for needs, address, (src, dst) in zip(self._needs_alignment, addresses, batched))
+
     def run(self, srcs: Sequence[torch.Tensor] | None = None) -> None:
         """Copy `srcs` (in the plan's order; with `fixed_sources`, none: the planned ones) into the
         destinations, on the current stream."""
@@ -170,13 +184,7 @@ class CopyPlan:
             raise ValueError(f"{len(srcs)} sources for a plan of {len(self._dsts)} copies")
         addresses = [srcs[i].data_ptr() for i in self._batched]
         fresh = addresses != self._addresses
-        if ([dst.data_ptr() for dst in self._dsts] != self._targets
-                or not all(srcs[i].is_contiguous() and not srcs[i].is_neg() for i in self._batched)
-                or fresh and any((needs and address % _ALIGN) or src.device != self._device
-                                 or src.dtype != dst.dtype or src.shape != dst.shape or src.is_neg() or src.is_conj()
-                                 for needs, address, src, dst in zip(
-                                     self._needs_alignment, addresses, (srcs[i] for i in self._batched),
-                                     (self._dsts[i] for i in self._batched)))):
+        if not self._fits(srcs, addresses if fresh else None):
             self._check(srcs)
             self._plan(list(srcs))
             return self.run(srcs)

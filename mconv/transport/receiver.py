@@ -208,6 +208,11 @@ class UpdateReceiver:
                         pass  # the update has ended as failed whatever the engine said; keep watching
 
 
+def _done_key(share: str) -> str:
+    """Where a connection's `kept` dict holds the "done" IPC event of the share keyed `share`."""
+    return f"done:{share}"
+
+
 def _with_entries(buffers: list[dict], peer: dict) -> list[dict]:
     """`buffers` with every item's "entries" filled in from the layouts this connection sent before,
     "kept" (if true) replaced by the connection's dict of kept mappings, and its "layout" replaced
@@ -291,7 +296,7 @@ class ParameterReceiver(UpdateReceiver):
                 torch.cuda.current_stream().synchronize()  # the sender reuses the buffer once we reply
             return None
         # The trainer waits for this event before it packs into the buffer again.
-        kept, done = buffers[0]["kept"], "done:" + cuda_ipc.key(buffers[0]["ipc"])
+        kept, done = buffers[0]["kept"], _done_key(cuda_ipc.key(buffers[0]["ipc"]))
         if done not in kept:
             event = torch.cuda.Event(interprocess=True)
             event.record()
@@ -342,7 +347,7 @@ class ParameterReceiver(UpdateReceiver):
                         torch.cuda.current_stream().synchronize()  # copies out of it may still run
                         self._drop_plans(old)
                         kept.pop(old)
-                        kept.pop(f"done:{old}", None)
+                        kept.pop(_done_key(old), None)
                 if key not in kept:
                     kept[key] = cuda_ipc.attach(whole, torch.cuda.current_device())
                 return kept[key]
