@@ -116,28 +116,38 @@ def test_fp8_batched_quantize_on_gpu_gives_the_cpu_bytes():
         fp8.quantize_tensors([("big", big), ("w", w)], fp8.Quantization(lambda n: True))
 
 
-def _ipc_receiver(hf_dir, address, authkey, ready, done, out):
+def _ipc_receiver(hf_dir, address, authkey, ready, done, out, delay_cycles=0):
     """The engine's process: zeroed CUDA parameters shaped as the checkpoint's, filled by syncs;
-    saved to `out` (with the last version) once `done` is set."""
+    saved to `out` (with the last version) once `done` is set. `delay_cycles`: each bucket's copies
+    wait behind a GPU sleep of that many clock cycles, so they are still queued when the receiver
+    replies (a trainer that reused the bucket's buffer without waiting for them would corrupt them)."""
     from safetensors.torch import load_file, save_file
 
     from mconv.transport.receiver import ParameterReceiver
 
+    class SlowReceiver(ParameterReceiver):
+        def load(self, buffers):
+            torch.cuda._sleep(delay_cycles)
+            return super().load(buffers)
+
     params = {}
     for path in sorted(hf_dir.glob("*.safetensors")):
         params.update((name, torch.zeros_like(t, device="cuda")) for name, t in load_file(path).items())
-    receiver = ParameterReceiver(params, address, authkey)
+    receiver = (SlowReceiver if delay_cycles else ParameterReceiver)(params, address, authkey)
     receiver.start()
     ready.set()
     done.wait()
     save_file({name: t.cpu() for name, t in params.items()}, out, metadata={"version": str(receiver.version)})
 
 
-def test_gpu_ipc_sync_is_exact(process_group, tmp_path):
+@pytest.mark.parametrize("delay_cycles", [0, 20_000_000], ids=["receiver", "slow-receiver"])
+def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles):
     """sync_weights (NCCL alone: its agreement tensors on the GPU) through IPCEngine (one CUDA IPC handle per bucket, two reused buffers) into a
     receiver process that owns preallocated parameters: every HF tensor of the MoE fixture (loaded
     into megatron-core from the checkpoint) arrives bit for bit, over many buckets, twice, the
-    receiver replying before its copies finish, with IPC events the trainer waits for."""
+    receiver replying before its copies finish, with IPC events the trainer waits for. The slow
+    receiver's copies wait about 10 ms behind a GPU sleep per bucket: the trainer, which packs the
+    bucket after next into the same buffer, gets there first unless it waits for the "done" event."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -152,7 +162,8 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path):
     address, authkey = str(tmp_path / "engine.sock"), os.urandom(16)
     ready, done = context.Event(), context.Event()
     receiver = context.Process(target=_ipc_receiver, args=(hf_dir, address, authkey, ready, done,
-                                                           str(tmp_path / "received.safetensors")), daemon=True)
+                                                           str(tmp_path / "received.safetensors"), delay_cycles),
+                               daemon=True)
     receiver.start()
     engine = IPCEngine(address, authkey)
     try:
