@@ -205,6 +205,7 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
                                              version="one-rank", bucket_bytes=BUCKET))
     refused("int8", lambda: sync_weights(chunks, TIED, engine, version="int8", dtype=torch.int8))  # zeros before
     refused("version", lambda: sync_weights(chunks, TIED, engine, version="step 7\nINFO: forged"))
+    refused("version-bytes", lambda: sync_weights(chunks, TIED, engine, version=b"step-7"))
     refused("save-one-rank", lambda: save_hf_weights(chunks, tmp / "never", TIED if rank == 0 else tmp / "missing"))
     import sys
     refused("exit", lambda: sync_weights(chunks, TIED, lambda bucket: sys.exit(3), version="exit"))  # rank 1 hung
@@ -355,6 +356,9 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
             "weight sync 'step 7\\nINFO: forged' refused before any bucket was sent: rank 0: "
             "version='step 7\\nINFO: forged' is not a version: give a non-empty string of at most 200 printable "
             "characters (a training step, a checkpoint name)")
+        assert rank["errors"]["version-bytes"] == (
+            "weight sync b'step-7' refused before any bucket was sent: rank 0: version=b'step-7' (bytes) is not a "
+            "version: give a str (a checkpoint name) or an int (a training step)")
         assert "missing" in rank["errors"]["save-one-rank"]  # rank 0 got gloo's error before
         assert rank["errors"]["int8"] == ("weight sync int8 refused before any bucket was sent: rank 0: "
                                           "dtype=torch.int8 is not a dtype mconv writes; available: float32, bfloat16, "
@@ -749,6 +753,7 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     to it, and the next update is served)."""
     import threading
 
+    from mconv import MconvError
     from mconv.live.sync import RemoteEngine, SharedMemoryEngine
     from mconv.transport import shm
     from mconv.transport.receiver import ParameterReceiver
@@ -771,7 +776,8 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     silent = SharedMemoryEngine(str(tmp_path / "engine.sock"), b"key")
     silent.start("v2")
     assert aborted("v2") == "no request from the trainer for 0.5 s in the middle of update v2"
-    with pytest.raises(RuntimeError, match=r"finish without a weight update in progress \(the last one was aborted"):
+    with pytest.raises(MconvError, match=r"^the engine at .*engine.sock refused 'finish': finish without a weight "
+                                         r"update in progress \(the last one was aborted"):
         silent.finish("v2")
     silent.close()
     receiver.close()
@@ -831,6 +837,7 @@ def test_a_receiver_outlives_bad_clients_and_a_trainer_outlives_its_restart(tmp_
     import socket
     import time
 
+    from mconv import MconvError
     from mconv.live.sync import SharedMemoryEngine
     from mconv.transport import shm
 
@@ -845,7 +852,8 @@ def test_a_receiver_outlives_bad_clients_and_a_trainer_outlives_its_restart(tmp_
         return process
 
     process = receiver()
-    with pytest.raises(RuntimeError, match="refused the connection: another authkey"):
+    with pytest.raises(MconvError, match=f"^the engine at {address} refused the connection: another authkey than its "
+                                         "receiver's$"):
         SharedMemoryEngine(address, b"bad", timeout=5).expected()
     closed = socket.socket(socket.AF_UNIX)
     closed.connect(address)
@@ -965,6 +973,7 @@ def test_a_bucket_layout_travels_once_per_connection(tmp_path, monkeypatch):
     only its number, a new connection carries them again (and the receiver keeps one plan for it),
     and the receiver's parameters equal the sent tensors after every update. A number never sent is
     refused in one line, and so is a bucket not packed into the engine's own buffers."""
+    from mconv import MconvError
     from mconv.live.sync import SharedMemoryEngine, core
     from mconv.transport import shm
     from mconv.transport.flat import layout, pack
@@ -995,7 +1004,8 @@ def test_a_bucket_layout_travels_once_per_connection(tmp_path, monkeypatch):
     assert ["entries" in buffers[0] for buffers in sent if buffers] == [True, False, True]
     assert len(receiver._plans) == 1  # one copy plan for the layout, whichever connection sent it
     engine.start("v3")
-    with pytest.raises(RuntimeError, match=r"^ValueError: bucket layout 7 was never sent on this connection$"):
+    with pytest.raises(MconvError, match=r"^the engine at .*engine.sock refused 'update': bucket layout 7 was never "
+                                         r"sent on this connection$"):
         engine._request({"op": "update", "buffers": [{"path": "unused", "layout": 7}]})
     with pytest.raises(ValueError, match=r"^bucket 0 is not in a buffer this engine's buffer\(\) gave$"):
         engine.update(core.FlatBucket("v3", 0, torch.zeros(nbytes, dtype=torch.uint8), entries))
@@ -1020,3 +1030,206 @@ def test_fresh_buffers_let_the_old_ones_go():
     del buffer
     _fresh_cuda_buffers(engine)
     assert old.expired()
+
+
+TINY = FIXTURES / "qwen3-tiny"  # untied, 4 layers, bf16
+
+
+def _exported_dtypes(chunks, hf, **options) -> dict:
+    """{HF name: dtype} of what this rank's stage exports with these sync_weights options: the real
+    export (iter_hf_weights), the oracle of what a sync sends."""
+    from mconv.live import iter_hf_weights
+
+    return {name: t.dtype for bucket in iter_hf_weights(chunks, hf, **options) for name, t in bucket}
+
+
+def _dtypes_worker(rank: int, tmp: str) -> None:
+    """The ranks of test_dtypes_are_agreed_before_any_bucket."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from safetensors.torch import load_file
+
+    from mconv import Layout, MconvError
+    from mconv.converter import fp8
+    from mconv.live import build_model, clear_cache, load_hf_weights
+    from mconv.live.chunks import _config
+    from mconv.live.export import DEFAULT_BUCKET_BYTES, _prepared
+    from mconv.live.sync import CallableEngine, SharedMemoryEngine, core, sync_weights
+    from mconv.mappings import architecture_for
+    from mconv.mappings.schema import Architecture
+    from mconv.transport.flat import dtype_name
+    from mconv.transport.receiver import ParameterReceiver
+    from tests.megatron_oracle import _cpu_shims
+
+    _cpu_shims()
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+
+    def bf16_model(hf, layout, **sizes):
+        ps.initialize_model_parallel(**sizes)
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        chunks = build_model(hf, layout, dtype=torch.bfloat16, use_cpu_initialization=True)
+        load_hf_weights(chunks, hf)
+        return chunks
+
+    class Recorder(CallableEngine):  # what a sync hands the engine (tied lm_head too, as vLLM's): the oracle
+        sends_tied_lm_head = True
+
+        def __init__(self):
+            super().__init__(lambda bucket: self.got.update((e.name, e.dtype) for e in bucket.entries))
+            self.got = {}
+
+    def sent(chunks, hf, **options) -> dict:
+        """On the sender (rank 0), the dtypes it expects to send are those a real sync sends (returned)."""
+        recorder = Recorder()
+        sync_weights(chunks, hf, recorder, **options)
+        if rank == 0:
+            config = _config(hf, None)
+            live, _ = _prepared(chunks, config, DEFAULT_BUCKET_BYTES)
+            quantization = fp8.writer_quantization(architecture_for(config), options.get("quantize"), None, config)
+            expected = core._sent_dtypes(live, options.get("dtype"), quantization, bool(config["tie_word_embeddings"]))
+            assert {name: dtype_name(dtype) for name, dtype in expected.items()} == recorder.got, options
+            assert options or set(recorder.got.values()) == {"bfloat16", "float32"}  # bf16, norms float32
+        return recorder.got
+
+    # The MoE at TP2/EP2/ETP1 (rank 0 sends its EP peer's experts too), cast or not, FP8 or not, and
+    # with its router weights kept in float32 by a cast (as BailingMoeV3's expert_bias is: transforms.cast_dtype)
+    chunks = bf16_model(MOE, Layout(tp=2, ep=2, etp=1), tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                        expert_tensor_parallel_size=1)
+    for options in ({}, {"dtype": torch.float32}, {"dtype": torch.bfloat16}, {"quantize": "fp8"},
+                    {"quantize": "fp8", "dtype": torch.bfloat16}):
+        sent(chunks, MOE, **options)
+    fp32_kind = Architecture.fp32_kind
+    Architecture.fp32_kind = lambda arch, name: "mlp.gate.weight" if name.endswith("mlp.gate.weight") else None
+    clear_cache(chunks)  # what a sync worked out of the model (with the table's rules) goes
+    kept = sent(chunks, MOE, dtype=torch.bfloat16)
+    Architecture.fp32_kind = fp32_kind
+    if rank == 0:  # the sender
+        assert kept["model.layers.0.mlp.gate.weight"] == "float32"
+    ps.destroy_model_parallel()
+    chunks = bf16_model(TIED, Layout(tp=2), tensor_model_parallel_size=2)  # lm_head.weight sent as the embedding
+    sent(chunks, TIED)
+    ps.destroy_model_parallel()
+
+    # A bf16 model at PP2 (each rank a stage and its sender) into ParameterReceivers on rank 0.
+    chunks = bf16_model(TINY, Layout(pp=2), pipeline_model_parallel_size=2)
+    checkpoint = load_file(TINY / "model.safetensors")  # bf16, as an engine holds it
+    mine = _exported_dtypes(chunks, TINY)  # this stage's tensors, the norms float32 (megatron-core's)
+    receivers = {}
+    if rank == 0:
+        generator = torch.Generator().manual_seed(0)
+
+        def receiver(key, dtypes):  # random parameters, to tell any write
+            params = {name: torch.randn(t.shape, generator=generator).to(dtypes[name]) for name, t in checkpoint.items()}
+            receivers[key] = ParameterReceiver(params, f"{tmp}/{key}.sock", b"key")
+            receivers[key].start()
+            return {name: t.clone() for name, t in params.items()}
+
+        # "stage-0": holds stage 0's tensors in the dtypes stage 0 sends: only rank 1 (stage 1) is refused
+        before = {"bf16": receiver("bf16", {name: t.dtype for name, t in checkpoint.items()}),
+                  "stage-0": receiver("stage-0", {name: mine.get(name, t.dtype) for name, t in checkpoint.items()})}
+    dist.barrier()
+    refusals = {}
+    for key in ("bf16", "stage-0"):
+        with pytest.raises(MconvError) as refused:
+            sync_weights(chunks, TINY, SharedMemoryEngine(f"{tmp}/{key}.sock", b"key"), version=key)
+        refusals[key] = str(refused.value)
+    # The oracle: the names each stage's export sends in float32, against the engine's bfloat16.
+    sent_fp32 = [None, None]
+    dist.all_gather_object(sent_fp32, sorted(name for name, dtype in mine.items() if dtype == torch.float32))
+    for key, stage in (("bf16", 0), ("stage-0", 1)):
+        named = sent_fp32[stage]
+        assert refusals[key] == (
+            f"weight sync {key} refused before any bucket was sent: rank {stage}: the trainer's model does not "
+            "match the engine's: " + "; ".join(f"{name} is sent as float32, the engine holds bfloat16"
+                                               for name in named[:3])
+            + f"; and {len(named) - 3} more: pass sync_weights(dtype=torch.bfloat16) to send that dtype, or give the "
+            "engine's parameters the dtypes sent (the engine copies the bytes it gets, uncast)"), refusals[key]
+    if rank == 0:  # no bucket reached the receivers: every byte as it was
+        for key, params in before.items():
+            assert all(torch.equal(receivers[key].params[n], t) for n, t in params.items())
+            assert not receivers[key].lock.locked()
+        assert receivers["bf16"].version is None  # refused by rank 0: never told to start
+        # rank 0 had started the update when rank 1's refusal was agreed on: aborted, with rank 1's reason
+        assert receivers["stage-0"].version == "failed:stage-0"
+        assert refusals["stage-0"].endswith(receivers["stage-0"].failure)
+
+    # With dtype= the engine's: synced and verified (twice: the second agrees from the cached
+    # replies), the receiver holding the checkpoint bit for bit; an int version is a training step.
+    engine = SharedMemoryEngine(f"{tmp}/bf16.sock", b"key")
+    assert engine.dtypes() is engine.dtypes()  # the receiver's unchanged: nothing compared again
+    for version in ("step-1", 2):
+        result = sync_weights(chunks, TINY, engine, version=version, dtype=torch.bfloat16, verify=True,
+                              bucket_bytes=64 << 10)
+        assert result.buckets > 1 and result.version == str(version)
+    for version, kind in ((b"v1", "bytes"), (True, "bool"), (["a"], "list")):
+        with pytest.raises(MconvError, match=rf"^weight sync .* refused before any bucket was sent: rank 0: version="
+                                             rf".* \({kind}\) is not a version: give a str \(a checkpoint name\) or an "
+                                             r"int \(a training step\)$"):
+            sync_weights(chunks, TINY, engine, version=version, dtype=torch.bfloat16)
+    engine.close()
+    if rank == 0:
+        bf16 = receivers["bf16"]
+        assert bf16.version == "2"
+        assert all(torch.equal(bf16.params[n], t) for n, t in checkpoint.items())
+        for receiver in receivers.values():
+            receiver.close()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_dtypes_are_agreed_before_any_bucket(tmp_path):
+    """A bf16 megatron-core model keeps its norms in float32; a ParameterReceiver copies bytes into
+    its own (bf16) parameters and needs the exact dtype. A sync that would send another dtype is
+    refused on every rank before any bucket: each pipeline stage's sender checks its own stage's
+    tensors (at PP2, a receiver matching stage 0 is refused by rank 1), the message names the
+    tensors (up to 3; the oracle: what iter_hf_weights sends) and the cast to pass, and the
+    receiver's parameters keep every byte. With dtype=torch.bfloat16 the same receiver is synced
+    and verified, bit for bit the checkpoint. What a sender expects to send equals what the export
+    sends, with and without cast and FP8 (the MoE at TP2/EP2: experts of both EP ranks). A version
+    that is no str or int is refused; an int is sent as its decimal string."""
+    from tests.ranks import start_ranks
+
+    start_ranks(_dtypes_worker, args=(str(tmp_path),), nprocs=2)
+
+
+def test_engine_and_address_mistakes_are_one_sentence(tmp_path):
+    """What is no engine, an address nobody listens at (no socket file, a name that is no path and
+    no host:port, a socket file left without a listener, a refused port) and a key that is no bytes
+    are one MconvError each, saying what to pass; the engines it names are mconv.live.sync's. A
+    receiver given a str key refuses it at once (each connection failed, silently, before)."""
+    import re
+    import socket
+
+    import mconv.live.sync
+    from mconv import MconvError
+    from mconv.live.sync import SharedMemoryEngine, sync_weights
+    from mconv.transport.receiver import ParameterReceiver
+
+    for engine, message in ((None, r"engine is None: pass an mconv.live.sync Engine \(VLLMEngine, SharedMemoryEngine, "
+                                   r"IPCEngine, ...\) or a callable taking each FlatBucket$"),
+                            ("/tmp/engine.sock", r"engine='/tmp/engine.sock' is an address, not an engine: pass "
+                                                 r"SharedMemoryEngine\('/tmp/engine.sock', authkey\) for a "
+                                                 r"ParameterReceiver on this host, IPCEngine\("),
+                            ("http://127.0.0.1:8000", r"engine='http://127.0.0.1:8000' is an address, not an engine: pass "
+                                                      r"VLLMServerEngine\('http://127.0.0.1:8000'\) for a running vLLM "
+                                                      r"server or SGLangEngine\(")):
+        with pytest.raises(MconvError, match="^" + message) as refused:
+            sync_weights([], FIXTURES / "qwen3-tiny", engine)
+        assert all(hasattr(mconv.live.sync, name) for name in re.findall(r"(\w+Engine)\(", str(refused.value)))
+    with pytest.raises(MconvError, match=r"^SharedMemoryEngine: authkey is a str; give the key as bytes"):
+        SharedMemoryEngine(str(tmp_path / "engine.sock"), "key")
+    with pytest.raises(TypeError, match=r"^authkey is a str; give the key as bytes"):
+        ParameterReceiver({"w": torch.zeros(1)}, str(tmp_path / "engine.sock"), "key")
+
+    stale = str(tmp_path / "stale.sock")
+    socket.socket(socket.AF_UNIX).bind(stale)  # a socket file nobody listens at (a receiver that was killed)
+    for address, message in ((str(tmp_path / "none.sock"), f"nothing listens at {tmp_path / 'none.sock'}: no such "
+                                                           "socket file (start the receiver first)"),
+                             ("localhost", "'localhost' is neither an existing Unix socket nor host:port (start the "
+                                           "receiver first, or give its host:port)"),
+                             (stale, f"nothing listens at {stale} (start the receiver first)"),
+                             ("127.0.0.1:1", "nothing listens at 127.0.0.1:1 (start the receiver first)")):
+        with pytest.raises(MconvError) as refused:
+            SharedMemoryEngine(address, b"key", timeout=5).expected()
+        assert str(refused.value) == message

@@ -12,7 +12,9 @@ torch only, not megatron-core.
         ...
 
 Requests: `expected` ({"digest", "route"} -> the model's {HF name: shape} as that route sends it,
-sent only when the trainer's digest of it is not current), `start` {"version"}, `update`
+"tensors", and, from an engine that copies bytes and needs each tensor in its own dtype
+(ParameterReceiver), {HF name: dtype name} as "dtypes"; sent only when the trainer's digest of them is
+not current), `start` {"version"}, `update`
 {"buffers": [{"ipc": cuda_ipc.share(...) | "path": shared-memory file, "entries": [Entry.to_json()],
 "layout": n}]} (a bucket layout's entries travel once per connection: later buckets with the same
 layout carry only its number `n`; a
@@ -38,7 +40,7 @@ import torch
 
 from mconv.transport import cuda_ipc, shm
 from mconv.transport.copies import CopyPlan
-from mconv.transport.flat import Entry, checksums, unpack
+from mconv.transport.flat import Entry, checksums, dtype_name, unpack
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -71,8 +73,8 @@ def checkpoint_shapes(model: str, revision: str | None = None, tied_lm_head: boo
 
 class UpdateReceiver:
     """Serves a trainer's weight syncs on `address` (a Unix socket path or "host:port"),
-    authenticated with `authkey`; subclasses say what an engine does at each step (`expected`,
-    `begin`, `load`, `complete`, `abandon`, `held_checksums`).
+    authenticated with `authkey` (bytes: TypeError otherwise); subclasses say what an engine does
+    at each step (`expected`, `dtypes`, `begin`, `load`, `complete`, `abandon`, `held_checksums`).
 
     An update in progress is aborted (`version` becomes "failed:<version>", `failure` says why,
     `lock` is released) when a connection that took part in it closes before `finish` (a trainer
@@ -88,7 +90,7 @@ class UpdateReceiver:
         self._session: str | None = None  # the version being updated
         self._peers: set[int] = set()  # the connections that took part in it
         self._last = 0.0
-        self._digests: dict[str | None, tuple[str, dict]] = {}  # route -> the model's digest and shapes
+        self._digests: dict[str | None, tuple[str, dict]] = {}  # route -> the model's digest and expected reply
 
     def start(self) -> threading.Thread:
         """Accept trainer connections on a daemon thread, each served on its own thread, and watch
@@ -105,11 +107,13 @@ class UpdateReceiver:
         if op == "expected":
             route = message.get("route")
             if route not in self._digests:
-                tensors = {name: [int(n) for n in shape] for name, shape in self.expected(route).items()}
-                self._digests[route] = (hashlib.sha256(json.dumps(sorted(tensors.items())).encode()).hexdigest(),
-                                        tensors)
-            digest, tensors = self._digests[route]
-            return {"digest": digest} if message.get("digest") == digest else {"digest": digest, "tensors": tensors}
+                model = {"tensors": {name: [int(n) for n in shape] for name, shape in self.expected(route).items()}}
+                dtypes = self.dtypes(route)
+                if dtypes is not None:
+                    model["dtypes"] = {name: dtype_name(dtype) for name, dtype in dtypes.items()}
+                self._digests[route] = (hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest(), model)
+            digest, model = self._digests[route]
+            return {"digest": digest} if message.get("digest") == digest else {"digest": digest, **model}
         if op == "start":
             self.lock.acquire()  # waits for generation, or for an update in progress to end
             with self._mutex:
@@ -152,6 +156,13 @@ class UpdateReceiver:
         request, where the engine serves several) sends it (asked once per route; the model must not
         change after)."""
         raise NotImplementedError
+
+    def dtypes(self, route: str | None = None) -> dict[str, torch.dtype] | None:
+        """{HF name: dtype} each tensor must arrive in, for an engine that copies the bytes sent into
+        its own tensors (ParameterReceiver); None (the default) for one whose loader casts what it is
+        sent (vLLM). Asked with `expected`, once per route; the trainer refuses a sync that would
+        send another dtype before any bucket."""
+        return None
 
     def begin(self, message: dict) -> None:
         """An update starts: the `start` request ({"version", "verify": the trainer will ask for
@@ -241,8 +252,10 @@ def _with_entries(buffers: list[dict], peer: dict) -> list[dict]:
 class ParameterReceiver(UpdateReceiver):
     """The receiver of an engine that owns `params` ({HF name: tensor}, preallocated, as an engine's
     model does; all on one CUDA device, or on the CPU): each bucket entry is copied into its
-    parameter (same dtype and shape, else the update fails naming it); `finish` fails if a
-    parameter got nothing since `start`; `held_checksums` reads the parameters back.
+    parameter as bytes (same dtype and shape, else the update fails naming it; the trainer, told the
+    names, shapes and dtypes by `expected`, refuses such a sync before any bucket); `finish` fails if
+    a parameter got nothing since `start`; `held_checksums` reads the parameters back. `authkey`
+    must be bytes (TypeError otherwise, as for UpdateReceiver).
 
     A bucket arrives as one CUDA IPC handle (from IPCEngine) or one shared-memory file (from
     SharedMemoryEngine). IPCEngine shares each of its two reused buffers once per connection
@@ -266,6 +279,9 @@ class ParameterReceiver(UpdateReceiver):
 
     def expected(self, route: str | None = None) -> dict[str, list[int]]:
         return {name: list(t.shape) for name, t in self.params.items()}
+
+    def dtypes(self, route: str | None = None) -> dict[str, torch.dtype]:
+        return {name: t.dtype for name, t in self.params.items()}
 
     def begin(self, message: dict) -> None:
         self._received = set()

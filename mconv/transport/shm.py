@@ -101,9 +101,10 @@ class AuthListener:
     """The engine side's listener on a Unix socket path (or "host:port"): multiprocessing's Listener,
     whose handshake (an HMAC challenge each way with `authkey`, as Listener(authkey=...) makes it) is
     done by `accept`, or by `serve` on each connection's own thread, so that a client that fails it
-    or never answers stops no other."""
+    or never answers stops no other. TypeError for an `authkey` that is not bytes (check_authkey)."""
 
     def __init__(self, address: str, authkey: bytes):
+        check_authkey(authkey)
         try:
             self._listener = Listener(_address(address))
         except OSError as e:
@@ -158,23 +159,41 @@ def _handshake(conn: Connection, authkey: bytes) -> Connection:
     return conn
 
 
+def check_authkey(authkey) -> None:
+    """TypeError, in one sentence, for an `authkey` that is not bytes (multiprocessing's handshake
+    takes bytes only; a str failed every connection, on the receiver's side without a word)."""
+    if not isinstance(authkey, bytes):
+        raise TypeError(f"authkey is a {type(authkey).__name__}; give the key as bytes (e.g. "
+                        "bytes.fromhex(hex_key), or a str's .encode())")
+
+
+class Unreachable(ConnectionError):
+    """`connect` found nothing listening at its address (its text says so, naming the address)."""
+
+
+class RemoteError(RuntimeError):
+    """The other side's error reply to a `request` (its text: the error, in one line)."""
+
+
 def listen(address: str, authkey: bytes) -> AuthListener:
     """The engine side's listener on a Unix socket path (or "host:port")."""
     return AuthListener(address, authkey)
 
 
 def connect(address: str, authkey: bytes, timeout: float | None = None) -> Connection:
-    """A connection to the listener at `address`, authenticated with `authkey`; TimeoutError where
-    connecting and the handshake take more than `timeout` seconds (a listener that never answers:
-    multiprocessing's Client has no timeout, so it runs on a thread of its own, left to end when
-    that listener closes)."""
+    """A connection to the listener at `address` (a Unix socket path or "host:port"), authenticated
+    with `authkey`. Raises Unreachable where nothing listens there (no such socket file, a refused
+    connection, an unknown host), multiprocessing.AuthenticationError for another key than the
+    listener's, TimeoutError where connecting and the handshake take more than `timeout` seconds (a
+    listener that never answers: multiprocessing's Client has no timeout, so it runs on a thread of
+    its own, left to end when that listener closes)."""
     if timeout is None:
-        return Client(_address(address), authkey=authkey)
+        return _client(address, authkey)
     outcome: dict = {}
 
     def attempt() -> None:
         try:
-            outcome["conn"] = Client(_address(address), authkey=authkey)
+            outcome["conn"] = _client(address, authkey)
         except BaseException as e:
             outcome["error"] = e
     thread = threading.Thread(target=attempt, daemon=True, name="mconv-connect")
@@ -185,6 +204,21 @@ def connect(address: str, authkey: bytes, timeout: float | None = None) -> Conne
     if "error" in outcome:
         raise outcome["error"]
     return outcome["conn"]
+
+
+def _client(address: str, authkey: bytes) -> Connection:
+    """multiprocessing's Client for `address`, with Unreachable saying what is wrong with it."""
+    target = _address(address)
+    try:
+        return Client(target, authkey=authkey)
+    except FileNotFoundError:
+        raise Unreachable(f"nothing listens at {address}: no such socket file (start the receiver first)"
+                          if "/" in address else f"{address!r} is neither an existing Unix socket nor host:port "
+                                                 "(start the receiver first, or give its host:port)") from None
+    except ConnectionRefusedError:
+        raise Unreachable(f"nothing listens at {address} (start the receiver first)") from None
+    except socket.gaierror as e:
+        raise Unreachable(f"{address}: no host {target[0]!r} ({e.strerror})") from None
 
 
 def _address(address: str):
@@ -221,7 +255,7 @@ def serve(listener: AuthListener, handle, closed=None) -> threading.Thread:
                 try:
                     reply = handle(message, peer)
                 except Exception as e:
-                    reply = {"error": f"{type(e).__name__}: {e}"}
+                    reply = {"error": _said(e)}
                 try:
                     send(conn, reply)
                 except OSError:
@@ -242,13 +276,23 @@ def serve(listener: AuthListener, handle, closed=None) -> threading.Thread:
     return thread
 
 
+def _said(error: Exception) -> str:
+    """An error as a reply carries it: its text alone where that is a sentence of its own (a
+    ValueError or RuntimeError the engine raised to say what is wrong), else prefixed by its type
+    (a KeyError's text is only the key)."""
+    text = str(error).strip()
+    if isinstance(error, (ValueError, RuntimeError)) and text:
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def request(conn: Connection, message: dict, timeout: float | None = None) -> dict:
-    """Send `message`, return the reply; an engine-side error comes back as RuntimeError(its text),
+    """Send `message`, return the reply; an engine-side error comes back as RemoteError(its text),
     no reply within `timeout` seconds (None: wait as long as it takes) as TimeoutError."""
     send(conn, message)
     if timeout is not None and not conn.poll(timeout):
         raise TimeoutError(f"no reply to {message.get('op')!r} within {timeout:g} s")
     reply = receive(conn)
     if "error" in reply:
-        raise RuntimeError(reply["error"])
+        raise RemoteError(reply["error"])
     return reply

@@ -14,14 +14,16 @@ import torch
 import torch.distributed as dist
 
 from mconv.converter import fp8
+from mconv.converter.options import DTYPES
 from mconv.converter.planner import make_plan
+from mconv.converter.transforms import cast_dtype
 from mconv.errors import MconvError
 from mconv.live.chunks import _config
-from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _checked, _prepared, iter_hf_weights
+from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _checked, _exported, _prepared, iter_hf_weights
 from mconv.live.sync.engines import FlatBucket, as_engine
 from mconv.mappings import architecture_for
 from mconv.transport.copies import CopyPlan
-from mconv.transport.flat import checksums, layout, unpack
+from mconv.transport.flat import checksums, dtype_name, layout, unpack
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _VERSIONS = itertools.count(1)
@@ -42,14 +44,14 @@ class SyncResult:
 
 
 def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path | dict, engine, *,
-                 version: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 version: str | int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  dtype: torch.dtype | None = None, revision: str | None = None, quantize: str | None = None,
                  fp8_scale: str | None = None, verify: bool = False) -> SyncResult:
     """Push the model's current weights into `engine`; call it on every rank of the trainer.
 
     `engine` is an `mconv.live.sync.Engine` (e.g. `VLLMEngine`) or a callable taking one
-    `FlatBucket` per bucket. Each pipeline stage's sender (its TP/EP/ETP/DP rank 0) hands the
-    engine its stage's buckets from `iter_hf_weights(model_chunks, hf_config, bucket_bytes, dtype)`
+    `FlatBucket` per bucket (MconvError at once for anything else). Each pipeline stage's sender
+    (its TP/EP/ETP/DP rank 0) hands the engine its stage's buckets from `iter_hf_weights(model_chunks, hf_config, bucket_bytes, dtype)`
     (HF names and shapes), each packed into one contiguous uint8 buffer, on a background thread:
     the next bucket is gathered and packed while the engine loads the previous one (two buffers,
     at most two buckets in flight). With tied embeddings and an engine that asks for it (vLLM),
@@ -65,12 +67,17 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     `sync_weights` while one runs (another thread, an engine calling it) is an MconvError at once.
 
     Before any bucket, rank 0 compares the names and shapes it will send with the engine's
-    `expected()`: names the engine does not know, names it expects and does not get, and shapes
-    that differ are one MconvError on every rank, and nothing is sent. Once started, the ranks
-    agree after every bucket: if any rank raises (its gather, its packing or the engine), every
-    rank raises one MconvError naming that rank and its error, the engine is told `abort` (never
+    `expected()`, and every sender the dtype each tensor of its stage is sent in (`dtype`'s cast,
+    else its Megatron parameter's; FP8 weights and float32 scales with `quantize`) with the
+    engine's `dtypes()`, for an engine that needs exact dtypes (ParameterReceiver): names the
+    engine does not know, names it expects and does not get, shapes and dtypes that differ are one
+    MconvError on every rank, and no bucket is sent (a dtype refused on another sender than rank 0
+    after rank 0 started the engine's update: after its `abort`). Once started, the ranks agree
+    after every bucket: if any rank raises (its gather, its packing or the engine), every rank
+    raises one MconvError naming that rank and its error, the engine is told `abort` (never
     `finish`), and the next sync starts clean. `version` (default: "1", "2", ... per process) is
-    given to the engine's `start` / `finish`. Returns this rank's SyncResult.
+    given to the engine's `start` / `finish`: a str, or an int (a training step, given as its
+    decimal string); another type is refused before any bucket. Returns this rank's SyncResult.
 
     A rank that dies mid-sync (the process group raises in a collective: gloo does at once, NCCL
     after its timeout) gives every surviving rank one MconvError saying so; rank 0 aborts the
@@ -82,7 +89,10 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     rank (the engine has finished the update by then; sync again).
     """
     engine = as_engine(engine)
-    version = str(next(_VERSIONS)) if version is None else str(version)
+    if version is None:
+        version = str(next(_VERSIONS))
+    elif isinstance(version, int) and not isinstance(version, bool):
+        version = str(version)  # a training step
     if not _RUNNING.acquire(blocking=False):
         raise MconvError(f"weight sync {_shown(version)}: another sync_weights is running in this process "
                          "(another thread, or an engine that calls sync_weights); one sync at a time")
@@ -106,9 +116,12 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
         config = _config(hf_config, revision)
         quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
         live, schedule = _prepared(chunks, config, bucket_bytes)
+        tied = bool(config.get("tie_word_embeddings")) and engine.sends_tied_lm_head
         prepared.update(chunks=chunks, dtype=cast, config=config, quantization=quantization, live=live,
-                        schedule=schedule, tied=bool(config.get("tie_word_embeddings")) and engine.sends_tied_lm_head,
-                        sender=_is_sender(live))
+                        schedule=schedule, tied=tied, sender=_is_sender(live))
+        if prepared["sender"]:  # each stage's sender packs and sends its own stage's tensors
+            engine.check_device(_model_device(chunks))
+            _agree_dtypes(engine, lambda: _sent_dtypes(live, cast, quantization, tied), cast)
 
     refused = _attempt(prepare)
     started = False  # this rank told the engine to start (rank 0)
@@ -118,7 +131,6 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
         if verify and not engine.verifiable:
             refused = MconvError(f"verify=True: {type(engine).__name__} cannot read the engine's weights back (give "
                                  "CallableEngine a checksums function)")
-        refused = refused or _attempt(lambda: engine.check_device(_model_device(chunks)))
         refused = refused or _attempt(lambda: _agree_models(engine, lambda: _sent_shapes(
             live, config, tied, quantize, fp8_scale, quantization)))
         refused = refused or _attempt(lambda: engine.start(version, verify=True) if verify else engine.start(version))
@@ -159,14 +171,20 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
     return result
 
 
-def _shown(version: str) -> str:
+def _shown(version) -> str:
     """The version as error messages name it (quoted where it is not one: _check_version)."""
+    if not isinstance(version, str):
+        return repr(version)[:60]
     return version if version and len(version) <= 200 and version.isprintable() else repr(version[:60])
 
 
-def _check_version(version: str) -> None:
-    """MconvError for a version engines cannot carry: empty, over 200 characters, or holding control
-    characters (it goes into engines' logs, HTTP requests and `receiver.version`)."""
+def _check_version(version) -> None:
+    """MconvError for a version engines cannot carry: not a str (sync_weights has made an int one),
+    empty, over 200 characters, or holding control characters (it goes into engines' logs, HTTP
+    requests and `receiver.version`)."""
+    if not isinstance(version, str):
+        raise MconvError(f"version={_shown(version)} ({type(version).__name__}) is not a version: give a str (a "
+                         "checkpoint name) or an int (a training step)")
     if _shown(version) != version:
         raise MconvError(f"version={version[:60]!r} is not a version: give a non-empty string of at most 200 "
                          "printable characters (a training step, a checkpoint name)")
@@ -283,6 +301,57 @@ def _sent_shapes(live, config: dict, tied: bool, quantize, fp8_scale, quantizati
             shapes[LM_HEAD] = shapes[EMBEDDING]
         cache[key] = shapes
     return cache[key]
+
+
+def _sent_dtypes(live, cast: torch.dtype | None, quantization, tied: bool) -> dict[str, torch.dtype]:
+    """{HF name: dtype} of what this rank's stage sends (as iter_hf_weights makes its buckets): `cast`
+    (sync_weights' dtype=) where given, but float32 for the tensors the model keeps in float32, else
+    the dtype of the Megatron parameter each comes from; float8_e4m3fn for the weights `quantization`
+    quantizes and float32 for their _scale_inv; lm_head.weight as the embedding where `tied`. Worked
+    out once per model (cached on the LiveModel, which _prepared replaces when the parameters change)."""
+    cache = live.__dict__.setdefault("_mconv_sent_dtypes", {})
+    key = (cast, quantization is not None, tied)
+    if key not in cache:
+        tasks = _exported(live.plan)
+        # each task's HF names on every EP rank of the stage (their experts, gathered by the sender)
+        peers = [_exported(live.peer_plan(ep=r)) for r in range(live.layout.ep)] if live.layout.ep > 1 else [tasks]
+        dtypes = {}
+        for i, (v, task) in enumerate(tasks):
+            held = live.tensors[v][task.megatron].dtype
+            for _, peer in (peer_tasks[i] for peer_tasks in peers):
+                for name, shape in zip(peer.hf, peer.hf_shapes):
+                    if quantization is not None and quantization.applies(name, shape):
+                        dtypes[name], dtypes[fp8.scale_name(name)] = fp8.FP8, torch.float32
+                    else:
+                        dtypes[name] = cast_dtype(cast, live.arch.fp32_kind(name) is not None) or held
+        if tied and EMBEDDING in dtypes:
+            dtypes[LM_HEAD] = dtypes[EMBEDDING]
+        cache[key] = dtypes
+    return cache[key]
+
+
+def _agree_dtypes(engine, sent, cast: torch.dtype | None) -> None:
+    """MconvError naming the tensors (up to 3) that `sent()` ({HF name: dtype} of this rank's stage,
+    worked out only for an engine that tells) sends in another dtype than the engine's `dtypes()`
+    holds them in. Compared only when either dict is not the one agreed on at the last sync."""
+    held = engine.dtypes()
+    if held is None:
+        return
+    dtypes = sent()
+    agreed = engine.__dict__.get("_agreed_dtypes")
+    if agreed is not None and agreed[0] is held and agreed[1] is dtypes:
+        return
+    differ = sorted(name for name in dtypes.keys() & held.keys() if dtypes[name] != held[name])
+    if differ:
+        wanted = {dtype_name(held[name]) for name in differ}
+        to = next(iter(wanted))  # a cast to suggest: the one dtype the engine holds them in, not cast to already
+        hint = (f"pass sync_weights(dtype=torch.{to}) to send that dtype, or "
+                if len(wanted) == 1 and to in DTYPES and cast != getattr(torch, to) else "")
+        raise MconvError("the trainer's model does not match the engine's: " + "; ".join(
+            f"{name} is sent as {dtype_name(dtypes[name])}, the engine holds {dtype_name(held[name])}"
+            for name in differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+            + f": {hint}give the engine's parameters the dtypes sent (the engine copies the bytes it gets, uncast)")
+    engine.__dict__["_agreed_dtypes"] = (held, dtypes)
 
 
 def _model_device(chunks) -> torch.device:

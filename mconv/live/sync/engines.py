@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import os
 import threading
 import weakref
 from multiprocessing import AuthenticationError
@@ -12,8 +13,9 @@ from multiprocessing import AuthenticationError
 import torch
 import torch.distributed as dist
 
+from mconv.errors import MconvError
 from mconv.transport import shm
-from mconv.transport.flat import Entry, unpack
+from mconv.transport.flat import _DTYPES, Entry, unpack
 
 
 @dataclass
@@ -51,8 +53,9 @@ class Engine:
     anything is sent), `start(version)` (`start(version, verify=True)` when the sync verifies),
     then `finish(version)` once every rank's buckets were taken, or `abort(version, reason)` when
     any rank failed (never `finish` then), and with verify `checksums(names)`. On each sender rank
-    (TP/EP/ETP/DP rank 0 of every pipeline stage): `buffer(slot, nbytes, device)` and
-    `update(bucket)`, from one background thread, at most two buckets in flight (slots 0 and 1)."""
+    (TP/EP/ETP/DP rank 0 of every pipeline stage): `check_device(device)` and `dtypes()` (before
+    anything is sent, rank 0 included), then `buffer(slot, nbytes, device)` and `update(bucket)`,
+    from one background thread, at most two buckets in flight (slots 0 and 1)."""
 
     sends_tied_lm_head = False  # send lm_head.weight beside model.embed_tokens.weight for tied embeddings
 
@@ -64,9 +67,17 @@ class Engine:
         same dict object as at the last sync says the model is unchanged: the check is skipped."""
         return None
 
+    def dtypes(self) -> dict[str, torch.dtype] | None:
+        """{HF name: dtype} in which the engine needs each tensor sent (an engine that copies the
+        bytes into tensors of its own), or None (the default) where it casts what it is sent (vLLM,
+        SGLang) or cannot tell. Asked on every sender rank before anything is sent: a tensor its
+        stage would send in another dtype is an MconvError on every rank. Returning the same dict
+        object as at the last sync says the engine is unchanged: the comparison is skipped."""
+        return None
+
     def check_device(self, device: torch.device) -> None:
         """Raise MconvError if the engine cannot take buckets packed on `device` (the model's, on
-        rank 0): asked before the engine is told anything."""
+        each sender rank): asked before the engine is told anything."""
 
     def start(self, version: str, verify: bool = False) -> None:
         pass
@@ -135,19 +146,31 @@ class CallableEngine(Engine):
 class RemoteEngine(Engine):
     """An engine in another process that serves mconv's JSON requests (a
     mconv.transport.receiver.UpdateReceiver) on `address` (a Unix socket path or "host:port"),
-    authenticated with `authkey`. Subclasses say how a bucket travels (`update`). A request
-    unanswered within `timeout` seconds, connecting included, raises (and the connection is
-    reopened at the next); a sync's first request on a connection an earlier sync left broken (the
-    engine's process restarted) is sent once more on a new one."""
+    authenticated with `authkey` (bytes). Subclasses say how a bucket travels (`update`).
+
+    Errors: MconvError, in one sentence, for an `address` that is no str or path or an `authkey`
+    that is no bytes (here), nothing listening at the address, another key than the receiver's,
+    and a request the receiver refused (naming the request and giving the receiver's error). A
+    request unanswered within `timeout` seconds, connecting included, is a RuntimeError (and the
+    connection is reopened at the next); a sync's first request on a connection an earlier sync
+    left broken (the engine's process restarted) is sent once more on a new one."""
 
     route: str | None = None  # how its buckets reach a receiver that serves several ways (vLLM's Receiver)
 
     def __init__(self, address: str, authkey: bytes, timeout: float | None = 600.0):
         super().__init__()
-        self.address, self.authkey, self.timeout = address, authkey, timeout
+        if not isinstance(address, (str, os.PathLike)):
+            raise MconvError(f"address is a {type(address).__name__}; give the receiver's Unix socket path or "
+                             "\"host:port\"")
+        try:
+            shm.check_authkey(authkey)
+        except TypeError as e:
+            raise MconvError(f"{type(self).__name__}: {e}") from None
+        self.address, self.authkey, self.timeout = os.fspath(address), authkey, timeout
         self._conn = None
         self._lock = threading.RLock()  # rank 0 talks from the caller's thread and the update thread
-        self._expected: tuple[str, dict] | None = None  # the receiver's model digest and shapes
+        # the receiver's model: its digest, {HF name: shape} and {HF name: dtype} (None: it casts)
+        self._expected: tuple[str, dict, dict | None] | None = None
         # id(entries) -> (entries, its layout number); holding the list keeps its id from being reused
         self._layouts: dict[int, tuple[list, int]] = {}
         self._carried: dict = {}  # what this connection has carried (layout numbers; IPCEngine's shares)
@@ -155,9 +178,16 @@ class RemoteEngine(Engine):
 
     def _connected(self) -> dict:
         """What the open connection has carried (the caller holds _lock); a new connection, and an
-        empty record, where none is open."""
+        empty record, where none is open. MconvError where nothing listens at the address or the
+        receiver's key is another."""
         if self._conn is None:
-            self._conn = shm.connect(self.address, self.authkey, self.timeout)
+            try:
+                self._conn = shm.connect(self.address, self.authkey, self.timeout)
+            except shm.Unreachable as e:
+                raise MconvError(str(e)) from None
+            except AuthenticationError:
+                raise MconvError(f"the engine at {self.address} refused the connection: another authkey than its "
+                                 "receiver's") from None
             self._carried = {}
         return self._carried
 
@@ -179,10 +209,9 @@ class RemoteEngine(Engine):
                     reply = shm.request(self._conn, message, self.timeout)
                     self._unanswered = False
                     return reply
-                except AuthenticationError:
-                    self._drop_connection()
-                    raise RuntimeError(f"the engine at {self.address} refused the connection: another authkey "
-                                       "than its receiver's") from None
+                except shm.RemoteError as e:
+                    self._unanswered = False
+                    raise MconvError(f"the engine at {self.address} refused {message['op']!r}: {e}") from None
                 except (TimeoutError, OSError, EOFError) as e:
                     self._drop_connection()
                     self._unanswered = isinstance(e, TimeoutError)
@@ -215,11 +244,24 @@ class RemoteEngine(Engine):
             carried.add(number)
             return reply
 
-    def expected(self) -> dict[str, list[int]]:
+    def _model(self) -> tuple[str, dict, dict | None]:
+        """The receiver's model (its digest, {HF name: shape}, {HF name: dtype} or None), asked anew
+        at each call (one `expected` request) and kept: while the receiver answers that its model is
+        unchanged (the digest alone), the same dicts are returned."""
         reply = self._request({"op": "expected", "digest": self._expected and self._expected[0], "route": self.route})
         if "tensors" in reply or self._expected is None:
-            self._expected = (reply["digest"], reply["tensors"])
-        return self._expected[1]
+            dtypes = reply.get("dtypes")
+            self._expected = (reply["digest"], reply["tensors"],
+                              None if dtypes is None else {name: _DTYPES[d] for name, d in dtypes.items()})
+        return self._expected
+
+    def expected(self) -> dict[str, list[int]]:
+        return self._model()[1]
+
+    def dtypes(self) -> dict[str, torch.dtype] | None:
+        """The dtypes the receiver holds where it copies bytes into its own tensors
+        (ParameterReceiver), None where it casts (vLLM's Receiver)."""
+        return self._model()[2]
 
     def start(self, version: str, verify: bool = False) -> None:
         self._request({"op": "start", "version": version, "verify": verify})
@@ -285,7 +327,8 @@ _CALLABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def as_engine(engine) -> Engine:
     """`engine` itself, or the CallableEngine of a callable: the same one for the same callable at
-    every sync, so its buffers and bucket layouts are reused."""
+    every sync, so its buffers and bucket layouts are reused. MconvError saying what to pass for
+    anything else (an address: which engine to make of it)."""
     if isinstance(engine, Engine):
         return engine
     if callable(engine):
@@ -293,4 +336,14 @@ def as_engine(engine) -> Engine:
             return _CALLABLES.setdefault(engine, CallableEngine(engine))
         except TypeError:  # not weakly referenceable
             return CallableEngine(engine)
-    raise TypeError(f"engine must be an mconv.live.sync.Engine or a callable taking a bucket, not {type(engine).__name__}")
+    if isinstance(engine, (str, os.PathLike)):
+        address = os.fspath(engine)
+        make = (f"VLLMServerEngine({address!r}) for a running vLLM server or SGLangEngine({address!r}) for SGLang"
+                if address.startswith(("http://", "https://")) else
+                f"SharedMemoryEngine({address!r}, authkey) for a ParameterReceiver on this host, "
+                f"IPCEngine({address!r}, authkey) for one on this GPU, or VLLMEngine({address!r}, authkey) for "
+                "vLLM's Receiver")
+        raise MconvError(f"engine={address!r} is an address, not an engine: pass {make} (mconv.live.sync)")
+    raise MconvError(f"engine is {'None' if engine is None else 'a ' + type(engine).__name__}: pass an "
+                     "mconv.live.sync Engine (VLLMEngine, SharedMemoryEngine, IPCEngine, ...) or a callable taking "
+                     "each FlatBucket")
