@@ -154,6 +154,8 @@ from mconv.converter import fp8_batch
 from tests.test_fp8 import assert_batch_is_the_rule
 print(assert_batch_is_the_rule())
 print(len(fp8_batch._PLANS), "plans")
+from tests.test_fp8 import assert_batch_into_is_the_rule
+print(assert_batch_into_is_the_rule())
 """
 
 
@@ -194,6 +196,47 @@ def assert_batch_is_the_rule() -> str:
     return str(refused.value)
 
 
+def assert_batch_into_is_the_rule() -> str:
+    """fp8_batch.quantize_batch(into=...) (a sync's packing of FP8 buckets) writes fp8.quantize's
+    bytes and float scales at the places given in a flat uint8 buffer, 16-byte aligned or not,
+    and not one byte elsewhere (twice: the second call reuses the plan); a NaN weight is refused by
+    name, and a NaN float32 value between the scales alone is not; UE8M0 is a ValueError. Returns
+    the refusal's message."""
+    from mconv.converter import fp8_batch
+
+    w = awkward_weight(torch.float32)
+    named = [("a", w.bfloat16()), ("b", (torch.randn(256, 256) * 0.02).bfloat16().t()), ("c", w[:, 50:])]
+    expected = [fp8.quantize(x) for _, x in named]
+    scale_bytes = [s.numel() * 4 for _, s in expected]
+    # scales first (4-byte aligned, a float32 gap after the first), then the FP8 weights at odd places
+    places, at = [], 0
+    starts = [0, scale_bytes[0] + 8, scale_bytes[0] + 8 + scale_bytes[1]]
+    at = starts[-1] + scale_bytes[2]
+    for (_, x), extra in zip(named, (8, 0, 3)):  # b (256 columns) 16-byte aligned: the vectorised launch
+        places.append([None, at + extra])
+        at += extra + x.numel()
+    places = [(q, s) for (_, q), s in zip(places, starts)]
+    for again in (False, True):
+        buffer = torch.full((at + 5,), 0xAB, dtype=torch.uint8)
+        untouched = torch.ones_like(buffer, dtype=torch.bool)
+        fp8_batch.quantize_batch(named, into=(buffer, places))
+        for (q_at, s_at), (q, scale) in zip(places, expected):
+            got_q = buffer[q_at:q_at + q.numel()]
+            got_scale = buffer[s_at:s_at + scale.numel() * 4].view(torch.float32)
+            assert torch.equal(got_q, bits(q).reshape(-1)) and torch.equal(got_scale, scale.reshape(-1)), again
+            untouched[q_at:q_at + q.numel()] = untouched[s_at:s_at + scale.numel() * 4] = False
+        assert (buffer[untouched] == 0xAB).all(), again
+    buffer[scale_bytes[0]:scale_bytes[0] + 4] = torch.tensor([float("nan")]).view(torch.uint8)  # in the gap
+    fp8_batch.quantize_batch(named, into=(buffer, places))  # the gap is not a scale: not refused
+    with pytest.raises(ValueError, match="ue8m0"):
+        fp8_batch.quantize_batch(named, "ue8m0", into=(buffer, places))
+    bad = named[2][1].clone()
+    bad[7, 7] = float("nan")
+    with pytest.raises(MconvError) as refused:
+        fp8_batch.quantize_batch([*named[:2], ("model.y.weight", bad)], into=(buffer, places))
+    return str(refused.value)
+
+
 def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
     """fp8_batch.quantize_batch (the GPU path of the live export: all a bucket's weights in one kernel
     launch sequence) gives fp8.quantize's bytes and scales, checked above against compressed-tensors',
@@ -206,8 +249,9 @@ def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     run = subprocess.run([sys.executable, "-c", BATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[:2] == ["model.x.weight holds inf or NaN values, which FP8 cannot quantize",
-                                          "3 plans"]
+    assert run.stdout.split("\n")[:3] == ["model.x.weight holds inf or NaN values, which FP8 cannot quantize",
+                                          "3 plans",
+                                          "model.y.weight holds inf or NaN values, which FP8 cannot quantize"]
 
 
 def test_batched_quantize_without_triton_is_the_torch_rule(monkeypatch):

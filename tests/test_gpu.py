@@ -140,14 +140,18 @@ def _ipc_receiver(hf_dir, address, authkey, ready, done, out, delay_cycles=0):
     save_file({name: t.cpu() for name, t in params.items()}, out, metadata={"version": str(receiver.version)})
 
 
-@pytest.mark.parametrize("delay_cycles", [0, 20_000_000], ids=["receiver", "slow-receiver"])
-def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles):
+@pytest.mark.parametrize("delay_cycles, quantize", [(0, None), (20_000_000, None), (0, "fp8")],
+                         ids=["receiver", "slow-receiver", "fp8"])
+def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles, quantize):
     """sync_weights (NCCL alone: its agreement tensors on the GPU) through IPCEngine (one CUDA IPC handle per bucket, two reused buffers) into a
     receiver process that owns preallocated parameters: every HF tensor of the MoE fixture (loaded
     into megatron-core from the checkpoint) arrives bit for bit, over many buckets, twice, the
     receiver replying before its copies finish, with IPC events the trainer waits for. The slow
     receiver's copies wait about 10 ms behind a GPU sleep per bucket: the trainer, which packs the
-    bucket after next into the same buffer, gets there first unless it waits for the "done" event."""
+    bucket after next into the same buffer, gets there first unless it waits for the "done" event.
+    FP8: the receiver holds iter_hf_weights(quantize="fp8")'s tensors (FP8 weights, float32 scales,
+    the rest bf16; tests/test_fp8.py holds them to compressed-tensors' bytes), and gets their bytes
+    through the sync's packing, which quantizes straight into the bucket buffers."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -158,6 +162,14 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles):
     hf_dir = FIXTURES / "qwen3-moe-tiny"
     model = _gpu_model(hf_dir)
     mconv.live.load_hf_weights([model], hf_dir)
+    if quantize:  # what the receiver holds and must get: the export's tensors
+        from safetensors.torch import save_file
+
+        hf_dir = tmp_path / "exported"
+        hf_dir.mkdir()
+        save_file({name: t.cpu() for bucket in mconv.live.iter_hf_weights(
+            [model], FIXTURES / "qwen3-moe-tiny", dtype=torch.bfloat16, quantize=quantize) for name, t in bucket},
+            hf_dir / "model.safetensors")
     context = multiprocessing.get_context("spawn")
     address, authkey = str(tmp_path / "engine.sock"), os.urandom(16)
     ready, done = context.Event(), context.Event()
@@ -169,21 +181,31 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles):
     try:
         assert ready.wait(120), "the receiver process did not start"
         for step in (1, 2):
-            result = sync_weights([model], hf_dir, engine, version=f"step-{step}", bucket_bytes=100_000,
-                                  dtype=torch.bfloat16)
+            result = sync_weights([model], FIXTURES / "qwen3-moe-tiny", engine, version=f"step-{step}",
+                                  bucket_bytes=100_000, dtype=torch.bfloat16, quantize=quantize)
         assert result.buckets > 4
         assert sorted(engine._carried["done"]) == [0, 1]  # the receiver replied with its "done" events
+        if quantize:  # the buckets' weights were quantized straight into their buffers
+            layouts = engine.__dict__["_mconv_layouts"]
+            assert any(signature[2] for signature in layouts)
+            assert all(layout.places for signature, layout in layouts.items() if signature[2])
     finally:
         engine.close()
         done.set()
         receiver.join(120)
     assert receiver.exitcode == 0
-    received, source = load_file(tmp_path / "received.safetensors"), HFCheckpoint(hf_dir)
+    received = load_file(tmp_path / "received.safetensors")
+    if quantize:
+        expected = load_file(hf_dir / "model.safetensors")
+    else:
+        source = HFCheckpoint(hf_dir)
+        expected = {name: source.read(name) for name in source.tensors}
     with safe_open(tmp_path / "received.safetensors", "pt") as f:
         assert f.metadata()["version"] == "step-2"
-    assert sorted(received) == sorted(source.tensors)
+    assert sorted(received) == sorted(expected)
+    assert any(t.dtype == torch.float8_e4m3fn for t in received.values()) == bool(quantize)
     for name, tensor in received.items():
-        assert torch.equal(tensor, source.read(name)), name
+        assert torch.equal(tensor.view(torch.uint8), expected[name].view(torch.uint8)), name
 
 
 def test_gpu_stacked_fp8_export_is_the_offline_bytes(process_group, tmp_path):

@@ -188,17 +188,17 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
     own_engine.close()
 
     if rank == 1:  # rank 1 raises after the second bucket's collectives (rank 0 has sent bucket 1 by then)
-        original = core.iter_hf_weights
+        original = core._stage_buckets
 
         def failing(*args, **kwargs):
             for i, bucket in enumerate(original(*args, **kwargs)):
                 if i == 1:
                     raise RuntimeError("injected failure")
                 yield bucket
-        core.iter_hf_weights = failing
+        core._stage_buckets = failing
     refused("failure", lambda: sync_weights(chunks, TIED, engine, version="step-2-broken", bucket_bytes=BUCKET))
     if rank == 1:
-        core.iter_hf_weights = original
+        core._stage_buckets = original
     generate("failed")
     # A config missing on one node: rank 0 has told vLLM to start; every rank refuses, vLLM is told abort.
     refused("one-rank", lambda: sync_weights(chunks, TIED if rank == 0 else tmp / "missing", engine,
@@ -276,7 +276,7 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
                 if i == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
                 yield bucket
-        core.iter_hf_weights = killed
+        core._stage_buckets = killed
     refused("killed", lambda: sync_weights(chunks, TIED, reload, version="step-3", bucket_bytes=BUCKET))
     served["killed"] = shm.request(gen, {"op": "generate"})
     engine.close()
@@ -1052,7 +1052,7 @@ def _dtypes_worker(rank: int, tmp: str) -> None:
 
     from mconv import Layout, MconvError
     from mconv.converter import fp8
-    from mconv.live import build_model, clear_cache, load_hf_weights
+    from mconv.live import build_model, clear_cache, iter_hf_weights, load_hf_weights
     from mconv.live.chunks import _config
     from mconv.live.export import DEFAULT_BUCKET_BYTES, _prepared
     from mconv.live.sync import CallableEngine, SharedMemoryEngine, core, sync_weights
@@ -1076,14 +1076,21 @@ def _dtypes_worker(rank: int, tmp: str) -> None:
         sends_tied_lm_head = True
 
         def __init__(self):
-            super().__init__(lambda bucket: self.got.update((e.name, e.dtype) for e in bucket.entries))
-            self.got = {}
+            super().__init__(self.record)
+            self.got, self.tensors = {}, {}
+
+        def record(self, bucket):
+            self.got.update((e.name, e.dtype) for e in bucket.entries)
+            self.tensors.update((name, t.clone()) for name, t in bucket)
 
     def sent(chunks, hf, **options) -> dict:
         """On the sender (rank 0), the dtypes it expects to send are those a real sync sends (returned)."""
         recorder = Recorder()
         sync_weights(chunks, hf, recorder, **options)
-        if rank == 0:
+        exported = {name: t for bucket in iter_hf_weights(chunks, hf, **options) for name, t in bucket}
+        if rank == 0:  # the bytes are the export's (FP8: quantized in the sync's packing)
+            assert all(torch.equal(t.view(torch.uint8), recorder.tensors[name].view(torch.uint8))
+                       for name, t in exported.items()) and exported.keys() <= recorder.tensors.keys(), options
             config = _config(hf, None)
             live, _ = _prepared(chunks, config, DEFAULT_BUCKET_BYTES)
             quantization = fp8.writer_quantization(architecture_for(config), options.get("quantize"), None, config)

@@ -292,8 +292,7 @@ def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float"
     if not named:
         return []
     _check_scale_fmt(scale_fmt)
-    if ((named[0][1].is_cuda if batched is None else batched) and _triton_importable()
-            and all(t.dim() == 2 and t.dtype in _BATCHED_DTYPES for _, t in named)):
+    if (named[0][1].is_cuda if batched is None else batched) and batchable([t for _, t in named]):
         from mconv.converter.fp8_batch import quantize_batch
 
         return quantize_batch(named, scale_fmt)
@@ -302,6 +301,12 @@ def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float"
     if not finite.all():
         raise _not_finite(named[int((~finite).nonzero()[0])][0])
     return quantized
+
+
+def batchable(weights: list[torch.Tensor]) -> bool:
+    """Whether fp8_batch's kernels take `weights`: Triton imports, and all are 2-D bfloat16, float16
+    or float32 (no 3-D stacked experts)."""
+    return _triton_importable() and all(t.dim() == 2 and t.dtype in _BATCHED_DTYPES for t in weights)
 
 
 def _triton_importable() -> bool:
@@ -316,9 +321,16 @@ def quantize_tensors(tensors: list[tuple[str, torch.Tensor]], quantization: Quan
                      done: frozenset = frozenset(), picks: dict | None = None) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with each weight to quantize (but those named in `done`, quantized
     already) replaced by (name, FP8 weight) and (name + "_scale_inv", float32 scale): `quantize_all`.
-    `picks`: a dict kept by a caller that quantizes lists of the same names again and again (a live
-    export's buckets, one model): which of a list's names are quantized, and their scale names, are
-    worked out once per list of names and `done` (the names fix the shapes for one model)."""
+    `picks`: as `picked_weights`."""
+    return quantize_picked(tensors, picked_weights(tensors, quantization, done, picks), quantization.scale_fmt)
+
+
+def picked_weights(tensors: list[tuple[str, torch.Tensor]], quantization: Quantization,
+                   done: frozenset = frozenset(), picks: dict | None = None) -> list[tuple[int, str]]:
+    """(index in `tensors`, scale name) of each weight `quantization` quantizes, but those named in
+    `done`. `picks`: a dict kept by a caller that quantizes lists of the same names again and again
+    (a live export's buckets, one model): the answer is worked out once per list of names and
+    `done` (the names fix the shapes for one model)."""
     key = (tuple(name for name, _ in tensors), done) if picks is not None else None
     picked = None if key is None else picks.get(key)
     if picked is None:
@@ -326,10 +338,17 @@ def quantize_tensors(tensors: list[tuple[str, torch.Tensor]], quantization: Quan
                   if name not in done and quantization.applies(name, t.shape)]
         if key is not None:
             picks[key] = picked
+    return picked
+
+
+def quantize_picked(tensors: list[tuple[str, torch.Tensor]], picked: list[tuple[int, str]],
+                    scale_fmt: str = "float") -> list[tuple[str, torch.Tensor]]:
+    """`tensors` with each `picked` weight ((index, scale name), as picked_weights gives) replaced
+    by (name, FP8 weight) and (scale name, float32 scale), quantized by `quantize_all`."""
     if not picked:
         return list(tensors)
     out, start = [], 0
-    quantized = quantize_all([tensors[i] for i, _ in picked], quantization.scale_fmt)
+    quantized = quantize_all([tensors[i] for i, _ in picked], scale_fmt)
     for (i, scale), (q, scale_inv) in zip(picked, quantized):
         out += tensors[start:i]
         out += ((tensors[i][0], q), (scale, scale_inv))

@@ -39,11 +39,11 @@ _ROWS = 32  # rows of a block a kernel step reads (on an H200 at 8 warps: 32 and
 def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
             MODE: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr):
     """Block `base + program id` of the batch (a launch's blocks start at `base`), zero outside its
-    tensor. MODE AMAX: its amax into `scale`; QUANTIZE: its values divided by `scale` into `out`;
-    FUSED: its float scale (fp8.scales' rule) into `scale` and its values divided by it into `out`.
-    `table` holds a row of 8 int64 per tensor: address, rows, columns, row stride (elements; columns
+    tensor. MODE AMAX: its amax into its scale; QUANTIZE: its values divided by its scale into `out`;
+    FUSED: its float scale (fp8.scales' rule) into its scale and its values divided by it into `out`.
+    `table` holds a row of 9 int64 per tensor: address, rows, columns, row stride (elements; columns
     are contiguous), first block, scale-grid columns, offset of its FP8 output (elements), number of
-    blocks. ALIGNED: every address of the launch is a multiple of 16 bytes and every row stride,
+    blocks, offset of its scale grid in `scale` (elements). ALIGNED: every address of the launch is a multiple of 16 bytes and every row stride,
     column count and output offset a multiple of 16 elements (then loads and stores are vectorised;
     without the hint they go element by element).
 
@@ -52,18 +52,19 @@ def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: t
     registers that too few blocks were in flight per SM (0.73 of a flat copy's rate on an H200
     against 0.91 at 32 rows, bench/results-fp8-h200.log)."""
     pid = tl.program_id(0).to(tl.int64)
-    row = table + tl.load(block_tensor + pid).to(tl.int64) * 8
+    row = table + tl.load(block_tensor + pid).to(tl.int64) * 9
     rows, cols, stride = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
     src, dst = tl.load(row).to(tl.pointer_type(DTYPE)), out + tl.load(row + 6)
     if ALIGNED:
         src, dst = tl.multiple_of(src, 16), tl.multiple_of(dst, 16)
         stride, cols = tl.multiple_of(stride, 16), tl.multiple_of(cols, 16)
     b = base + pid - tl.load(row + 4)
+    scale_at = scale + tl.load(row + 8) + b
     grid_cols = tl.load(row + 5)
     first_row = (b // grid_cols) * BLOCK
     c = (b % grid_cols) * BLOCK + tl.arange(0, BLOCK)[None, :]
     if MODE == QUANTIZE:
-        s = tl.load(scale + base + pid)
+        s = tl.load(scale_at)
     else:
         amax = 0.0
         for part in tl.static_range(BLOCK // ROWS):
@@ -72,11 +73,11 @@ def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: t
             magnitude = tl.where(x != x, float("inf"), tl.abs(x))
             amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
         if MODE == AMAX:
-            tl.store(scale + base + pid, amax)
+            tl.store(scale_at, amax)
         else:
             s = tl.math.div_rn(amax, _FP8_MAX)
             s = tl.where(s == 0.0, _ZERO_BLOCK_SCALE, s)
-            tl.store(scale + base + pid, s)
+            tl.store(scale_at, s)
     if MODE != AMAX:
         for part in tl.static_range(BLOCK // ROWS):
             r = first_row + part * ROWS + tl.arange(0, ROWS)[:, None]
@@ -102,7 +103,7 @@ class _Plan:
     once: the launches (their tables hold every field but the weights' addresses, written at each
     call), the output sizes, and how to cut the flat outputs into the weights' views."""
 
-    table: torch.Tensor  # int64 [weights, 8], in `order` (`_kernel`'s rows; addresses written per call)
+    table: torch.Tensor  # int64 [weights, 9], in `order` (`_kernel`'s rows; addresses written per call)
     launches: list[tuple]  # (its rows of `table`, block tensor, base, Triton dtype, aligned)
     out_numel: int
     blocks: int  # 128x128 blocks of all the weights
@@ -119,7 +120,10 @@ _DTYPE_OF, _SHAPE_OF = operator.attrgetter("dtype"), operator.attrgetter("shape"
 _LOCK = threading.Lock()  # a plan's tables serve one call at a time, from its addresses to its end
 
 
-def _plan(weights: list[torch.Tensor], aligned: list[bool]) -> _Plan:
+def _plan(weights: list[torch.Tensor], aligned: list[bool], into: list[tuple[int, int]] | None = None) -> _Plan:
+    """`into`: (FP8 output offset, scale offset) of each weight, in elements (quantize_batch's);
+    otherwise the outputs go back to back in `order`, each FP8 weight 16-byte aligned, and the
+    scales in block order."""
     device = weights[0].device
     key = [(str(w.dtype), a) for w, a in zip(weights, aligned)]
     # a launch's blocks are consecutive; within a launch, weights of one shape are (fewer views to cut)
@@ -129,8 +133,9 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool]) -> _Plan:
     starts = dict(zip(order, block_starts))
     padded = [-(-weights[i].numel() // 16) * 16 for i in order]  # every output starts 16-byte aligned
     offsets = dict(zip(order, itertools.accumulate(padded, initial=0)))
-    rows = [[0, *weights[i].shape, weights[i].stride(0), starts[i], grids[i][1], offsets[i],
-             grids[i][0] * grids[i][1]] for i in order]
+    placed = {i: into[i] if into is not None else (offsets[i], starts[i]) for i in order}
+    rows = [[0, *weights[i].shape, weights[i].stride(0), starts[i], grids[i][1], placed[i][0],
+             grids[i][0] * grids[i][1], placed[i][1]] for i in order]
     table = torch.tensor(rows, dtype=torch.int64, device=device)  # in `order`; a launch's rows are a slice
     launches, first = [], 0
     for group in dict.fromkeys(key[i] for i in order):
@@ -154,16 +159,28 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool]) -> _Plan:
     return _Plan(table, launches, sum(padded), block_starts[-1], order, runs)
 
 
-def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float") -> list[tuple]:
+def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float",
+                   into: tuple[torch.Tensor, list[tuple[int, int]]] | None = None) -> list[tuple] | None:
     """fp8.quantize of each (name, 2-D weight) (bfloat16, float16 or float32; any strides; all on one
     device), bit for bit, in one kernel launch per dtype and alignment (two for UE8M0 scales):
     (q float8_e4m3fn [out, in], scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one
     flat FP8 buffer and one flat scale buffer. One host synchronisation: MconvError naming the first
     weight of `named` that holds inf or NaN.
 
-    The launch tables are planned once per list of dtypes, shapes, strides and alignments (a sync
-    quantizes the same buckets every time) and kept for the next call (the last 1024 such lists,
-    4 bytes per 128x128 block on the device); a call then writes the weights' addresses into them."""
+    `into` = (buffer, places): the FP8 weights and float scales go straight into `buffer` (1-D
+    uint8 on the weights' device, e.g. a sync's flat bucket) instead, each weight's q row-major at
+    its place's first byte offset and its scale grid (float32, row-major) at the second (a multiple
+    of 4); returns None. Float scales only (ValueError for "ue8m0", whose scales are computed
+    between two launches over one flat scale buffer). Where one of the scales is not finite, the
+    weight is named as above; other float32 bytes lying between the scales in `buffer` may be
+    anything.
+
+    The launch tables are planned once per list of dtypes, shapes, strides and alignments (and
+    places) (a sync quantizes the same buckets every time) and kept for the next call (the last
+    1024 such lists, 4 bytes per 128x128 block on the device); a call then writes the weights'
+    addresses into them."""
+    if into is not None and scale_fmt != "float":
+        raise ValueError(f"quantize_batch(into=...) writes float scales, not {scale_fmt!r}")
     weights = [w for _, w in named]
     strides = list(map(torch.Tensor.stride, weights))
     if any(stride[-1] != 1 for stride in strides):  # transposed views: copied row-major
@@ -171,15 +188,18 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
         strides = list(map(torch.Tensor.stride, weights))
     device = weights[0].device
     addresses = list(map(torch.Tensor.data_ptr, weights))
-    # all that _plan reads (the alignments: of the addresses, row strides and columns)
+    places = None if into is None else [(q, s // 4) for q, s in into[1]]
+    # all that _plan reads (the alignments: of the addresses, row strides, columns and outputs)
     signature = (device, tuple(map(_DTYPE_OF, weights)), tuple(map(_SHAPE_OF, weights)), tuple(strides),
-                 tuple(a % 16 for a in addresses))
+                 tuple(a % 16 for a in addresses), None if into is None else (into[0].data_ptr() % 16, tuple(places)))
     with _LOCK:
         plan = _PLANS.get(signature)
         if plan is None:
             aligned = [a % 16 == 0 and stride[0] % 16 == 0 and w.shape[1] % 16 == 0
                        for w, a, stride in zip(weights, addresses, strides)]
-            plan = _PLANS[signature] = _plan(weights, aligned)
+            if into is not None:
+                aligned = [a and not (into[0].data_ptr() + q) % 16 for a, (q, _) in zip(aligned, places)]
+            plan = _PLANS[signature] = _plan(weights, aligned, places)
             while len(_PLANS) > _MAX_PLANS:
                 _PLANS.popitem(last=False)
         else:
@@ -188,8 +208,11 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
         # pinned and asynchronously: a pageable copy would wait for all the work queued on the device.
         plan.table[:, 0].copy_(torch.tensor([addresses[i] for i in plan.order], dtype=torch.int64,
                                             pin_memory=device.type == "cuda").to(device, non_blocking=True))
-        out = torch.empty(plan.out_numel, dtype=fp8.FP8, device=device)
-        scale = torch.empty(plan.blocks, dtype=torch.float32, device=device)  # amax values first, for UE8M0
+        if into is None:
+            out = torch.empty(plan.out_numel, dtype=fp8.FP8, device=device)
+            scale = torch.empty(plan.blocks, dtype=torch.float32, device=device)  # amax values first, for UE8M0
+        else:
+            out, scale = into[0].view(fp8.FP8), into[0][:into[0].numel() // 4 * 4].view(torch.float32)
         kernel = _launcher(device)
         for mode in ((FUSED,) if scale_fmt == "float" else (AMAX, QUANTIZE)):
             if mode == QUANTIZE:
@@ -197,6 +220,13 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
             for table, block_tensor, base, dtype, aligned_ in plan.launches:
                 kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, mode.value,
                                                 aligned_, _ROWS, num_warps=8)
+        if into is not None:
+            grids = [fp8.grid(w.shape) for w in weights]
+            scales = [scale[s:s + rows * cols].view(rows, cols) for (_, s), (rows, cols) in zip(places, grids)]
+            lowest, highest = min(s for _, s in places), max(s + r * c for (_, s), (r, c) in zip(places, grids))
+            if not torch.isfinite(scale[lowest:highest]).all():  # the scales' span: one host synchronisation
+                _refuse_non_finite(named, scales)
+            return None
         quantized: list = [None] * len(weights)
         for indices, offset, (rows, cols), first, grid in plan.runs:
             n = len(indices)
@@ -205,6 +235,13 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
             for i, q, s in zip(indices, qs, scales):
                 quantized[i] = (q, s)
         if not torch.isfinite(scale).all():  # checked once all is launched: the host waits for the GPU once
-            raise fp8._not_finite(next(name for (name, _), (_, s) in zip(named, quantized)
-                                       if not torch.isfinite(s).all()))
+            _refuse_non_finite(named, [s for _, s in quantized])
         return quantized
+
+
+def _refuse_non_finite(named: list[tuple[str, torch.Tensor]], scales: list[torch.Tensor]) -> None:
+    """MconvError naming the first weight of `named` whose scale (in `scales`, in the same order) is
+    not finite (none: another float32 value in the span checked was, and no weight is refused)."""
+    for (name, _), s in zip(named, scales):
+        if not torch.isfinite(s).all():
+            raise fp8._not_finite(name)

@@ -230,7 +230,12 @@ def _stack_bucket(entries: Bucket, transposed: bool, experts: int) -> Bucket:
 
 
 def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: torch.dtype | None,
-                   stacked: str | None = None, quantization: fp8.Quantization | None = None) -> Iterator[Bucket]:
+                   stacked: str | None = None, quantization: fp8.Quantization | None = None,
+                   deferred: bool = False) -> Iterator[Bucket]:
+    """This rank's stage's buckets (iter_hf_weights'). `deferred`: each bucket comes as (bucket,
+    picked): the weights `quantization` quantizes last left unquantized, and which they are
+    (fp8.picked_weights; none without `quantization`), for a caller that quantizes them where it
+    wants them (a sync's flat buffer: fp8.quantize_picked gives the bytes iter_hf_weights yields)."""
     from megatron.core import parallel_state as ps
 
     groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group()}
@@ -271,7 +276,11 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
                      else cast_dtype(dtype, live.arch.fp32_kind(n) is not None) for n, x in out}
             check_cast([(n, x) for n, x in out if casts[n] == dtype], dtype)  # one host synchronisation per bucket
             out = [(n, x if casts[n] is None else x.to(casts[n])) for n, x in out]
-        yield out if quantization is None else fp8.quantize_tensors(out, quantization, frozenset(done), picks)
+        if quantization is None:
+            yield (out, []) if deferred else out
+            continue
+        picked = fp8.picked_weights(out, quantization, frozenset(done), picks)
+        yield (out, picked) if deferred else fp8.quantize_picked(out, picked, quantization.scale_fmt)
 
 
 def _with_scales(names: list[str], mine: Bucket, done: set[str]) -> list[str]:

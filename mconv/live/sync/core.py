@@ -19,7 +19,7 @@ from mconv.converter.planner import make_plan
 from mconv.converter.transforms import cast_dtype
 from mconv.errors import MconvError
 from mconv.live.chunks import _config
-from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _checked, _exported, _prepared, iter_hf_weights
+from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _checked, _exported, _prepared, _stage_buckets
 from mconv.live.sync.engines import FlatBucket, as_engine
 from mconv.mappings import architecture_for
 from mconv.transport.copies import CopyPlan
@@ -143,11 +143,8 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
             if started:  # another rank refused after this one started the engine's update
                 _attempt(lambda: engine.abort(version, reason))
             raise MconvError(f"weight sync {shown} refused before any bucket was sent: {reason}")
-        failure = _buckets(rounds=rounds, schedule=prepared["schedule"], chunks=prepared["chunks"],
-                           config=prepared["config"], engine=engine, sender=prepared["sender"], tied=prepared["tied"],
-                           version=version, result=result, sums=sums,
-                           options=dict(bucket_bytes=bucket_bytes, dtype=prepared["dtype"], quantize=quantize,
-                                        fp8_scale=fp8_scale))
+        failure = _buckets(rounds=rounds, prepared=prepared, engine=engine, version=version, result=result,
+                           sums=sums)
         reason = _shared(failure) if _any(failure) else None
         if reason is not None:
             aborted = _attempt(lambda: engine.abort(version, reason)) if first else None
@@ -190,11 +187,12 @@ def _check_version(version) -> None:
                          "printable characters (a training step, a checkpoint name)")
 
 
-def _buckets(rounds, schedule, chunks, config, engine, sender, tied, version, result, sums,
-             options) -> Exception | None:
+def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | None:
     """The bucket rounds of one sync on this rank; returns this rank's first error (None if none)
-    once the ranks have agreed that one failed, or after every round and the engine's last bucket."""
-    buckets = iter_hf_weights(chunks, config, **options)
+    once the ranks have agreed that one failed, or after every round and the engine's last bucket.
+    The buckets are iter_hf_weights' of the stage, the weights it quantizes last left to `_pack`."""
+    schedule, sender, tied, quantization = (prepared[k] for k in ("schedule", "sender", "tied", "quantization"))
+    buckets = _stage_buckets(prepared["live"], schedule, prepared["dtype"], quantization=quantization, deferred=True)
     workers = ThreadPoolExecutor(1, thread_name_prefix="mconv-sync") if sender else None
     pending: list[Future] = []
     failure = None
@@ -202,7 +200,7 @@ def _buckets(rounds, schedule, chunks, config, engine, sender, tied, version, re
         for index in range(rounds):
             if index < len(schedule) and failure is None:
                 failure = _attempt(lambda: _send(index, buckets, engine, sender, tied, version, pending, workers,
-                                                 result, sums))
+                                                 result, sums, quantization))
             if _any(failure):
                 break
         if workers is not None:
@@ -216,11 +214,11 @@ def _buckets(rounds, schedule, chunks, config, engine, sender, tied, version, re
     return failure
 
 
-def _send(index, buckets, engine, sender, tied, version, pending, workers, result, sums) -> None:
+def _send(index, buckets, engine, sender, tied, version, pending, workers, result, sums, quantization) -> None:
     """Gather bucket `index` (every rank of the stage takes part) and, on the sender, pack it into
     slot index % 2 once the bucket that used that slot is loaded, and queue it for the engine."""
     started = time.perf_counter()
-    named = next(buckets)
+    named, picked = next(buckets)
     packed = time.perf_counter()
     result.seconds["gather"] += packed - started
     if not sender:
@@ -229,7 +227,8 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
         pending[-2].result()  # the engine is done with this slot's previous bucket (raises its error)
     waited = time.perf_counter()
     device = named[0][1].device if named else torch.device("cpu")
-    entries, buffer = _pack(engine, index % 2, named, {LM_HEAD: EMBEDDING} if tied else None, device)
+    entries, buffer = _pack(engine, index % 2, named, {LM_HEAD: EMBEDDING} if tied else None, device, picked,
+                            quantization)
     nbytes = buffer.numel()
     result.seconds["engine"] += waited - packed
     result.seconds["pack"] += time.perf_counter() - waited
@@ -252,29 +251,72 @@ def _is_sender(live) -> bool:
             and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
 
 
-def _pack(engine, slot: int, named, aliases, device) -> tuple[list, torch.Tensor]:
-    """Pack `named` into the engine's buffer for `slot`: its entries and the buffer. A bucket's
-    layout is computed once per signature (names, dtypes, shapes), and its copies into the slot's
-    buffer planned once while the engine keeps that buffer (copies.CopyPlan, taken from the first
-    sync's tensors: later tensors of the same signature come from the same parameters, and the plan
-    replans itself where one does not fit it), so a later sync's packing is one batched copy on a
-    GPU."""
-    layouts = engine.__dict__.setdefault("_layouts", {})  # signature -> (entries, nbytes)
+def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=None) -> tuple[list, torch.Tensor]:
+    """Pack `named` into the engine's buffer for `slot`, the weights `picked` ((index, scale name),
+    fp8.picked_weights) quantized by `quantization` on the way: its entries and the buffer. A
+    bucket's layout is computed once per signature (names, dtypes, shapes), and its copies into the
+    slot's buffer planned once while the engine keeps that buffer (copies.CopyPlan, taken from the
+    first sync's tensors: later tensors of the same signature come from the same parameters, and
+    the plan replans itself where one does not fit it), so a later sync's packing is one batched
+    copy on a GPU. There, with float scales, the picked weights are quantized straight into the
+    buffer (fp8_batch.quantize_batch(into=...)): no FP8 tensors made and copied per weight;
+    elsewhere they are quantized first (fp8.quantize_picked), the same bytes."""
+    layouts = engine.__dict__.setdefault("_mconv_layouts", {})  # signature -> _Layout (RemoteEngine has a _layouts)
     plans = engine.__dict__.setdefault(_COPY_PLANS, {})  # (slot, signature) -> (buffer, CopyPlan)
-    signature = (tuple((name, t.dtype, t.shape) for name, t in named), tuple(sorted((aliases or {}).items())))
-    if signature not in layouts:
-        layouts[signature] = layout(named, aliases)
-    entries, nbytes = layouts[signature]
-    buffer = engine.buffer(slot, nbytes, device)
-    sources = [t for _, t in named]
+    signature = (tuple((name, t.dtype, t.shape) for name, t in named), tuple(sorted((aliases or {}).items())),
+                 tuple(picked), device.type)
+    known = layouts.get(signature)
+    if known is None:
+        known = layouts[signature] = _layout(named, aliases, picked, quantization, device)
+    if picked and not known.places:  # quantized first: the bucket then as it would have come quantized
+        named = fp8.quantize_picked(named, picked, quantization.scale_fmt)
+        return _pack(engine, slot, named, aliases, device)
+    buffer = engine.buffer(slot, known.nbytes, device)
+    sources = [named[i][1] for i in known.copied]
     hit = plans.get((slot, signature))
     if hit is None or hit[0].data_ptr() != buffer.data_ptr() or hit[0].device != buffer.device:
         for key in [k for k, v in plans.items() if k[0] == slot and v[0].data_ptr() != buffer.data_ptr()]:
             del plans[key]  # plans into a buffer the engine replaced: they would keep it alive
-        by_name = dict(unpack(buffer, entries))
-        hit = plans[slot, signature] = (buffer, CopyPlan([by_name[name] for name, _ in named], sources))
+        by_name = dict(unpack(buffer, known.entries))
+        hit = plans[slot, signature] = (buffer, CopyPlan([by_name[named[i][0]] for i in known.copied], sources))
+    if known.places:
+        from mconv.converter.fp8_batch import quantize_batch
+
+        quantize_batch([named[i] for i, _ in picked], into=(buffer, known.places))
     hit[1].run(sources)
-    return entries, buffer
+    return known.entries, buffer
+
+
+@dataclass
+class _Layout:
+    """A bucket signature's flat layout as `_pack` fills it."""
+
+    entries: list  # flat.Entry of every tensor sent (FP8 weights and scales where picked)
+    nbytes: int
+    copied: list[int]  # indices of the bucket's tensors copied as they are
+    places: list[tuple[int, int]] | None  # (FP8 weight, scale) byte offsets of each picked weight quantized into the buffer
+
+
+def _layout(named, aliases, picked, quantization, device) -> _Layout:
+    """_Layout of `named` with the `picked` weights quantized (FP8 weight, float32 scale grid, in
+    fp8.quantize_picked's order); places where they can be quantized into the buffer (a GPU, float
+    scales, fp8_batch's weights), else None: _pack then quantizes them first (and has no use for
+    the entries given here)."""
+    scales = dict(picked)
+    sent = []
+    for i, (name, t) in enumerate(named):
+        if i in scales:
+            sent += [(name, torch.empty(t.shape, dtype=fp8.FP8, device="meta")),
+                     (scales[i], torch.empty(fp8.grid(t.shape), dtype=torch.float32, device="meta"))]
+        else:
+            sent.append((name, t))
+    entries, nbytes = layout(sent, aliases)
+    places = None
+    if picked and device.type == "cuda" and quantization.scale_fmt == "float" and fp8.batchable(
+            [named[i][1] for i in scales]):
+        at = {entry.name: entry.offset for entry in entries}
+        places = [(at[named[i][0]], at[scale]) for i, scale in picked]
+    return _Layout(entries, nbytes, [i for i in range(len(named)) if i not in scales], places)
 
 
 _COPY_PLANS = "_mconv_copy_plans"  # where _pack keeps an engine's copy plans (views of its buffers)
