@@ -222,10 +222,9 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
                                                 aligned_, _ROWS, num_warps=8)
         if into is not None:
             grids = [fp8.grid(w.shape) for w in weights]
-            scales = [scale[s:s + rows * cols].view(rows, cols) for (_, s), (rows, cols) in zip(places, grids)]
             lowest, highest = min(s for _, s in places), max(s + r * c for (_, s), (r, c) in zip(places, grids))
             if not torch.isfinite(scale[lowest:highest]).all():  # the scales' span: one host synchronisation
-                _refuse_non_finite(named, scales)
+                _refuse_non_finite(named, [scale[s:s + r * c] for (_, s), (r, c) in zip(places, grids)])
             return None
         quantized: list = [None] * len(weights)
         for indices, offset, (rows, cols), first, grid in plan.runs:
