@@ -385,7 +385,7 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
     assert ranks[0]["errors"]["own"] == ["own-2", True, {"make_plan": 0, "_check": 0, "layout": 0, "_block_aligned": 0},
                                          True]
     for rank in ranks:
-        assert rank["errors"]["spoilt"] == ("weight sync spoilt is not what the engine holds: rank 0: the engine holds "
+        assert rank["errors"]["spoilt"] == ("weight sync spoilt is not verified: rank 0: the engine holds "
                                             f"other bytes than were sent for {SPOILT} (1 of 24 tensors)")
     assert ranks[0]["errors"]["killed"].startswith("weight sync step-3 failed: a trainer rank was lost mid-sync (")
     assert served["killed"]["version"] == "failed:step-3"
@@ -1150,8 +1150,8 @@ def _dtypes_worker(rank: int, tmp: str) -> None:
             f"weight sync {key} refused before any bucket was sent: rank {stage}: the trainer's model does not "
             "match the engine's: " + "; ".join(f"{name} is sent as float32, the engine holds bfloat16"
                                                for name in named[:3])
-            + f"; and {len(named) - 3} more: pass sync_weights(dtype=torch.bfloat16) to send that dtype, or give the "
-            "engine's parameters the dtypes sent (the engine copies the bytes it gets, uncast)"), refusals[key]
+            + f"; and {len(named) - 3} more: pass sync_weights(dtype=torch.bfloat16) (the engine copies the bytes it "
+            "gets, uncast)"), refusals[key]
     if rank == 0:  # no bucket reached the receivers: every byte as it was
         for key, params in before.items():
             assert all(torch.equal(receivers[key].params[n], t) for n, t in params.items())
@@ -1174,10 +1174,40 @@ def _dtypes_worker(rank: int, tmp: str) -> None:
                                              rf".* \({kind}\) is not a version: give a str \(a checkpoint name\) or an "
                                              r"int \(a training step\)$"):
             sync_weights(chunks, TINY, engine, version=version, dtype=torch.bfloat16)
+    # Ranks disagreeing on bucket_bytes (their collectives would not line up): refused on both.
+    with pytest.raises(MconvError, match=r"refused before any bucket was sent: the ranks called sync_weights with "
+                                         r"different bucket_bytes, dtype, quantize, fp8_scale or verify: pass the same"):
+        sync_weights(chunks, TINY, engine, dtype=torch.bfloat16, bucket_bytes=(64 << 10) * (rank + 1))
+    # An interrupted sync (Ctrl-C, caught): the engine's update is aborted at once, not at its timeout.
+    original = core._stage_buckets
+
+    def interrupted(*args, **kwargs):
+        for i, bucket in enumerate(original(*args, **kwargs)):
+            if i == 1:
+                raise KeyboardInterrupt
+            yield bucket
+    core._stage_buckets = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        sync_weights(chunks, TINY, engine, version="interrupted", dtype=torch.bfloat16, bucket_bytes=64 << 10)
+    core._stage_buckets = original
+    if rank == 0:
+        assert receivers["bf16"].version == "failed:interrupted" and not receivers["bf16"].lock.locked()
+    # An engine holding the model's own mixed dtypes (norms float32): a cast to bfloat16 is refused,
+    # saying to leave dtype= out; without it, synced and verified.
+    if rank == 0:
+        receiver("mixed", {name: torch.float32 if name in sent_fp32[0] + sent_fp32[1] else t.dtype
+                           for name, t in checkpoint.items()})
+    dist.barrier()
+    mixed = SharedMemoryEngine(f"{tmp}/mixed.sock", b"key")
+    with pytest.raises(MconvError, match=r"is sent as bfloat16, the engine holds float32.*: leave dtype= out \(the "
+                                         r"model's own dtypes are the engine's\)"):
+        sync_weights(chunks, TINY, mixed, dtype=torch.bfloat16)
+    sync_weights(chunks, TINY, mixed, version="mixed", verify=True)
     engine.close()
+    mixed.close()
     if rank == 0:
         bf16 = receivers["bf16"]
-        assert bf16.version == "2"
+        assert bf16.version == "failed:interrupted" and receivers["mixed"].version == "mixed"
         assert all(torch.equal(bf16.params[n], t) for n, t in checkpoint.items())
         for receiver in receivers.values():
             receiver.close()
@@ -1226,6 +1256,15 @@ def test_engine_and_address_mistakes_are_one_sentence(tmp_path):
         assert all(hasattr(mconv.live.sync, name) for name in re.findall(r"(\w+Engine)\(", str(refused.value)))
     with pytest.raises(MconvError, match=r"^SharedMemoryEngine: authkey is a str; give the key as bytes"):
         SharedMemoryEngine(str(tmp_path / "engine.sock"), "key")
+    with pytest.raises(MconvError, match=r"^engine is the class SharedMemoryEngine, not an engine: make one"):
+        sync_weights([], FIXTURES / "qwen3-tiny", SharedMemoryEngine)
+    for timeout in ("10", 0, -1, True):
+        with pytest.raises(MconvError, match=rf"^SharedMemoryEngine: timeout={timeout!r}; give the seconds"):
+            SharedMemoryEngine(str(tmp_path / "engine.sock"), b"key", timeout=timeout)
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    with pytest.raises(MconvError, match=r"^sync_weights runs on every rank of an initialized process group"):
+        sync_weights([], FIXTURES / "qwen3-tiny", lambda bucket: None)
     with pytest.raises(TypeError, match=r"^authkey is a str; give the key as bytes"):
         ParameterReceiver({"w": torch.zeros(1)}, str(tmp_path / "engine.sock"), "key")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,12 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     rank (the engine has finished the update by then; sync again).
     """
     engine = as_engine(engine)
+    if not dist.is_initialized():
+        raise MconvError("sync_weights runs on every rank of an initialized process group: call "
+                         "torch.distributed.init_process_group and megatron.core.parallel_state."
+                         "initialize_model_parallel first (one rank: world_size=1)")
+    if not isinstance(verify, bool):
+        raise MconvError(f"verify={verify!r}: give True or False")
     if version is None:
         version = str(next(_VERSIONS))
     elif isinstance(version, int) and not isinstance(version, bool):
@@ -121,7 +128,8 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
                         schedule=schedule, tied=tied, sender=_is_sender(live))
         if prepared["sender"]:  # each stage's sender packs and sends its own stage's tensors
             engine.check_device(_model_device(chunks))
-            _agree_dtypes(engine, lambda: _sent_dtypes(live, cast, quantization, tied), cast)
+            if not first:  # (rank 0's names and shapes, all stages', are compared first: below)
+                _agree_dtypes(engine, live, cast, quantization, tied)
 
     refused = _attempt(prepare)
     started = False  # this rank told the engine to start (rank 0)
@@ -133,13 +141,18 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
                                  "CallableEngine a checksums function)")
         refused = refused or _attempt(lambda: _agree_models(engine, lambda: _sent_shapes(
             live, config, tied, quantize, fp8_scale, quantization)))
+        refused = refused or _attempt(lambda: _agree_dtypes(engine, live, prepared["dtype"], quantization, tied))
         refused = refused or _attempt(lambda: engine.start(version, verify=True) if verify else engine.start(version))
         started = refused is None
     sums: dict | None = {} if verify else None
     try:
-        rounds = _started(refused, len(prepared.get("schedule", ())))  # every rank agrees once per round
-        if rounds is None:
-            reason = _shared(refused)
+        arguments = zlib.crc32(repr((bucket_bytes, str(prepared.get("dtype", dtype)), quantize, fp8_scale,
+                                     verify)).encode())  # (paths may differ from node to node)
+        rounds = _started(refused, len(prepared.get("schedule", ())), arguments)  # every rank agrees once per round
+        if rounds is None or rounds < 0:
+            reason = _shared(refused) if rounds is None else (
+                "the ranks called sync_weights with different bucket_bytes, dtype, quantize, fp8_scale or verify: "
+                "pass the same on every rank")
             if started:  # another rank refused after this one started the engine's update
                 _attempt(lambda: engine.abort(version, reason))
             raise MconvError(f"weight sync {shown} refused before any bucket was sent: {reason}")
@@ -159,7 +172,11 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
             sent = _gathered(sums)
             differ = _attempt(lambda: _compare(engine, sent)) if first else None
             if _any(differ):
-                raise MconvError(f"weight sync {shown} is not what the engine holds: {_shared(differ)}")
+                raise MconvError(f"weight sync {shown} is not verified: {_shared(differ)}")
+    except KeyboardInterrupt:
+        if started:  # the engine's update ends now, not at its receiver's timeout
+            _attempt(lambda: engine.abort(version, "the trainer was interrupted"))
+        raise
     except _Lost as lost:
         if started:
             _attempt(lambda: engine.abort(version, f"a trainer rank was lost: {lost}"))
@@ -372,27 +389,29 @@ def _sent_dtypes(live, cast: torch.dtype | None, quantization, tied: bool) -> di
     return cache[key]
 
 
-def _agree_dtypes(engine, sent, cast: torch.dtype | None) -> None:
-    """MconvError naming the tensors (up to 3) that `sent()` ({HF name: dtype} of this rank's stage,
-    worked out only for an engine that tells) sends in another dtype than the engine's `dtypes()`
-    holds them in. Compared only when either dict is not the one agreed on at the last sync."""
+def _agree_dtypes(engine, live, cast: torch.dtype | None, quantization, tied: bool) -> None:
+    """MconvError naming the tensors (up to 3) this rank's stage sends (_sent_dtypes, worked out
+    only for an engine that tells) in another dtype than the engine's `dtypes()` holds them in, and
+    the `dtype=` under which they would all agree, if one does. Compared only when either dict is
+    not the one agreed on at the last sync."""
     held = engine.dtypes()
     if held is None:
         return
-    dtypes = sent()
+    dtypes = _sent_dtypes(live, cast, quantization, tied)
     agreed = engine.__dict__.get("_agreed_dtypes")
     if agreed is not None and agreed[0] is held and agreed[1] is dtypes:
         return
     differ = sorted(name for name in dtypes.keys() & held.keys() if dtypes[name] != held[name])
     if differ:
-        wanted = {dtype_name(held[name]) for name in differ}
-        to = next(iter(wanted))  # a cast to suggest: the one dtype the engine holds them in, not cast to already
-        hint = (f"pass sync_weights(dtype=torch.{to}) to send that dtype, or "
-                if len(wanted) == 1 and to in DTYPES and cast != getattr(torch, to) else "")
+        fits = [c for c in (None, *(getattr(torch, name) for name in DTYPES)) if c != cast and all(
+            held.get(name, dt) == dt for name, dt in _sent_dtypes(live, c, quantization, tied).items())]
+        hint = ("no dtype= sends them all as the engine holds them: give the engine's parameters the dtypes sent"
+                if not fits else "leave dtype= out (the model's own dtypes are the engine's)" if fits[0] is None
+                else f"pass sync_weights(dtype=torch.{dtype_name(fits[0])})")
         raise MconvError("the trainer's model does not match the engine's: " + "; ".join(
             f"{name} is sent as {dtype_name(dtypes[name])}, the engine holds {dtype_name(held[name])}"
             for name in differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
-            + f": {hint}give the engine's parameters the dtypes sent (the engine copies the bytes it gets, uncast)")
+            + f": {hint} (the engine copies the bytes it gets, uncast)")
     engine.__dict__["_agreed_dtypes"] = (held, dtypes)
 
 
@@ -462,11 +481,14 @@ def _any(failure: Exception | None) -> bool:
 
 
 @_collective
-def _started(refused: Exception | None, rounds: int) -> int | None:
-    """A collective: the number of bucket rounds (the largest stage's), or None if any rank refused."""
-    flags = torch.tensor([refused is not None, rounds], dtype=torch.int64, device=_collective_device())
+def _started(refused: Exception | None, rounds: int, arguments: int) -> int | None:
+    """A collective: the number of bucket rounds (the largest stage's), None if any rank refused, -1
+    if the ranks' `arguments` (a digest of what shapes the buckets) differ: their collectives would
+    not line up (gloo aborts the process on such a mismatch)."""
+    flags = torch.tensor([refused is not None, rounds, arguments, -arguments], dtype=torch.int64,
+                         device=_collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return None if flags[0] else int(flags[1])
+    return None if flags[0] else -1 if flags[2] != -flags[3] else int(flags[1])
 
 
 @_collective
@@ -478,7 +500,12 @@ def _gathered(sums: dict) -> dict:
 
 
 def _compare(engine, sent: dict[str, int]) -> None:
-    held = engine.checksums(sorted(sent))
+    try:
+        held = engine.checksums(sorted(sent))
+    except MconvError:
+        raise
+    except Exception as e:
+        raise MconvError(f"reading the engine's checksums back failed: {type(e).__name__}: {e}") from None
     if not isinstance(held, dict):
         raise MconvError(f"the engine's checksums() returned {type(held).__name__}, not a dict of name -> checksum; "
                          "nothing was compared")

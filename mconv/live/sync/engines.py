@@ -166,6 +166,10 @@ class RemoteEngine(Engine):
             shm.check_authkey(authkey)
         except TypeError as e:
             raise MconvError(f"{type(self).__name__}: {e}") from None
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or not timeout > 0):
+            raise MconvError(f"{type(self).__name__}: timeout={timeout!r}; give the seconds to wait for the engine's "
+                             "answers (a positive number) or None for no limit")
         self.address, self.authkey, self.timeout = os.fspath(address), authkey, timeout
         self._conn = None
         self._lock = threading.RLock()  # rank 0 talks from the caller's thread and the update thread
@@ -331,6 +335,9 @@ def as_engine(engine) -> Engine:
     anything else (an address: which engine to make of it)."""
     if isinstance(engine, Engine):
         return engine
+    if isinstance(engine, type):
+        raise MconvError(f"engine is the class {engine.__name__}, not an engine: make one (e.g. "
+                         f"{engine.__name__}(address, authkey)) and pass it")
     if callable(engine):
         try:
             return _CALLABLES.setdefault(engine, CallableEngine(engine))
