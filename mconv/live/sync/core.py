@@ -64,7 +64,10 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     modules, `bucket_bytes` a positive integer, `dtype` one mconv writes, by name or as a torch
     dtype, the HF config readable: a path missing on one node, a parameter replaced on one rank);
     a rank that fails there is one MconvError on every rank, before the engine is told anything
-    (or, where rank 0 had started it, after its `abort`). One sync at a time per process: a second
+    (or, where rank 0 had started it, after its `abort`); so are ranks given different
+    `bucket_bytes`, `dtype`, `quantize`, `fp8_scale` or `verify` (their collectives would not line
+    up). MconvError at once before `torch.distributed.init_process_group`. A KeyboardInterrupt
+    during the sync aborts the engine's update before it propagates. One sync at a time per process: a second
     `sync_weights` while one runs (another thread, an engine calling it) is an MconvError at once.
 
     Before any bucket, rank 0 compares the names and shapes it will send with the engine's
