@@ -4,6 +4,7 @@ path and a list of entries (the CPU counterpart of one CUDA IPC handle per bucke
 messages are JSON over an authenticated multiprocessing connection (no pickle)."""
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import mmap
@@ -22,10 +23,12 @@ BUCKET_PREFIX = "mconv-bucket-"
 
 class SharedBuffer:
     """A uint8 tensor over a shared-memory file: `create` makes one of `nbytes`, `attach` maps an
-    existing one by path. `close()` unmaps it; the creator's also removes the file. A creator that
-    dies first (a trainer killed mid-run) leaves its files, which hold memory until removed: their
-    names carry the creator's process id (and PID namespace), and the next `create` on the host
-    removes those of this user's processes that are gone (remove_orphans)."""
+    existing one by path. `close()` unmaps it; the creator's also removes the file, and the
+    creator's process removes those it never closed when it exits normally (an engine never
+    closed: a file in /dev/shm holds its memory until removed; a forked child that exits leaves
+    its parent's files alone). A creator that dies (a trainer killed mid-run) leaves its files:
+    their names carry the creator's process id (and PID namespace), and the next `create` on the
+    host removes those of this user's processes that are gone (remove_orphans)."""
 
     def __init__(self, path: str, nbytes: int, owner: bool):
         self.path, self.nbytes, self.owner = path, nbytes, owner
@@ -41,6 +44,7 @@ class SharedBuffer:
             os.ftruncate(fd, max(nbytes, 1))
         finally:
             os.close(fd)
+        _CREATED[path] = os.getpid()
         return cls(path, max(nbytes, 1), owner=True)
 
     @classmethod
@@ -56,8 +60,29 @@ class SharedBuffer:
     def close(self) -> None:
         del self.tensor  # the mapping cannot close while a tensor still exports it
         self._map.close()
-        if self.owner and os.path.exists(self.path):
-            os.unlink(self.path)
+        if self.owner:
+            _CREATED.pop(self.path, None)
+            _remove(self.path)
+
+
+_CREATED: dict[str, int] = {}  # the bucket files `create` made and `close` did not remove: path -> creator's pid
+
+
+@atexit.register
+def _remove_created() -> None:
+    """At the interpreter's normal exit, remove the bucket files this process created and never
+    closed. Only the creator's: a forked child inherits this dict (and this handler, which runs
+    when it exits normally) while its parent still uses the files."""
+    for path, creator in list(_CREATED.items()):
+        if creator == os.getpid():
+            _remove(path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # removed already
 
 
 def _pid_namespace() -> int:
@@ -101,19 +126,26 @@ class AuthListener:
     """The engine side's listener on a Unix socket path (or "host:port"): multiprocessing's Listener,
     whose handshake (an HMAC challenge each way with `authkey`, as Listener(authkey=...) makes it) is
     done by `accept`, or by `serve` on each connection's own thread, so that a client that fails it
-    or never answers stops no other. TypeError for an `authkey` that is not bytes (check_authkey)."""
+    or never answers stops no other. `close()` ends the connections `serve` serves too.
+
+    Refused in one sentence: an `authkey` that is not bytes (TypeError, check_authkey) or is empty
+    (ValueError), an `address` that is no str or path (TypeError) or is empty (ValueError:
+    multiprocessing would listen at a path of its own choosing, which no trainer knows), and an
+    address it cannot listen at (OSError: in use by a live listener, a Unix path too long, ...)."""
 
     def __init__(self, address: str, authkey: bytes):
         check_authkey(authkey)
-        try:
-            self._listener = Listener(_address(address))
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE or not _stale_socket(address):
-                raise OSError(e.errno, f"cannot listen at {address}: {e.strerror}"
-                              + (" (another receiver listens there)" if e.errno == errno.EADDRINUSE else "")) from None
-            os.unlink(address)  # a killed receiver's socket file: no process listens at it
-            self._listener = Listener(_address(address))
-        self.authkey = authkey
+        if not isinstance(address, (str, os.PathLike)):
+            raise TypeError(f"address={address!r} is no str or path: give a Unix socket path or \"host:port\"")
+        address = os.fspath(address)
+        if not address:
+            raise ValueError("address is empty: give a Unix socket path or \"host:port\"")
+        self._listener = _listen(address)
+        self.address, self.authkey = address, authkey
+        self._guard = threading.Lock()  # _served and _closed, between the accept thread, serving threads and close()
+        self._served: dict[Connection, threading.Thread] = {}  # connections `serve` serves: their threads
+        self._accepting: threading.Thread | None = None  # serve's accepting thread
+        self._closed = False
 
     def accept(self, handshake: bool = True) -> Connection:
         """The next authenticated connection (multiprocessing.AuthenticationError for a wrong key);
@@ -122,14 +154,148 @@ class AuthListener:
         connection = self._listener.accept()
         return _handshake(connection, self.authkey) if handshake else connection
 
+    def serve(self, handle, closed=None) -> threading.Thread:
+        """Accept connections on a daemon thread, each authenticated and served on a thread of its
+        own (one that fails the handshake is closed; the others go on): every request goes to
+        `handle(message, peer)`, `peer` a dict kept per connection; its dict is the reply, an
+        exception becomes {"error": its text} (which `request` raises on the other side). When an
+        authenticated connection ends (the client closed it, a message that is no JSON, or
+        `close()`), `closed(peer)` is called (if given). Returns the accepting thread."""
+        def answer(conn: Connection) -> None:
+            try:
+                _handshake(conn, self.authkey)
+            except Exception:  # a wrong key, or a client gone: this connection only
+                self._drop(conn)
+                return
+            peer: dict = {}
+            try:
+                while True:
+                    try:
+                        message = receive(conn)
+                    except (EOFError, OSError, ValueError):  # closed (by either side), or no JSON
+                        break
+                    try:
+                        reply = handle(message, peer)
+                    except Exception as e:
+                        reply = {"error": _said(e)}
+                    try:
+                        send(conn, reply)
+                    except OSError:
+                        break
+            finally:
+                self._drop(conn)
+            if closed is not None:
+                closed(peer)
+
+        def accept() -> None:
+            while True:
+                try:
+                    conn = self.accept(handshake=False)  # authenticated on its own thread (answer)
+                except OSError:  # the listener was closed
+                    return
+                with self._guard:
+                    if self._closed:
+                        conn.close()
+                        return
+                    thread = threading.Thread(target=answer, args=(conn,), daemon=True,
+                                              name=f"mconv-serve {self.address}")
+                    self._served[conn] = thread
+                    thread.start()  # (under the guard: close() joins only started threads)
+
+        self._accepting = threading.Thread(target=accept, daemon=True, name=f"mconv-accept {self.address}")
+        self._accepting.start()
+        return self._accepting
+
+    def _drop(self, conn: Connection) -> None:
+        """A served connection ends: closed, under the guard, so that close() never shuts down a
+        descriptor number the system may have given to another file since."""
+        with self._guard:
+            self._served.pop(conn, None)
+            conn.close()
+
     def close(self) -> None:
-        self._listener.close()
+        """Stop listening (the address is free for another listener) and end every connection
+        `serve` serves: a client's next request on one fails (a RemoteEngine then connects anew, to
+        whatever listens at the address by then). Returns once `serve`'s threads have ended, each
+        connection's having called `closed`; one in the middle of a request ends once it has
+        handled it."""
+        with self._guard:
+            if not self._closed:
+                self._closed = True
+                # Closing a socket does not wake a thread blocked in accept() or recv() on it; shutting it down does.
+                _shut_down(getattr(getattr(self._listener, "_listener", None), "_socket", None))
+                self._listener.close()
+            for conn in self._served:
+                try:
+                    _shut_down(socket.socket(fileno=os.dup(conn.fileno())), close=True)
+                except OSError:
+                    pass  # closed already
+            threads = [t for t in (self._accepting, *self._served.values())
+                       if t is not None and t is not threading.current_thread()]
+        for thread in threads:
+            thread.join()
 
     def __enter__(self) -> "AuthListener":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _shut_down(sock: socket.socket | None, close: bool = False) -> None:
+    """Shut `sock` down both ways (a thread blocked in accept() or recv() on it returns), then
+    close it if `close` (a duplicate of another object's descriptor)."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected (the other side left first)
+    finally:
+        if close:
+            sock.close()
+
+
+# Linux's limit on a Unix socket path (sun_path is 108 bytes, a terminating zero included); others' is lower
+UNIX_PATH_MAX = 107
+
+
+def _too_long(error: OSError) -> bool:
+    """Whether `error` is socket's refusal of a Unix socket path longer than the OS allows (it has no errno)."""
+    return error.errno is None and "too long" in str(error)
+
+
+def _too_long_reason(address: str) -> str:
+    return (f"the path is {len(os.fsencode(address))} bytes, longer than the OS allows for a Unix socket (about "
+            f"{UNIX_PATH_MAX}): give the receiver and the trainer's engine a shorter one (e.g. in /tmp)")
+
+
+def _listen(address: str) -> Listener:
+    """multiprocessing's Listener at `address`, taking over a Unix socket file at which no process
+    listens (a killed receiver's); OSError in one sentence saying what to do where it cannot."""
+    try:
+        return Listener(_address(address))
+    except OverflowError:  # (socket's error for a port number out of range)
+        raise OSError(f"cannot listen at {address}: no port {_address(address)[1]} (0-65535): give another") from None
+    except OSError as e:
+        error = e
+    if error.errno == errno.EADDRINUSE and _stale_socket(address):
+        os.unlink(address)  # a killed receiver's socket file: no process listens at it
+        try:
+            return Listener(_address(address))
+        except OSError as e:
+            error = e
+    if _too_long(error):
+        reason = _too_long_reason(address)
+    elif error.errno == errno.EADDRINUSE:
+        reason = "address already in use (another receiver listens there: close it, or give this one another address)"
+    elif error.errno == errno.ENOENT:
+        reason = f"no directory {os.path.dirname(address) or '.'}: create it, or give a path in an existing one"
+    else:
+        reason = f"{error.strerror or error}: give another address"
+    refused = OSError(f"cannot listen at {address}: {reason}")
+    refused.errno = error.errno  # the one-sentence text without "[Errno N]", the number kept for callers
+    raise refused from None
 
 
 def _stale_socket(address: str) -> bool:
@@ -161,10 +327,14 @@ def _handshake(conn: Connection, authkey: bytes) -> Connection:
 
 def check_authkey(authkey) -> None:
     """TypeError, in one sentence, for an `authkey` that is not bytes (multiprocessing's handshake
-    takes bytes only; a str failed every connection, on the receiver's side without a word)."""
+    takes bytes only; a str failed every connection, on the receiver's side without a word);
+    ValueError for an empty one (the trainer's engine and the receiver share the refusal)."""
     if not isinstance(authkey, bytes):
         raise TypeError(f"authkey is a {type(authkey).__name__}; give the key as bytes (e.g. "
                         "bytes.fromhex(hex_key), or a str's .encode())")
+    if not authkey:
+        raise ValueError("authkey is empty, so any process could connect: give a secret key, the same to the "
+                         "receiver and the trainer's engine (e.g. bytes.fromhex of `openssl rand -hex 32`)")
 
 
 class Unreachable(ConnectionError):
@@ -208,6 +378,8 @@ def connect(address: str, authkey: bytes, timeout: float | None = None) -> Conne
 
 def _client(address: str, authkey: bytes) -> Connection:
     """multiprocessing's Client for `address`, with Unreachable saying what is wrong with it."""
+    if not address:
+        raise Unreachable("the engine's address is empty: give its receiver's Unix socket path or \"host:port\"")
     target = _address(address)
     try:
         return Client(target, authkey=authkey)
@@ -219,6 +391,10 @@ def _client(address: str, authkey: bytes) -> Connection:
         raise Unreachable(f"nothing listens at {address} (start the receiver first)") from None
     except socket.gaierror as e:
         raise Unreachable(f"{address}: no host {target[0]!r} ({e.strerror})") from None
+    except OSError as e:
+        if not _too_long(e):
+            raise
+        raise Unreachable(f"nothing can listen at {address}: {_too_long_reason(address)}") from None
 
 
 def _address(address: str):
@@ -235,45 +411,8 @@ def receive(conn: Connection) -> dict:
 
 
 def serve(listener: AuthListener, handle, closed=None) -> threading.Thread:
-    """Accept connections on a daemon thread, each authenticated and served on a thread of its own
-    (one that fails the handshake is closed; the others go on): every request
-    goes to `handle(message, peer)`, `peer` a dict kept per connection; its dict is the reply, an
-    exception becomes {"error": its text} (which `request` raises on the other side). When a
-    connection ends, `closed(peer)` is called (if given)."""
-    def answer(conn: Connection) -> None:
-        try:
-            _handshake(conn, listener.authkey)
-        except Exception:  # a wrong key, or a client gone: this connection only
-            return
-        peer: dict = {}
-        with conn:
-            while True:
-                try:
-                    message = receive(conn)
-                except (EOFError, OSError):
-                    break
-                try:
-                    reply = handle(message, peer)
-                except Exception as e:
-                    reply = {"error": _said(e)}
-                try:
-                    send(conn, reply)
-                except OSError:
-                    break
-        if closed is not None:
-            closed(peer)
-
-    def accept() -> None:
-        while True:
-            try:
-                conn = listener.accept(handshake=False)  # authenticated on its own thread (answer)
-            except OSError:  # the listener was closed
-                return
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    return thread
+    """`listener.serve(handle, closed)` (AuthListener.serve)."""
+    return listener.serve(handle, closed)
 
 
 def _said(error: Exception) -> str:

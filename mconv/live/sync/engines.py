@@ -164,7 +164,7 @@ class RemoteEngine(Engine):
                              "\"host:port\"")
         try:
             shm.check_authkey(authkey)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise MconvError(f"{type(self).__name__}: {e}") from None
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
                                     or not timeout > 0):
@@ -224,6 +224,9 @@ class RemoteEngine(Engine):
                         continue
                     raise RuntimeError(f"the engine at {self.address} did not answer {message['op']!r}: "
                                        f"{type(e).__name__}: {e or 'the connection closed'}") from None
+                except BaseException:  # (a KeyboardInterrupt): the reply would answer the next request instead
+                    self._drop_connection()
+                    raise
 
     def _drop_connection(self) -> None:
         if self._conn is not None:

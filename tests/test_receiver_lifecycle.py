@@ -1,0 +1,275 @@
+"""A ParameterReceiver's life beside a trainer: a real receiver, a real SharedMemoryEngine and
+`sync_weights` on a tiny bf16 megatron-core model (one gloo rank, CPU, as the CPU example of
+docs/weight-sync.md). A closed receiver takes nothing more (its open connections end with it: the
+trainer's engine reconnects to the receiver started at the address since); a parameter replaced in
+the receiver's dict between syncs gets the next sync's bytes, or, in another dtype, the sync is
+refused before any bucket; bad keys and addresses are one sentence; a trainer that exits without
+`engine.close()` leaves no bucket file in /dev/shm."""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import FIXTURES, ROOT
+
+TINY = FIXTURES / "qwen3-tiny"  # untied, bf16
+SYNC = dict(dtype=torch.bfloat16, bucket_bytes=64 << 10)  # the receivers hold bf16; several buckets
+
+
+@pytest.fixture(scope="module")
+def chunks(tmp_path_factory):
+    """The tiny model in bf16 (its norms float32) on one gloo rank, torn down after the module."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from mconv import Layout
+    from mconv.live import build_model, load_hf_weights
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "current_device", lambda: "cpu")  # megatron-core on the CPU
+        store = tmp_path_factory.mktemp("store")
+        dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        try:
+            model = build_model(TINY, Layout(), dtype=torch.bfloat16, use_cpu_initialization=True)
+            load_hf_weights(model, TINY)
+            yield model
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_file(TINY / "model.safetensors")
+
+
+def zeros(checkpoint: dict) -> dict:
+    return {name: torch.zeros_like(t) for name, t in checkpoint.items()}
+
+
+def holds(params: dict, expected: dict) -> bool:
+    """Whether `params` holds `expected`'s tensors bit for bit."""
+    return params.keys() == expected.keys() and all(
+        params[n].dtype == t.dtype and torch.equal(params[n].view(torch.uint8), t.view(torch.uint8))
+        for n, t in expected.items())
+
+
+def serving_threads(address: str) -> list[threading.Thread]:
+    """The live threads that accept or serve connections at `address` (shm.AuthListener names them)."""
+    return [t for t in threading.enumerate() if t.name in (f"mconv-serve {address}", f"mconv-accept {address}")]
+
+
+def test_a_closed_receiver_takes_nothing_more(chunks, checkpoint, tmp_path):
+    """close() ends the connections open at that time, not just the listener: the trainer's next
+    sync finds nothing at the address (it synced into the closed receiver before, its version
+    moving on), then, once a second receiver listens there, a verified sync of new weights (the
+    model's, doubled: exact in bf16) reaches the second receiver bit for bit (the checksums were
+    read from the first before), and the first keeps what it held at its close."""
+    from mconv import MconvError
+    from mconv.live.sync import SharedMemoryEngine, sync_weights
+    from mconv.transport.receiver import ParameterReceiver
+
+    address, key = str(tmp_path / "engine.sock"), os.urandom(32)
+    first = ParameterReceiver(zeros(checkpoint), address, key)
+    first.start()
+    engine = SharedMemoryEngine(address, key, timeout=30)
+    second, parameters = None, []
+    try:
+        sync_weights(chunks, TINY, engine, version=1, **SYNC)
+        assert first.version == "1" and holds(first.params, checkpoint)
+        assert serving_threads(address)  # the accepting thread, and the engine's connection's
+        first.close()
+        assert not serving_threads(address)
+
+        doubled = {name: t * 2 for name, t in checkpoint.items()}
+        parameters = [p for chunk in chunks for p in chunk.parameters()]
+        for p in parameters:
+            p.data.mul_(2)  # new weights (the module's model is halved back below: exact)
+        with pytest.raises(MconvError, match=f"^weight sync 2 refused before any bucket was sent: rank 0: nothing "
+                                             f"listens at {address}: no such socket file"):
+            sync_weights(chunks, TINY, engine, version=2, **SYNC)
+        second = ParameterReceiver(zeros(checkpoint), address, key)
+        second.start()
+        sync_weights(chunks, TINY, engine, version=3, verify=True, **SYNC)
+        assert second.version == "3" and holds(second.params, doubled)
+        assert first.version == "1" and holds(first.params, checkpoint)
+    finally:
+        for p in parameters:
+            p.data.mul_(0.5)
+        engine.close()
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_close_aborts_an_update_and_ends_a_waiting_start(tmp_path):
+    """close() in the middle of an update aborts it (its lock released, the failure saying the
+    receiver was closed), and a trainer's `start` waiting for the lock (generation holds it) does
+    not hold close() up: close() returns at once, and that trainer finds nothing at the address."""
+    import time
+
+    from mconv import MconvError
+    from mconv.live.sync import SharedMemoryEngine
+    from mconv.transport.receiver import ParameterReceiver
+
+    address = str(tmp_path / "engine.sock")
+    receiver = ParameterReceiver({"w": torch.zeros(4)}, address, b"key")
+    receiver.start()
+    engine = SharedMemoryEngine(address, b"key", timeout=30)
+    engine.start("v1")
+    receiver.close()
+    assert receiver.version == "failed:v1" and not receiver.lock.locked()
+    assert receiver.failure == "the receiver was closed in the middle of update v1"
+    engine.close()
+
+    receiver = ParameterReceiver({"w": torch.zeros(4)}, address, b"key")
+    receiver.start()
+    engine = SharedMemoryEngine(address, b"key", timeout=30)
+    engine.expected()  # connected
+    refused = []
+
+    def start():
+        try:
+            engine.start("v2")
+        except MconvError as e:
+            refused.append(str(e))
+    waiting = threading.Thread(target=start)
+    with receiver.lock:  # generation
+        waiting.start()
+        time.sleep(0.3)  # the start request waits for the lock
+        started = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - started < 2 and not serving_threads(address)
+    waiting.join(30)
+    assert refused == [f"nothing listens at {address}: no such socket file (start the receiver first)"]
+    assert receiver.version is None
+    engine.close()
+
+
+def test_params_replaced_between_syncs_are_noticed(chunks, checkpoint, tmp_path):
+    """A tensor of the receiver's `params` replaced after a sync takes the next sync's bytes, and the
+    old one none (the copy plans targeted the old before), as does one given a new storage
+    (`param.data = ...`); in float32, either way, the next sync is refused before any bucket, with
+    the dtype message (the receiver described its model once: it was not refused before)."""
+    from mconv import MconvError
+    from mconv.live.sync import SharedMemoryEngine, sync_weights
+    from mconv.transport.receiver import ParameterReceiver
+
+    address, key = str(tmp_path / "engine.sock"), os.urandom(32)
+    params = zeros(checkpoint)
+    receiver = ParameterReceiver(params, address, key)
+    receiver.start()
+    engine = SharedMemoryEngine(address, key, timeout=30)
+    replaced, moved = "model.norm.weight", "model.layers.0.mlp.down_proj.weight"
+    try:
+        sync_weights(chunks, TINY, engine, version=1, **SYNC)
+        assert holds(params, checkpoint)
+        old, old_storage = params[replaced], params[moved].data
+        params[replaced] = torch.zeros_like(old)
+        params[moved].data = torch.zeros_like(old_storage)
+        old.zero_()
+        old_storage.zero_()
+        sync_weights(chunks, TINY, engine, version=2, **SYNC)
+        assert holds(params, checkpoint)
+        assert not old.any() and not old_storage.any()
+
+        for name, make_float32 in ((moved, lambda: setattr(params[moved], "data", params[moved].data.float())),
+                                   (replaced, lambda: params.__setitem__(replaced, params[replaced].float()))):
+            make_float32()
+            for t in params.values():
+                t.zero_()
+            with pytest.raises(MconvError, match=r"^weight sync 3 refused before any bucket was sent: rank 0: the "
+                                                 rf"trainer's model does not match the engine's: {name} is sent as "
+                                                 r"bfloat16, the engine holds float32: "):
+                sync_weights(chunks, TINY, engine, version=3, **SYNC)
+            assert receiver.version == "2" and not any(t.any() for t in params.values())
+            assert not receiver.lock.locked()
+            params[name].data = params[name].data.bfloat16()  # (a new storage again)
+        sync_weights(chunks, TINY, engine, version=4, verify=True, **SYNC)
+        assert holds(params, checkpoint)
+    finally:
+        engine.close()
+        receiver.close()
+
+
+def test_bad_keys_and_addresses_are_one_sentence(tmp_path):
+    """A receiver refuses an empty key (any client would pass the handshake) and a str key, an empty
+    address (it listened at a temporary path of multiprocessing's choosing), an address that is
+    taken and a Unix path longer than the OS allows, each in one sentence saying what to do (a
+    too-long path was "[Errno None] cannot listen at ...: None"); the trainer's engine given an
+    empty or too-long address says so too."""
+    from mconv import MconvError
+    from mconv.live.sync import SharedMemoryEngine
+    from mconv.transport.receiver import ParameterReceiver
+
+    params = {"w": torch.zeros(4)}
+    with pytest.raises(ValueError) as empty:
+        ParameterReceiver(params, str(tmp_path / "a.sock"), b"")
+    message = ("authkey is empty, so any process could connect: give a secret key, the same to the receiver and the "
+               "trainer's engine (e.g. bytes.fromhex of `openssl rand -hex 32`)")
+    assert str(empty.value) == message
+    with pytest.raises(MconvError) as empty:
+        SharedMemoryEngine(str(tmp_path / "a.sock"), b"")
+    assert str(empty.value) == "SharedMemoryEngine: " + message
+    with pytest.raises(TypeError, match=r"^authkey is a str; give the key as bytes \(e.g. bytes.fromhex\(hex_key\), "
+                                        r"or a str's .encode\(\)\)$"):
+        ParameterReceiver(params, str(tmp_path / "a.sock"), "key")
+    assert not (tmp_path / "a.sock").exists()
+    with pytest.raises(ValueError, match=r'^address is empty: give a Unix socket path or "host:port"$'):
+        ParameterReceiver(params, "", b"key")
+    with pytest.raises(MconvError, match=r"^the engine's address is empty: give its receiver's Unix socket path or "
+                                         r'"host:port"$'):
+        SharedMemoryEngine("", b"key", timeout=5).expected()
+
+    taken = ParameterReceiver(params, str(tmp_path / "a.sock"), b"key")
+    try:
+        with pytest.raises(OSError) as in_use:
+            ParameterReceiver(params, str(tmp_path / "a.sock"), b"key")
+        assert str(in_use.value) == (f"cannot listen at {tmp_path / 'a.sock'}: address already in use (another "
+                                     "receiver listens there: close it, or give this one another address)")
+    finally:
+        taken.close()
+    long = "/tmp/" + "d" * 120 + ".sock"
+    with pytest.raises(OSError) as too_long:
+        ParameterReceiver(params, long, b"key")
+    reason = ("the path is 130 bytes, longer than the OS allows for a Unix socket (about 107): give the receiver and "
+              "the trainer's engine a shorter one (e.g. in /tmp)")
+    assert str(too_long.value) == f"cannot listen at {long}: {reason}"
+    with pytest.raises(MconvError) as engine_side:
+        SharedMemoryEngine(long, b"key", timeout=5).expected()
+    assert str(engine_side.value) == f"nothing can listen at {long}: {reason}"
+
+
+def test_bucket_files_go_when_the_trainer_exits_without_close(tmp_path):
+    """A trainer process whose SharedMemoryEngine made its bucket buffers (files in /dev/shm) and
+    that exits normally without engine.close() leaves no file (they stayed, holding memory, until
+    another process's next bucket file); a forked child that exits normally meanwhile leaves its
+    parent's file in place."""
+    script = textwrap.dedent("""
+        import os, sys
+        import torch
+        from mconv.live.sync import SharedMemoryEngine
+
+        engine = SharedMemoryEngine("unused.sock", b"key")
+        engine.buffer(0, 4096, torch.device("cpu"))
+        path = engine._shared[0].path
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # a normal exit: runs the finalizers it inherited
+        os.waitpid(child, 0)
+        print(path, os.path.exists(path), flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    path, after_child = done.stdout.split()
+    assert Path(path).name.startswith("mconv-bucket-") and after_child == "True"
+    assert not os.path.exists(path)
