@@ -410,11 +410,6 @@ def receive(conn: Connection) -> dict:
     return json.loads(conn.recv_bytes().decode())
 
 
-def serve(listener: AuthListener, handle, closed=None) -> threading.Thread:
-    """`listener.serve(handle, closed)` (AuthListener.serve)."""
-    return listener.serve(handle, closed)
-
-
 def _said(error: Exception) -> str:
     """An error as a reply carries it: its text alone where that is a sentence of its own (a
     ValueError or RuntimeError the engine raised to say what is wrong), else prefixed by its type
