@@ -1174,6 +1174,9 @@ def _dtypes_worker(rank: int, tmp: str) -> None:
                                              rf".* \({kind}\) is not a version: give a str \(a checkpoint name\) or an "
                                              r"int \(a training step\)$"):
             sync_weights(chunks, TINY, engine, version=version, dtype=torch.bfloat16)
+    with pytest.raises(MconvError, match=r"refused before any bucket was sent: rank 0: model chunk 0 is a Linear, not a "
+                                         r"megatron-core model"):
+        sync_weights([torch.nn.Linear(2, 2)], TINY, engine)
     # Ranks disagreeing on bucket_bytes (their collectives would not line up): refused on both.
     with pytest.raises(MconvError, match=r"refused before any bucket was sent: the ranks called sync_weights with "
                                          r"different bucket_bytes, dtype, quantize, fp8_scale or verify: pass the same"):
@@ -1265,6 +1268,9 @@ def test_engine_and_address_mistakes_are_one_sentence(tmp_path):
     assert not dist.is_initialized()
     with pytest.raises(MconvError, match=r"^sync_weights runs on every rank of an initialized process group"):
         sync_weights([], FIXTURES / "qwen3-tiny", lambda bucket: None)
+    from mconv.live import iter_hf_weights
+    with pytest.raises(MconvError, match=r"^initialise megatron-core's parallel_state first"):
+        next(iter_hf_weights([torch.nn.Linear(2, 2)], FIXTURES / "qwen3-tiny"))
     with pytest.raises(TypeError, match=r"^authkey is a str; give the key as bytes"):
         ParameterReceiver({"w": torch.zeros(1)}, str(tmp_path / "engine.sock"), "key")
 

@@ -57,8 +57,14 @@ class LiveModel:
     def of(cls, model_chunks: Sequence[torch.nn.Module], hf_config: dict) -> "LiveModel":
         from megatron.core import parallel_state as ps
 
+        if not ps.model_parallel_is_initialized():
+            raise MconvError("initialise megatron-core's parallel_state first (torch.distributed.init_process_group, "
+                             "then parallel_state.initialize_model_parallel with the model's TP, PP and EP sizes)")
         chunks = list(model_chunks)
         core = _unwrap(chunks[0])
+        if getattr(core, "config", None) is None:
+            raise MconvError(f"model chunk 0 is a {type(core).__name__}, not a megatron-core model (a GPTModel, "
+                             "Qwen3VLModel, ..., or a DDP / Float16Module wrapping one)")
         # Detached views share the parameters' storage: writes land in the model, reads build no graph.
         states = [{_canonical(k): v.detach() for k, v in c.state_dict(keep_vars=True).items()
                    if isinstance(v, torch.Tensor) and ".adapter." not in k} for c in chunks]
