@@ -1271,6 +1271,17 @@ def test_engine_and_address_mistakes_are_one_sentence(tmp_path):
     from mconv.live import iter_hf_weights
     with pytest.raises(MconvError, match=r"^initialise megatron-core's parallel_state first"):
         next(iter_hf_weights([torch.nn.Linear(2, 2)], FIXTURES / "qwen3-tiny"))
+    # A model whose tensors lie on two devices (a model built on a GPU outside torch.device("cuda")
+    # keeps megatron-core's local norms on the CPU; here "meta" stands in for the GPU)
+    from types import SimpleNamespace
+
+    from mconv.live.sync import core
+    mixed = SimpleNamespace(tensors=[{"embedding.word_embeddings.weight": torch.zeros(2)},
+                                     {"decoder.final_layernorm.weight": torch.zeros(2, device="meta")}])
+    with pytest.raises(MconvError, match=r"^the model's tensors lie on cpu \(embedding.word_embeddings.weight, ...\) "
+                                         r"and meta \(decoder.final_layernorm.weight, ...\): move the whole model"):
+        core._model_device(mixed)
+    assert core._model_device(SimpleNamespace(tensors=[{"w": torch.zeros(2)}])) == torch.device("cpu")
     with pytest.raises(TypeError, match=r"^authkey is a str; give the key as bytes"):
         ParameterReceiver({"w": torch.zeros(1)}, str(tmp_path / "engine.sock"), "key")
 

@@ -130,7 +130,7 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
         prepared.update(chunks=chunks, dtype=cast, config=config, quantization=quantization, live=live,
                         schedule=schedule, tied=tied, sender=_is_sender(live))
         if prepared["sender"]:  # each stage's sender packs and sends its own stage's tensors
-            engine.check_device(_model_device(chunks))
+            engine.check_device(_model_device(live))
             if not first:  # (rank 0's names and shapes, all stages', are compared first: below)
                 _agree_dtypes(engine, live, cast, quantization, tied)
 
@@ -418,12 +418,22 @@ def _agree_dtypes(engine, live, cast: torch.dtype | None, quantization, tied: bo
     engine.__dict__["_agreed_dtypes"] = (held, dtypes)
 
 
-def _model_device(chunks) -> torch.device:
-    """The device of this rank's model (its first parameter's)."""
-    for chunk in chunks:
-        for parameter in chunk.parameters():
-            return parameter.device
-    return torch.device("cpu")
+def _model_device(live) -> torch.device:
+    """The one device of the tensors this rank sends from (the CPU for none). MconvError naming a
+    tensor on each where they lie on several (a model built on a GPU outside `torch.device("cuda")`
+    keeps megatron-core's local norms on the CPU): a bucket would mix them mid-sync. Worked out once
+    per model (the LiveModel is replaced when its parameters move)."""
+    if "_mconv_device" not in live.__dict__:
+        found: dict[torch.device, str] = {}
+        for tensors in live.tensors:
+            for name, tensor in tensors.items():
+                found.setdefault(tensor.device, name)
+        if len(found) > 1:
+            raise MconvError("the model's tensors lie on " + " and ".join(
+                f"{device} ({name}, ...)" for device, name in found.items()) + ": move the whole model to one device "
+                "(model.cuda(), or build it under `with torch.device('cuda'):`)")
+        live.__dict__["_mconv_device"] = next(iter(found), torch.device("cpu"))
+    return live.__dict__["_mconv_device"]
 
 
 def _agree_models(engine, sent) -> None:

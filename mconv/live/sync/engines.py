@@ -300,18 +300,25 @@ class SharedMemoryBuffers(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._shared: dict[int, shm.SharedBuffer] = {}
+        # A slot's buffer is replaced (grown) on the packing thread while the update thread looks up
+        # the other slot's bucket among them (_path): a closed buffer has no tensor to compare.
+        self._shared_lock = threading.Lock()
 
     def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         current = self._shared.get(slot)
         if current is None or current.nbytes < nbytes:
-            if current is not None:
-                current.close()
-            self._shared[slot] = current = shm.SharedBuffer.create(nbytes)
+            grown = shm.SharedBuffer.create(nbytes)
+            with self._shared_lock:
+                self._shared[slot] = grown
+                if current is not None:
+                    current.close()
+            current = grown
         return current.tensor[:nbytes]
 
     def _path(self, bucket: FlatBucket) -> str:
         """The file holding `bucket`."""
-        return self._shared[self._slot({s: b.tensor for s, b in self._shared.items()}, bucket)].path
+        with self._shared_lock:
+            return self._shared[self._slot({s: b.tensor for s, b in self._shared.items()}, bucket)].path
 
     def close(self) -> None:
         for buffer in self._shared.values():
