@@ -143,7 +143,7 @@ def test_vllm_server_takes_syncs(tmp_path):
     assert same(seen["before"], old) and not same(seen["before"], new1)
     assert seen["paused by the dead trainer"] is True
     assert same(seen["step-1"], new1) and seen["step-1"]["version"] == "step-1"
-    assert seen["step-2-broken error"] == ("weight sync step-2-broken failed; the engine was told to abort it: "
+    assert seen["step-2-broken error"] == ("weight sync step-2-broken failed; its update was aborted: "
                                            "rank 0: RuntimeError: injected failure")
     assert seen["step-2-broken"]["version"] == "failed:step-2-broken"  # and the server answered
     assert same(seen["step-2"], new2) and seen["step-2"]["version"] == "step-2"

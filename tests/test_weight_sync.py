@@ -346,7 +346,7 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
     assert same(served["step-1"], new1) and served["step-1"]["version"] == "step-1"
 
     for rank in ranks:  # one error, the same on every rank; the engine knows the update failed
-        assert rank["errors"]["failure"] == ("weight sync step-2-broken failed; the engine was told to abort it: "
+        assert rank["errors"]["failure"] == ("weight sync step-2-broken failed; its update was aborted: "
                                              "rank 1: RuntimeError: injected failure")
     assert served["failed"]["version"] == "failed:step-2-broken"
     for rank in ranks:  # refused on every rank, whichever rank failed (each hung or broke the group before)
@@ -363,12 +363,12 @@ def test_vllm_generates_with_the_synced_weights(tmp_path):
         assert rank["errors"]["int8"] == ("weight sync int8 refused before any bucket was sent: rank 0: "
                                           "dtype=torch.int8 is not a dtype mconv writes; available: float32, bfloat16, "
                                           "float16")
-        assert rank["errors"]["exit"] == ("weight sync exit failed; the engine was told to abort it: rank 0: "
+        assert rank["errors"]["exit"] == ("weight sync exit failed; its update was aborted: rank 0: "
                                           "SystemExit: 3")
-        assert rank["errors"]["nested"].startswith("weight sync outer failed; the engine was told to abort it: rank 0: "
+        assert rank["errors"]["nested"].startswith("weight sync outer failed; its update was aborted: rank 0: "
                                                    "weight sync inner: another sync_weights is running in this process")
         assert rank["errors"]["unabortable"] == (  # rank 1 too says that the abort failed
-            "weight sync unabortable failed; the engine was told to abort it: rank 0: RuntimeError: bucket refused "
+            "weight sync unabortable failed; its update was aborted: rank 0: RuntimeError: bucket refused "
             "(and telling the engine failed: rank 0: RuntimeError: abort refused)")
     assert same(served["step-2"], new2) and served["step-2"]["version"] == "step-2"  # the next sync works
 
@@ -1271,6 +1271,8 @@ def test_engine_and_address_mistakes_are_one_sentence(tmp_path):
     from mconv.live import iter_hf_weights
     with pytest.raises(MconvError, match=r"^initialise megatron-core's parallel_state first"):
         next(iter_hf_weights([torch.nn.Linear(2, 2)], FIXTURES / "qwen3-tiny"))
+    with pytest.raises(MconvError, match=r"^hf_config \(a dict\) has neither 'architectures' nor 'model_type'"):
+        next(iter_hf_weights([torch.nn.Linear(2, 2)], {}))
     # A model whose tensors lie on two devices (a model built on a GPU outside torch.device("cuda")
     # keeps megatron-core's local norms on the CPU; here "meta" stands in for the GPU)
     from types import SimpleNamespace

@@ -127,7 +127,12 @@ def _resolved(name_or_path: str, revision: str | None, weights: bool) -> Path:
 
 
 def _config(hf_config, revision: str | None = None) -> dict:
-    return hf_config if isinstance(hf_config, dict) else read_config(_model_dir(hf_config, revision, False))
+    """The HF config a live API is given: a dict as it is (its model class checked here, to be named
+    as `hf_config` rather than a config.json), else the model directory's or hub name's config.json."""
+    if isinstance(hf_config, dict):
+        architecture_for(hf_config, where="hf_config (a dict)")
+        return hf_config
+    return read_config(_model_dir(hf_config, revision, False))
 
 
 def _buckets(items: list, nbytes, limit: int, together=None) -> Iterator[list]:

@@ -167,7 +167,7 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
             told = _shared(aborted)  # every rank says so, not rank 0 alone
             if told is not None:
                 reason += f" (and telling the engine failed: {told})"
-            raise MconvError(f"weight sync {shown} failed; the engine was told to abort it: {reason}")
+            raise MconvError(f"weight sync {shown} failed; its update was aborted: {reason}")
         finished = _attempt(lambda: engine.finish(version)) if first else None
         if _any(finished):
             raise MconvError(f"weight sync {shown}: the engine did not finish it: {_shared(finished)}")
