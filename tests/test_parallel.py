@@ -56,16 +56,30 @@ def test_torchrun_ranks_write_the_same_bytes(tmp_path):
 
 
 def kill_midway(args, staging_parent: Path):
-    """Start `mconv ARGS`, SIGKILL it (and its workers) once it has started writing."""
+    """Start `mconv ARGS`, SIGKILL it (and its workers) once it has written its first bytes into its
+    staging directory (not after a fixed delay: on a fast, idle machine the whole conversion can
+    end within one, and then nothing is killed midway)."""
+    earlier = set(staging_parent.iterdir())  # (a killed run's staging, if left)
     process = subprocess.Popen([sys.executable, "-m", "mconv.cli", *map(str, args), "-q"], cwd=ROOT,
                                start_new_session=True, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not any("mconv-partial" in p.name for p in staging_parent.iterdir()):
+    while not _written(staging_parent, earlier):
         assert process.poll() is None and time.monotonic() < deadline, "finished before it could be killed"
-        time.sleep(0.01)
-    time.sleep(0.3)
+        time.sleep(0.005)
+    assert process.poll() is None, "finished before it could be killed"
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+
+
+def _written(staging_parent: Path, earlier: set) -> bool:
+    """Whether a file in a new staging directory under `staging_parent` (not in `earlier`) holds bytes."""
+    for staging in (p for p in staging_parent.iterdir() if "mconv-partial" in p.name and p not in earlier):
+        try:
+            if any(f.is_file() and f.stat().st_size for f in staging.rglob("*")):
+                return True
+        except FileNotFoundError:
+            pass  # renamed or removed meanwhile
+    return False
 
 
 @pytest.mark.slow
