@@ -347,9 +347,14 @@ def quantize_picked(tensors: list[tuple[str, torch.Tensor]], picked: list[tuple[
     by (name, FP8 weight) and (scale name, float32 scale), quantized by `quantize_all`."""
     if not picked:
         return list(tensors)
+    return with_scales(tensors, picked, quantize_all([tensors[i] for i, _ in picked], scale_fmt))
+
+
+def with_scales(tensors: list[tuple[str, object]], picked: list[tuple[int, str]], pairs: list[tuple]) -> list[tuple]:
+    """`tensors` with each `picked` weight ((index, scale name)) replaced by (name, q) and (scale
+    name, scale) of its (q, scale) in `pairs`, in place: the order a quantized bucket comes in."""
     out, start = [], 0
-    quantized = quantize_all([tensors[i] for i, _ in picked], scale_fmt)
-    for (i, scale), (q, scale_inv) in zip(picked, quantized):
+    for (i, scale), (q, scale_inv) in zip(picked, pairs):
         out += tensors[start:i]
         out += ((tensors[i][0], q), (scale, scale_inv))
         start = i + 1

@@ -27,6 +27,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_of(name: str) -> torch.dtype:
+    """torch.bfloat16 for "bfloat16" (dtype_name's inverse; KeyError for a dtype a bucket cannot hold)."""
+    return _DTYPES[name]
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor of a flat bucket: its bytes are buffer[offset:offset + nbytes]."""

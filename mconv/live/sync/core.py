@@ -323,14 +323,10 @@ def _layout(named, aliases, picked, quantization, device) -> _Layout:
     scales, fp8_batch's weights), else None: _pack then quantizes them first (and has no use for
     the entries given here)."""
     scales = dict(picked)
-    sent = []
-    for i, (name, t) in enumerate(named):
-        if i in scales:
-            sent += [(name, torch.empty(t.shape, dtype=fp8.FP8, device="meta")),
-                     (scales[i], torch.empty(fp8.grid(t.shape), dtype=torch.float32, device="meta"))]
-        else:
-            sent.append((name, t))
-    entries, nbytes = layout(sent, aliases)
+    shapes = [named[i][1].shape for i, _ in picked]  # what the quantization makes, on no device
+    entries, nbytes = layout(fp8.with_scales(named, picked, [
+        (torch.empty(s, dtype=fp8.FP8, device="meta"), torch.empty(fp8.grid(s), dtype=torch.float32, device="meta"))
+        for s in shapes]), aliases)
     places = None
     if picked and device.type == "cuda" and quantization.scale_fmt == "float" and fp8.batchable(
             [named[i][1] for i in scales]):

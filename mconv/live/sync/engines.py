@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from mconv.errors import MconvError
 from mconv.transport import shm
-from mconv.transport.flat import _DTYPES, Entry, unpack
+from mconv.transport.flat import Entry, dtype_of, unpack
 
 
 @dataclass
@@ -259,7 +259,7 @@ class RemoteEngine(Engine):
         if "tensors" in reply or self._expected is None:
             dtypes = reply.get("dtypes")
             self._expected = (reply["digest"], reply["tensors"],
-                              None if dtypes is None else {name: _DTYPES[d] for name, d in dtypes.items()})
+                              None if dtypes is None else {name: dtype_of(d) for name, d in dtypes.items()})
         return self._expected
 
     def expected(self) -> dict[str, list[int]]:

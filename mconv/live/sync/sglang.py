@@ -26,7 +26,7 @@ from mconv.errors import MconvError
 from mconv.live.sync.engines import Engine, FlatBucket
 from mconv.live.sync.http import call_json
 from mconv.transport import cuda_ipc
-from mconv.transport.flat import _DTYPES
+from mconv.transport.flat import dtype_of
 
 
 def sglang_payload(bucket: FlatBucket, tp_size: int = 1) -> list[str]:
@@ -38,7 +38,7 @@ def sglang_payload(bucket: FlatBucket, tp_size: int = 1) -> list[str]:
     `types.SimpleNamespace(name, shape, dtype, start_idx, end_idx, numel)` (byte offsets), a
     class SGLang's allow-listing unpickler accepts. Keep `bucket.buffer` unchanged until SGLang's
     call has returned and its copies are done."""
-    metadata = [SimpleNamespace(name=e.name, shape=torch.Size(e.shape), dtype=_DTYPES[e.dtype], start_idx=e.offset,
+    metadata = [SimpleNamespace(name=e.name, shape=torch.Size(e.shape), dtype=dtype_of(e.dtype), start_idx=e.offset,
                                 end_idx=e.offset + e.nbytes, numel=e.nbytes) for e in bucket.entries]
     payload = {"flattened_tensor": bucket.buffer, "metadata": metadata}
     entries = []
