@@ -110,6 +110,7 @@ class _Plan:
     order: list[int]
     runs: list[tuple]  # (indices, FP8 element offset, weight shape, first block, scale grid): consecutive
     # outputs of one shape, cut apart by one view and unbind each
+    scale_span: tuple[int, int]  # the scales' first and end offsets (float32 elements) in the scale buffer
 
 
 _PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -156,7 +157,9 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool], into: list[tuple[int
             last[0].append(i)
         else:
             runs.append(([i], offsets[i], shape, starts[i], grids[i]))
-    return _Plan(table, launches, sum(padded), block_starts[-1], order, runs)
+    scale_ends = [(row[8], row[8] + row[7]) for row in rows]
+    span = (min(s for s, _ in scale_ends), max(e for _, e in scale_ends)) if rows else (0, 0)
+    return _Plan(table, launches, sum(padded), block_starts[-1], order, runs, span)
 
 
 def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float",
@@ -221,9 +224,9 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
                 kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, mode.value,
                                                 aligned_, _ROWS, num_warps=8)
         if into is not None:
-            grids = [fp8.grid(w.shape) for w in weights]
-            lowest, highest = min(s for _, s in places), max(s + r * c for (_, s), (r, c) in zip(places, grids))
-            if not torch.isfinite(scale[lowest:highest]).all():  # the scales' span: one host synchronisation
+            lowest, end = plan.scale_span
+            if not torch.isfinite(scale[lowest:end]).all():  # the scales' span: one host synchronisation
+                grids = [fp8.grid(w.shape) for w in weights]
                 _refuse_non_finite(named, [scale[s:s + r * c] for (_, s), (r, c) in zip(places, grids)])
             return None
         quantized: list = [None] * len(weights)

@@ -151,9 +151,10 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
     try:
         arguments = zlib.crc32(repr((bucket_bytes, str(prepared.get("dtype", dtype)), quantize, fp8_scale,
                                      verify)).encode())  # (paths may differ from node to node)
-        rounds = _started(refused, len(prepared.get("schedule", ())), arguments)  # every rank agrees once per round
-        if rounds is None or rounds < 0:
-            reason = _shared(refused) if rounds is None else (
+        # every rank agrees once per round
+        rounds, held_back = _started(refused, len(prepared.get("schedule", ())), arguments)
+        if held_back:
+            reason = _shared(refused) if held_back == "refused" else (
                 "the ranks called sync_weights with different bucket_bytes, dtype, quantize, fp8_scale or verify: "
                 "pass the same on every rank")
             if started:  # another rank refused after this one started the engine's update
@@ -490,14 +491,15 @@ def _any(failure: Exception | None) -> bool:
 
 
 @_collective
-def _started(refused: Exception | None, rounds: int, arguments: int) -> int | None:
-    """A collective: the number of bucket rounds (the largest stage's), None if any rank refused, -1
-    if the ranks' `arguments` (a digest of what shapes the buckets) differ: their collectives would
-    not line up (gloo aborts the process on such a mismatch)."""
+def _started(refused: Exception | None, rounds: int, arguments: int) -> tuple[int, str | None]:
+    """A collective: (the number of bucket rounds, the largest stage's; what holds the sync back:
+    None, "refused" if any rank refused, or "arguments" if the ranks' `arguments` (a digest of what
+    shapes the buckets) differ: their collectives would not line up, and gloo aborts the process on
+    such a mismatch)."""
     flags = torch.tensor([refused is not None, rounds, arguments, -arguments], dtype=torch.int64,
                          device=_collective_device())
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return None if flags[0] else -1 if flags[2] != -flags[3] else int(flags[1])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the digests differ where their max is not minus the min
+    return int(flags[1]), "refused" if flags[0] else "arguments" if flags[2] != -flags[3] else None
 
 
 @_collective
