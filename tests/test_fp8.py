@@ -156,6 +156,9 @@ print(assert_batch_is_the_rule())
 print(len(fp8_batch._PLANS), "plans")
 from tests.test_fp8 import assert_batch_into_is_the_rule
 print(assert_batch_into_is_the_rule())
+from tests.test_fp8 import assert_sync_packing_follows_the_scale_format
+assert_sync_packing_follows_the_scale_format()
+print("packed")
 """
 
 
@@ -230,11 +233,42 @@ def assert_batch_into_is_the_rule() -> str:
     fp8_batch.quantize_batch(named, into=(buffer, places))  # the gap is not a scale: not refused
     with pytest.raises(ValueError, match="ue8m0"):
         fp8_batch.quantize_batch(named, "ue8m0", into=(buffer, places))
+    with pytest.raises(ValueError, match="1-D uint8 buffer"):
+        fp8_batch.quantize_batch(named, into=(buffer.view(torch.int8), places))
+    with pytest.raises(ValueError, match="multiples of 4"):
+        fp8_batch.quantize_batch(named, into=(buffer, [(q, s + 2) for q, s in places]))
     bad = named[2][1].clone()
     bad[7, 7] = float("nan")
     with pytest.raises(MconvError) as refused:
         fp8_batch.quantize_batch([*named[:2], ("model.y.weight", bad)], into=(buffer, places))
     return str(refused.value)
+
+
+def assert_sync_packing_follows_the_scale_format() -> None:
+    """sync_weights' packing of one bucket (core._pack) into one engine, with float scales, then
+    UE8M0, then float again, sends fp8.quantize_picked's bytes each time: the layout kept per
+    bucket is keyed by the scale format too (a float layout quantizes into the buffer; reused for
+    UE8M0 it sent float scales). _pack is told the device is "cuda" (what makes it quantize into
+    the buffer); the engine's buffers are CPU memory, for the interpreter."""
+    from mconv.live.sync import core
+    from mconv.live.sync.engines import Engine
+    from mconv.transport.flat import unpack
+
+    class CPUBuffers(Engine):
+        def buffer(self, slot, nbytes, device):
+            return super().buffer(slot, nbytes, torch.device("cpu"))
+
+    weight = "model.layers.0.mlp.down_proj.weight"
+    named = [(weight, (torch.randn(256, 512) * 0.37).bfloat16()),
+             ("model.layers.0.input_layernorm.weight", torch.randn(512).bfloat16())]
+    picked = [(0, weight + "_scale_inv")]
+    engine = CPUBuffers()
+    for fmt in ("float", "ue8m0", "float"):
+        entries, buffer = core._pack(engine, 0, named, None, torch.device("cuda"), picked,
+                                     fp8.Quantization(lambda name: True, fmt))
+        sent = dict(unpack(buffer, entries))
+        for name, expected in fp8.quantize_picked(named, picked, fmt):
+            assert torch.equal(bits(sent[name]), bits(expected)), (fmt, name)
 
 
 def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
@@ -249,9 +283,10 @@ def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     run = subprocess.run([sys.executable, "-c", BATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[:3] == ["model.x.weight holds inf or NaN values, which FP8 cannot quantize",
+    assert run.stdout.split("\n")[:4] == ["model.x.weight holds inf or NaN values, which FP8 cannot quantize",
                                           "3 plans",
-                                          "model.y.weight holds inf or NaN values, which FP8 cannot quantize"]
+                                          "model.y.weight holds inf or NaN values, which FP8 cannot quantize",
+                                          "packed"]
 
 
 def test_batched_quantize_without_triton_is_the_torch_rule(monkeypatch):

@@ -1045,6 +1045,8 @@ def _exported_dtypes(chunks, hf, **options) -> dict:
 
 def _dtypes_worker(rank: int, tmp: str) -> None:
     """The ranks of test_dtypes_are_agreed_before_any_bucket."""
+    import re
+
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
@@ -1181,6 +1183,14 @@ def _dtypes_worker(rank: int, tmp: str) -> None:
     with pytest.raises(MconvError, match=r"refused before any bucket was sent: the ranks called sync_weights with "
                                          r"different bucket_bytes, dtype, quantize, fp8_scale or verify: pass the same"):
         sync_weights(chunks, TINY, engine, dtype=torch.bfloat16, bucket_bytes=(64 << 10) * (rank + 1))
+    # One rank's engine or verify that sync_weights does not take: refused on both ranks (rank 0
+    # waited for rank 1 in a collective before); fp8_scale None and "float" are the same argument.
+    for bad, said in (({"engine": None}, "rank 1: engine is None: pass an mconv.live.sync Engine"),
+                      ({"verify": "yes"}, "rank 1: verify='yes': give True or False")):
+        with pytest.raises(MconvError, match=r"refused before any bucket was sent: " + re.escape(said)):
+            sync_weights(chunks, TINY, **{"engine": engine, "verify": False, **(bad if rank == 1 else {})},
+                         dtype=torch.bfloat16)
+    sync_weights(chunks, TINY, lambda bucket: None, quantize="fp8", fp8_scale="float" if rank else None)
     # An interrupted sync (Ctrl-C, caught): the engine's update is aborted at once, not at its timeout.
     original = core._stage_buckets
 
@@ -1244,6 +1254,7 @@ def test_engine_and_address_mistakes_are_one_sentence(tmp_path):
     import mconv.live.sync
     from mconv import MconvError
     from mconv.live.sync import SharedMemoryEngine, sync_weights
+    from mconv.live.sync.engines import as_engine
     from mconv.transport.receiver import ParameterReceiver
 
     for engine, message in ((None, r"engine is None: pass an mconv.live.sync Engine \(VLLMEngine, SharedMemoryEngine, "
@@ -1255,12 +1266,12 @@ def test_engine_and_address_mistakes_are_one_sentence(tmp_path):
                                                       r"VLLMServerEngine\('http://127.0.0.1:8000'\) for a running vLLM "
                                                       r"server or SGLangEngine\(")):
         with pytest.raises(MconvError, match="^" + message) as refused:
-            sync_weights([], FIXTURES / "qwen3-tiny", engine)
+            as_engine(engine)  # (sync_weights' refusal on every rank: test_dtypes_are_agreed_before_any_bucket)
         assert all(hasattr(mconv.live.sync, name) for name in re.findall(r"(\w+Engine)\(", str(refused.value)))
     with pytest.raises(MconvError, match=r"^SharedMemoryEngine: authkey is a str; give the key as bytes"):
         SharedMemoryEngine(str(tmp_path / "engine.sock"), "key")
     with pytest.raises(MconvError, match=r"^engine is the class SharedMemoryEngine, not an engine: make one"):
-        sync_weights([], FIXTURES / "qwen3-tiny", SharedMemoryEngine)
+        as_engine(SharedMemoryEngine)
     for timeout in ("10", 0, -1, True):
         with pytest.raises(MconvError, match=rf"^SharedMemoryEngine: timeout={timeout!r}; give the seconds"):
             SharedMemoryEngine(str(tmp_path / "engine.sock"), b"key", timeout=timeout)
@@ -1286,6 +1297,11 @@ def test_engine_and_address_mistakes_are_one_sentence(tmp_path):
     assert core._model_device(SimpleNamespace(tensors=[{"w": torch.zeros(2)}])) == torch.device("cpu")
     with pytest.raises(TypeError, match=r"^authkey is a str; give the key as bytes"):
         ParameterReceiver({"w": torch.zeros(1)}, str(tmp_path / "engine.sock"), "key")
+    odd = ParameterReceiver({"w": torch.zeros(2, dtype=torch.uint16)}, str(tmp_path / "odd.sock"), b"key")
+    odd.start()
+    with pytest.raises(MconvError, match=r"^the engine at .*odd.sock holds w in uint16, a dtype no bucket carries$"):
+        SharedMemoryEngine(str(tmp_path / "odd.sock"), b"key", timeout=5).dtypes()
+    odd.close()
 
     stale = str(tmp_path / "stale.sock")
     socket.socket(socket.AF_UNIX).bind(stale)  # a socket file nobody listens at (a receiver that was killed)

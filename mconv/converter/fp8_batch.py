@@ -43,9 +43,9 @@ def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: t
     FUSED: its float scale (fp8.scales' rule) into its scale and its values divided by it into `out`.
     `table` holds a row of 9 int64 per tensor: address, rows, columns, row stride (elements; columns
     are contiguous), first block, scale-grid columns, offset of its FP8 output (elements), number of
-    blocks, offset of its scale grid in `scale` (elements). ALIGNED: every address of the launch is a multiple of 16 bytes and every row stride,
-    column count and output offset a multiple of 16 elements (then loads and stores are vectorised;
-    without the hint they go element by element).
+    blocks, offset of its scale grid in `scale` (elements). ALIGNED: every address of the launch is
+    a multiple of 16 bytes and every row stride, column count and output offset a multiple of 16
+    elements (then loads and stores are vectorised; without the hint they go element by element).
 
     The block is read ROWS rows at a time, twice where it is quantized (first its amax, then its
     values, the second read mostly from the cache): a whole 128x128 block held at once took so many
@@ -182,8 +182,9 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     places) (a sync quantizes the same buckets every time) and kept for the next call (the last
     1024 such lists, 4 bytes per 128x128 block on the device); a call then writes the weights'
     addresses into them."""
-    if into is not None and scale_fmt != "float":
-        raise ValueError(f"quantize_batch(into=...) writes float scales, not {scale_fmt!r}")
+    if into is not None and (scale_fmt != "float" or into[0].dtype != torch.uint8 or into[0].dim() != 1):
+        raise ValueError(f"quantize_batch(into=(buffer, places)) writes float scales (not {scale_fmt!r}) into a 1-D "
+                         f"uint8 buffer (not {into[0].dim()}-D {into[0].dtype})")
     weights = [w for _, w in named]
     strides = list(map(torch.Tensor.stride, weights))
     if any(stride[-1] != 1 for stride in strides):  # transposed views: copied row-major
@@ -194,10 +195,12 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     places = None if into is None else [(q, s // 4) for q, s in into[1]]
     # all that _plan reads (the alignments: of the addresses, row strides, columns and outputs)
     signature = (device, tuple(map(_DTYPE_OF, weights)), tuple(map(_SHAPE_OF, weights)), tuple(strides),
-                 tuple(a % 16 for a in addresses), None if into is None else (into[0].data_ptr() % 16, tuple(places)))
+                 tuple(a % 16 for a in addresses), None if into is None else (into[0].data_ptr() % 16, tuple(into[1])))
     with _LOCK:
         plan = _PLANS.get(signature)
         if plan is None:
+            if into is not None and any(s % 4 for _, s in into[1]):
+                raise ValueError("quantize_batch(into=(buffer, places)): scale offsets must be multiples of 4 bytes")
             aligned = [a % 16 == 0 and stride[0] % 16 == 0 and w.shape[1] % 16 == 0
                        for w, a, stride in zip(weights, addresses, strides)]
             if into is not None:

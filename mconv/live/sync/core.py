@@ -51,24 +51,27 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     """Push the model's current weights into `engine`; call it on every rank of the trainer.
 
     `engine` is an `mconv.live.sync.Engine` (e.g. `VLLMEngine`) or a callable taking one
-    `FlatBucket` per bucket (MconvError at once for anything else). Each pipeline stage's sender
-    (its TP/EP/ETP/DP rank 0) hands the engine its stage's buckets from `iter_hf_weights(model_chunks, hf_config, bucket_bytes, dtype)`
-    (HF names and shapes), each packed into one contiguous uint8 buffer, on a background thread:
-    the next bucket is gathered and packed while the engine loads the previous one (two buffers,
-    at most two buckets in flight). With tied embeddings and an engine that asks for it (vLLM),
-    `lm_head.weight` goes beside `model.embed_tokens.weight`, sharing its bytes. `quantize="fp8"`
-    (`fp8_scale`) sends each weight iter_hf_weights quantizes as its FP8 weight and float32
-    `_scale_inv` (MconvError as iter_hf_weights raises it for other values).
+    `FlatBucket` per bucket (MconvError for anything else, on every rank: below). Each pipeline
+    stage's sender (its TP/EP/ETP/DP rank 0) hands the engine its stage's buckets from
+    `iter_hf_weights(model_chunks, hf_config, bucket_bytes, dtype)` (HF names and shapes), each
+    packed into one contiguous uint8 buffer, on a background thread: the next bucket is gathered
+    and packed while the engine loads the previous one (two buffers, at most two buckets in
+    flight). With tied embeddings and an engine that asks for it (vLLM), `lm_head.weight` goes
+    beside `model.embed_tokens.weight`, sharing its bytes. `quantize="fp8"` (`fp8_scale`) sends
+    each weight iter_hf_weights quantizes as its FP8 weight and float32 `_scale_inv` (MconvError
+    as iter_hf_weights raises it for other values).
 
-    Every rank first checks its arguments and plans the sync (`model_chunks` a non-empty list of
-    modules, `bucket_bytes` a positive integer, `dtype` one mconv writes, by name or as a torch
-    dtype, the HF config readable: a path missing on one node, a parameter replaced on one rank);
-    a rank that fails there is one MconvError on every rank, before the engine is told anything
-    (or, where rank 0 had started it, after its `abort`); so are ranks given different
-    `bucket_bytes`, `dtype`, `quantize`, `fp8_scale` or `verify` (their collectives would not line
-    up). MconvError at once before `torch.distributed.init_process_group`. A KeyboardInterrupt
-    during the sync aborts the engine's update before it propagates. One sync at a time per process: a second
-    `sync_weights` while one runs (another thread, an engine calling it) is an MconvError at once.
+    Every rank first checks its arguments and plans the sync (`engine` as above, `verify` a bool,
+    `model_chunks` a non-empty list of modules, `bucket_bytes` a positive integer, `dtype` one
+    mconv writes, by name or as a torch dtype, the HF config readable: a path missing on one
+    node, a parameter replaced on one rank); a rank that fails there is one MconvError on every
+    rank, before the engine is told anything (or, where rank 0 had started it, after its
+    `abort`); so are ranks given different `bucket_bytes`, `dtype`, `quantize`, `fp8_scale` (None
+    and "float" are the same) or `verify` (their collectives would not line up). MconvError at
+    once before `torch.distributed.init_process_group`. A KeyboardInterrupt during the sync aborts
+    the engine's update before it propagates (buckets still queued for the engine are not sent).
+    One sync at a time per process: a second `sync_weights` while one runs (another thread, an
+    engine calling it) is an MconvError at once.
 
     Before any bucket, rank 0 compares the names and shapes it will send with the engine's
     `expected()`, and every sender the dtype each tensor of its stage is sent in (`dtype`'s cast,
@@ -92,13 +95,10 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     each with the checksum of what was sent: the names that differ are one MconvError on every
     rank (the engine has finished the update by then; sync again).
     """
-    engine = as_engine(engine)
     if not dist.is_initialized():
         raise MconvError("sync_weights runs on every rank of an initialized process group: call "
                          "torch.distributed.init_process_group and megatron.core.parallel_state."
                          "initialize_model_parallel first (one rank: world_size=1)")
-    if not isinstance(verify, bool):
-        raise MconvError(f"verify={verify!r}: give True or False")
     if version is None:
         version = str(next(_VERSIONS))
     elif isinstance(version, int) and not isinstance(version, bool):
@@ -121,7 +121,11 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
     prepared: dict = {}
 
     def prepare() -> None:  # on every rank; what fails here (a path missing on one node) is agreed on below
+        nonlocal engine
         _check_version(version)
+        if not isinstance(verify, bool):
+            raise MconvError(f"verify={verify!r}: give True or False")
+        engine = as_engine(engine)
         chunks, cast = _checked(model_chunks, bucket_bytes, dtype)
         config = _config(hf_config, revision)
         quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
@@ -149,8 +153,9 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
         started = refused is None
     sums: dict | None = {} if verify else None
     try:
-        arguments = zlib.crc32(repr((bucket_bytes, str(prepared.get("dtype", dtype)), quantize, fp8_scale,
-                                     verify)).encode())  # (paths may differ from node to node)
+        quantization = prepared.get("quantization")  # (fp8_scale None and "float" are the same)
+        arguments = zlib.crc32(repr((bucket_bytes, str(prepared.get("dtype", dtype)), quantization and
+                                     quantization.scale_fmt, verify)).encode())  # (paths may differ by node)
         # every rank agrees once per round
         rounds, held_back = _started(refused, len(prepared.get("schedule", ())), arguments)
         if held_back:
@@ -230,8 +235,8 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
             result.seconds["engine"] += time.perf_counter() - waited
     finally:
         buckets.close()
-        if workers is not None:
-            workers.shutdown(wait=True)
+        if workers is not None:  # buckets still queued after a failure or an interrupt are not sent
+            workers.shutdown(wait=True, cancel_futures=True)
     return failure
 
 
@@ -285,7 +290,7 @@ def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=Non
     layouts = engine.__dict__.setdefault("_mconv_layouts", {})  # signature -> _Layout (RemoteEngine has a _layouts)
     plans = engine.__dict__.setdefault(_COPY_PLANS, {})  # (slot, signature) -> (buffer, CopyPlan)
     signature = (tuple((name, t.dtype, t.shape) for name, t in named), tuple(sorted((aliases or {}).items())),
-                 tuple(picked), device.type)
+                 tuple(picked), quantization.scale_fmt if picked else None, device.type)
     known = layouts.get(signature)
     if known is None:
         known = layouts[signature] = _layout(named, aliases, picked, quantization, device)
@@ -300,11 +305,11 @@ def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=Non
             del plans[key]  # plans into a buffer the engine replaced: they would keep it alive
         by_name = dict(unpack(buffer, known.entries))
         hit = plans[slot, signature] = (buffer, CopyPlan([by_name[named[i][0]] for i in known.copied], sources))
+    hit[1].run(sources)  # first: the float32 tensors between the scales hold their values at the check below
     if known.places:
         from mconv.converter.fp8_batch import quantize_batch
 
-        quantize_batch([named[i] for i, _ in picked], into=(buffer, known.places))
-    hit[1].run(sources)
+        quantize_batch([named[i] for i, _ in picked], quantization.scale_fmt, into=(buffer, known.places))
     return known.entries, buffer
 
 
@@ -315,24 +320,25 @@ class _Layout:
     entries: list  # flat.Entry of every tensor sent (FP8 weights and scales where picked)
     nbytes: int
     copied: list[int]  # indices of the bucket's tensors copied as they are
-    places: list[tuple[int, int]] | None  # (FP8 weight, scale) byte offsets of each picked weight quantized into the buffer
+    places: list[tuple[int, int]] | None  # (FP8 weight, scale) byte offsets of each picked weight quantized
+    # into the buffer
 
 
 def _layout(named, aliases, picked, quantization, device) -> _Layout:
     """_Layout of `named` with the `picked` weights quantized (FP8 weight, float32 scale grid, in
-    fp8.quantize_picked's order); places where they can be quantized into the buffer (a GPU, float
-    scales, fp8_batch's weights), else None: _pack then quantizes them first (and has no use for
-    the entries given here)."""
+    fp8.quantize_picked's order) where they can be quantized into the buffer (a GPU, float scales,
+    fp8_batch's weights). Otherwise an empty _Layout with no places: _pack then quantizes them
+    first and lays out that bucket instead."""
     scales = dict(picked)
+    if picked and not (device.type == "cuda" and quantization.scale_fmt == "float"
+                       and fp8.batchable([named[i][1] for i in scales])):
+        return _Layout([], 0, [], None)
     shapes = [named[i][1].shape for i, _ in picked]  # what the quantization makes, on no device
     entries, nbytes = layout(fp8.with_scales(named, picked, [
         (torch.empty(s, dtype=fp8.FP8, device="meta"), torch.empty(fp8.grid(s), dtype=torch.float32, device="meta"))
         for s in shapes]), aliases)
-    places = None
-    if picked and device.type == "cuda" and quantization.scale_fmt == "float" and fp8.batchable(
-            [named[i][1] for i in scales]):
-        at = {entry.name: entry.offset for entry in entries}
-        places = [(at[named[i][0]], at[scale]) for i, scale in picked]
+    at = {entry.name: entry.offset for entry in entries}
+    places = [(at[named[i][0]], at[scale]) for i, scale in picked] if picked else None
     return _Layout(entries, nbytes, [i for i in range(len(named)) if i not in scales], places)
 
 

@@ -95,7 +95,7 @@ class Engine:
     def _slot(self, buffers: dict, bucket: FlatBucket) -> int:
         """The slot of `buffers` ({slot: uint8 tensor}) whose memory holds `bucket` (packed into
         what `buffer(slot, ...)` returned). Raises ValueError for a bucket from elsewhere."""
-        for slot, buffer in buffers.items():
+        for slot, buffer in list(buffers.items()):  # (the packing thread may add a slot meanwhile)
             if buffer.data_ptr() == bucket.buffer.data_ptr():
                 return slot
         raise ValueError(f"bucket {bucket.index} is not in a buffer this engine's buffer() gave")
@@ -258,8 +258,13 @@ class RemoteEngine(Engine):
         reply = self._request({"op": "expected", "digest": self._expected and self._expected[0], "route": self.route})
         if "tensors" in reply or self._expected is None:
             dtypes = reply.get("dtypes")
-            self._expected = (reply["digest"], reply["tensors"],
-                              None if dtypes is None else {name: dtype_of(d) for name, d in dtypes.items()})
+            try:
+                dtypes = None if dtypes is None else {name: dtype_of(d) for name, d in dtypes.items()}
+            except KeyError as e:
+                name = next(n for n, d in reply["dtypes"].items() if d == e.args[0])
+                raise MconvError(f"the engine at {self.address} holds {name} in {e.args[0]}, a dtype no bucket "
+                                 "carries") from None
+            self._expected = (reply["digest"], reply["tensors"], dtypes)
         return self._expected
 
     def expected(self) -> dict[str, list[int]]:
