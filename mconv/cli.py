@@ -513,7 +513,7 @@ def verify_command(first, second, quiet):
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), default=None,
               help="With --merge: write the merged model as block-wise FP8, as `mcore2hf --quantize fp8` does "
                    "(merged first, then quantized; Qwen3, Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5/3.6 (text and "
-                   "VL; MoE experts written per expert) and Qwen3-Next). See docs/fp8.md.")
+                   "VL; MoE experts written per expert), Qwen3-Next and BailingMoeV3). See docs/fp8.md.")
 @click.option("--fp8-scale", type=click.Choice(FP8_SCALES), default=None,
               help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two). Default: the base "
                    "model config's quantization_config.scale_fmt (a UE8M0 model comes back UE8M0), else 'float'.")

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/python.sh
 VENV=.venv-demo
-[ -x "$VENV/bin/python" ] || "$(find_python)" -m venv "$VENV"
+[ -x "$VENV/bin/python" ] || { PYTHON="$(find_python)"; "$PYTHON" -m venv "$VENV"; }
 "$VENV/bin/python" -m pip install --quiet -c constraints.txt .
 export PATH="$PWD/$VENV/bin:$PATH"
 OUT="${1:-demo-out}"

@@ -11,7 +11,10 @@ UV="$(find_uv)"
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c '
 import sys, torch, transformers, peft, hypothesis, pytest, mconv
 assert sys.version_info[:2] == (3, 10) and torch.__version__.split("+")[0] == "2.6.0"' 2>/dev/null; then
-    [ -x "$VENV/bin/python" ] || "$UV" venv --quiet --allow-existing --python "$(find_python 3.10)" "$VENV"
+    if [ ! -x "$VENV/bin/python" ]; then
+        PYTHON="$(find_python 3.10)"
+        "$UV" venv --quiet --allow-existing --python "$PYTHON" "$VENV"
+    fi
     "$UV" pip install --quiet --python "$VENV/bin/python" -c constraints-oldest.txt -e . \
         torch transformers peft pytest hypothesis
 fi

@@ -14,7 +14,10 @@ MBRIDGE_WHEEL=wheels/mbridge-0.15.1+git.10cb17f-py3-none-any.whl
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c '
 import importlib.metadata as m, mconv, megatron.core, transformers, peft, hypothesis, einops, omegaconf, isal
 assert m.version("mbridge") == "0.15.1+git.10cb17f" and m.version("megatron-bridge") == "0.6.2"' 2>/dev/null; then
-    [ -x .venv/bin/python ] || "$UV" venv --quiet --allow-existing --python "$(find_python)" .venv
+    if [ ! -x .venv/bin/python ]; then
+        PYTHON="$(find_python)"
+        "$UV" venv --quiet --allow-existing --python "$PYTHON" .venv
+    fi
     "$UV" pip install --quiet -c constraints.txt -e '.[live,test,mbridge]'
     "$UV" pip install --quiet --no-deps --reinstall "$MBRIDGE_WHEEL"
     # Megatron-Bridge without its dependency set (Transformer Engine, modelopt, ...): the tests build

@@ -4,9 +4,14 @@
 find_python() {
     local version="${1:-3.12}" var=MCONV_PYTHON
     [ "$version" = 3.12 ] || var="MCONV_PYTHON${version/./}"
+    local check="import sys; assert '%d.%d' % sys.version_info[:2] == '$version'"
+    if [ -n "${!var:-}" ] && ! "${!var}" -c "$check" 2>/dev/null; then  # a named choice is not passed over
+        echo "mconv: error: $var=${!var} is not a Python $version interpreter" >&2
+        return 1
+    fi
     for candidate in "${!var:-}" "python$version" "$HOME"/.pyenv/versions/"$version".*/bin/python"$version"; do
         [ -n "$candidate" ] || continue
-        if "$candidate" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$version'" 2>/dev/null; then
+        if "$candidate" -c "$check" 2>/dev/null; then
             echo "$candidate"; return 0
         fi
     done
@@ -25,7 +30,9 @@ UV_VERSION=0.13.9
 export UV_COMPILE_BYTECODE=1
 find_uv() {
     if ! [ -x .uv/bin/uv ] || [ "$(.uv/bin/uv --version | cut -d' ' -f2)" != "$UV_VERSION" ]; then
-        "$(find_python)" -m pip install --quiet --root-user-action=ignore --target .uv --upgrade "uv==$UV_VERSION" >&2
+        local python
+        python="$(find_python)" || return 1
+        "$python" -m pip install --quiet --root-user-action=ignore --target .uv --upgrade "uv==$UV_VERSION" >&2
     fi
     echo "$PWD/.uv/bin/uv"
 }

@@ -125,7 +125,7 @@ def test_unsupported_architecture(tmp_path):
     (["--pp", "3"], "4 layers cannot be split evenly over 3 pipeline stages"),
     (["--pp", "2", "--vpp", "4"], "not divisible by --vpp 4"),
     (["--pp", "2", "--first-stage-layers", "4"], "all 4 layers of the model on the first/last pipeline stages"),
-    (["--tp", str(10**20)], "--tp is 100000000000000000000, not a size"),
+    (["--tp", str(10**20)], "--tp is 100000000000000000000: give a whole number up to 65,536"),
 ])
 def test_layout_does_not_fit(tmp_path, options, fragment):
     assert_refused(mconv("hf2mcore", TINY, tmp_path / "out", *options), tmp_path / "out", fragment)
@@ -1546,3 +1546,16 @@ def test_a_torchrun_rank_is_interruptible_and_never_waits_for_a_stopped_one():
                             cwd=Path(__file__).resolve().parents[1])
     assert result.stdout.splitlines() == ["rank 0 stopped (KeyboardInterrupt)", "interrupted while waiting"], \
         result.stdout + result.stderr[-2000:]
+
+
+def test_library_paths_that_are_no_paths(tmp_path):
+    """The library's path arguments given None or a number: one MconvError naming the argument
+    (a TypeError from pathlib before; hf2mcore looked the name 'None' up on the Hub)."""
+    from mconv import hf2mcore, mcore2hf
+
+    for call, named in ((lambda: hf2mcore(None, tmp_path / "a", Layout(), progress=False), "the HF model"),
+                        (lambda: hf2mcore(TINY, None, Layout(), progress=False), "the output path"),
+                        (lambda: mcore2hf(3, tmp_path / "b", progress=False), r"ckpt_dir is 3 \(int\)")):
+        with pytest.raises(MconvError, match=rf"^{named}.*: give a path \(a str or pathlib.Path\)$"):
+            call()
+    assert not any(tmp_path.iterdir())

@@ -63,7 +63,8 @@ def test_uniform_chunks_follow_interleaved_formula():
     (Layout(pp=3, first_stage_layers=2, last_stage_layers=2), 4, r"^first_stage_layers=2 and last_stage_layers=2: "
      r"all 4 layers of the model on the first/last pipeline stages, none left for the 1 other stage of pp=3$"),
     (Layout(pp=2, vpp=2, first_stage_layers=1), 4, r"^pipeline stage 0 holds 1 layer, not divisible by vpp=2$"),
-    (Layout(pp=3, first_stage_layers=3), 4, r"^1 layer cannot be split evenly over 2 pipeline stages "),
+    (Layout(pp=3, first_stage_layers=3), 4, r"^first_stage_layers=3 leaves 1 layer, which cannot be split evenly over 2 "
+                                             r"pipeline stages "),
     (Layout(tp=0), 4, "positive"),
 ])
 def test_invalid_layouts(layout, layers, message):

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fixtures.make_fixtures import make_qwen3_moe
-from mconv import Layout, hf2mcore, mcore2hf
+from mconv import Layout, MconvError, hf2mcore, mcore2hf
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.layout import parse_layout_string
 from tests.conftest import FIXTURES, load_rank_file
@@ -124,6 +124,8 @@ def test_each_ep_rank_reads_only_its_experts(tmp_path, monkeypatch):
 def test_layout_string_equals_flags():
     assert parse_layout_string("attn:d1p4t2c2|ffn:d1p4t1e4") == {"tp": 2, "pp": 4, "ep": 4, "etp": 1}
     assert parse_layout_string("d2p2t4") == {"tp": 4, "pp": 2, "ep": 1, "etp": 4}
+    with pytest.raises(MconvError, match=r"^--layout 'attn:d1p1t0\|ffn:d1p1t1e2': attn t0: every size is at least 1$"):
+        parse_layout_string("attn:d1p1t0|ffn:d1p1t1e2")
 
 
 def test_layout_string_conversion_matches_flags(tmp_path):

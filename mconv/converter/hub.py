@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mconv.converter.options import option
+from mconv.converter.options import check_path, option
 from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
 
@@ -59,6 +59,7 @@ def resolve_model(name_or_path: str | Path, revision: str | None = None, weights
     name is not a directory and cannot be found in the cache or on the Hub; a missing local path is
     named as the option `parameter` (e.g. "hf_config": `--hf-config /x`) where given.
     """
+    check_path(name_or_path, parameter or "the HF model (a directory or hub name)")
     text = str(name_or_path)
     path = Path(text).expanduser()
     check_revision(revision, text)

@@ -46,7 +46,7 @@ class Layout:
             # embedding rows, as DistCheckpoint reads it): bounded like config.json's vocab_size.
             limit = 2**31 if name == "vocab_divisor" else 2**16
             if not isinstance(value, int) or isinstance(value, bool) or abs(value) > limit:
-                raise MconvError(f"{option(name)} is {value!r}, not a size")
+                raise MconvError(f"{option(name)} is {value!r}: give a whole number up to {limit:,}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,7 +124,8 @@ class Layout:
             raise MconvError(f"{given}: all {count(num_layers, 'layer')} of the model on the first/last pipeline "
                              f"stages, none left for the {count(len(middle), 'other stage')} of {option('pp', self.pp)}")
         if middle and remaining % len(middle):
-            raise MconvError(f"{count(remaining, 'layer')} cannot be split evenly over "
+            left = f"{given} leaves {count(remaining, 'layer')}, which" if fixed else count(remaining, 'layer')
+            raise MconvError(f"{left} cannot be split evenly over "
                              f"{count(len(middle), 'pipeline stage')} (num_layers={num_layers}, {option('pp', self.pp)})")
         if not middle and self.vpp > 1:
             # get_transformer_layer_offset divides by the number of middle stages under VPP
@@ -168,6 +169,8 @@ def parse_layout_string(text: str) -> dict[str, int]:
             if key not in allowed or key in sizes:
                 raise MconvError(f"--layout {text!r}: {name} takes the sizes {', '.join(allowed)} once each, not {key!r}")
             sizes[key] = int(value)
+            if sizes[key] < 1:
+                raise MconvError(f"--layout {text!r}: {name} {key}{value}: every size is at least 1")
         sections[name] = {k: sizes.get(k, 1) for k in allowed}
     attn = sections.get("attn")
     if attn is None:

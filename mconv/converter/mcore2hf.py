@@ -15,7 +15,8 @@ from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, s
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.options import DEFAULT_SHARD_BYTES, MAX_WORKERS, check_count, shard_bytes, torch_dtype
+from mconv.converter.options import (DEFAULT_SHARD_BYTES, MAX_WORKERS, check_count, check_path, shard_bytes,
+                                     torch_dtype)
 from mconv.converter.output import check_output_path, output_path, staged_directory
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.pipelines import _bar, _kept_per_expert, _run_team
@@ -249,6 +250,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     FP8 source's quantization_config is dropped from config.json."""
     dtype, max_shard_bytes = torch_dtype(dtype), shard_bytes(max_shard_bytes)
     workers = check_count(workers, "workers", high=MAX_WORKERS)
+    check_path(ckpt_dir, "ckpt_dir")
     check_revision(revision, hf_config)
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress, parameter="hf_config")

@@ -1,6 +1,7 @@
 """Choices and defaults shared by the command line and the library. This module imports nothing
 heavy, so `mconv --help` and option parsing start without torch."""
 import contextlib
+import os
 
 from mconv.errors import MconvError
 
@@ -44,6 +45,12 @@ def shard_bytes(size, name: str = "max_shard_bytes") -> int:
     if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_SIZE:
         raise MconvError(f"{option(name, size)} is not a positive number of bytes")
     return size
+
+
+def check_path(value, name: str) -> None:
+    """MconvError unless `value` (library parameter `name`) is a path: a str or an os.PathLike."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise MconvError(f"{name} is {value!r} ({type(value).__name__}): give a path (a str or pathlib.Path)")
 
 
 def check_count(value, name: str, low: int = 1, high: int | None = None) -> int:

@@ -15,7 +15,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
-from mconv.converter.options import option
+from mconv.converter.options import check_path, option
 from mconv.errors import MconvError
 
 # errnos that only a write can raise: whatever file they name, the output is at fault.
@@ -26,6 +26,7 @@ def output_path(out: str | Path) -> Path:
     """The absolute output path with its parent's symlinks resolved: where the staging sibling is
     made and the finished output renamed to. MconvError for an empty path, which is no directory
     name (os.path would read it as the current directory)."""
+    check_path(out, "the output path")
     if not os.fspath(out):
         raise MconvError("the output path is empty; name the directory to write")
     out = Path(os.path.abspath(out))
