@@ -7,6 +7,7 @@ whose pickle names a global that would execute is refused with one line, and not
 import filecmp
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,24 @@ def test_stacked_experts_in_a_bin(tmp_path):
         result = mconv("hf2mcore", model, tmp_path / name, "--tp", "2", "--ep", "2", "--format", "torch", "-q")
         assert result.exit_code == 0, result.output
     same_files(tmp_path / "st" / "release", tmp_path / "bin" / "release")
+
+
+def test_a_bin_in_torchs_pre_zip_format(tmp_path):
+    """A `.bin` torch.save wrote in its pre-zip format (`_use_new_zipfile_serialization=False`, torch
+    < 1.6's default; transformers loads it, torch cannot memory-map it): converted as the
+    safetensors original is, and verify reads it as the same tensors."""
+    from safetensors.torch import load_file
+
+    source = FIXTURES / "qwen3-tiny"
+    hf = Path(shutil.copytree(source, tmp_path / "hf", ignore=shutil.ignore_patterns("*.safetensors")))
+    torch.save(load_file(source / "model.safetensors"), hf / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert not (hf / "pytorch_model.bin").read_bytes().startswith(b"PK")
+    for name, model in (("st", source), ("bin", hf)):
+        result = mconv("hf2mcore", model, tmp_path / name, "--tp", "2", "--format", "torch", "-q")
+        assert result.exit_code == 0, result.output
+    same_files(tmp_path / "st" / "release", tmp_path / "bin" / "release")
+    result = mconv("verify", source, hf)
+    assert result.exit_code == 0 and "identical" in result.output, result.output
 
 
 class _Runs:

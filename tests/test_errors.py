@@ -1,5 +1,6 @@
 """Bad input: one line naming the culprit, exit status 1, no output (and no partial output)."""
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -317,6 +318,36 @@ def test_checkpoint_without_stored_config_needs_hf_config(tmp_path):
     shutil.rmtree(tmp_path / "m" / "hf_config")
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out", "--hf-config")
     assert mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "--hf-config", TINY, "-q").exit_code == 0
+
+
+SIDE_FILE_DAMAGE = {  # a side file made into something else, and what the sentence calls it
+    "tokenizer.json": (lambda p: p.symlink_to("/dev/zero"), "a character device, not a regular file"),
+    "tokenizer_config.json": (os.mkfifo, "a FIFO, not a regular file"),
+    "generation_config.json": (lambda p: p.mkdir(), "a directory, not a regular file"),
+    "vocab.json": (lambda p: p.symlink_to(p.parent / "gone"), "gone, which does not exist"),
+}
+
+
+@pytest.mark.parametrize("name", list(SIDE_FILE_DAMAGE))
+def test_a_side_file_that_is_not_a_regular_file_is_named(tmp_path, name):
+    """A tokenizer or generation config file that is a device, a FIFO, a directory or a dangling link:
+    hf2mcore and mcore2hf's copy back from the checkpoint's hf_config/ name it (it was left out without
+    a word, from that output and every later one; the FIFO never opened). A link to a file is copied."""
+    damage, said = SIDE_FILE_DAMAGE[name]
+    hf = copy_model(tmp_path)
+    (hf / name).unlink(missing_ok=True)
+    damage(hf / name)
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out", "-q"), tmp_path / "out", f"{hf / name} is ", said)
+    assert legacy(TINY, tmp_path / "m").exit_code == 0
+    stored = tmp_path / "m" / "hf_config" / name
+    stored.unlink(missing_ok=True)
+    damage(stored)
+    assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out", "-q"), tmp_path / "out", f"{stored} is ", said)
+    linked = Path(shutil.copytree(TINY, tmp_path / "linked"))
+    (linked / name).unlink(missing_ok=True)
+    (linked / name).symlink_to(TINY / "tokenizer.json")
+    assert mconv("hf2mcore", linked, tmp_path / "out", "-q").exit_code == 0
+    assert (tmp_path / "out" / "hf_config" / name).read_bytes() == (TINY / "tokenizer.json").read_bytes()
 
 
 def test_missing_rank_file(tmp_path):

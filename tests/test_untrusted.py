@@ -155,6 +155,77 @@ def test_payload_is_refused_by_the_library(checkpoints, tmp_path, kind):
     assert not marker.exists() and not (tmp_path / "hf").exists() and not (tmp_path / "adapter").exists()
 
 
+# ------------------------------------------- torch files that are not torch.save's, or in its pre-zip format
+
+def _pre_zip(path: Path, state=None) -> bytes:
+    """`path`'s state (or `state`) saved again in torch's pre-zip format (torch < 1.6's default)."""
+    data = io.BytesIO()
+    torch.save(load_rank_file(path) if state is None else state, data, _use_new_zipfile_serialization=False)
+    return data.getvalue()
+
+
+TORCH_FILES = {  # what holds a torch.save file: (the checkpoint, the file, the command reading it)
+    "common.pt": ("torch_dist", "release/common.pt", "mcore2hf"),
+    "rank file": ("torch", "release/mp_rank_01/model_optim_rng.pt", "mcore2hf"),
+    "pytorch_model.bin": ("hf", "pytorch_model.bin", "hf2mcore"),
+}
+DAMAGE = {  # the file's new bytes (from its valid ones) and what the sentence says of them
+    "empty": (lambda data, path: b"", "is not a torch.save file: it is empty"),
+    "a newline": (lambda data, path: b"\n", "is not a torch.save file: it is neither a zip archive nor in torch's"),
+    "text": (lambda data, path: b"hi", "is not a torch.save file: it is neither a zip archive nor in torch's"),
+    "zip magic, then garbage": (lambda data, path: b"PK\x03\x04garbage", "truncated or corrupt zip archive"),
+    "half a zip archive": (lambda data, path: data[:len(data) // 2], "truncated or corrupt zip archive"),
+    "half a pre-zip file": (lambda data, path: _pre_zip(path)[:-100], "truncated or corrupt (torch's pre-zip format"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.parametrize("where", list(TORCH_FILES))
+def test_a_torch_file_that_cannot_be_read_is_one_sentence_of_mconvs(checkpoints, tmp_path, where, damage):
+    """What the file is, in mconv's words: never torch's own text, which says to re-run torch.load
+    with weights_only=False (turning the restricted unpickler off), or explains miniz and mmap."""
+    tree, name, command = TORCH_FILES[where]
+    if tree == "hf":
+        ckpt = Path(shutil.copytree(TINY, tmp_path / "ckpt", ignore=shutil.ignore_patterns("*.safetensors")))
+        from safetensors.torch import load_file
+
+        torch.save(load_file(TINY / "model.safetensors"), ckpt / name)
+    else:
+        ckpt = Path(shutil.copytree(checkpoints / tree, tmp_path / "ckpt"))
+    path = ckpt / name
+    make, said = DAMAGE[damage]
+    path.write_bytes(make(path.read_bytes(), path))
+    before, out = unchanged(ckpt), tmp_path / "out"
+    result = mconv(command, ckpt, out, "-q")
+    assert_refused(result, out, f"{path} ", said)
+    for torchs in ("weights_only", "Weights only", "torch.load", "miniz", "mmap", "please", "file an issue"):
+        assert torchs not in result.stderr, result.stderr
+    assert unchanged(ckpt) == before
+
+
+def test_rank_files_in_torchs_pre_zip_format_convert_and_stay_restricted(checkpoints, tmp_path):
+    """Legacy rank files saved in torch's pre-zip format (`_use_new_zipfile_serialization=False`,
+    which torch cannot memory-map; torch.load and transformers read it) convert to what the zip
+    originals convert to. The restricted unpickler reads that format too (torch 2.6 and 2.11 apply
+    weights_only to it): a global outside the allow-list there is refused, and does not run."""
+    ckpt = Path(shutil.copytree(checkpoints / "torch", tmp_path / "ckpt"))
+    for path in ckpt.glob("release/mp_rank_*/model_optim_rng.pt"):
+        path.write_bytes(_pre_zip(path))
+        assert not path.read_bytes().startswith(b"PK")
+    for source, out in ((checkpoints / "torch", tmp_path / "zip"), (ckpt, tmp_path / "pre-zip")):
+        assert mconv("mcore2hf", source, out, "-q").exit_code == 0
+    assert unchanged(tmp_path / "zip") == {tmp_path / "zip" / p.relative_to(tmp_path / "pre-zip"): data
+                                           for p, data in unchanged(tmp_path / "pre-zip").items()}
+    path, marker = ckpt / "release" / "mp_rank_01" / "model_optim_rng.pt", tmp_path / "marker"
+    state = load_rank_file(checkpoints / "torch" / "release" / "mp_rank_01" / "model_optim_rng.pt")
+    path.write_bytes(_pre_zip(path, {**state, "optimizer": {"payload": Payload(marker)}}))
+    out = tmp_path / "out"
+    assert_refused(mconv("mcore2hf", ckpt, out, "-q"), out, str(path), "refused to unpickle posix.system")
+    with pytest.raises(MconvError, match="refused to unpickle posix.system"):
+        inspect_path(ckpt)
+    assert not marker.exists()
+
+
 # ------------------------------------------------------- real training checkpoints still load
 
 def training_args(stored) -> "argparse.Namespace":

@@ -3,7 +3,8 @@
 writes them and older fine-tunes ship them. transformers reads them with
 `torch.load(weights_only=True)`; mconv does the same, through its one restricted unpickler
 (`safe_load.load_torch`: nothing in the file executes), memory-mapped so that a tensor's bytes are
-read only when sliced."""
+read only when sliced; a file in torch's older pre-zip format (`_use_new_zipfile_serialization=False`),
+which transformers loads too, cannot be mapped and is read whole into memory."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,10 +19,10 @@ BIN_SINGLE_NAME = "pytorch_model.bin"
 
 
 def read_bin(path: Path, dtypes) -> dict[str, torch.Tensor]:
-    """The named tensors of a `.bin` state dict, memory-mapped (not read). `dtypes`: the dtypes
-    mconv converts. Raises MconvError naming the file: a refused global (nothing runs), a file
-    that is not a torch.save zip archive, an object other than a dict of named tensors, or a
-    tensor of another dtype."""
+    """The named tensors of a `.bin` state dict, memory-mapped (not read; read whole in the pre-zip
+    format). `dtypes`: the dtypes mconv converts. Raises MconvError naming the file: a refused
+    global (nothing runs), a file that is not a torch.save file (zip or pre-zip), an object other
+    than a dict of named tensors, or a tensor of another dtype."""
     if not path.is_file():  # torch.load would block on a FIFO
         raise MconvError(f"{path} is not a regular file, so not a PyTorch weights file")
     state = safe_load.load_torch(path, mmap=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mconv.converter.output import copy_file
+from mconv.converter.output import _kind, copy_file
 from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
 
@@ -89,12 +89,20 @@ def read_config(directory: Path) -> dict:
 
 def copy_side_files(source: Path, destination: Path) -> list[str]:
     """Copy config, generation config and tokenizer files, and the remote code their `auto_map`
-    names (remote_code.remote_code_files: never imported here); returns the names copied."""
+    names (remote_code.remote_code_files: never imported here); returns the names copied. One that
+    is there but is not a regular file (a FIFO, a device, a directory, a dangling symlink) raises
+    MconvError naming it, as every file mconv reads does: skipped, it would be missing from this
+    output and from every later one without a word. A symlink to a regular file is one."""
     copied = []
     for name in SIDE_FILES + tuple(remote_code_files(source, SIDE_FILES)):
-        if (Path(source) / name).is_file():
-            copy_file(Path(source) / name, Path(destination) / name)
-            copied.append(name)
+        path = Path(source) / name
+        if not os.path.lexists(path):
+            continue
+        if not path.is_file():  # never opened: a FIFO would block, /dev/zero never end
+            what = ("a directory" if path.is_dir() else _kind(path)) + (", not a regular file" if path.exists() else "")
+            raise MconvError(f"{path} is {what}: mconv copies a model's config and tokenizer files beside its weights")
+        copy_file(path, Path(destination) / name)
+        copied.append(name)
     return copied
 
 

@@ -151,14 +151,27 @@ class _TensorHeaderUnpickler(_RestrictedUnpickler):
     extra = {"torch.storage.UntypedStorage": torch.UntypedStorage, "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3}
 
 
-def _refusal(path: Path, error: Exception, what: str) -> MconvError:
-    text = str(error).strip()
-    refused = re.search(r"GLOBAL ([\w.]+)", text)
+def _refused_global(path: Path, error: Exception) -> MconvError | None:
+    refused = re.search(r"GLOBAL ([\w.]+)", str(error))
     if refused:
         return MconvError(f"{path}: refused to unpickle {refused.group(1)} (not on mconv's allow-list; "
                           "nothing in a checkpoint is executed)")
-    first = text.splitlines()[0] if text else type(error).__name__
-    return MconvError(f"{path} is not a readable {what}: it is truncated or corrupt ({first})")
+    return None
+
+
+def _detail(error: Exception) -> str:
+    """torch's or pickle's reason, short: its first sentence only, as torch's later ones are advice that
+    must not be shown (re-run torch.load with weights_only=False, file an issue, how zips get corrupt)."""
+    text = str(error).split("WeightsUnpickler error:")[-1]  # after torch's weights-only preamble
+    text = text.replace("PytorchStreamReader failed reading zip archive: ", "").replace("Unsupported operand",
+                                                                                        "unsupported pickle opcode")
+    first = re.split(r"\.\s|\n", text.strip())[0].strip().rstrip(".")
+    return type(error).__name__ if not first or isinstance(error, KeyError) else first  # a KeyError's text: a key
+
+
+def _refusal(path: Path, error: Exception, what: str) -> MconvError:
+    return _refused_global(path, error) or MconvError(
+        f"{path} is not a readable {what}: it is truncated or corrupt ({_detail(error)})")
 
 
 def load_pickle(path: Path, data: bytes | None = None) -> object:
@@ -174,14 +187,41 @@ def load_pickle(path: Path, data: bytes | None = None) -> object:
         raise _refusal(path, e, "pickle") from None
 
 
+ZIP_MAGIC = b"PK\x03\x04"  # how torch.load tells its zip archive (torch >= 1.6's default) from its older format
+LEGACY_MAGIC = torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")  # what the older format's first pickle holds
+
+
 def load_torch(path: Path, source: IO[bytes] | None = None, mmap: bool = False) -> object:
     """torch.load with weights_only=True and the allow-list as safe globals, from `source` or the
-    file at `path` (memory-mapped with `mmap`: tensors are read on access). Raises MconvError."""
+    file at `path` (memory-mapped with `mmap`: tensors are read on access). A file in torch's older
+    pre-zip format (`torch.save(..., _use_new_zipfile_serialization=False)`, torch < 1.6's default,
+    which transformers reads too) cannot be mapped: it is read whole into memory, through the same
+    weights-only unpickler (torch 2.6 to 2.11 apply weights_only and the allow-list to that format).
+    Raises MconvError; its sentence says what the file is by its first bytes, as torch's own text may
+    be paragraphs of advice (such as re-running torch.load without weights_only)."""
+    where = f"an object stored in {path}" if source is not None else f"{path}"
+    try:
+        if source is None:
+            with open(path, "rb") as f:
+                head = f.read(32)
+        else:
+            start, head = source.tell(), source.read(32)
+            source.seek(start)
+    except OSError as e:
+        raise MconvError(f"{path} cannot be read: {e.strerror or e}") from None
+    zipped = head.startswith(ZIP_MAGIC)
+    if not zipped and LEGACY_MAGIC not in head:  # torch's unpickler is not started on what is no torch.save
+        raise MconvError(f"{where} is not a torch.save file: " + (
+            "it is neither a zip archive nor in torch's older pre-zip format" if head else "it is empty"))
     try:
         with torch.serialization.safe_globals([(obj, name) for name, obj in _allow_list().items()]):
-            return torch.load(path if source is None else source, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(path if source is None else source, map_location="cpu", weights_only=True,
+                              mmap=mmap and zipped)
     except Exception as e:  # UnpicklingError for refused globals; RuntimeError/EOFError/... for corrupt files
-        raise _refusal(path, e, "torch checkpoint file") from None
+        reason = ("it is a TorchScript archive (torch.jit.save), not a torch.save one" if "TorchScript" in str(e) else
+                  f"it is a truncated or corrupt zip archive ({_detail(e)})" if zipped else
+                  f"it is truncated or corrupt (torch's pre-zip format: {_detail(e)})")
+        raise _refused_global(path, e) or MconvError(f"{where} is not a readable torch.save file: {reason}") from None
 
 
 def load_tensor_header(path: Path, data: bytes) -> tuple[torch.Tensor, str]:
