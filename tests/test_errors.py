@@ -350,6 +350,17 @@ def test_a_side_file_that_is_not_a_regular_file_is_named(tmp_path, name):
     assert (tmp_path / "out" / "hf_config" / name).read_bytes() == (TINY / "tokenizer.json").read_bytes()
 
 
+def test_a_remote_code_file_that_is_a_fifo_is_named(tmp_path):
+    """A remote-code module config.json's auto_map names, made a FIFO: named, not read (reading it
+    for its relative imports blocked hf2mcore for good)."""
+    hf = copy_model(tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "configuration_x.XConfig"}}))
+    os.mkfifo(hf / "configuration_x.py")
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out", "-q"), tmp_path / "out",
+                   f"{hf / 'configuration_x.py'} is a FIFO, not a regular file")
+
+
 def test_missing_rank_file(tmp_path):
     assert legacy(TINY, tmp_path / "m", "--tp", "2").exit_code == 0
     (tmp_path / "m" / "release" / "mp_rank_01" / "model_optim_rng.pt").unlink()

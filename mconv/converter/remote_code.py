@@ -46,7 +46,10 @@ def auto_map_modules(directory: Path, config_names: tuple[str, ...]) -> list[str
 
 def relative_imports(module: Path) -> list[str]:
     """The module files `module` imports relatively (`from .x import y` -> `x.py`), as transformers
-    reads them: by pattern, without running the code. Empty if the file cannot be read."""
+    reads them: by pattern, without running the code. Empty if the file cannot be read or is no
+    regular file (a FIFO would block the read; the copy then refuses it by name)."""
+    if not module.is_file():
+        return []
     try:
         text = module.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
