@@ -226,6 +226,139 @@ def test_rank_files_in_torchs_pre_zip_format_convert_and_stay_restricted(checkpo
     assert not marker.exists()
 
 
+# ------------------------------------------- what the unpickler allows, in the wrong shape
+
+EMBEDDING = "embedding.word_embeddings.weight"
+LORA_B = "decoder.layers.0.self_attention.linear_qkv.adapter.linear_out.weight"
+
+
+def _rank_files(edit, named="mp_rank_00/model_optim_rng.pt"):  # the first rank file read
+    def apply(ckpt: Path) -> Path:
+        for path in sorted(ckpt.glob("release/mp_rank_*/model_optim_rng.pt")):
+            state = load_rank_file(path)
+            edit(state)
+            torch.save(state, path)
+        return ckpt / "release" / named
+    return apply
+
+
+def _common_pt(make):
+    def apply(ckpt: Path) -> Path:
+        path = ckpt / "release" / "common.pt"
+        torch.save(make(load_rank_file(path)), path)
+        return path
+    return apply
+
+
+def _common_state_object(value):
+    """common.pt removed, so that megatron-core 0.19's `common_state` object in the .distcp is read."""
+    def apply(ckpt: Path) -> Path:
+        iter_dir = ckpt / "release"
+        (iter_dir / "common.pt").unlink()
+        _append_object(iter_dir, _dcp_metadata(iter_dir), "common_state/shard_0_1", [value])
+        return iter_dir / "__0_0.distcp"
+    return apply
+
+
+def _with(key, value):
+    return lambda state: state.__setitem__(key, value)
+
+
+def _in_model(key, value):
+    return lambda state: state["model"].__setitem__(key, value(state["model"].get(key)))
+
+
+def _arg(name, value):
+    return lambda state: setattr(state["args"], name, value)
+
+
+def _as_vpp_chunks(state):  # the one chunk as 'model0', and a second that is not a chunk
+    state["model0"], state["model1"] = state.pop("model"), "x"
+
+
+def _stored_dtype(ckpt: Path) -> Path:
+    """.metadata says a tensor the export reads is complex64."""
+    import dataclasses
+
+    iter_dir = ckpt / "release"
+    metadata = _dcp_metadata(iter_dir)
+    entry = metadata.state_dict_metadata["decoder.final_layernorm.weight"]
+    entry.properties = dataclasses.replace(entry.properties, dtype=torch.complex64)
+    (iter_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    return iter_dir
+
+
+ALL = ("mcore2hf", "inspect", "export-lora")
+SHAPES = {  # the checkpoint, how it is edited (returns the file named), the commands refusing it, what they say
+    "'model' a str": ("torch", _rank_files(_with("model", "hello")), ALL, "'model' is a str, not a dict of tensors"),
+    "'model' None": ("torch", _rank_files(_with("model", None)), ALL, "'model' is None, not a dict of tensors"),
+    "'model' a list": ("torch", _rank_files(_with("model", [1, 2])), ALL, "'model' is a list, not a dict of tensors"),
+    "'model1' a str": ("torch", _rank_files(_as_vpp_chunks), ALL, "'model1' is a str, not a dict of tensors"),
+    "a tensor a str": ("torch", _rank_files(_in_model(EMBEDDING, lambda t: "str")), ALL,
+                       f"{EMBEDDING} in 'model' is a str, not a tensor"),
+    "a tensor an int": ("torch", _rank_files(_in_model(EMBEDDING, lambda t: 5)), ALL,
+                        f"{EMBEDDING} in 'model' is an int, not a tensor"),
+    "a sparse tensor": ("torch", _rank_files(_in_model(EMBEDDING, lambda t: t.to_sparse())), ALL,
+                        f"{EMBEDDING} in 'model' is a sparse, quantized, nested or meta tensor"),
+    "a key not a name": ("torch", _rank_files(_in_model(5, lambda t: torch.zeros(1))), ALL,
+                         "entry 5 of 'model' is not a tensor name"),
+    "a dtype safetensors lacks": ("torch", _rank_files(_in_model("decoder.final_layernorm.weight",
+                                                                 lambda t: t.to(torch.uint16))),
+                                  ("mcore2hf", "inspect"), "decoder.final_layernorm.weight has dtype uint16"),
+    "'args' a str": ("torch", _rank_files(_with("args", "x")), ALL,
+                     "'args' is a str, not the training arguments (argparse.Namespace)"),
+    "a size a list": ("torch", _rank_files(_arg("num_layers", [4])), ALL,
+                      "the saved args give num_layers=[4], not a whole number"),
+    "LoRA B of r 0": ("torch", _rank_files(_in_model(LORA_B, lambda t: torch.zeros(64, 0)), ""), ("export-lora",),
+                      f"{LORA_B} has shape [64, 0], not a LoRA B's [out, r] with r at least 1"),
+    "LoRA B of no axes": ("torch", _rank_files(_in_model(LORA_B, lambda t: torch.tensor(1.0)), ""), ("export-lora",),
+                          f"{LORA_B} has shape [], not a LoRA B's"),
+    "common.pt 'args' a str": ("torch_dist", _common_pt(lambda common: {**common, "args": "x"}), ALL,
+                               "'args' is a str, not the training arguments (argparse.Namespace)"),
+    "common.pt a list": ("torch_dist", _common_pt(lambda common: [1, 2]), ALL,
+                         "holds a list, not megatron-core's common state (a dict)"),
+    "common.pt a rope name a list": ("torch_dist", _common_pt(lambda common: common["args"].__setattr__(
+        "position_embedding_type", ["rope"]) or common), ALL, "position_embedding_type=['rope'], not a name"),
+    "common_state a list": ("torch_dist", _common_state_object([1, 2]), ALL,
+                            "(common_state/shard_0_1) holds a list, not megatron-core's common state"),
+    "common_state 'args' a str": ("torch_dist", _common_state_object({"args": "x"}), ALL,
+                                  "(common_state/shard_0_1): 'args' is a str, not the training arguments"),
+    "stored dtype safetensors lacks": ("torch_dist", _stored_dtype, ("mcore2hf", "inspect"),
+                                       "decoder.final_layernorm.weight has dtype complex64"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_allowed_objects_of_the_wrong_shape_are_one_sentence(checkpoints, tmp_path, case):
+    """Objects the restricted unpickler allows (str, list, None, int keys, sparse tensors, another
+    Namespace field type) where a checkpoint holds a dict of tensors, the args Namespace or the
+    common state: each command that reads it says what is wrong, naming the file and the entry,
+    writes nothing and leaves the checkpoint as it was."""
+    fmt, edit, commands, said = SHAPES[case]
+    ckpt = Path(shutil.copytree(checkpoints / fmt, tmp_path / "ckpt"))
+    named = edit(ckpt)
+    before, out = unchanged(ckpt), tmp_path / "out"
+    for command in commands:
+        result = mconv(command, ckpt, *([] if command == "inspect" else [out, "-q"]),
+                       *(["--alpha", 1] if command == "export-lora" else []))
+        assert_refused(result, out, str(named), said)
+    assert unchanged(ckpt) == before
+
+
+def test_inspect_describes_moe_args_without_a_router_top_k(checkpoints, tmp_path):
+    """Args saved by another tool may set num_experts without moe_router_topk or moe_ffn_hidden_size
+    (Megatron-LM always stores them): inspect, reading the args alone (no HF config), says so."""
+    ckpt = Path(shutil.copytree(checkpoints / "torch_dist", tmp_path / "ckpt"))
+    shutil.rmtree(ckpt / "hf_config")
+    common = load_rank_file(ckpt / "release" / "common.pt")
+    common["args"].num_experts = 8
+    del common["args"].moe_ffn_hidden_size
+    torch.save(common, ckpt / "release" / "common.pt")
+    result = mconv("inspect", ckpt)
+    assert result.exit_code == 0, result.output
+    assert "8 experts, top unknown, expert ffn unknown" in result.stdout
+
+
 # ------------------------------------------------------- real training checkpoints still load
 
 def training_args(stored) -> "argparse.Namespace":

@@ -9,7 +9,6 @@ beyond what the checkpoint readers need.
 from __future__ import annotations
 
 import shlex
-from argparse import Namespace
 from pathlib import Path
 
 import torch
@@ -286,7 +285,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
                     if hasattr(tensor, "dtype"):
                         _count(dtypes, tensor.dtype, tensor.nbytes)
         stored = None
-    args = vars(args) if isinstance(args, Namespace) else dict(args or {})
+    args = dict(vars(args)) if args is not None else {}  # a Namespace: the readers check it
     info = {"kind": "megatron", "path": str(path),
             "checkpoint": {"format": location.format,
                            "iteration": location.iteration if location.iteration is not None else "release",
@@ -393,7 +392,9 @@ def render(info: dict) -> list[str]:
     if kinds:
         lines.append(("layers", "; ".join(kinds)))
     if "experts" in m:
-        lines.append(("experts", f"{m['experts']} experts, top {m['top_k']}, expert ffn {m['expert_ffn']}, "
+        # Args of another tool may lack the router's top-k or the expert ffn, which Megatron-LM always stores.
+        lines.append(("experts", f"{m['experts']} experts, top {m.get('top_k', 'unknown')}, "
+                                 f"expert ffn {m.get('expert_ffn', 'unknown')}, "
                                  f"MoE layers {_text(m['moe_layers'])}, router {m['router']}"
                                  + (f", {m['expert_modules']}" if "expert_modules" in m else "")))
     if "mtp_layers" in m:

@@ -133,15 +133,19 @@ class PeftAdapter:
 
 def adapter_rank(states: RankStates, where: str) -> int:
     """The one LoRA rank of all adapters: the width of every B (`linear_out`, `[out, r]` on every rank)."""
-    return _one_rank({name: t.shape[-1] for chunks in states.values() for chunk in chunks
+    return _one_rank({name: tuple(t.shape) for chunks in states.values() for chunk in chunks
                       for name, t in chunk.items() if ADAPTER in name and name.endswith(".linear_out.weight")}, where)
 
 
-def _one_rank(widths: dict[str, int], where: str) -> int:
-    if not widths:
+def _one_rank(shapes: dict[str, tuple[int, ...]], where: str) -> int:
+    """The one rank r of the adapters whose B (`linear_out`) tensors have these shapes ([..., r])."""
+    if not shapes:
         raise MconvError(f"{where} holds no LoRA adapter tensors (Megatron-Bridge names: "
                          "<module>.adapter.linear_in.weight / .adapter.linear_out.weight)")
-    (first, rank), *others = widths.items()
+    for name, shape in shapes.items():
+        if not shape or shape[-1] < 1:  # peft refuses r = 0, and merging divides by it
+            raise MconvError(f"{where}: {name} has shape {list(shape)}, not a LoRA B's [out, r] with r at least 1")
+    (first, rank), *others = ((name, shape[-1]) for name, shape in shapes.items())
     for name, other in others:
         if other != rank:
             raise MconvError(f"{where}: the adapters have different ranks ({first} has {rank}, {name} has {other}); "
@@ -376,7 +380,7 @@ def _dist_states(location: mio.CheckpointLocation, config: dict) -> tuple[RankSt
     if reader.args is not None:
         embedding = reader.global_shape(embedding_key(arch))
         check_args(reader.args, arch, dims, location.iter_dir, embedding[0] if embedding else None)
-    rank = _one_rank({key: md.shape[-1] for key, md in stored.items() if key.endswith(".linear_out.weight")}, where)
+    rank = _one_rank({key: md.shape for key, md in stored.items() if key.endswith(".linear_out.weight")}, where)
     names = {t.megatron for canonical in (False, True)
              for t in make_plan(lora_architecture(arch, rank, canonical), config, layout, "local").ranks[0].chunks[0]}
     suffixes = {name.split(ADAPTER)[1] for name in names}

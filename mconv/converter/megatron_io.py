@@ -235,14 +235,32 @@ class MappedRankFiles:
         self._files.clear()
 
 
-def rank_chunks(state: dict, path: Path) -> list[dict]:
-    if "model" in state:
-        return [state["model"]]
-    chunks = [state[k] for k in sorted((k for k in state if k.startswith("model") and k[5:].isdigit()),
-                                       key=lambda k: int(k[5:]))]
-    if not chunks:
+def rank_chunks(state: dict, path: Path) -> list[dict[str, torch.Tensor]]:
+    """A rank file's model chunks ('model', or 'model0', 'model1', ... with virtual pipeline stages),
+    each checked here, where it is read, to be a dict of tensors by name: the restricted unpickler
+    lets through any shape of allowed objects. `_extra_state` entries (Transformer Engine's state
+    beside a weight: None, a BytesIO or a tensor) may hold anything; nothing reads them."""
+    names = ["model"] if "model" in state else sorted(
+        (k for k in state if isinstance(k, str) and k.startswith("model") and k[5:].isdecimal()),
+        key=lambda k: int(k[5:]))
+    if not names:
         raise MconvError(f"{path} has no 'model' or 'model0' entry")
-    return chunks
+    for name in names:
+        chunk = state[name]
+        if not isinstance(chunk, dict):
+            raise MconvError(f"{path}: {name!r} is {torch_dist_io.described(chunk)}, not a dict of tensors")
+        for key, value in chunk.items():
+            if not isinstance(key, str):
+                raise MconvError(f"{path}: entry {key!r:.80} of {name!r} is not a tensor name")
+            if key.endswith("._extra_state"):
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise MconvError(f"{path}: {key:.200} in {name!r} is {torch_dist_io.described(value)}, not a tensor")
+            # torch.load rebuilds these too, but none is a weight: their bytes cannot be read or mapped as one.
+            if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type != "cpu":
+                raise MconvError(f"{path}: {key:.200} in {name!r} is a sparse, quantized, nested or meta tensor, "
+                                 "not a dense one as Megatron-LM saves weights")
+    return [state[name] for name in names]
 
 
 # Saved-args switches that place layers or experts in ways a Layout cannot describe (Megatron-LM
@@ -305,7 +323,7 @@ def read_legacy_ranks(location: CheckpointLocation) -> tuple[argparse.Namespace,
     """A legacy checkpoint's saved args, the layout they describe, and every rank file's model
     chunks (memory-mapped: tensors are read on access). Also returns the rank file the args came from."""
     first = sorted(location.iter_dir.glob(f"mp_rank_*/{RANK_FILE}"))[0]
-    args = load_rank_file(first).get("args")
+    args = torch_dist_io.saved_args(load_rank_file(first), first)
     if args is None:
         raise MconvError(f"{first} has no 'args', so its parallel layout is unknown")
     layout = layout_from_args(args, first)

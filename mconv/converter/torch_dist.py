@@ -41,6 +41,7 @@ from typing import Callable, Iterable
 import torch
 
 from mconv.converter import torch_dist_io
+from mconv.converter.hf_io import DTYPE_CODES
 from mconv.converter.planner import Plan, TensorTask
 from mconv.converter.torch_dist_io import COMMON_KEY
 from mconv.converter.torch_dist_write import DistEntry
@@ -204,8 +205,8 @@ def entries(plan: Plan, args: Namespace, common: dict,
 
 def check_stored(reader: torch_dist_io.TorchDistReader, plan: Plan, args: Namespace) -> None:
     """Every global tensor `plan` (TP1 local-spec, see plan_boxes) needs is in the checkpoint with
-    the global shape the HF config implies. Raises MconvError naming the first key missing or of
-    another shape."""
+    the global shape the HF config implies, in a dtype mconv converts. Raises MconvError naming the
+    first key missing or of another shape."""
     for box in plan_boxes(plan, args):
         if box.global_shape is None:
             continue
@@ -216,6 +217,9 @@ def check_stored(reader: torch_dist_io.TorchDistReader, plan: Plan, args: Namesp
         if stored.shape != box.global_shape:
             raise MconvError(f"{reader.iter_dir}: tensor {box.key} has shape {list(stored.shape)}, "
                              f"the HF config implies {list(box.global_shape)}")
+        if stored.dtype not in DTYPE_CODES:  # one safetensors cannot hold
+            raise MconvError(f"{reader.iter_dir}: tensor {box.key} has dtype "
+                             f"{str(stored.dtype).removeprefix('torch.')}, which mconv does not convert")
 
 
 def parameter_session(reader: torch_dist_io.TorchDistReader, plan: Plan, args: Namespace):

@@ -16,6 +16,7 @@ is `torch_dist_write`.
 """
 from __future__ import annotations
 
+import argparse
 import bisect
 import io
 import os
@@ -185,9 +186,10 @@ class TorchDistReader:
 
     `tensors` maps each key to its global shape, dtype and stored chunks; `objects` each object's
     unique key to its chunk; `common` is megatron-core's common state dict (from `common.pt` when
-    present, as megatron-core reads it, else the `common_state` object) and `args` its Megatron-LM
-    args Namespace (None if absent). Every pickle goes through `safe_load`. Errors: MconvError
-    naming the file. Concurrent `read` calls from threads are safe (chunk decoding is idempotent).
+    present, as megatron-core reads it, else the `common_state` object; None if neither) and `args`
+    its Megatron-LM args Namespace (None if absent), both checked to be what they say (`saved_args`).
+    Every pickle goes through `safe_load`. Errors: MconvError naming the file. Concurrent `read`
+    calls from threads are safe (chunk decoding is idempotent).
     """
 
     def __init__(self, iter_dir: str | Path):
@@ -209,8 +211,7 @@ class TorchDistReader:
         self._decoded: dict[StoredChunk, _ChunkData] = {}
         self._headers: dict[bytes, tuple] = {}  # data.pkl bytes -> (dtype, size, stride, storage offset, record)
         self._indexes: dict[str, _ChunkIndex] = {}  # built on a key's first read
-        self.common = self._common_state()
-        self.args = self.common.get("args") if isinstance(self.common, dict) else None
+        self.common, self.args = self._common_state()
 
     def _check_extents(self) -> None:
         """Every stored chunk lies inside its file, so a truncated or missing `.distcp` is reported
@@ -248,13 +249,21 @@ class TorchDistReader:
             cls._opened[key] = cls(iter_dir)
         return cls._opened[key]
 
-    def _common_state(self) -> Any:
-        common = self.iter_dir / COMMON_FILE
-        if common.is_file():
-            return safe_load.load_torch(common)
-        if COMMON_KEY not in self.objects:
-            return None
-        return self.read_object(COMMON_KEY)
+    def _common_state(self) -> tuple[dict | None, argparse.Namespace | None]:
+        """megatron-core's common state dict and the training arguments in it; (None, None) where
+        neither `common.pt` nor the `common_state` object is stored. Checked here, where they are
+        read: the restricted unpickler lets through any shape of allowed objects."""
+        path = self.iter_dir / COMMON_FILE
+        if path.is_file():
+            common, where = safe_load.load_torch(path), str(path)
+        elif COMMON_KEY in self.objects:
+            common = self.read_object(COMMON_KEY)
+            where = f"{self.iter_dir / self.objects[COMMON_KEY].file} ({COMMON_KEY})"
+        else:
+            return None, None
+        if not isinstance(common, dict):
+            raise MconvError(f"{where} holds {described(common)}, not megatron-core's common state (a dict)")
+        return common, saved_args(common, where)
 
     def read_object(self, key: str) -> Any:
         """An object (megatron-core ShardedObject) by its unique key, through the restricted unpickler."""
@@ -508,6 +517,43 @@ class TorchDistReader:
 
     def __del__(self):
         self.close()
+
+
+def described(value) -> str:
+    """What an unpickled value is, for a message: 'None', 'a str', 'an int'."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
+
+
+# The saved args that mconv computes with or prints as the model's sizes, with what Megatron-LM's
+# parser stores in them (or None). Other args are only compared, printed as flags or checked by
+# megatron_io.layout_from_args.
+SAVED_ARG_TYPES = {
+    **{name: (int, "a whole number") for name in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+        "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "num_experts", "moe_router_topk",
+        "moe_ffn_hidden_size", "mtp_num_layers")},
+    "moe_layer_freq": ((int, list, tuple), "a whole number or a list of 0/1 per layer"),
+    "position_embedding_type": (str, "a name"),
+}
+
+
+def saved_args(state: dict, where: Path | str) -> argparse.Namespace | None:
+    """The training arguments Megatron-LM saved in `state` (a legacy rank file's or torch_dist's common
+    state), None where it saved none; MconvError naming `where` for anything else under 'args', or
+    for an arg of SAVED_ARG_TYPES of another type."""
+    args = state.get("args")
+    if args is None:
+        return None
+    if not isinstance(args, argparse.Namespace):
+        raise MconvError(f"{where}: 'args' is {described(args)}, not the training arguments (argparse.Namespace)")
+    for name, (types, what) in SAVED_ARG_TYPES.items():
+        value = getattr(args, name, None)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            raise MconvError(f"{where}: the saved args give {name}={value!r:.40}, not {what}")
+    return args
 
 
 def _kind(record) -> str | None:
