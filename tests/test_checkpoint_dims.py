@@ -92,6 +92,15 @@ def test_padding_rule_and_tp_sizes_follow_megatron_lm():
         check_padded_vocab({"padded_vocab_size": 512}, 300, 384, TINY)
 
 
+def test_tp_sizes_of_an_absurd_padded_vocabulary_stop_at_the_largest_layout():
+    """A checkpoint's padded vocabulary of 2**40 rows (divisor 1, no HF config): the TP sizes end at
+    the largest a layout takes, at once (inspect spun for good over 2**40 candidates)."""
+    from mconv.converter.options import MAX_PARALLEL_SIZE
+    from mconv.converter.transforms import tp_sizes_for_padded_vocab
+
+    assert tp_sizes_for_padded_vocab(2**40, None, 1) == [2**k for k in range(17)] and MAX_PARALLEL_SIZE == 2**16
+
+
 def dry_run_rows(tp: int) -> int | None:
     """The word embedding rows of `hf2mcore --tp tp --dry-run` on the fixture, None where it refuses."""
     result = mconv("hf2mcore", TINY, "unused-out", "--tp", tp, "--dry-run", "--json")

@@ -20,6 +20,7 @@ from mconv.cli import main
 from tests.conftest import FIXTURES, ROOT, load_rank_file
 
 TINY, MOE, BAILING = FIXTURES / "qwen3-tiny", FIXTURES / "qwen3-moe-tiny", FIXTURES / "bailing-v3-tiny"
+QWEN3_5 = FIXTURES / "qwen3-5-tiny"
 REPR_MARKERS = ("frozenset", "Namespace(", "torch.", "None", "{", "[(", "<", "(s)")
 
 
@@ -288,6 +289,13 @@ def test_inspect_shows_a_hybrid_models_attention_kinds(tmp_path):
         assert "  layers   KDA (linear attention) 0, 2; MLA 1, 3\n" in mconv("inspect", path).stdout
         model = json.loads(mconv("inspect", path, "--json").stdout)["model"]
         assert model["kda_layers"] == [0, 2] and model["mla_layers"] == [1, 3]
+    # Qwen3.5: gated attention every full_attention_interval layers (transformers' layer_types)
+    from transformers import AutoConfig
+
+    types = AutoConfig.from_pretrained(QWEN3_5).layer_types
+    model = json.loads(mconv("inspect", QWEN3_5, "--json").stdout)["model"]
+    assert model["linear_layers"] == [i for i, t in enumerate(types) if t == "linear_attention"] != []
+    assert model["full_attention_layers"] == [i for i, t in enumerate(types) if t == "full_attention"] != []
 
 
 def test_version_and_shell_completion():

@@ -1593,11 +1593,12 @@ def test_a_torchrun_rank_is_interruptible_and_never_waits_for_a_stopped_one():
 def test_library_paths_that_are_no_paths(tmp_path):
     """The library's path arguments given None or a number: one MconvError naming the argument
     (a TypeError from pathlib before; hf2mcore looked the name 'None' up on the Hub)."""
-    from mconv import hf2mcore, mcore2hf
+    from mconv import hf2mcore, inspect_path, mcore2hf
 
     for call, named in ((lambda: hf2mcore(None, tmp_path / "a", Layout(), progress=False), "the HF model"),
                         (lambda: hf2mcore(TINY, None, Layout(), progress=False), "the output path"),
-                        (lambda: mcore2hf(3, tmp_path / "b", progress=False), r"ckpt_dir is 3 \(int\)")):
+                        (lambda: mcore2hf(3, tmp_path / "b", progress=False), r"ckpt_dir is 3 \(int\)"),
+                        (lambda: inspect_path(None), "path is None")):
         with pytest.raises(MconvError, match=rf"^{named}.*: give a path \(a str or pathlib.Path\)$"):
             call()
     assert not any(tmp_path.iterdir())

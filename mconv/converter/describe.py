@@ -20,7 +20,7 @@ from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout, count
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.options import option
+from mconv.converter.options import check_path, option
 from mconv.converter.planner import validate_layout
 from mconv.converter.transforms import tp_sizes_for_padded_vocab
 from mconv.errors import MconvError
@@ -168,8 +168,11 @@ def _model(args: dict, name: str | None) -> dict:
 
 
 # Attention kinds of hybrid models (BailingMoeV3: KDA linear attention, MLA every layer_group_size
+# layers; Qwen3.5 / Qwen3-Next: gated delta-net, gated attention every full_attention_interval
 # layers), as the architecture's dims list them by layer.
-ATTENTION_KINDS = (("kda_layers", "KDA (linear attention)"), ("mla_layers", "MLA"))
+ATTENTION_KINDS = (("kda_layers", "KDA (linear attention)"), ("mla_layers", "MLA"),
+                   ("linear_layers", "gated delta-net (linear attention)"),
+                   ("full_attention_layers", "gated attention"))
 
 
 def _attention_layers(dims) -> dict:
@@ -246,6 +249,7 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     and `trainer flags` (the Megatron-LM flags the training job must pass). `hf_config` (a
     directory or hub name) names the HF model of a checkpoint that stores none; `progress` shows
     huggingface_hub's download bars for a hub name. Raises MconvError for what is neither."""
+    check_path(path, "path")
     local = Path(path)
     if is_adapter(local):
         if hf_config or revision:

@@ -5,7 +5,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
-from mconv.converter.options import option
+from mconv.converter.options import MAX_PARALLEL_SIZE, option
 from mconv.errors import MconvError
 
 
@@ -44,7 +44,7 @@ class Layout:
                 continue
             # The vocabulary divisor may be a whole padded vocabulary (a torch_dist checkpoint's
             # embedding rows, as DistCheckpoint reads it): bounded like config.json's vocab_size.
-            limit = 2**31 if name == "vocab_divisor" else 2**16
+            limit = 2**31 if name == "vocab_divisor" else MAX_PARALLEL_SIZE
             if not isinstance(value, int) or isinstance(value, bool) or abs(value) > limit:
                 raise MconvError(f"{option(name)} is {value!r}: give a whole number up to {limit:,}")
 

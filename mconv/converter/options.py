@@ -13,6 +13,7 @@ QUANTIZATIONS = ("fp8",)  # what mcore2hf --quantize writes: block-wise FP8 (con
 FP8_SCALES = ("float", "ue8m0")  # --fp8-scale: float32 amax/448, or powers of two (DeepGEMM / SGLang)
 MAX_ITERATION = 10**9  # iter_NNNNNNN/ has 7 digits; Megatron-LM pads to 7 and reads more, never a sign
 MAX_SIZE = 2**63 - 1  # a shard size beyond this is no file size (and no int64 for safetensors)
+MAX_PARALLEL_SIZE = 2**16  # the largest TP / PP / EP / ... size a layout takes (no job is near it)
 MAX_WORKERS = 64  # --workers: each thread keeps up to two 32 MiB jobs in flight (parallel.run_ordered), so
 # memory stays bounded; conversion is storage-bound (4 is the fastest measured, docs/performance.md)
 

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from mconv.converter.options import option
+from mconv.converter.options import MAX_PARALLEL_SIZE, option
 from mconv.errors import MconvError
 
 
@@ -85,11 +85,12 @@ def padded_vocab_size(vocab: int, divisor: int, tp: int) -> int:
 def tp_sizes_for_padded_vocab(padded: int, vocab: int | None, divisor: int) -> list[int]:
     """The TP sizes at which Megatron pads `vocab` (with make_vocab_size_divisible_by `divisor`) to
     exactly `padded` rows (`padded_vocab_size`), ascending; with `vocab` None (unknown), every TP
-    size whose multiple divides `padded`. Empty where none does."""
+    size whose multiple divides `padded`. Empty where none does. Sizes up to MAX_PARALLEL_SIZE (a
+    checkpoint's padded vocabulary may be anything: 2**40 rows took the loop forever)."""
     if padded % divisor:
         return []
     steps = padded // divisor
-    return [tp for tp in range(1, steps + 1)
+    return [tp for tp in range(1, min(steps, MAX_PARALLEL_SIZE) + 1)
             if steps % tp == 0 and (vocab is None or padded_vocab_size(vocab, divisor, tp) == padded)]
 
 
