@@ -309,6 +309,8 @@ SHAPES = {  # the checkpoint, how it is edited (returns the file named), the com
                      "'args' is a str, not the training arguments (argparse.Namespace)"),
     "a size a list": ("torch", _rank_files(_arg("num_layers", [4])), ALL,
                       "the saved args give num_layers=[4], not a whole number"),
+    "a VPP without PP": ("torch", _rank_files(_arg("virtual_pipeline_model_parallel_size", 2)), ALL,
+                         "in the saved args, --vpp needs --pp > 1"),
     "LoRA B of r 0": ("torch", _rank_files(_in_model(LORA_B, lambda t: torch.zeros(64, 0)), ""), ("export-lora",),
                       f"{LORA_B} has shape [64, 0], not a LoRA B's [out, r] with r at least 1"),
     "LoRA B of no axes": ("torch", _rank_files(_in_model(LORA_B, lambda t: torch.tensor(1.0)), ""), ("export-lora",),

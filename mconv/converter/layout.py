@@ -99,12 +99,16 @@ class Layout:
 
     def validate(self, num_layers: int) -> None:
         self.check_sizes()
+        self.check_pipeline()
+        self.stage_layer_counts(num_layers)
+
+    def check_pipeline(self) -> None:
+        """What a pipeline layout needs whatever the model: VPP and uneven stages only with PP > 1."""
         if self.vpp > 1 and self.pp == 1:
             raise MconvError(f"{option('vpp')} needs {option('pp')} > 1: virtual pipeline chunks interleave "
                              "pipeline stages")
         if self.pp == 1 and (self.first_stage_layers is not None or self.last_stage_layers is not None):
             raise MconvError(f"{option('first_stage_layers')}/{option('last_stage_layers')} need {option('pp')} > 1")
-        self.stage_layer_counts(num_layers)
 
     def stage_layer_counts(self, num_layers: int) -> list[int]:
         """Layers per pipeline stage, with megatron-core's rules for uneven first/last stages."""

@@ -314,8 +314,9 @@ def layout_from_args(args, path: Path) -> Layout:
                         last_stage_layers=value("decoder_last_pipeline_num_layers"),
                         vocab_divisor=value("make_vocab_size_divisible_by", 128))
         layout.check_sizes()
+        layout.check_pipeline()
         return layout
-    except MconvError as e:  # sizes of the wrong type or range
+    except MconvError as e:  # sizes of the wrong type or range, a pipeline no job can have
         raise MconvError(f"{path}: in the saved args, {e}") from None
 
 
