@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mconv.converter.output import _kind, copy_file
+from mconv.converter.output import copy_file, file_kind
 from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
 
@@ -99,7 +99,7 @@ def copy_side_files(source: Path, destination: Path) -> list[str]:
         if not os.path.lexists(path):
             continue
         if not path.is_file():  # never opened: a FIFO would block, /dev/zero never end
-            what = ("a directory" if path.is_dir() else _kind(path)) + (", not a regular file" if path.exists() else "")
+            what = ("a directory" if path.is_dir() else file_kind(path)) + (", not a regular file" if path.exists() else "")
             raise MconvError(f"{path} is {what}: mconv copies a model's config and tokenizer files beside its weights")
         copy_file(path, Path(destination) / name)
         copied.append(name)

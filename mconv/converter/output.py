@@ -65,7 +65,7 @@ def _refusal(out: Path, overwrite: bool) -> str | None:
     if not os.path.lexists(out) or _empty_directory(out):
         return None
     if not out.is_dir():
-        return f"{out} is {_kind(out)}, not a directory; remove it or choose another output directory"
+        return f"{out} is {file_kind(out)}, not a directory; remove it or choose another output directory"
     if not overwrite:
         return f"{out} already exists; pass {option('overwrite', True)} to replace it"
     if not any((out / marker).is_file() for marker in _OUTPUT_MARKERS) and any(out.iterdir()):
@@ -81,7 +81,7 @@ def _empty_directory(path: Path) -> bool:
         return False
 
 
-def _kind(path: Path) -> str:
+def file_kind(path: Path) -> str:
     """What a path that is not a directory is, in words."""
     if not path.exists():
         return f"a symlink to {os.readlink(path)}, which does not exist"
