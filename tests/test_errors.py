@@ -367,6 +367,16 @@ def test_missing_rank_file(tmp_path):
     assert_refused(mconv("mcore2hf", tmp_path / "m", tmp_path / "out"), tmp_path / "out", "mp_rank_01", "missing")
 
 
+def test_a_rank_file_of_another_layout_is_named(tmp_path):
+    """A TP2 checkpoint with an mp_rank_02 beside its two rank files (a TP4 save's leftover): named,
+    not ignored."""
+    assert legacy(TINY, tmp_path / "m", "--tp", "2").exit_code == 0
+    shutil.copytree(tmp_path / "m" / "release" / "mp_rank_01", tmp_path / "m" / "release" / "mp_rank_02")
+    for command in (("mcore2hf", tmp_path / "m", tmp_path / "out"), ("inspect", tmp_path / "m")):
+        assert_refused(mconv(*command), tmp_path / "out", "mp_rank_02/model_optim_rng.pt is not a rank file of the "
+                       "layout", "(TP2 PP1): rank files of another layout are mixed in")
+
+
 def test_megatron_tensor_missing(tmp_path):
     assert legacy(TINY, tmp_path / "m").exit_code == 0
     path = tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt"

@@ -328,6 +328,11 @@ def read_legacy_ranks(location: CheckpointLocation) -> tuple[argparse.Namespace,
     if args is None:
         raise MconvError(f"{first} has no 'args', so its parallel layout is unknown")
     layout = layout_from_args(args, first)
+    expected = {rank_file(location.iter_dir, layout, rank) for rank in layout.ranks()}
+    stray = sorted(set(location.iter_dir.glob(f"mp_rank_*/{RANK_FILE}")) - expected)
+    if stray:  # another layout's files beside these: which of them were trained together is unknown
+        raise MconvError(f"{stray[0]} is not a rank file of the layout {first}'s args give ({layout.describe()}): "
+                         "rank files of another layout are mixed in; remove them")
     states = {}
     for rank in layout.ranks():
         path = rank_file(location.iter_dir, layout, rank)
