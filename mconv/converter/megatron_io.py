@@ -143,7 +143,8 @@ def rank_file(iter_dir: Path, layout: Layout, rank: Rank) -> Path:
 def load_rank_file(path: Path) -> dict:
     """Load a legacy rank file through mconv's restricted unpickler (`safe_load`: tensors, the args
     Namespace, Megatron's enums, optimizer/RNG/scheduler state; no arbitrary code), tensors
-    memory-mapped rather than read. Raises MconvError naming the file."""
+    memory-mapped rather than read (read whole from a file in torch's older pre-zip format, which
+    cannot be mapped: safe_load.load_torch). Raises MconvError naming the file."""
     if not path.is_file():
         raise MconvError(f"{path} is missing from the checkpoint")
     state = safe_load.load_torch(path, mmap=True)
