@@ -27,6 +27,14 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
+def check_convertible(dtype: torch.dtype, where, name: str) -> None:
+    """MconvError naming tensor `name` in `where` (a file or checkpoint directory) for a dtype no
+    safetensors file holds (a checkpoint's pickles may carry complex64, uint16, ...)."""
+    if dtype not in DTYPE_CODES:
+        raise MconvError(f"{where}: tensor {name} has dtype {str(dtype).removeprefix('torch.')}, which mconv does "
+                         "not convert")
+
+
 class FP8Weight(NamedTuple):
     """Where a presented FP8 weight's bytes and scales are: its stored tensor and its scale's, both
     in the weight's [out, in] orientation (expert_views for an expert's module of stacked

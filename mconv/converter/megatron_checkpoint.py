@@ -15,7 +15,7 @@ import torch
 from mconv.converter import file_io
 from mconv.converter import megatron_io as mio
 from mconv.converter.hf_config import read_config
-from mconv.converter.hf_io import DTYPE_CODES
+from mconv.converter.hf_io import check_convertible
 from mconv.converter.layout import Layout, Rank, count
 from mconv.converter.planner import ShardSource, make_plan
 from mconv.converter.options import option
@@ -181,9 +181,7 @@ class LegacyCheckpoint:
                 if tuple(chunk[name].shape) != task.shape:
                     raise MconvError(f"{path}: tensor {name} has shape {list(chunk[name].shape)}, "
                                      f"expected {list(task.shape)} from the HF config and layout")
-                if chunk[name].dtype not in DTYPE_CODES:  # one safetensors cannot hold
-                    raise MconvError(f"{path}: tensor {name} has dtype "
-                                     f"{str(chunk[name].dtype).removeprefix('torch.')}, which mconv does not convert")
+                check_convertible(chunk[name].dtype, path, name)
             for name in chunk:
                 if name not in expected and not name.endswith("._extra_state"):
                     raise MconvError(f"{path}: unexpected tensor {name} (not part of "

@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 import torch
 
 from mconv.converter import torch_dist_io
-from mconv.converter.hf_io import DTYPE_CODES
+from mconv.converter.hf_io import check_convertible
 from mconv.converter.planner import Plan, TensorTask
 from mconv.converter.torch_dist_io import COMMON_KEY
 from mconv.converter.torch_dist_write import DistEntry
@@ -217,9 +217,7 @@ def check_stored(reader: torch_dist_io.TorchDistReader, plan: Plan, args: Namesp
         if stored.shape != box.global_shape:
             raise MconvError(f"{reader.iter_dir}: tensor {box.key} has shape {list(stored.shape)}, "
                              f"the HF config implies {list(box.global_shape)}")
-        if stored.dtype not in DTYPE_CODES:  # one safetensors cannot hold
-            raise MconvError(f"{reader.iter_dir}: tensor {box.key} has dtype "
-                             f"{str(stored.dtype).removeprefix('torch.')}, which mconv does not convert")
+        check_convertible(stored.dtype, reader.iter_dir, box.key)
 
 
 def parameter_session(reader: torch_dist_io.TorchDistReader, plan: Plan, args: Namespace):
