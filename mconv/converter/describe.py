@@ -176,8 +176,12 @@ ATTENTION_KINDS = (("kda_layers", "KDA (linear attention)"), ("mla_layers", "MLA
 
 
 def _attention_layers(dims) -> dict:
-    """{"kda_layers": [...], "mla_layers": [...]} for a model whose layers differ in attention kind."""
-    return {key: sorted(getattr(dims, key)) for key, _ in ATTENTION_KINDS if getattr(dims, key, None) is not None}
+    """{"kda_layers": [...], "mla_layers": [...]} for a model whose layers differ in attention kind
+    (Qwen3.5's full-attention layers: those its dims do not list as linear)."""
+    kinds = {key: getattr(dims, key, None) for key, _ in ATTENTION_KINDS}
+    if kinds["linear_layers"] is not None:
+        kinds["full_attention_layers"] = set(range(dims.layers)) - kinds["linear_layers"]
+    return {key: sorted(layers) for key, layers in kinds.items() if layers is not None}
 
 
 def _sizes(dtypes: dict) -> dict:

@@ -182,9 +182,11 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     places) (a sync quantizes the same buckets every time) and kept for the next call (the last
     1024 such lists, 4 bytes per 128x128 block on the device); a call then writes the weights'
     addresses into them."""
-    if into is not None and (scale_fmt != "float" or into[0].dtype != torch.uint8 or into[0].dim() != 1):
-        raise ValueError(f"quantize_batch(into=(buffer, places)) writes float scales (not {scale_fmt!r}) into a 1-D "
-                         f"uint8 buffer (not {into[0].dim()}-D {into[0].dtype})")
+    if into is not None and scale_fmt != "float":
+        raise ValueError(f"quantize_batch(into=...) writes float scales, not {scale_fmt!r}")
+    if into is not None and (into[0].dtype != torch.uint8 or into[0].dim() != 1):
+        raise ValueError(f"quantize_batch(into=(buffer, places)) writes into a 1-D uint8 buffer, not a "
+                         f"{into[0].dim()}-D {into[0].dtype} one")
     weights = [w for _, w in named]
     strides = list(map(torch.Tensor.stride, weights))
     if any(stride[-1] != 1 for stride in strides):  # transposed views: copied row-major

@@ -67,7 +67,6 @@ def dims(config: dict, groups: int = 4) -> SimpleNamespace:
     d.q_gate = 2 * d.q
     types = layer_types(config)
     d.linear_layers = frozenset(i for i, t in enumerate(types) if t == "linear_attention")
-    d.full_attention_layers = frozenset(range(len(types))) - d.linear_layers  # (inspect lists both)
     d.key_heads, d.value_heads = config.get("linear_num_key_heads", 16), config.get("linear_num_value_heads", 32)
     d.key_dim, d.value_dim = config.get("linear_key_head_dim", 128), config.get("linear_value_head_dim", 128)
     d.conv_kernel = config.get("linear_conv_kernel_dim", 4)
