@@ -13,11 +13,15 @@ Then bf16 and FP8 (quantize="fp8") each: the receiver's parameters are checked b
 the exported tensors (a positional checksum per tensor, computed in both processes), and the peak
 extra device memory of the trainer's process during a sync. Prints one JSON line per dtype and
 bucket size (`--bucket-mb`, default 512, mconv's default; several sizes to choose that default:
-`--no-baselines` skips the per-tensor and verified syncs).
+`--no-baselines` skips the per-tensor and verified syncs). `--direct yes` (or `both`): the receiver
+shares its parameters (ParameterReceiver(direct=True), allocated as one storage per dtype) and the
+sync copies each bucket straight into them: one copy on the device instead of two, no request per
+bucket (FP8 buckets with weights to quantize are still packed and copied by the receiver).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -46,12 +50,27 @@ def checksum(tensor: torch.Tensor) -> int:
     return total
 
 
-def receive(shapes, address, authkey, ready, done, sums):
+def allocate(shapes: dict, direct: bool) -> dict[str, torch.Tensor]:
+    """The receiver's parameters {HF name: CUDA tensor} for `shapes` ({name: (shape, dtype name)}):
+    each its own tensor, or, `direct`, views of one storage per dtype (shared once, not one IPC
+    handle per parameter)."""
+    if not direct:
+        return {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+                for name, (shape, dtype) in shapes.items()}
+    params = {}
+    for dtype in sorted({d for _, d in shapes.values()}):
+        named = [(name, shape) for name, (shape, d) in shapes.items() if d == dtype]
+        sizes = [torch.Size(shape).numel() for _, shape in named]
+        flat = torch.empty(sum(sizes), dtype=getattr(torch, dtype), device="cuda")
+        params.update((name, t.view(shape)) for (name, shape), t in zip(named, flat.split(sizes)))
+    return params
+
+
+def receive(shapes, address, authkey, ready, done, sums, direct=False):
     from mconv.transport.receiver import ParameterReceiver
 
-    params = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-              for name, (shape, dtype) in shapes.items()}
-    receiver = ParameterReceiver(params, address, authkey)
+    params = allocate(shapes, direct)
+    receiver = ParameterReceiver(params, address, authkey, direct=direct)
     receiver.start()
     ready.set()
     done.wait()
@@ -59,7 +78,7 @@ def receive(shapes, address, authkey, ready, done, sums):
     receiver.close()
 
 
-def run(hf: dict, model, quantize: str | None, bucket: int, baselines: bool) -> dict:
+def run(hf: dict, model, quantize: str | None, bucket: int, baselines: bool, direct: bool = False) -> dict:
     from mconv.live import iter_hf_weights
     from mconv.live.sync import IPCEngine, sync_weights
     from mconv.transport import cuda_ipc
@@ -83,12 +102,12 @@ def run(hf: dict, model, quantize: str | None, bucket: int, baselines: bool) -> 
     address, authkey = os.path.join(tempfile.mkdtemp(), "engine.sock"), os.urandom(16)
     ready, done, sums = context.Event(), context.Event(), context.Queue()
     receiver = context.Process(target=receive, args=({n: v[:2] for n, v in sent.items()}, address, authkey,
-                                                     ready, done, sums), daemon=True)
+                                                     ready, done, sums, direct), daemon=True)
     receiver.start()
     assert ready.wait(120), "receiver did not start"
     engine = IPCEngine(address, authkey)
-    result = {"quantize": quantize or "bf16", "tensors": len(sent), "bytes": nbytes, "bucket_bytes": bucket,
-              "floor_copy_s": floor_copy_s}
+    result = {"quantize": quantize or "bf16", "direct": direct, "tensors": len(sent), "bytes": nbytes,
+              "bucket_bytes": bucket, "floor_copy_s": floor_copy_s}
 
     result["export_s"] = timed(lambda: [None for named in export() for _ in named], repeats=3)
 
@@ -145,6 +164,9 @@ def main():
     parser.add_argument("--quantize", nargs="+", default=["bf16", "fp8"])
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[512], help="bucket sizes in MiB, each a run")
     parser.add_argument("--no-baselines", action="store_true", help="skip the per-tensor and verified syncs")
+    parser.add_argument("--direct", choices=["no", "yes", "both"], default="no",
+                        help="the receiver shares its parameters (ParameterReceiver(direct=True), one storage per "
+                             "dtype) and the trainer writes into them: 'both' runs each way")
     options = parser.parse_args()
     require_gpu("sync_ipc_bench.py")
     import torch.distributed as dist
@@ -159,10 +181,12 @@ def main():
         log("building the model")
         model, _ = build(hf)
         for quantize in options.quantize:
-            for bucket_mb in options.bucket_mb:
-                log("syncing", quantize, f"{bucket_mb} MiB buckets")
+            for bucket_mb, direct in itertools.product(options.bucket_mb, {"no": [False], "yes": [True],
+                                                                          "both": [False, True]}[options.direct]):
+                log("syncing", quantize, f"{bucket_mb} MiB buckets", "direct" if direct else "packed")
                 started = time.perf_counter()
-                line = run(hf, model, None if quantize == "bf16" else quantize, bucket_mb << 20, not options.no_baselines)
+                line = run(hf, model, None if quantize == "bf16" else quantize, bucket_mb << 20,
+                           not options.no_baselines, direct)
                 print(json.dumps({"model": "qwen3-30b-a3b", "layers": options.layers, **line,
                                   "wall_s": time.perf_counter() - started}), flush=True)
                 torch.cuda.empty_cache()

@@ -10,7 +10,7 @@ of the copy primitives on one 512 MiB bucket of 3 MiB expert matrices: one flat 
 torch._foreach_copy_, a copy_ per tensor, and the batched copies torch has for flat buffers
 (torch._chunk_cat into one, torch.split_with_sizes_copy out of one: FSDP2's).
 
-    python3 bench/sync_profile.py --layers 48 [--quantize fp8]
+    python3 bench/sync_profile.py --layers 48 [--quantize fp8] [--direct] [--sort cumtime]
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.live_bench import MODELS, build, require_gpu, timed  # noqa: E402
+from bench.sync_ipc_bench import allocate  # noqa: E402
 
 BUCKET = 512 << 20
 
@@ -52,7 +53,7 @@ def copy_primitives() -> dict:
         ("split_with_sizes_copy", lambda: torch.split_with_sizes_copy(flat, sizes, out=outs)))}
 
 
-def receive(shapes, address, authkey, ready, commands, reports):
+def receive(shapes, address, authkey, ready, commands, reports, direct=False):
     """The engine's process: a ParameterReceiver whose steps are timed (milliseconds per sync)."""
     from mconv.transport import copies, receiver, shm
 
@@ -71,10 +72,10 @@ def receive(shapes, address, authkey, ready, commands, reports):
     receiver.ParameterReceiver._map = timer("map_handle", receiver.ParameterReceiver._map)
     receiver.ParameterReceiver.load = timer("load", receiver.ParameterReceiver.load)
     receiver.UpdateReceiver.handle = timer("handle", receiver.UpdateReceiver.handle)
+    receiver.ParameterReceiver.changed = timer("changed", receiver.ParameterReceiver.changed)
+    receiver.ParameterReceiver.complete = timer("complete", receiver.ParameterReceiver.complete)
     shm.receive = timer("read_request", shm.receive)  # includes waiting for the next request
-    params = {name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-              for name, (shape, dtype) in shapes.items()}
-    engine = receiver.ParameterReceiver(params, address, authkey)
+    engine = receiver.ParameterReceiver(allocate(shapes, direct), address, authkey, direct=direct)
     engine.start()
     ready.set()
     while commands.get() == "report":
@@ -88,6 +89,9 @@ def main():
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--quantize", choices=["bf16", "fp8"], default="bf16",
                         help="fp8: the syncs send FP8 weights and scales (sync_weights(quantize='fp8'))")
+    parser.add_argument("--direct", action="store_true",
+                        help="the receiver shares its parameters and the trainer writes into them")
+    parser.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumtime)")
     options = parser.parse_args()
     require_gpu("sync_profile.py")
     import torch.distributed as dist
@@ -112,8 +116,8 @@ def main():
         context = multiprocessing.get_context("spawn")
         address, authkey = os.path.join(store, "engine.sock"), os.urandom(16)
         ready, commands, reports = context.Event(), context.Queue(), context.Queue()
-        process = context.Process(target=receive, args=(shapes, address, authkey, ready, commands, reports),
-                                  daemon=True)
+        process = context.Process(target=receive, args=(shapes, address, authkey, ready, commands, reports,
+                                                        options.direct), daemon=True)
         process.start()
         assert ready.wait(120), "the receiver did not start"
         engine = IPCEngine(address, authkey)
@@ -132,7 +136,7 @@ def main():
                   f"trainer seconds {({k: round(v, 4) for k, v in result.seconds.items()})}, "
                   f"receiver ms {reports.get(timeout=600)}", flush=True)
         out = io.StringIO()
-        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profile, stream=out).sort_stats(options.sort).print_stats(40)
         print(out.getvalue())
         commands.put("stop")
         process.join(60)

@@ -116,7 +116,7 @@ def test_fp8_batched_quantize_on_gpu_gives_the_cpu_bytes():
         fp8.quantize_tensors([("big", big), ("w", w)], fp8.Quantization(lambda n: True))
 
 
-def _ipc_receiver(hf_dir, address, authkey, ready, done, out, delay_cycles=0):
+def _ipc_receiver(hf_dir, address, authkey, ready, done, out, delay_cycles=0, direct=False):
     """The engine's process: zeroed CUDA parameters shaped as the checkpoint's, filled by syncs;
     saved to `out` (with the last version) once `done` is set. `delay_cycles`: each bucket's copies
     wait behind a GPU sleep of that many clock cycles, so they are still queued when the receiver
@@ -133,16 +133,17 @@ def _ipc_receiver(hf_dir, address, authkey, ready, done, out, delay_cycles=0):
     params = {}
     for path in sorted(hf_dir.glob("*.safetensors")):
         params.update((name, torch.zeros_like(t, device="cuda")) for name, t in load_file(path).items())
-    receiver = (SlowReceiver if delay_cycles else ParameterReceiver)(params, address, authkey)
+    receiver = (SlowReceiver if delay_cycles else ParameterReceiver)(params, address, authkey, direct=direct)
     receiver.start()
     ready.set()
     done.wait()
     save_file({name: t.cpu() for name, t in params.items()}, out, metadata={"version": str(receiver.version)})
 
 
-@pytest.mark.parametrize("delay_cycles, quantize", [(0, None), (20_000_000, None), (0, "fp8")],
-                         ids=["receiver", "slow-receiver", "fp8"])
-def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles, quantize):
+@pytest.mark.parametrize("delay_cycles, quantize, direct", [(0, None, False), (20_000_000, None, False),
+                                                           (0, "fp8", False), (0, None, True), (0, "fp8", True)],
+                         ids=["receiver", "slow-receiver", "fp8", "direct", "direct-fp8"])
+def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles, quantize, direct):
     """sync_weights (NCCL alone: its agreement tensors on the GPU) through IPCEngine (one CUDA IPC handle per bucket, two reused buffers) into a
     receiver process that owns preallocated parameters: every HF tensor of the MoE fixture (loaded
     into megatron-core from the checkpoint) arrives bit for bit, over many buckets, twice, the
@@ -151,7 +152,10 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles, quantize):
     bucket after next into the same buffer, gets there first unless it waits for the "done" event.
     FP8: the receiver holds iter_hf_weights(quantize="fp8")'s tensors (FP8 weights, float32 scales,
     the rest bf16; tests/test_fp8.py holds them to compressed-tensors' bytes), and gets their bytes
-    through the sync's packing, which quantizes straight into the bucket buffers."""
+    through the sync's packing, which quantizes straight into the bucket buffers. Direct: the
+    receiver shares its parameters (ParameterReceiver(direct=True)) and the trainer copies each
+    bucket straight into them (no buffer), the FP8 buckets with weights to quantize packed as
+    ever; verify=True reads them back."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -174,7 +178,8 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles, quantize):
     address, authkey = str(tmp_path / "engine.sock"), os.urandom(16)
     ready, done = context.Event(), context.Event()
     receiver = context.Process(target=_ipc_receiver, args=(hf_dir, address, authkey, ready, done,
-                                                           str(tmp_path / "received.safetensors"), delay_cycles),
+                                                           str(tmp_path / "received.safetensors"), delay_cycles,
+                                                           direct),
                                daemon=True)
     receiver.start()
     engine = IPCEngine(address, authkey)
@@ -182,9 +187,12 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles, quantize):
         assert ready.wait(120), "the receiver process did not start"
         for step in (1, 2):
             result = sync_weights([model], FIXTURES / "qwen3-moe-tiny", engine, version=f"step-{step}",
-                                  bucket_bytes=100_000, dtype=torch.bfloat16, quantize=quantize)
+                                  bucket_bytes=100_000, dtype=torch.bfloat16, quantize=quantize, verify=direct)
         assert result.buckets > 4
-        assert sorted(engine._carried["done"]) == [0, 1]  # the receiver replied with its "done" events
+        if direct:  # written straight into the receiver's parameters, packed only where quantized
+            assert "targets" in engine._carried and bool(engine._buffers) == bool(quantize)
+        if not direct or quantize:
+            assert sorted(engine._carried["done"]) == [0, 1]  # the receiver replied with its "done" events
         if quantize:  # the buckets' weights were quantized straight into their buffers
             layouts = engine.__dict__["_mconv_layouts"]
             assert any(signature[2] for signature in layouts)

@@ -201,6 +201,84 @@ def test_params_replaced_between_syncs_are_noticed(chunks, checkpoint, tmp_path)
         receiver.close()
 
 
+def test_an_engine_the_trainer_writes_into_gets_every_tensor_once(chunks, checkpoint):
+    """An engine that offers its own tensors (`Engine.targets`, as IPCEngine does for a
+    ParameterReceiver(direct=True) on its GPU) gets each bucket copied straight into them, no
+    buffer packed: after a sync its tensors hold the checkpoint bit for bit, every HF name written
+    once, the engine flushed once, after its last bucket; a second sync of new weights (doubled:
+    exact in bf16) too, with verify=True comparing what the engine holds with the tensors copied
+    (a byte the engine changes after the copies is named). With quantize="fp8" the buckets with
+    weights to quantize are packed as ever and the others written: together, iter_hf_weights'
+    FP8 tensors. A name the engine has no tensor for is one sentence, and the update aborted."""
+    from mconv import MconvError
+    from mconv.live import iter_hf_weights
+    from mconv.live.sync import sync_weights
+    from mconv.live.sync.engines import Engine
+    from mconv.transport.flat import checksums
+
+    class Direct(Engine):
+        def __init__(self, params):
+            super().__init__()
+            self.params, self.written, self.packed, self.events = params, [], [], []
+
+        def targets(self, device):
+            return self.params
+
+        def update(self, bucket):
+            self.events.append("update")
+            self.written += [name for name, _ in bucket.written]
+            for name, t in bucket:
+                if name not in dict(bucket.written):
+                    self.params[name].copy_(t)
+                    self.packed.append(name)
+
+        def flush(self):
+            self.events.append("flush")
+
+        def abort(self, version, reason):
+            self.events.append(f"abort: {reason}")
+
+        def checksums(self, names):
+            return checksums([(name, self.params[name]) for name in names])
+
+    engine = Direct(zeros(checkpoint))
+    result = sync_weights(chunks, TINY, engine, version=1, **SYNC)
+    assert holds(engine.params, checkpoint) and result.buckets > 3 and result.bytes == sum(
+        t.nbytes for t in checkpoint.values())
+    assert sorted(engine.written) == sorted(checkpoint) and not engine.packed and not engine._buffers
+    assert engine.events == ["update"] * result.buckets + ["flush"]
+    parameters = [p for chunk in chunks for p in chunk.parameters()]
+    try:
+        for p in parameters:
+            p.data.mul_(2)
+        engine.written, engine.events = [], []
+        sync_weights(chunks, TINY, engine, version=2, verify=True, **SYNC)
+        assert holds(engine.params, {name: t * 2 for name, t in checkpoint.items()})
+        assert sorted(engine.written) == sorted(checkpoint) and engine.events[-1] == "flush"
+    finally:
+        for p in parameters:
+            p.data.mul_(0.5)
+
+    spoilt = "model.layers.1.mlp.down_proj.weight"
+    engine.flush = lambda: engine.params[spoilt].view(-1)[3].add_(1)  # after the copies: verify must see it
+    with pytest.raises(MconvError, match=rf"^weight sync 2b is not verified: rank 0: the engine holds other bytes "
+                                         rf"than were sent for {spoilt} \(1 of {len(checkpoint)} tensors\)$"):
+        sync_weights(chunks, TINY, engine, version="2b", verify=True, **SYNC)
+
+    exported = {name: t.clone() for named in iter_hf_weights(chunks, TINY, dtype=torch.bfloat16, quantize="fp8")
+                for name, t in named}
+    engine = Direct({name: torch.zeros_like(t) for name, t in exported.items()})
+    sync_weights(chunks, TINY, engine, version=3, quantize="fp8", **SYNC)
+    assert holds(engine.params, exported)
+    assert engine.packed and engine.written and sorted(engine.packed + engine.written) == sorted(exported)
+
+    engine = Direct({name: t for name, t in zeros(checkpoint).items() if name != "model.norm.weight"})
+    with pytest.raises(MconvError, match=r"^weight sync 4 failed; its update was aborted: rank 0: the engine has no "
+                                         r"tensor model.norm.weight to write into$"):
+        sync_weights(chunks, TINY, engine, version=4, **SYNC)
+    assert engine.events[-1].startswith("abort: ") and "flush" not in engine.events
+
+
 def test_bad_keys_and_addresses_are_one_sentence(tmp_path):
     """A receiver refuses an empty key (any client would pass the handshake) and a str key, an empty
     address (it listened at a temporary path of multiprocessing's choosing), an address that is

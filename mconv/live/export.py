@@ -4,6 +4,7 @@ the offline tools."""
 from __future__ import annotations
 
 import json
+import operator
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -165,15 +166,21 @@ def clear_cache(model_chunks: Sequence[torch.nn.Module]) -> None:
         _LIVE_CACHE.pop(chunks[0], None)
 
 
-def _parameter_slots(model_chunks) -> list[tuple[dict, str, torch.Tensor, int]]:
+def _parameter_slots(model_chunks) -> tuple[list[dict], list[str], list[torch.Tensor], list[int]]:
     """Where each parameter lives (its module's parameter dict and name), the parameter and its
-    storage address, to tell cheaply whether the model still holds the same tensors in place."""
-    return [(module._parameters, name, param, param.data_ptr()) for chunk in model_chunks
-            for module in chunk.modules() for name, param in module._parameters.items() if param is not None]
+    storage address, as four lists, to tell cheaply whether the model still holds the same tensors
+    in place."""
+    slots = [(module._parameters, name, param, param.data_ptr()) for chunk in model_chunks
+             for module in chunk.modules() for name, param in module._parameters.items() if param is not None]
+    return tuple(map(list, zip(*slots))) if slots else ([], [], [], [])
 
 
 def _unmoved(slots) -> bool:
-    return all(params.get(name) is param and param.data_ptr() == address for params, name, param, address in slots)
+    """Whether every slot of _parameter_slots still holds its parameter at its address (mapped over
+    C functions: 25k parameters in a 30B MoE, checked at every sync)."""
+    modules, names, params, addresses = slots
+    return (all(map(operator.is_, map(dict.get, modules, names), params))
+            and list(map(torch.Tensor.data_ptr, params)) == addresses)
 
 
 def _checked(model_chunks, bucket_bytes: int, dtype) -> tuple[list[torch.nn.Module], torch.dtype | None]:

@@ -118,6 +118,8 @@ class UpdateReceiver:
                     dtypes = self.dtypes(route)
                     if dtypes is not None:
                         model["dtypes"] = {name: dtype_name(dtype) for name, dtype in dtypes.items()}
+                    if self.shares_parameters:
+                        model["direct"] = True
                     self._digests[route] = (hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest(),
                                             model)
                 digest, model = self._digests[route]
@@ -140,6 +142,11 @@ class UpdateReceiver:
         with self._mutex:
             if op == "checksums":
                 return {"checksums": self.held_checksums(list(message["names"]))}
+            if op == "parameters":
+                if not self.shares_parameters:
+                    raise RuntimeError("this receiver does not share its parameters (ParameterReceiver(..., "
+                                       "direct=True) does)")
+                return self.shared_parameters(peer)
             if self._session is None:
                 raise RuntimeError(f"{op} without a weight update in progress"
                                    + (f" (the last one was aborted: {self.failure})" if self.failure else ""))
@@ -182,6 +189,12 @@ class UpdateReceiver:
         sent (vLLM). Asked with `expected`, once per route; the trainer refuses a sync that would
         send another dtype before any bucket."""
         return None
+
+    shares_parameters = False  # answers "parameters": the trainer writes into them itself (ParameterReceiver)
+
+    def shared_parameters(self, peer: dict) -> dict:
+        """The `parameters` request's reply, for a receiver that `shares_parameters`."""
+        raise NotImplementedError
 
     def begin(self, message: dict) -> None:
         """An update starts: the `start` request ({"version", "verify": the trainer will ask for
@@ -298,13 +311,17 @@ class ParameterReceiver(UpdateReceiver):
     that no longer fits before any bucket), and the copy plans are made anew from the dict."""
 
     def __init__(self, params: dict[str, torch.Tensor], address: str, authkey: bytes,
-                 timeout: float = DEFAULT_TIMEOUT):
+                 timeout: float = DEFAULT_TIMEOUT, direct: bool = False):
         super().__init__(address, authkey, timeout)
+        if not isinstance(direct, bool):
+            raise TypeError(f"direct={direct!r}: give True or False")
         self.params = params
+        self.shares_parameters = direct
         self._cuda = any(t.is_cuda for t in params.values())
         self._received: set[str] = set()
         self._mapped: OrderedDict[str, object] = OrderedDict()  # key -> (tensor, SharedBuffer or None)
         self._plans: dict[tuple, tuple[list, list[str]]] = {}  # (mapping, start, stop, entries) -> plan
+        self._written_names: dict[str, list[str]] = {}  # layout digest -> the names a trainer wrote (direct)
         self._seen = self._described()  # what `params` held when the plans and `expected` were made of it
 
     def expected(self, route: str | None = None) -> dict[str, list[int]]:
@@ -328,6 +345,7 @@ class ParameterReceiver(UpdateReceiver):
             return False
         self._seen = self._described()
         self._plans.clear()  # (the mappings they copy out of stay)
+        self._written_names.clear()
         self._cuda = any(t.is_cuda for t in params.values())
         return True
 
@@ -342,6 +360,9 @@ class ParameterReceiver(UpdateReceiver):
                                                        and item.get("ordered") for item in buffers)
         try:
             for item in buffers:
+                if item.get("written"):  # a trainer that wrote these parameters itself (direct)
+                    self._received.update(self._written(item["layout"], item["entries"]))
+                    continue
                 ipc = item.get("ipc")
                 key = cuda_ipc.key(ipc) if ipc else item["path"]
                 start, stop = (ipc["offset"], ipc["offset"] + ipc["numel"]) if ipc else (0, None)
@@ -369,6 +390,47 @@ class ParameterReceiver(UpdateReceiver):
             kept[done] = (event, cuda_ipc.share_event(event))
         kept[done][0].record()
         return {"done": kept[done][1]}
+
+    def shared_parameters(self, peer: dict) -> dict:
+        """`direct=True`'s reply to a trainer's `parameters` request: {"storages": [cuda_ipc.share of
+        a whole storage holding parameters], "params": {HF name: [index into storages, byte offset]}}.
+        Each storage is shared once per connection (torch counts one reference per share, released
+        when the trainer's one mapping of it goes) and held while a parameter lies in it. ValueError
+        naming a parameter that is not a contiguous CUDA tensor (the trainer writes bytes)."""
+        shared = peer.setdefault("shared", {})  # storage address -> (the whole storage as uint8, its share)
+        used, params = {}, {}
+        for name, t in self.params.items():
+            if not t.is_cuda or not t.is_contiguous():
+                where = f"on {t.device}" if not t.is_cuda else "not contiguous"
+                raise ValueError(f"direct=True: parameter {name} is {where}; a trainer writes only into contiguous "
+                                 "CUDA parameters")
+            storage = t.untyped_storage()
+            address = storage.data_ptr()
+            if address not in shared:
+                whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                shared[address] = (whole, cuda_ipc.share(whole))
+            index = used.setdefault(address, len(used))
+            params[name] = [index, t.storage_offset() * t.element_size()]
+        for address in [a for a in shared if a not in used]:
+            del shared[address]  # a storage no parameter lies in any more: the trainer lets its mapping go too
+        return {"storages": [shared[address][1] for address in used], "params": params}
+
+    def _written(self, layout: str, entries: list) -> list[str]:
+        """The names of a `written` item's entries (its layout's digest: read and checked once per
+        layout while `params` is unchanged). ValueError where this receiver does not share its
+        parameters or a name is none of them."""
+        if not self.shares_parameters:
+            raise ValueError("the trainer says it wrote parameters itself, but this receiver does not share them "
+                             "(ParameterReceiver(..., direct=True))")
+        names = self._written_names.get(layout)
+        if names is None:
+            names = [Entry.from_json(e).name for e in entries]
+            unknown = [name for name in names if name not in self.params]
+            if unknown:
+                raise ValueError(f"weight update tensor {unknown[0]} does not match the engine's model: no such "
+                                 "parameter")
+            self._written_names[layout] = names
+        return names
 
     def complete(self, message: dict) -> None:
         if self._cuda:

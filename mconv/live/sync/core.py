@@ -232,6 +232,7 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
         if workers is not None:
             waited = time.perf_counter()
             failure = failure or next((e for e in (_attempt(f.result) for f in pending) if e is not None), None)
+            failure = failure or _attempt(engine.flush)  # (its last bucket's, where it wrote into the engine's tensors)
             result.seconds["engine"] += time.perf_counter() - waited
     finally:
         buckets.close()
@@ -253,20 +254,26 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
         pending[-2].result()  # the engine is done with this slot's previous bucket (raises its error)
     waited = time.perf_counter()
     device = named[0][1].device if named else torch.device("cpu")
-    entries, buffer = _pack(engine, index % 2, named, {LM_HEAD: EMBEDDING} if tied else None, device, picked,
-                            quantization)
-    nbytes = buffer.numel()
+    aliases = {LM_HEAD: EMBEDDING} if tied else None
+    targets = None if picked else engine.targets(device)
+    if targets is not None:
+        buffer, written, nbytes, sources = _write(engine, named, aliases, targets, device)
+        bucket = FlatBucket(version, index, buffer, [], written=written)
+        sent = [(name, source) for (name, _), source in zip(written, sources)]  # what verify compares
+    else:
+        entries, buffer = _pack(engine, index % 2, named, aliases, device, picked, quantization)
+        bucket, nbytes = FlatBucket(version, index, buffer, entries), buffer.numel()
+        sent = None  # the bucket's views
     result.seconds["engine"] += waited - packed
     result.seconds["pack"] += time.perf_counter() - waited
     result.buckets += 1
-    result.tensors += len(entries)
+    result.tensors += len(bucket.entries) + len(bucket.written)
     result.bytes += nbytes
-    bucket = FlatBucket(version, index, buffer, entries)
     if buffer.is_cuda:
         bucket.ready = torch.cuda.Event()
         bucket.ready.record(torch.cuda.current_stream(buffer.device))
     if sums is not None:
-        sums.update(checksums(list(bucket)))  # before the engine may reuse the buffer
+        sums.update(checksums(list(bucket) if sent is None else sent))  # before the engine may reuse the buffer
     pending.append(workers.submit(engine.update, bucket))
 
 
@@ -313,6 +320,35 @@ def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=Non
     return known.entries, buffer
 
 
+_WRITES = "_mconv_writes"  # where _write keeps an engine's copy plans into its targets
+
+
+def _write(engine, named, aliases, targets: dict, device) -> tuple[torch.Tensor, list, int, list]:
+    """Copy `named` (and each alias, from the tensor it aliases) straight into the engine's
+    `targets` ({HF name: its tensor}), on the current stream: (an empty buffer, the (name, target)
+    pairs written, their bytes, the tensor each was copied from) for the bucket. The copies of a bucket are planned once per
+    names and targets dict (copies.CopyPlan), as `_pack` plans them. MconvError for a name the
+    engine has no tensor for."""
+    cache = engine.__dict__.get(_WRITES)
+    if cache is None or cache[0] is not targets:  # plans into tensors the engine no longer offers go
+        cache = engine.__dict__[_WRITES] = (targets, {}, torch.empty(0, dtype=torch.uint8, device=device))
+    sources = dict(named)
+    key = tuple(sources)
+    hit = cache[1].get(key)
+    if hit is None:
+        pairs = [(name, name) for name in sources] + [(alias, of) for alias, of in (aliases or {}).items()
+                                                      if of in sources]
+        unknown = [name for name, _ in pairs if name not in targets]
+        if unknown:
+            raise MconvError(f"the engine has no tensor {unknown[0]} to write into")
+        written = [(name, targets[name]) for name, _ in pairs]
+        hit = cache[1][key] = (CopyPlan([t for _, t in written], [sources[of] for _, of in pairs]), written,
+                               [of for _, of in pairs], sum(t.nbytes for _, t in written))
+    copied = [sources[of] for of in hit[2]]
+    hit[0].run(copied)
+    return cache[2], hit[1], hit[3], copied
+
+
 @dataclass
 class _Layout:
     """A bucket signature's flat layout as `_pack` fills it."""
@@ -346,9 +382,11 @@ _COPY_PLANS = "_mconv_copy_plans"  # where _pack keeps an engine's copy plans (v
 
 
 def forget_packing(engine) -> None:
-    """Drop `_pack`'s copy plans into `engine`'s buffers, which hold views of them: for an engine
-    that replaces its buffers at every sync (the old ones must go)."""
+    """Drop `_pack`'s copy plans into `engine`'s buffers and `_write`'s into its targets, which hold
+    views of them: for an engine that replaces its buffers at every sync (the old ones must go), or
+    lets the targets it mapped go."""
     engine.__dict__.pop(_COPY_PLANS, None)
+    engine.__dict__.pop(_WRITES, None)
 
 
 def _sent_shapes(live, config: dict, tied: bool, quantize, fp8_scale, quantization) -> dict[str, list[int]]:

@@ -2,7 +2,7 @@
 bucket it hands over, and the adapter for a plain callable."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import os
@@ -32,6 +32,9 @@ class FlatBucket:
     # whole device) lets the next bucket's packing go on meanwhile. None: no event (a bucket made by
     # hand): `wait` then waits for the buffer's whole GPU, on whichever stream packed it.
     ready: "torch.cuda.Event | None" = None
+    # For an engine whose parameters this process writes itself (`Engine.targets`): the (HF name,
+    # engine parameter) pairs the sync copied straight into them, not packed into `buffer`.
+    written: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     def wait(self) -> None:
         """Return once the bucket's bytes are in `buffer`."""
@@ -41,11 +44,13 @@ class FlatBucket:
             torch.cuda.synchronize(self.buffer.device)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(unpack(self.buffer, self.entries))
+        """(HF name, tensor) of every tensor of the bucket: views of `buffer`, then `written`."""
+        return iter(unpack(self.buffer, self.entries) + self.written)
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel()
+        """The bytes of the bucket's tensors, packed and written."""
+        return self.buffer.numel() + sum(t.nbytes for _, t in self.written)
 
 
 class Engine:
@@ -55,7 +60,9 @@ class Engine:
     any rank failed (never `finish` then), and with verify `checksums(names)`. On each sender rank
     (TP/EP/ETP/DP rank 0 of every pipeline stage): `check_device(device)` and `dtypes()` (before
     anything is sent, rank 0 included), then `buffer(slot, nbytes, device)` and `update(bucket)`,
-    from one background thread, at most two buckets in flight (slots 0 and 1)."""
+    from one background thread, at most two buckets in flight (slots 0 and 1); an engine whose
+    parameters a sender can write itself says so by `targets`, and is then `flush`ed by each
+    sender after its last bucket."""
 
     sends_tied_lm_head = False  # send lm_head.weight beside model.embed_tokens.weight for tied embeddings
 
@@ -81,6 +88,19 @@ class Engine:
 
     def start(self, version: str, verify: bool = False) -> None:
         pass
+
+    def targets(self, device: torch.device) -> dict[str, torch.Tensor] | None:
+        """{HF name: the engine's own tensor}, for an engine whose parameters this process can write
+        (another process's GPU memory mapped here: IPCEngine with a ParameterReceiver(direct=True)),
+        or None (the default): buckets are packed into `buffer`s. With targets, a bucket with no
+        weights to quantize is copied straight into them (one copy on the device, no buffer) and
+        handed to `update` as a FlatBucket with `written` only; `flush` follows the last one.
+        Asked per bucket on each sender: return the same dict while the engine is unchanged."""
+        return None
+
+    def flush(self) -> None:
+        """On each sender, after its last bucket of a sync that wrote into `targets`: make the
+        writes complete and tell the engine which tensors they were."""
 
     def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """A uint8 buffer of at least `nbytes` for bucket slot 0 or 1, kept for the next buckets."""
@@ -179,6 +199,8 @@ class RemoteEngine(Engine):
         self._layouts: dict[int, tuple[list, int]] = {}
         self._carried: dict = {}  # what this connection has carried (layout numbers; IPCEngine's shares)
         self._unanswered = False  # the last request timed out: the receiver hangs
+        self._direct = False  # the receiver shares its parameters for the trainer to write (its `expected` reply)
+        self._unread_dtypes = False  # expected() asked the receiver and dtypes() has not used the reply yet
 
     def _connected(self) -> dict:
         """What the open connection has carried (the caller holds _lock); a new connection, and an
@@ -234,21 +256,26 @@ class RemoteEngine(Engine):
         self._conn = None
         self._carried = {}  # a new connection carries nothing over (IPCEngine's events: the receiver drops them)
 
-    def _update(self, buffer: dict, entries: list[Entry]) -> dict:
-        """One `update` request for one bucket buffer ({"ipc": ...} or {"path": ...}); its reply. A
-        layout (the same entries list, as sync_weights reuses it) carries its entries once per
-        connection, later only its number: the receiver keeps them (mconv.transport.receiver)."""
-        cached = self._layouts.get(id(entries))
-        if cached is None:
-            cached = self._layouts[id(entries)] = (entries, len(self._layouts))
-        number = cached[1]
+    def _update(self, buffer: dict, entries: list[Entry], *more: tuple[dict, list[Entry]]) -> dict:
+        """One `update` request for one bucket buffer ({"ipc": ...} or {"path": ...}), and the
+        `more` (item, entries) pairs after it; its reply. A layout (the same entries list, as
+        sync_weights reuses it) carries its entries once per connection, later only its number:
+        the receiver keeps them (mconv.transport.receiver)."""
+        numbers = []
+        for _, listed in ((buffer, entries), *more):
+            cached = self._layouts.get(id(listed))
+            if cached is None:
+                cached = self._layouts[id(listed)] = (listed, len(self._layouts))
+            numbers.append(cached[1])
         with self._lock:  # the same connection from the request's sending to its marking
             carried = self._connected().setdefault("layouts", set())
-            item = {**buffer, "layout": number}
-            if number not in carried:
-                item["entries"] = [e.to_json() for e in entries]
-            reply = self._request({"op": "update", "buffers": [item]})
-            carried.add(number)
+            items = []
+            for (item, listed), number in zip(((buffer, entries), *more), numbers):
+                items.append({**item, "layout": number})
+                if number not in carried:
+                    items[-1]["entries"] = [e.to_json() for e in listed]
+            reply = self._request({"op": "update", "buffers": items})
+            carried.update(numbers)
             return reply
 
     def _model(self) -> tuple[str, dict, dict | None]:
@@ -265,14 +292,21 @@ class RemoteEngine(Engine):
                 raise MconvError(f"the engine at {self.address} holds {name} in {e.args[0]}, a dtype no bucket "
                                  "carries") from None
             self._expected = (reply["digest"], reply["tensors"], dtypes)
+            self._direct = bool(reply.get("direct"))
         return self._expected
 
     def expected(self) -> dict[str, list[int]]:
-        return self._model()[1]
+        model = self._model()
+        self._unread_dtypes = True  # sync_weights asks dtypes() next, on rank 0: this reply answers it
+        return model[1]
 
     def dtypes(self) -> dict[str, torch.dtype] | None:
         """The dtypes the receiver holds where it copies bytes into its own tensors
-        (ParameterReceiver), None where it casts (vLLM's Receiver)."""
+        (ParameterReceiver), None where it casts (vLLM's Receiver); from the reply to `expected()`
+        where that came just before (rank 0), else asked (the other senders)."""
+        if self._unread_dtypes:
+            self._unread_dtypes = False
+            return self._expected[2]
         return self._model()[2]
 
     def start(self, version: str, verify: bool = False) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 from mconv.errors import MconvError
+from mconv.live.sync.core import forget_packing
 from mconv.live.sync.engines import FlatBucket, RemoteEngine
 from mconv.transport import cuda_ipc
+from mconv.transport.flat import Entry, dtype_name
 
 
 class IPCEngine(RemoteEngine):
@@ -29,6 +31,55 @@ class IPCEngine(RemoteEngine):
 
     keeps_shares = True
 
+    def __init__(self, address: str, authkey: bytes, timeout: float | None = 600.0):
+        super().__init__(address, authkey, timeout)
+        self._written: list[tuple[dict, list[Entry]]] = []  # this sync's `written` items, sent by flush
+        self._written_device: torch.device | None = None
+        self._written_entries: dict[int, tuple[list, list[Entry]]] = {}  # id(bucket.written) -> (it, its entries)
+
+    def targets(self, device: torch.device) -> dict[str, torch.Tensor] | None:
+        """The receiver's parameters mapped here, where it shares them (ParameterReceiver(...,
+        direct=True)): each of its storages mapped once per connection, asked for again when its
+        model changed (a new digest). None for a receiver that does not share them."""
+        if not self._direct or self._expected is None:
+            return None
+        with self._lock:
+            carried = self._connected()
+            held = carried.get("targets")
+            digest, shapes, dtypes = self._expected
+            if held is None or held[0] != digest:
+                if dtypes is None:
+                    raise MconvError(f"the engine at {self.address} shares its parameters but not their dtypes")
+                reply = self._request({"op": "parameters"})
+                mapped = carried.get("mapped", {})  # cuda_ipc.key -> the whole storage mapped here
+                storages = [mapped.get(cuda_ipc.key(share)) for share in reply["storages"]]
+                storages = [cuda_ipc.attach(share, device.index) if whole is None else whole
+                            for share, whole in zip(reply["storages"], storages)]
+                carried["mapped"] = {cuda_ipc.key(share): whole for share, whole in zip(reply["storages"], storages)}
+                targets = {}
+                for name, (index, offset) in reply["params"].items():
+                    dtype, shape = dtypes[name], torch.Size(shapes[name])
+                    nbytes = shape.numel() * dtype.itemsize
+                    targets[name] = storages[index][offset:offset + nbytes].view(dtype).view(shape)
+                held = carried["targets"] = (digest, targets)
+                self._written_entries.clear()  # (they hold the old targets)
+            return held[1]
+
+    def start(self, version: str, verify: bool = False) -> None:
+        with self._lock:
+            self._written = []
+        super().start(version, verify)
+
+    def flush(self) -> None:
+        """After this sender's last bucket: wait for its copies into the receiver's parameters, then
+        name them to the receiver (one request), which counts them as sent."""
+        with self._lock:
+            items, self._written = self._written, []
+            if not items:
+                return
+            torch.cuda.synchronize(self._written_device)
+            self._update(*items[0], *items[1:])
+
     def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         done = self._carried.get("done", {}).get(slot)
         if done is not None:  # the receiver's copies out of this slot come first (and before a replacement's free)
@@ -43,6 +94,16 @@ class IPCEngine(RemoteEngine):
         if not bucket.buffer.is_cuda:
             raise MconvError(f"IPCEngine needs the model on a CUDA device; bucket {bucket.index} is on "
                              f"{bucket.buffer.device}")
+        if bucket.written and not bucket.entries:  # copied into the receiver's parameters already
+            cached = self._written_entries.get(id(bucket.written))
+            if cached is None or cached[0] is not bucket.written:
+                cached = self._written_entries[id(bucket.written)] = (bucket.written, [
+                    Entry(name, dtype_name(t.dtype), tuple(t.shape), t.storage_offset() * t.element_size(), t.nbytes)
+                    for name, t in bucket.written])
+            with self._lock:
+                self._written.append(({"written": True}, cached[1]))
+                self._written_device = bucket.buffer.device
+            return
         bucket.wait()
         slot = self._slot(self._buffers, bucket)
         if not self.keeps_shares:
@@ -75,5 +136,7 @@ class IPCEngine(RemoteEngine):
 
     def close(self) -> None:
         super().close()
+        forget_packing(self)  # views of the receiver's parameters, mapped here: they go with the connection
+        self._written_entries.clear()
         if torch.cuda.is_initialized():
             torch.cuda.ipc_collect()  # frees the shared buffers the receiver has let go of
