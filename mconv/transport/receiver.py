@@ -24,8 +24,12 @@ item's "release" [cuda_ipc.key] names it or the connection ends, and `load` sees
 connection's dict of such mappings), `finish` {"version"}
 (a kept item may say "ordered": the trainer waits for the reply's "done" IPC event [cuda_ipc.share_event]
 before reusing the buffer, so the reply need not wait for the copies),
-`abort` {"version", "reason"}, `checksums` {"names"} (flat.checksums of what the engine holds). Every
-request may carry the trainer's "rank", used to name it in errors.
+`abort` {"version", "reason"}, `checksums` {"names"} (flat.checksums of what the engine holds),
+and, to a receiver that shares its parameters (its `expected` reply says "direct": true),
+`parameters` {} -> {"storages": [cuda_ipc.share of a whole storage], "params": {HF name: [storage
+index, byte offset]}}, after which a trainer writes into them itself and an `update` item
+{"written": true} with a layout's entries names what it wrote. Every request may carry the
+trainer's "rank", used to name it in errors.
 """
 from __future__ import annotations
 
@@ -308,7 +312,15 @@ class ParameterReceiver(UpdateReceiver):
     `params` may change between syncs, not during one: an entry replaced, added or removed, or a
     parameter given another storage (`param.data = ...`), is noticed at the next sync's first
     request (`changed`): the trainer is told the new names, shapes and dtypes (and refuses a sync
-    that no longer fits before any bucket), and the copy plans are made anew from the dict."""
+    that no longer fits before any bucket), and the copy plans are made anew from the dict.
+
+    `direct=True` (TypeError for a non-bool): the receiver shares its parameters' storages with
+    each trainer connection (`shared_parameters`; every parameter a contiguous CUDA tensor), and
+    IPCEngine then copies the buckets straight into them, one device copy instead of two, naming
+    what it wrote after its copies finished; `finish` fails as ever if a parameter got nothing.
+    The trainer then writes into this process's memory itself: the receiver's lock and abort no
+    longer fence those writes (docs/weight-sync.md, "Written straight into the engine's
+    parameters")."""
 
     def __init__(self, params: dict[str, torch.Tensor], address: str, authkey: bytes,
                  timeout: float = DEFAULT_TIMEOUT, direct: bool = False):

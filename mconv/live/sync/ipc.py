@@ -1,6 +1,7 @@
 """Colocated sync over CUDA IPC: `IPCEngine` hands each flat bucket's CUDA buffer to an engine's
 process on the same GPU as one CUDA IPC handle (mconv.transport.cuda_ipc), whose receiver copies
-the bucket's tensors into its own parameters before it replies."""
+the bucket's tensors into its own parameters; or, to a receiver that shares its parameters, writes
+each bucket straight into them."""
 from __future__ import annotations
 
 import torch
@@ -24,6 +25,11 @@ class IPCEngine(RemoteEngine):
     waits for that event (polling it from the host, for at most `timeout`) before it packs into
     that buffer again (`buffer`), while the receiver already takes the next bucket. A receiver
     that replies without an event has finished its copies when it replies (mconv.transport.cuda_ipc).
+
+    To a receiver that shares its parameters (ParameterReceiver(..., direct=True)), buckets with no
+    weight to quantize are not packed: `targets` maps the receiver's parameter storages (once per
+    connection, again when its model changes), sync_weights copies each bucket straight into
+    them, and `flush` names what was written in one request once those copies are done.
 
     A subclass whose receiver maps the buffer anew at every bucket (vLLM's ipc backend) sets
     `keeps_shares = False`: each bucket is then shared afresh, one share for one mapping, as
