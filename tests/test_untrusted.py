@@ -157,10 +157,12 @@ def test_payload_is_refused_by_the_library(checkpoints, tmp_path, kind):
 
 # ------------------------------------------- torch files that are not torch.save's, or in its pre-zip format
 
-def _pre_zip(path: Path, state=None) -> bytes:
-    """`path`'s state (or `state`) saved again in torch's pre-zip format (torch < 1.6's default)."""
+def _pre_zip(path: Path, state=None, **options) -> bytes:
+    """`path`'s state (or `state`) saved again in torch's pre-zip format (torch < 1.6's default), or
+    with torch.save's other `options` (`_use_new_zipfile_serialization=True`: a zip archive)."""
     data = io.BytesIO()
-    torch.save(load_rank_file(path) if state is None else state, data, _use_new_zipfile_serialization=False)
+    torch.save(load_rank_file(path) if state is None else state, data,
+               **{"_use_new_zipfile_serialization": False, **options})
     return data.getvalue()
 
 
@@ -176,6 +178,9 @@ DAMAGE = {  # the file's new bytes (from its valid ones) and what the sentence s
     "zip magic, then garbage": (lambda data, path: b"PK\x03\x04garbage", "truncated or corrupt zip archive"),
     "half a zip archive": (lambda data, path: data[:len(data) // 2], "truncated or corrupt zip archive"),
     "half a pre-zip file": (lambda data, path: _pre_zip(path)[:-100], "truncated or corrupt (torch's pre-zip format"),
+    "pickle protocol 4": (lambda data, path: _pre_zip(path, pickle_protocol=4, _use_new_zipfile_serialization=True),
+                          "was pickled with protocol 4 or higher (pickle opcode 149), which torch's weights-only "
+                          "loader does not read: save it again with torch.save's default pickle_protocol"),
 }
 
 

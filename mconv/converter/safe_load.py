@@ -22,9 +22,11 @@ import argparse
 import io
 import pathlib
 import pickle
+import pickletools
 import re
 import signal
 import types
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import IO
@@ -159,6 +161,11 @@ def _refused_global(path: Path, error: Exception) -> MconvError | None:
     return None
 
 
+# The opcodes pickle protocols 4 and 5 added, which torch.save(..., pickle_protocol=4) writes and torch's
+# weights-only unpickler refuses (torch 2.6 to 2.11).
+_PROTOCOL_4_OPCODES = {ord(op.code) for op in pickletools.opcodes if op.proto >= 4}
+
+
 def _detail(error: Exception) -> str:
     """torch's or pickle's reason, short: its first sentence only, as torch's later ones are advice that
     must not be shown (re-run torch.load with weights_only=False, file an issue, how zips get corrupt)."""
@@ -214,11 +221,18 @@ def load_torch(path: Path, source: IO[bytes] | None = None, mmap: bool = False) 
         raise MconvError(f"{where} is not a torch.save file: " + (
             "it is neither a zip archive nor in torch's older pre-zip format" if head else "it is empty"))
     try:
-        with torch.serialization.safe_globals([(obj, name) for name, obj in _allow_list().items()]):
+        with torch.serialization.safe_globals([(obj, name) for name, obj in _allow_list().items()]), \
+                warnings.catch_warnings():
+            # torch's warning of a protocol above 2 asks to file an issue; its refusal is told below, in one line
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             return torch.load(path if source is None else source, map_location="cpu", weights_only=True,
                               mmap=mmap and zipped)
     except Exception as e:  # UnpicklingError for refused globals; RuntimeError/EOFError/... for corrupt files
+        opcode = re.search(r"Unsupported operand (\d+)", str(e))
         reason = ("it is a TorchScript archive (torch.jit.save), not a torch.save one" if "TorchScript" in str(e) else
+                  f"it was pickled with protocol 4 or higher (pickle opcode {opcode[1]}), which torch's weights-only "
+                  "loader does not read: save it again with torch.save's default pickle_protocol"
+                  if opcode and int(opcode[1]) in _PROTOCOL_4_OPCODES else
                   f"it is a truncated or corrupt zip archive ({_detail(e)})" if zipped else
                   f"it is truncated or corrupt (torch's pre-zip format: {_detail(e)})")
         raise _refused_global(path, e) or MconvError(f"{where} is not a readable torch.save file: {reason}") from None
