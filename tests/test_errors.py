@@ -332,12 +332,15 @@ SIDE_FILE_DAMAGE = {  # a side file made into something else, and what the sente
 def test_a_side_file_that_is_not_a_regular_file_is_named(tmp_path, name):
     """A tokenizer or generation config file that is a device, a FIFO, a directory or a dangling link:
     hf2mcore and mcore2hf's copy back from the checkpoint's hf_config/ name it (it was left out without
-    a word, from that output and every later one; the FIFO never opened). A link to a file is copied."""
+    a word, from that output and every later one; the FIFO never opened), before converting any
+    weight (a dry run is refused too). A link to a file is copied."""
     damage, said = SIDE_FILE_DAMAGE[name]
     hf = copy_model(tmp_path)
     (hf / name).unlink(missing_ok=True)
     damage(hf / name)
     assert_refused(mconv("hf2mcore", hf, tmp_path / "out", "-q"), tmp_path / "out", f"{hf / name} is ", said)
+    # before any weight: a dry run, which converts nothing, says so too
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out", "--dry-run"), tmp_path / "out", f"{hf / name} is ", said)
     assert legacy(TINY, tmp_path / "m").exit_code == 0
     stored = tmp_path / "m" / "hf_config" / name
     stored.unlink(missing_ok=True)
@@ -1612,3 +1615,15 @@ def test_library_paths_that_are_no_paths(tmp_path):
         with pytest.raises(MconvError, match=rf"^{named}.*: give a path \(a str or pathlib.Path\)$"):
             call()
     assert not any(tmp_path.iterdir())
+
+
+def test_a_vocab_divisor_that_more_than_doubles_the_vocabulary_is_noted(tmp_path):
+    """--vocab-divisor is taken as given, but where it pads the vocabulary to more than twice its size
+    (a 300-token vocabulary to 1024 rows) the plan says so and what it costs; the default's padding
+    (to 384) says nothing."""
+    noted = mconv("hf2mcore", TINY, tmp_path / "out", "--dry-run", "--vocab-divisor", "1024")
+    assert noted.exit_code == 0 and ("mconv: note: --vocab-divisor 1024 (times TP 1) pads the 300-token vocabulary "
+                                     "to 1024 rows, more than twice its size: 724 zero rows in each vocabulary-sized "
+                                     "tensor") in noted.stderr
+    plain = mconv("hf2mcore", TINY, tmp_path / "out", "--dry-run")
+    assert plain.exit_code == 0 and "zero rows" not in plain.stderr

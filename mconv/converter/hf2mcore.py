@@ -14,7 +14,7 @@ import torch
 from mconv import __version__
 from mconv.converter import megatron_io as mio
 from mconv.converter import fp8, torch_dist, torch_dist_write, torch_save
-from mconv.converter.hf_config import copy_side_files
+from mconv.converter.hf_config import copy_side_files, side_files
 from mconv.converter.hf_experts import stacked_expert
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hf_write import StagingBuffer
@@ -276,6 +276,11 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
     arch = architecture_for(ckpt.config, ckpt.dir / "config.json")
     plan = make_plan(arch, ckpt.config, layout, spec, mtp)
     notes = check_hf_tensors(plan, ckpt)
+    if plan.padded_vocab > 2 * plan.dims.vocab:  # asked for, but rarely meant: say what it costs
+        notes.append(f"--vocab-divisor {layout.vocab_divisor} (times TP {layout.tp}) pads the {plan.dims.vocab}-token "
+                     f"vocabulary to {plan.padded_vocab} rows, more than twice its size: "
+                     f"{plan.padded_vocab - plan.dims.vocab} zero rows in each vocabulary-sized tensor")
+    side_files(ckpt.dir)  # a bad tokenizer file stops the command now, not after the weights
     if ckpt.block is not None:
         notes.append(fp8.dequantized_note(ckpt.dir, ckpt.block, dtype or torch.bfloat16))
     arch_args = arch.megatron_args(plan.dims)

@@ -87,13 +87,14 @@ def read_config(directory: Path) -> dict:
     return config
 
 
-def copy_side_files(source: Path, destination: Path) -> list[str]:
-    """Copy config, generation config and tokenizer files, and the remote code their `auto_map`
-    names (remote_code.remote_code_files: never imported here); returns the names copied. One that
-    is there but is not a regular file (a FIFO, a device, a directory, a dangling symlink) raises
-    MconvError naming it, as every file mconv reads does: skipped, it would be missing from this
-    output and from every later one without a word. A symlink to a regular file is one."""
-    copied = []
+def side_files(source: Path) -> list[str]:
+    """The config, generation config and tokenizer files `source` holds, and the remote code their
+    `auto_map` names (remote_code.remote_code_files: never imported here): what copy_side_files
+    copies. Commands call it before converting, so that a bad one stops them before the weights.
+    One that is there but is not a regular file (a FIFO, a device, a directory, a dangling symlink)
+    raises MconvError naming it, as every file mconv reads does: skipped, it would be missing from
+    this output and from every later one without a word. A symlink to a regular file is one."""
+    found = []
     for name in SIDE_FILES + tuple(remote_code_files(source, SIDE_FILES)):
         path = Path(source) / name
         if not os.path.lexists(path):
@@ -101,8 +102,15 @@ def copy_side_files(source: Path, destination: Path) -> list[str]:
         if not path.is_file():  # never opened: a FIFO would block, /dev/zero never end
             what = ("a directory" if path.is_dir() else file_kind(path)) + (", not a regular file" if path.exists() else "")
             raise MconvError(f"{path} is {what}: mconv copies a model's config and tokenizer files beside its weights")
-        copy_file(path, Path(destination) / name)
-        copied.append(name)
+        found.append(name)
+    return found
+
+
+def copy_side_files(source: Path, destination: Path) -> list[str]:
+    """Copy `side_files(source)` into `destination` (raising as it does); returns their names."""
+    copied = side_files(source)
+    for name in copied:
+        copy_file(Path(source) / name, Path(destination) / name)
     return copied
 
 

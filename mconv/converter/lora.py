@@ -21,7 +21,7 @@ import torch
 
 from mconv.converter import megatron_io as mio
 from mconv.converter import fp8
-from mconv.converter.hf_config import copy_side_files, read_config, write_config_dtype, write_hf_config
+from mconv.converter.hf_config import copy_side_files, read_config, side_files, write_config_dtype, write_hf_config
 from mconv.converter.hf_experts import fp8_per_expert, stacked_expert
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hf_write import ShardedSafetensorsWriter
@@ -508,6 +508,7 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     float32 (transforms.fp32_note; None if none).
     Raises MconvError where the cast turns finite values into inf (transforms.check_cast)."""
     base = HFCheckpoint(base_dir, dequantize=dtype or torch.bfloat16)
+    side_files(base.dir)  # a bad tokenizer file stops the merge now, not after the weights
     arch = architecture_for(base.config, base.dir / "config.json")
     quantization = fp8.writer_quantization(arch, quantize, fp8_scale, base.config)
     if arch.name != adapter.arch:

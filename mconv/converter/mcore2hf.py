@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 import torch
 
 from mconv.converter import fp8
-from mconv.converter.hf_config import copy_side_files, write_config_dtype, write_hf_config
+from mconv.converter.hf_config import copy_side_files, side_files, write_config_dtype, write_hf_config
 from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, stacked_expert
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
@@ -255,6 +255,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
     if hf_config:
         hf_config = resolve_model(hf_config, revision, weights=False, progress=progress, parameter="hf_config")
     ckpt = open_checkpoint(ckpt_dir, hf_config)
+    side_files(ckpt.config_dir)  # a bad tokenizer file stops the command now, not after the weights
     arch = ckpt.plan.arch
     quantization = fp8.writer_quantization(arch, quantize, fp8_scale, ckpt.config)
     exports = ckpt.plan.exports()

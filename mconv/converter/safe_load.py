@@ -223,8 +223,10 @@ def load_torch(path: Path, source: IO[bytes] | None = None, mmap: bool = False) 
     try:
         with torch.serialization.safe_globals([(obj, name) for name, obj in _allow_list().items()]), \
                 warnings.catch_warnings():
-            # torch's warning of a protocol above 2 asks to file an issue; its refusal is told below, in one line
-            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            # torch's warnings while loading are advice to torch's users (file an issue about a pickle
+            # protocol above 2; sparse invariant checks, for a sparse tensor mconv refuses): what matters
+            # is told in mconv's one line
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
             return torch.load(path if source is None else source, map_location="cpu", weights_only=True,
                               mmap=mmap and zipped)
     except Exception as e:  # UnpicklingError for refused globals; RuntimeError/EOFError/... for corrupt files

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mconv.converter import fp8
-from mconv.converter.hf_config import copy_side_files, read_config, write_config_dtype, write_hf_config
+from mconv.converter.hf_config import copy_side_files, read_config, side_files, write_config_dtype, write_hf_config
 from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, stack_experts, stacked_expert
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.output import SharedStaging, output_path, write_failure
@@ -479,6 +479,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
     def plan() -> None:  # on every rank; what fails here (a path missing on one node) is agreed on below
         source = _model_dir(hf_config, revision, False)
         config = read_config(source)
+        side_files(source)  # a bad tokenizer file stops the save now, not after the weights
         quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
         stacked = (None if fp8_per_expert(architecture_for(config), quantization, expert_orientation)
                    else _orientation(config, expert_orientation))
