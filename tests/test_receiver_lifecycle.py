@@ -273,10 +273,83 @@ def test_an_engine_the_trainer_writes_into_gets_every_tensor_once(chunks, checkp
     assert engine.packed and engine.written and sorted(engine.packed + engine.written) == sorted(exported)
 
     engine = Direct({name: t for name, t in zeros(checkpoint).items() if name != "model.norm.weight"})
+    engine.discard = lambda: engine.events.append("discard")
     with pytest.raises(MconvError, match=r"^weight sync 4 failed; its update was aborted: rank 0: the engine has no "
                                          r"tensor model.norm.weight to write into$"):
         sync_weights(chunks, TINY, engine, version=4, **SYNC)
-    assert engine.events[-1].startswith("abort: ") and "flush" not in engine.events
+    assert engine.events[-2] == "discard" and engine.events[-1].startswith("abort: ") and "flush" not in engine.events
+
+
+def test_the_direct_protocol_follows_a_receiver_whose_params_change(chunks, checkpoint, tmp_path, monkeypatch):
+    """The direct route's requests between a real IPCEngine and a real ParameterReceiver(direct=True),
+    with CUDA IPC's share and attach stood in for by one process's own tensors (the receiver's
+    storages handed over as they are): the trainer writes each bucket into the receiver's
+    parameters, the receiver counts them at `finish`; a parameter replaced and another moved to a
+    new storage between syncs (same names, shapes and dtypes) make the trainer map them anew, and
+    the next sync reaches the new tensors, not the old ones (a digest of names, shapes and dtypes
+    alone missed it); a sync failing mid-way is aborted, leaves nothing queued, and the next is
+    exact and verified; parameters that cannot be shared are refused when the receiver is made."""
+    from mconv import MconvError
+    from mconv.live.sync import IPCEngine, core, sync_weights
+    from mconv.transport import cuda_ipc, receiver as receiver_module
+    from mconv.transport.receiver import ParameterReceiver
+
+    shared = {}
+
+    def share(whole):
+        shared[len(shared)] = whole
+        return {"handle": str(len(shared) - 1), "offset_bytes": 0}
+    monkeypatch.setattr(cuda_ipc, "share", share)
+    monkeypatch.setattr(cuda_ipc, "attach", lambda share, device: shared[int(share["handle"])])
+    monkeypatch.setattr(receiver_module, "_check_shareable", lambda params: None)  # CPU tensors stand in
+
+    class Engine(IPCEngine):
+        def check_device(self, device):
+            pass
+
+    address, key = str(tmp_path / "engine.sock"), os.urandom(32)
+    params = zeros(checkpoint)
+    receiver = ParameterReceiver(params, address, key, direct=True)
+    receiver.start()
+    engine = Engine(address, key, timeout=30)
+    replaced, moved = "model.norm.weight", "model.layers.0.mlp.down_proj.weight"
+    try:
+        sync_weights(chunks, TINY, engine, version=1, **SYNC)
+        assert holds(params, checkpoint) and receiver.version == "1"
+        assert "targets" in engine._carried and not engine._buffers  # written, never packed
+        old, old_storage = params[replaced], params[moved].data
+        params[replaced] = torch.zeros_like(old)
+        params[moved].data = torch.zeros_like(old_storage)
+        old.zero_()
+        old_storage.zero_()
+        sync_weights(chunks, TINY, engine, version=2, **SYNC)
+        assert holds(params, checkpoint) and not old.any() and not old_storage.any()
+
+        original = core._stage_buckets
+
+        def failing(*args, **kwargs):
+            for i, bucket in enumerate(original(*args, **kwargs)):
+                if i == 2:
+                    raise RuntimeError("injected failure")
+                yield bucket
+        monkeypatch.setattr(core, "_stage_buckets", failing)
+        for t in params.values():
+            t.zero_()
+        with pytest.raises(MconvError, match="^weight sync 3 failed; its update was aborted: rank 0: RuntimeError: "
+                                             "injected failure$"):
+            sync_weights(chunks, TINY, engine, version=3, **SYNC)
+        assert receiver.version == "failed:3" and not engine._written and not receiver.lock.locked()
+        monkeypatch.setattr(core, "_stage_buckets", original)
+        sync_weights(chunks, TINY, engine, version=4, verify=True, **SYNC)
+        assert holds(params, checkpoint) and receiver.version == "4"
+    finally:
+        engine.close()
+        receiver.close()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="^direct=True: parameter lm_head.weight is on cpu; a trainer "
+                                         "writes only into contiguous CUDA parameters$"):
+        ParameterReceiver(zeros(checkpoint), str(tmp_path / "other.sock"), key, direct=True)
+    assert not (tmp_path / "other.sock").exists()  # refused before listening
 
 
 def test_bad_keys_and_addresses_are_one_sentence(tmp_path):

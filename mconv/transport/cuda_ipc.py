@@ -15,6 +15,9 @@ Each `share()` counts one more reference held by a receiver, released when that 
 of it goes: a share sent once and kept is rebuilt once (IPCEngine, "kept"); one made at every
 request must be rebuilt at every request (torch's cache then releases it), or the sender's memory
 is never freed [read torch/multiprocessing/reductions.py: rebuild_cuda_tensor].
+
+The direct route (ParameterReceiver(direct=True)) shares the other way: the receiver shares the
+storages holding its parameters, once per connection, and the trainer maps them and writes into them.
 """
 from __future__ import annotations
 

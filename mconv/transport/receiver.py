@@ -98,6 +98,7 @@ class UpdateReceiver:
         self._peers: set[int] = set()  # the connections that took part in it
         self._last = 0.0
         self._digests: dict[str | None, tuple[str, dict]] = {}  # route -> the model's digest and expected reply
+        self._generation = 0  # how many times the model changed (`changed()`)
         self._stopped = threading.Event()  # close() was called
 
     def start(self) -> threading.Thread:
@@ -113,20 +114,8 @@ class UpdateReceiver:
             peer["rank"] = message["rank"]
         op = message["op"]
         if op == "expected":
-            route = message.get("route")
             with self._mutex:
-                if self.changed():
-                    self._digests.clear()  # the model is described anew
-                if route not in self._digests:
-                    model = {"tensors": {name: [int(n) for n in shape] for name, shape in self.expected(route).items()}}
-                    dtypes = self.dtypes(route)
-                    if dtypes is not None:
-                        model["dtypes"] = {name: dtype_name(dtype) for name, dtype in dtypes.items()}
-                    if self.shares_parameters:
-                        model["direct"] = True
-                    self._digests[route] = (hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest(),
-                                            model)
-                digest, model = self._digests[route]
+                digest, model = self._model(message.get("route"))
             return {"digest": digest} if message.get("digest") == digest else {"digest": digest, **model}
         if op == "start":
             # Waits for generation, or for an update in progress to end; close() ends the wait.
@@ -136,8 +125,7 @@ class UpdateReceiver:
             with self._mutex:
                 self._session, self._peers, self._last = str(message["version"]), {id(peer)}, time.monotonic()
                 try:
-                    if self.changed():
-                        self._digests.clear()
+                    self._noticed()
                     self.begin(message)
                 except BaseException:
                     self._end()
@@ -150,7 +138,8 @@ class UpdateReceiver:
                 if not self.shares_parameters:
                     raise RuntimeError("this receiver does not share its parameters (ParameterReceiver(..., "
                                        "direct=True) does)")
-                return self.shared_parameters(peer)
+                # the model the places are of: the trainer refuses them if it checked another
+                return {"digest": self._model(message.get("route"))[0], **self.shared_parameters(peer)}
             if self._session is None:
                 raise RuntimeError(f"{op} without a weight update in progress"
                                    + (f" (the last one was aborted: {self.failure})" if self.failure else ""))
@@ -173,6 +162,28 @@ class UpdateReceiver:
             else:
                 raise ValueError(f"unknown request {json.dumps(op)}")
             return {"version": self.version}
+
+    def _noticed(self) -> None:
+        """Ask `changed()`; if the model changed, it is described anew (the caller holds _mutex)."""
+        if self.changed():
+            self._digests.clear()
+            self._generation += 1
+
+    def _model(self, route: str | None) -> tuple[str, dict]:
+        """The model's digest and `expected` reply for `route`, described anew where it changed (the
+        caller holds _mutex). A receiver that shares its parameters says so ("direct") with a number
+        that grows at every change, so that a trainer maps them again even when the names, shapes
+        and dtypes stay the same (a parameter replaced by another of its kind, or moved)."""
+        self._noticed()
+        if route not in self._digests:
+            model = {"tensors": {name: [int(n) for n in shape] for name, shape in self.expected(route).items()}}
+            dtypes = self.dtypes(route)
+            if dtypes is not None:
+                model["dtypes"] = {name: dtype_name(dtype) for name, dtype in dtypes.items()}
+            if self.shares_parameters:
+                model["direct"] = self._generation
+            self._digests[route] = (hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest(), model)
+        return self._digests[route]
 
     # What an engine does; ParameterReceiver and vllm_receiver.Receiver fill these in.
     def expected(self, route: str | None = None) -> dict[str, list[int]]:
@@ -260,6 +271,15 @@ class UpdateReceiver:
                         pass  # the update has ended as failed whatever the engine said; keep watching
 
 
+def _check_shareable(params: dict[str, torch.Tensor]) -> None:
+    """ValueError naming a parameter that is not a contiguous CUDA tensor (`direct=True` needs them all)."""
+    for name, t in params.items():
+        if not t.is_cuda or not t.is_contiguous():
+            where = f"on {t.device}" if not t.is_cuda else "not contiguous"
+            raise ValueError(f"direct=True: parameter {name} is {where}; a trainer writes only into contiguous CUDA "
+                             "parameters")
+
+
 def _done_key(share: str) -> str:
     """Where a connection's `kept` dict holds the "done" IPC event of the share keyed `share`."""
     return f"done:{share}"
@@ -324,9 +344,11 @@ class ParameterReceiver(UpdateReceiver):
 
     def __init__(self, params: dict[str, torch.Tensor], address: str, authkey: bytes,
                  timeout: float = DEFAULT_TIMEOUT, direct: bool = False):
-        super().__init__(address, authkey, timeout)
         if not isinstance(direct, bool):
             raise TypeError(f"direct={direct!r}: give True or False")
+        if direct:  # (before listening)
+            _check_shareable(params)
+        super().__init__(address, authkey, timeout)
         self.params = params
         self.shares_parameters = direct
         self._cuda = any(t.is_cuda for t in params.values())
@@ -344,6 +366,10 @@ class ParameterReceiver(UpdateReceiver):
 
     def begin(self, message: dict) -> None:
         self._received = set()
+        if self.shares_parameters and self._cuda:
+            # The trainer's writes are ordered after nothing of this process's: the work the engine
+            # queued reading its parameters (generation it did not wait for) ends first.
+            torch.cuda.synchronize()
 
     def changed(self) -> bool:
         """Whether `params` holds other tensors, or other storages, than when last asked: if so the
@@ -409,13 +435,10 @@ class ParameterReceiver(UpdateReceiver):
         Each storage is shared once per connection (torch counts one reference per share, released
         when the trainer's one mapping of it goes) and held while a parameter lies in it. ValueError
         naming a parameter that is not a contiguous CUDA tensor (the trainer writes bytes)."""
+        _check_shareable(self.params)
         shared = peer.setdefault("shared", {})  # storage address -> (the whole storage as uint8, its share)
         used, params = {}, {}
         for name, t in self.params.items():
-            if not t.is_cuda or not t.is_contiguous():
-                where = f"on {t.device}" if not t.is_cuda else "not contiguous"
-                raise ValueError(f"direct=True: parameter {name} is {where}; a trainer writes only into contiguous "
-                                 "CUDA parameters")
             storage = t.untyped_storage()
             address = storage.data_ptr()
             if address not in shared:
@@ -423,9 +446,13 @@ class ParameterReceiver(UpdateReceiver):
                 shared[address] = (whole, cuda_ipc.share(whole))
             index = used.setdefault(address, len(used))
             params[name] = [index, t.storage_offset() * t.element_size()]
-        for address in [a for a in shared if a not in used]:
+        gone = [a for a in shared if a not in used]
+        for address in gone:
             del shared[address]  # a storage no parameter lies in any more: the trainer lets its mapping go too
+        if gone and self._cuda:
+            torch.cuda.ipc_collect()  # frees those the trainer has let go of already
         return {"storages": [shared[address][1] for address in used], "params": params}
+
 
     def _written(self, layout: str, entries: list) -> list[str]:
         """The names of a `written` item's entries (its layout's digest: read and checked once per
@@ -469,6 +496,8 @@ class ParameterReceiver(UpdateReceiver):
         for key in kept:
             self._drop_plans(key)
         kept.clear()
+        if self._cuda and self.shares_parameters:
+            torch.cuda.ipc_collect()  # the storages shared with the connection that ended, once it let them go
 
     def _drop_plans(self, key: str) -> None:
         self._plans = {k: v for k, v in self._plans.items() if k[0] != key}  # they hold views of its mapping

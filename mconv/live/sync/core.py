@@ -222,22 +222,28 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
     workers = ThreadPoolExecutor(1, thread_name_prefix="mconv-sync") if sender else None
     pending: list[Future] = []
     failure = None
+    flushed = failed = False  # flushed: told the engine what this sender wrote into its tensors (Engine.targets)
     try:
         for index in range(rounds):
             if index < len(schedule) and failure is None:
                 failure = _attempt(lambda: _send(index, buckets, engine, sender, tied, version, pending, workers,
                                                  result, sums, quantization))
             if _any(failure):
+                failed = True  # (on some rank)
                 break
         if workers is not None:
             waited = time.perf_counter()
             failure = failure or next((e for e in (_attempt(f.result) for f in pending) if e is not None), None)
-            failure = failure or _attempt(engine.flush)  # (its last bucket's, where it wrote into the engine's tensors)
+            if failure is None and not failed:
+                failure = _attempt(engine.flush)
+                flushed = failure is None
             result.seconds["engine"] += time.perf_counter() - waited
     finally:
         buckets.close()
         if workers is not None:  # buckets still queued after a failure or an interrupt are not sent
             workers.shutdown(wait=True, cancel_futures=True)
+            if not flushed:  # the writes queued land before the engine is told to abort
+                _attempt(engine.discard)
     return failure
 
 

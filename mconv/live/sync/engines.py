@@ -21,8 +21,9 @@ from mconv.transport.flat import Entry, dtype_of, unpack
 @dataclass
 class FlatBucket:
     """One bucket of a sync: `buffer` (1-D uint8) holds every tensor at its entry's offset (offsets
-    aligned to each dtype). Iterating yields (HF name, view of `buffer`); the views are valid until
-    the engine call that received the bucket returns (the buffer is then reused)."""
+    aligned to each dtype). Iterating yields (HF name, view of `buffer`), valid until the engine call
+    that received the bucket returns (the buffer is then reused), then the `written` pairs (an
+    engine with `targets`: its own tensors, written already)."""
 
     version: str
     index: int
@@ -94,13 +95,19 @@ class Engine:
         (another process's GPU memory mapped here: IPCEngine with a ParameterReceiver(direct=True)),
         or None (the default): buckets are packed into `buffer`s. With targets, a bucket with no
         weights to quantize is copied straight into them (one copy on the device, no buffer) and
-        handed to `update` as a FlatBucket with `written` only; `flush` follows the last one.
+        handed to `update` as a FlatBucket with `written` only; `flush` follows the last one
+        (`discard` where the sync failed).
         Asked per bucket on each sender: return the same dict while the engine is unchanged."""
         return None
 
     def flush(self) -> None:
-        """On each sender, after its last bucket of a sync that wrote into `targets`: make the
-        writes complete and tell the engine which tensors they were."""
+        """On each sender, after its last bucket, when no rank failed: make the writes into `targets`
+        complete and tell the engine which tensors they were."""
+
+    def discard(self) -> None:
+        """On each sender instead of `flush`, when the sync failed (on any rank) or was interrupted:
+        let the writes already queued into `targets` finish and forget them, before rank 0 tells the
+        engine to abort."""
 
     def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """A uint8 buffer of at least `nbytes` for bucket slot 0 or 1, kept for the next buckets."""
@@ -292,7 +299,7 @@ class RemoteEngine(Engine):
                 raise MconvError(f"the engine at {self.address} holds {name} in {e.args[0]}, a dtype no bucket "
                                  "carries") from None
             self._expected = (reply["digest"], reply["tensors"], dtypes)
-            self._direct = bool(reply.get("direct"))
+            self._direct = reply.get("direct") is not None
         return self._expected
 
     def expected(self) -> dict[str, list[int]]:

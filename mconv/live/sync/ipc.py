@@ -48,6 +48,10 @@ class IPCEngine(RemoteEngine):
         direct=True)): each of its storages mapped once per connection, asked for again when its
         model changed (a new digest). None for a receiver that does not share them."""
         if not self._direct or self._expected is None:
+            if "_mconv_writes" in self.__dict__:  # the receiver here now does not share them: let them go
+                with self._lock:
+                    forget_packing(self)
+                    self._written_entries.clear()
             return None
         with self._lock:
             carried = self._connected()
@@ -57,6 +61,9 @@ class IPCEngine(RemoteEngine):
                 if dtypes is None:
                     raise MconvError(f"the engine at {self.address} shares its parameters but not their dtypes")
                 reply = self._request({"op": "parameters"})
+                if reply.get("digest") != digest:  # the places are of another model than the one checked
+                    raise MconvError(f"the engine at {self.address} changed its model after this sync checked it "
+                                     "(parameters replaced mid-sync): sync again")
                 mapped = carried.get("mapped", {})  # cuda_ipc.key -> the whole storage mapped here
                 storages = [mapped.get(cuda_ipc.key(share)) for share in reply["storages"]]
                 storages = [cuda_ipc.attach(share, device.index) if whole is None else whole
@@ -71,11 +78,6 @@ class IPCEngine(RemoteEngine):
                 self._written_entries.clear()  # (they hold the old targets)
             return held[1]
 
-    def start(self, version: str, verify: bool = False) -> None:
-        with self._lock:
-            self._written = []
-        super().start(version, verify)
-
     def flush(self) -> None:
         """After this sender's last bucket: wait for its copies into the receiver's parameters, then
         name them to the receiver (one request), which counts them as sent."""
@@ -83,8 +85,21 @@ class IPCEngine(RemoteEngine):
             items, self._written = self._written, []
             if not items:
                 return
-            torch.cuda.synchronize(self._written_device)
+            self._wait_for_writes()
             self._update(*items[0], *items[1:])
+
+    def discard(self) -> None:
+        """A sync that failed: wait for the copies already queued into the receiver's parameters (they
+        land before rank 0 tells the receiver to abort), and forget what they wrote."""
+        with self._lock:
+            items, self._written = self._written, []
+            if items:
+                self._wait_for_writes()
+
+    def _wait_for_writes(self) -> None:
+        """Return once this process's copies into the receiver's parameters have finished."""
+        if self._written_device is not None and self._written_device.type == "cuda":
+            torch.cuda.synchronize(self._written_device)
 
     def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         done = self._carried.get("done", {}).get(slot)
@@ -97,19 +112,19 @@ class IPCEngine(RemoteEngine):
             raise MconvError(f"{type(self).__name__} needs the model on a CUDA device; it is on {device}")
 
     def update(self, bucket: FlatBucket) -> None:
-        if not bucket.buffer.is_cuda:
-            raise MconvError(f"IPCEngine needs the model on a CUDA device; bucket {bucket.index} is on "
-                             f"{bucket.buffer.device}")
         if bucket.written and not bucket.entries:  # copied into the receiver's parameters already
-            cached = self._written_entries.get(id(bucket.written))
-            if cached is None or cached[0] is not bucket.written:
-                cached = self._written_entries[id(bucket.written)] = (bucket.written, [
-                    Entry(name, dtype_name(t.dtype), tuple(t.shape), t.storage_offset() * t.element_size(), t.nbytes)
-                    for name, t in bucket.written])
-            with self._lock:
+            with self._lock:  # (targets() clears the cache when the receiver's model changes)
+                cached = self._written_entries.get(id(bucket.written))
+                if cached is None or cached[0] is not bucket.written:
+                    cached = self._written_entries[id(bucket.written)] = (bucket.written, [
+                        Entry(name, dtype_name(t.dtype), tuple(t.shape), t.storage_offset() * t.element_size(),
+                              t.nbytes) for name, t in bucket.written])
                 self._written.append(({"written": True}, cached[1]))
                 self._written_device = bucket.buffer.device
             return
+        if not bucket.buffer.is_cuda:
+            raise MconvError(f"IPCEngine needs the model on a CUDA device; bucket {bucket.index} is on "
+                             f"{bucket.buffer.device}")
         bucket.wait()
         slot = self._slot(self._buffers, bucket)
         if not self.keeps_shares:
