@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mconv.errors import MconvError
-from mconv.live.sync.core import forget_packing
+from mconv.live.sync.core import _WRITES, forget_packing
 from mconv.live.sync.engines import FlatBucket, RemoteEngine
 from mconv.transport import cuda_ipc
 from mconv.transport.flat import Entry, dtype_name
@@ -48,7 +48,7 @@ class IPCEngine(RemoteEngine):
         direct=True)): each of its storages mapped once per connection, asked for again when its
         model changed (a new digest). None for a receiver that does not share them."""
         if not self._direct or self._expected is None:
-            if "_mconv_writes" in self.__dict__:  # the receiver here now does not share them: let them go
+            if _WRITES in self.__dict__:  # the receiver here now does not share them: let them go
                 with self._lock:
                     forget_packing(self)
                     self._written_entries.clear()
