@@ -161,6 +161,27 @@ def test_a_bin_that_would_execute_is_refused(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("kind", ["sparse", "meta"])
+def test_a_bin_holding_a_tensor_that_is_no_dense_weight_is_one_sentence(tmp_path, kind):
+    """A `.bin` whose state dict holds a sparse (or meta) tensor under a weight's name: hf2mcore, its
+    dry run and inspect each name the file and the tensor in one line (hf2mcore raised torch's
+    "copy_() between dense and sparse Tensors" traceback; inspect counted it as float32 bytes)."""
+    from safetensors.torch import load_file
+
+    source = FIXTURES / "qwen3-tiny"
+    hf = Path(shutil.copytree(source, tmp_path / "hf", ignore=shutil.ignore_patterns("*.safetensors")))
+    state = load_file(source / "model.safetensors")
+    name = "model.norm.weight"
+    state[name] = state[name].float().to_sparse() if kind == "sparse" else torch.empty_like(state[name], device="meta")
+    torch.save(state, hf / "pytorch_model.bin")
+    said = f"{hf / 'pytorch_model.bin'}: tensor {name} is a sparse, quantized, nested or meta tensor"
+    out = tmp_path / "out"
+    assert_refused(mconv("hf2mcore", hf, out, "-q"), out, said)
+    assert_refused(mconv("hf2mcore", hf, out, "--dry-run"), out, said)
+    result = mconv("inspect", hf)
+    assert result.exit_code == 1 and said in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 def test_a_hub_name_of_a_bin_only_model(tmp_path, monkeypatch):
     """A hub repository with only `.bin` weights (in an offline cache laid out as huggingface_hub
     leaves it): hf2mcore of the name writes what hf2mcore of the directory writes."""

@@ -1620,10 +1620,14 @@ def test_library_paths_that_are_no_paths(tmp_path):
 def test_a_vocab_divisor_that_more_than_doubles_the_vocabulary_is_noted(tmp_path):
     """--vocab-divisor is taken as given, but where it pads the vocabulary to more than twice its size
     (a 300-token vocabulary to 1024 rows) the plan says so and what it costs; the default's padding
-    (to 384) says nothing."""
+    (to 384) says nothing; a divisor whose product with TP passes the bound is named as given, with
+    the bound at that TP (the product was named as if given)."""
     noted = mconv("hf2mcore", TINY, tmp_path / "out", "--dry-run", "--vocab-divisor", "1024")
     assert noted.exit_code == 0 and ("mconv: note: --vocab-divisor 1024 (times TP 1) pads the 300-token vocabulary "
                                      "to 1024 rows, more than twice its size: 724 zero rows in each vocabulary-sized "
                                      "tensor") in noted.stderr
     plain = mconv("hf2mcore", TINY, tmp_path / "out", "--dry-run")
     assert plain.exit_code == 0 and "zero rows" not in plain.stderr
+    huge = mconv("hf2mcore", TINY, tmp_path / "out", "--dry-run", "--tp", "2", "--vocab-divisor", str(2**31))
+    assert_refused(huge, tmp_path / "out", "--vocab-divisor is 2,147,483,648: at --tp 2 the vocabulary is padded to "
+                                           "a multiple of 4,294,967,296; give a divisor up to 1,073,741,824")

@@ -288,7 +288,9 @@ def test_the_direct_protocol_follows_a_receiver_whose_params_change(chunks, chec
     new storage between syncs (same names, shapes and dtypes) make the trainer map them anew, and
     the next sync reaches the new tensors, not the old ones (a digest of names, shapes and dtypes
     alone missed it); a sync failing mid-way is aborted, leaves nothing queued, and the next is
-    exact and verified; parameters that cannot be shared are refused when the receiver is made."""
+    exact and verified; a parameter made non-contiguous is refused before any bucket (the
+    engine's version kept); parameters that cannot be shared are refused when the receiver is
+    made."""
     from mconv import MconvError
     from mconv.live.sync import IPCEngine, core, sync_weights
     from mconv.transport import cuda_ipc, receiver as receiver_module
@@ -301,7 +303,12 @@ def test_the_direct_protocol_follows_a_receiver_whose_params_change(chunks, chec
         return {"handle": str(len(shared) - 1), "offset_bytes": 0}
     monkeypatch.setattr(cuda_ipc, "share", share)
     monkeypatch.setattr(cuda_ipc, "attach", lambda share, device: shared[int(share["handle"])])
-    monkeypatch.setattr(receiver_module, "_check_shareable", lambda params: None)  # CPU tensors stand in
+
+    def contiguous(params):  # CPU tensors stand in for CUDA ones: only the rest of the check
+        for name, t in params.items():
+            if not t.is_contiguous():
+                raise ValueError(f"direct=True: parameter {name} is not contiguous")
+    monkeypatch.setattr(receiver_module, "_check_shareable", contiguous)
 
     class Engine(IPCEngine):
         def check_device(self, device):
@@ -342,6 +349,11 @@ def test_the_direct_protocol_follows_a_receiver_whose_params_change(chunks, chec
         monkeypatch.setattr(core, "_stage_buckets", original)
         sync_weights(chunks, TINY, engine, version=4, verify=True, **SYNC)
         assert holds(params, checkpoint) and receiver.version == "4"
+        params[moved] = torch.zeros(params[moved].shape[::-1], dtype=params[moved].dtype).t()  # not contiguous
+        with pytest.raises(MconvError, match=rf"^weight sync 5 refused before any bucket was sent: .*direct=True: "
+                                             rf"parameter {moved} is not contiguous"):
+            sync_weights(chunks, TINY, engine, version=5, **SYNC)
+        assert receiver.version == "4"  # the engine's weights are the last sync's, whole
     finally:
         engine.close()
         receiver.close()

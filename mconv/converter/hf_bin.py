@@ -22,7 +22,8 @@ def read_bin(path: Path, dtypes) -> dict[str, torch.Tensor]:
     """The named tensors of a `.bin` state dict, memory-mapped (not read; read whole in the pre-zip
     format). `dtypes`: the dtypes mconv converts. Raises MconvError naming the file: a refused
     global (nothing runs), a file that is not a torch.save file (zip or pre-zip), an object other
-    than a dict of named tensors, or a tensor of another dtype."""
+    than a dict of named tensors, a tensor that is not dense (sparse, quantized, nested, meta) or of
+    another dtype."""
     if not path.is_file():  # torch.load would block on a FIFO
         raise MconvError(f"{path} is not a regular file, so not a PyTorch weights file")
     state = safe_load.load_torch(path, mmap=True)
@@ -30,6 +31,9 @@ def read_bin(path: Path, dtypes) -> dict[str, torch.Tensor]:
                                               for k, v in state.items()):
         raise MconvError(f"{path} holds a {type(state).__name__}, not a state dict of named tensors")
     for name, tensor in state.items():
+        if not safe_load.is_dense(tensor):
+            raise MconvError(f"{path}: tensor {name:.200} is a sparse, quantized, nested or meta tensor, not a dense "
+                             "one as weights are saved")
         if tensor.dtype not in dtypes:
             raise MconvError(f"{path}: tensor {name} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
                              "which mconv does not convert")

@@ -89,6 +89,10 @@ class Layout:
         for name in ("tp", "pp", "vpp", "ep", "etp", "vocab_divisor"):
             if getattr(self, name) < 1:
                 raise MconvError(f"{option(name)} must be a positive integer, got {getattr(self, name)}")
+        if self.vocab_divisor * self.tp > 2**31:  # the vocabulary is padded to a multiple of both
+            raise MconvError(f"{option('vocab_divisor')} is {self.vocab_divisor:,}: at {option('tp', self.tp)} the "
+                             f"vocabulary is padded to a multiple of {self.vocab_divisor * self.tp:,}; give a "
+                             f"divisor up to {2**31 // self.tp:,}")
 
     def check_legacy(self) -> None:
         """The legacy (`torch`) format's own rule; megatron-core and torch_dist take any ETP."""

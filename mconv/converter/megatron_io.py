@@ -257,8 +257,7 @@ def rank_chunks(state: dict, path: Path) -> list[dict[str, torch.Tensor]]:
                 continue
             if not isinstance(value, torch.Tensor):
                 raise MconvError(f"{path}: {key:.200} in {name!r} is {torch_dist_io.described(value)}, not a tensor")
-            # torch.load rebuilds these too, but none is a weight: their bytes cannot be read or mapped as one.
-            if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type != "cpu":
+            if not safe_load.is_dense(value):
                 raise MconvError(f"{path}: {key:.200} in {name!r} is a sparse, quantized, nested or meta tensor, "
                                  "not a dense one as Megatron-LM saves weights")
     return [state[name] for name in names]

@@ -240,6 +240,13 @@ def load_torch(path: Path, source: IO[bytes] | None = None, mmap: bool = False) 
         raise _refused_global(path, e) or MconvError(f"{where} is not a readable torch.save file: {reason}") from None
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether a tensor torch.load gave is a dense CPU one: it also rebuilds sparse, quantized, nested
+    and meta tensors, none of which is a weight whose bytes can be read or mapped as one."""
+    return (tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_nested
+            and tensor.device.type == "cpu")
+
+
 def load_tensor_header(path: Path, data: bytes) -> tuple[torch.Tensor, str]:
     """The tensor a torch.save archive's `data.pkl` describes, on the meta device (no bytes read),
     and the name of its storage record. Raises MconvError."""

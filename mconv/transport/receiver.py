@@ -274,6 +274,8 @@ class UpdateReceiver:
 def _check_shareable(params: dict[str, torch.Tensor]) -> None:
     """ValueError naming a parameter that is not a contiguous CUDA tensor (`direct=True` needs them all)."""
     for name, t in params.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"parameter {name} is a {type(t).__name__}, not a tensor")
         if not t.is_cuda or not t.is_contiguous():
             where = f"on {t.device}" if not t.is_cuda else "not contiguous"
             raise ValueError(f"direct=True: parameter {name} is {where}; a trainer writes only into contiguous CUDA "
@@ -359,6 +361,8 @@ class ParameterReceiver(UpdateReceiver):
         self._seen = self._described()  # what `params` held when the plans and `expected` were made of it
 
     def expected(self, route: str | None = None) -> dict[str, list[int]]:
+        if self.shares_parameters:  # params changed since: refused before the trainer starts an update
+            _check_shareable(self.params)
         return {name: list(t.shape) for name, t in self.params.items()}
 
     def dtypes(self, route: str | None = None) -> dict[str, torch.dtype]:
