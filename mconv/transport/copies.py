@@ -90,7 +90,9 @@ class CopyPlan:
     destination moved (its address changed: a storage freed in place and allocated again). The plan
     keeps the destinations, and the sources only with `fixed_sources` (a receiver copying out of
     the same mapped buffer every time: `run()` then takes none); a trainer's fresh tensors of one
-    sync are not kept alive until the next.
+    sync are not kept alive until the next. `fixed_destinations`: the caller vouches that the
+    destinations never move (buffers and mapped memory it owns, whose plans it drops with them),
+    and `run` does not check them (a sync's 19k address reads).
 
     `kernel` (default: destinations on a GPU and Triton importable): the pairs with both sides
     contiguous on the destinations' device go through the batched kernel, the others through
@@ -101,12 +103,13 @@ class CopyPlan:
     sources. A source freed in place after that is the caller's to avoid, as with torch's copies."""
 
     def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], kernel: bool | None = None,
-                 fixed_sources: bool = False):
+                 fixed_sources: bool = False, fixed_destinations: bool = False):
         if len(dsts) != len(srcs):
             raise ValueError(f"{len(srcs)} sources for {len(dsts)} destinations")
         self._dsts = list(dsts)
         self._check(srcs)
         self._srcs = list(srcs) if fixed_sources else None
+        self._fixed_destinations = fixed_destinations
         self._launched = False  # a launch went through (before it, a failing one falls back to torch's copies)
         self._device = self._dsts[0].device if self._dsts else torch.device("cpu")
         self._use_kernel = ((self._device.type == "cuda" if kernel is None else kernel) and _triton_importable())
@@ -169,7 +172,7 @@ class CopyPlan:
         contiguous without torch's negative bit and, where their `addresses` are new (None: the last
         run's), on the plan's device, of its dtype and shape, and 16-byte aligned where planned so."""
         # (map over torch's methods: a sync runs this for every tensor it sends, 19k for a 30B MoE)
-        if list(map(torch.Tensor.data_ptr, self._dsts)) != self._targets:
+        if not self._fixed_destinations and list(map(torch.Tensor.data_ptr, self._dsts)) != self._targets:
             return False
         sources = self._pick(srcs)
         if not all(map(torch.Tensor.is_contiguous, sources)) or any(map(torch.Tensor.is_neg, sources)):

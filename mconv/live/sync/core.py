@@ -265,11 +265,11 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
     if targets is not None:
         buffer, written, nbytes, sources = _write(engine, named, aliases, targets, device)
         bucket = FlatBucket(version, index, buffer, [], written=written)
-        sent = [(name, source) for (name, _), source in zip(written, sources)]  # what verify compares
+        sent = list(zip((name for name, _ in written), sources)) if sums is not None else None  # what verify compares
     else:
         entries, buffer = _pack(engine, index % 2, named, aliases, device, picked, quantization)
         bucket, nbytes = FlatBucket(version, index, buffer, entries), buffer.numel()
-        sent = None  # the bucket's views
+        sent = None
     result.seconds["engine"] += waited - packed
     result.seconds["pack"] += time.perf_counter() - waited
     result.buckets += 1
@@ -279,7 +279,8 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
         bucket.ready = torch.cuda.Event()
         bucket.ready.record(torch.cuda.current_stream(buffer.device))
     if sums is not None:
-        sums.update(checksums(list(bucket) if sent is None else sent))  # before the engine may reuse the buffer
+        # (a written bucket's: the tensors copied from; a packed one's: its views, before the engine reuses the buffer)
+        sums.update(checksums(sent if bucket.written else list(bucket)))
     pending.append(workers.submit(engine.update, bucket))
 
 
@@ -317,7 +318,8 @@ def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=Non
         for key in [k for k, v in plans.items() if k[0] == slot and v[0].data_ptr() != buffer.data_ptr()]:
             del plans[key]  # plans into a buffer the engine replaced: they would keep it alive
         by_name = dict(unpack(buffer, known.entries))
-        hit = plans[slot, signature] = (buffer, CopyPlan([by_name[named[i][0]] for i in known.copied], sources))
+        hit = plans[slot, signature] = (buffer, CopyPlan([by_name[named[i][0]] for i in known.copied], sources,
+                                                         fixed_destinations=True))
     hit[1].run(sources)  # first: the float32 tensors between the scales hold their values at the check below
     if known.places:
         from mconv.converter.fp8_batch import quantize_batch
@@ -348,8 +350,9 @@ def _write(engine, named, aliases, targets: dict, device) -> tuple[torch.Tensor,
         if unknown:
             raise MconvError(f"the engine has no tensor {unknown[0]} to write into")
         written = [(name, targets[name]) for name, _ in pairs]
-        hit = cache[1][key] = (CopyPlan([t for _, t in written], [sources[of] for _, of in pairs]), written,
-                               [of for _, of in pairs], sum(t.nbytes for _, t in written))
+        hit = cache[1][key] = (CopyPlan([t for _, t in written], [sources[of] for _, of in pairs],
+                                        fixed_destinations=True), written, [of for _, of in pairs],
+                               sum(t.nbytes for _, t in written))
     copied = [sources[of] for of in hit[2]]
     hit[0].run(copied)
     return cache[2], hit[1], hit[3], copied
