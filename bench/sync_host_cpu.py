@@ -35,7 +35,8 @@ def main():
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--syncs", type=int, default=4, help="timed syncs after the first")
     parser.add_argument("--bucket-bytes", type=int, default=360_000, help="about 113 buckets at 48 layers")
-    parser.add_argument("--profile", action="store_true", help="cProfile one more direct sync (top 25, own time)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile one more direct sync, planned already (top 25, own time)")
     options = parser.parse_args()
     live_bench.DEVICE = "cpu"
     from tests.megatron_oracle import _cpu_shims
@@ -69,7 +70,8 @@ def main():
         model, _ = live_bench.build(hf)
         params = {name: torch.empty_like(t) for bucket in iter_hf_weights([model], hf) for name, t in bucket}
         print(f"{len(params)} tensors, {sum(t.nbytes for t in params.values()):,} bytes", flush=True)
-        for route, engine in (("direct", Direct(params)), ("packed", CallableEngine(lambda bucket: None))):
+        direct = Direct(params)
+        for route, engine in (("direct", direct), ("packed", CallableEngine(lambda bucket: None))):
             sync_weights([model], hf, engine, bucket_bytes=options.bucket_bytes)  # plans, allocates
             for index in range(1, options.syncs + 1):
                 start = time.perf_counter()
@@ -82,7 +84,7 @@ def main():
         if options.profile:
             profile = cProfile.Profile()
             profile.enable()
-            sync_weights([model], hf, Direct(params), bucket_bytes=options.bucket_bytes)
+            sync_weights([model], hf, direct, bucket_bytes=options.bucket_bytes)
             profile.disable()
             pstats.Stats(profile).sort_stats("tottime").print_stats(25)
         ps.destroy_model_parallel()

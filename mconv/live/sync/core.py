@@ -34,8 +34,9 @@ _RUNNING = threading.Lock()  # one sync at a time in a process: two would pair t
 @dataclass
 class SyncResult:
     """What one sync sent from this rank (zero buckets on a rank that sends nothing) and where its
-    time went: `seconds` = {"gather": in iter_hf_weights, "pack": copies into flat buffers,
-    "engine": waiting for the engine beyond the gather and pack it overlapped}."""
+    time went: `seconds` = {"gather": in iter_hf_weights, "pack": copies into flat buffers (or,
+    written directly, into the engine's tensors: Engine.targets), "engine": waiting for the engine
+    beyond the gather and pack it overlapped}."""
 
     version: str
     buckets: int = 0
