@@ -335,9 +335,9 @@ _WRITES = "_mconv_writes"  # where _write keeps an engine's copy plans into its 
 def _write(engine, named, aliases, targets: dict, device) -> tuple[torch.Tensor, list, int, list]:
     """Copy `named` (and each alias, from the tensor it aliases) straight into the engine's
     `targets` ({HF name: its tensor}), on the current stream: (an empty buffer, the (name, target)
-    pairs written, their bytes, the tensor each was copied from) for the bucket. The copies of a bucket are planned once per
-    names and targets dict (copies.CopyPlan), as `_pack` plans them. MconvError for a name the
-    engine has no tensor for."""
+    pairs written, their bytes, the tensor each was copied from) for the bucket. The copies of a
+    bucket are planned once per names and targets dict (copies.CopyPlan), as `_pack` plans them.
+    MconvError for a name the engine has no tensor for."""
     cache = engine.__dict__.get(_WRITES)
     if cache is None or cache[0] is not targets:  # plans into tensors the engine no longer offers go
         cache = engine.__dict__[_WRITES] = (targets, {}, torch.empty(0, dtype=torch.uint8, device=device))
