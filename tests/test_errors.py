@@ -1631,3 +1631,16 @@ def test_a_vocab_divisor_that_more_than_doubles_the_vocabulary_is_noted(tmp_path
     huge = mconv("hf2mcore", TINY, tmp_path / "out", "--dry-run", "--tp", "2", "--vocab-divisor", str(2**31))
     assert_refused(huge, tmp_path / "out", "--vocab-divisor is 2,147,483,648: at --tp 2 the vocabulary is padded to "
                                            "a multiple of 4,294,967,296; give a divisor up to 1,073,741,824")
+
+
+def test_a_config_field_the_table_needs_is_named_with_its_file(tmp_path):
+    """config.json without a field the architecture's table reads: hf2mcore and inspect name the
+    file and the field (the sentence said only "config.json", whichever directory it was)."""
+    hf = copy_model(tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    del config["num_attention_heads"]
+    (hf / "config.json").write_text(json.dumps(config))
+    said = f"{hf / 'config.json'} has no 'num_attention_heads', which Qwen3ForCausalLM needs"
+    assert_refused(mconv("hf2mcore", hf, tmp_path / "out", "-q"), tmp_path / "out", said)
+    result = mconv("inspect", hf)
+    assert result.exit_code == 1 and said in result.stderr

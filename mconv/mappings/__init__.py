@@ -1,6 +1,7 @@
 """The architecture registry: config.json's architectures[0] picks the table, or, without it,
 model_type as transformers' `AutoModelForCausalLM` maps it to a class."""
 from mconv.errors import MconvError
+from mconv.mappings.common import MissingConfigField
 from mconv.mappings.bailing_v3 import BAILING_V3
 from mconv.mappings.qwen3 import QWEN3
 from mconv.mappings.qwen3_5 import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT
@@ -33,4 +34,12 @@ def architecture_for(config: dict, where="config.json") -> Architecture:
     if names[0] not in ARCHITECTURES:
         raise MconvError(f"{where} names unsupported architecture {names[0]!r}; mconv supports: "
                          f"{', '.join(sorted(ARCHITECTURES))}")
-    return ARCHITECTURES[names[0]]
+    arch = ARCHITECTURES[names[0]]
+    if not isinstance(where, str):  # the file is known: a field its table reads and it lacks is named with it
+        try:
+            arch.dims(config)
+        except MissingConfigField as e:
+            raise MconvError(f"{where} has no '{e.key}', which {arch.name} needs") from None
+        except MconvError:
+            pass  # told where the table reads the config, as before
+    return arch

@@ -9,9 +9,18 @@ import math
 from mconv.errors import MconvError
 
 
+class MissingConfigField(MconvError):
+    """config.json lacks a field an architecture's table reads (`key`)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"config.json has no '{key}', which this architecture needs")
+        self.key = key
+
+
 def config_value(config: dict, key: str):
+    """config[key]; MissingConfigField naming `key` where config.json lacks it."""
     if key not in config:
-        raise MconvError(f"config.json has no '{key}', which this architecture needs")
+        raise MissingConfigField(key)
     return config[key]
 
 
