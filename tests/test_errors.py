@@ -325,6 +325,7 @@ SIDE_FILE_DAMAGE = {  # a side file made into something else, and what the sente
     "tokenizer_config.json": (os.mkfifo, "a FIFO, not a regular file"),
     "generation_config.json": (lambda p: p.mkdir(), "a directory, not a regular file"),
     "vocab.json": (lambda p: p.symlink_to(p.parent / "gone"), "gone, which does not exist"),
+    "merges.txt": (lambda p: p.symlink_to(p), "merges.txt, a loop of links that ends nowhere"),
 }
 
 

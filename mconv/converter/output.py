@@ -84,7 +84,15 @@ def _empty_directory(path: Path) -> bool:
 def file_kind(path: Path) -> str:
     """What a path that is not a directory is, in words."""
     if not path.exists():
-        return f"a symlink to {os.readlink(path)}, which does not exist"
+        looped = False
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:  # pathlib's word for a loop up to Python 3.12
+            looped = True
+        except OSError as e:  # ELOOP from 3.13
+            looped = e.errno == errno.ELOOP
+        end = "a loop of links that ends nowhere" if looped else "which does not exist"
+        return f"a symlink to {os.readlink(path)}, {end}"
     mode = path.stat().st_mode
     kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
              (stat.S_ISSOCK, "a socket"))
