@@ -138,3 +138,14 @@ def plugin_metadata(where: Path) -> Path:
     (info / "entry_points.txt").write_text("[vllm.general_plugins]" + setup["options.entry_points"]["vllm.general_plugins"]
                                            + "\n")
     return where
+
+
+def raising_at(make_buckets, at: int, error: BaseException):
+    """`make_buckets` (mconv.live.sync.core._stage_buckets) made to raise `error` where it would give
+    bucket `at`: a sync that fails, or is interrupted, mid-way."""
+    def raising(*args, **kwargs):
+        for i, bucket in enumerate(make_buckets(*args, **kwargs)):
+            if i == at:
+                raise error
+            yield bucket
+    return raising

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES, ROOT, raising_at
 
 TINY = FIXTURES / "qwen3-tiny"  # untied, bf16
 SYNC = dict(dtype=torch.bfloat16, bucket_bytes=64 << 10)  # the receivers hold bf16; several buckets
@@ -61,6 +61,17 @@ def holds(params: dict, expected: dict) -> bool:
     return params.keys() == expected.keys() and all(
         params[n].dtype == t.dtype and torch.equal(params[n].view(torch.uint8), t.view(torch.uint8))
         for n, t in expected.items())
+
+
+def replace_and_move(params: dict, replaced: str, moved: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Give `params[replaced]` another tensor and `params[moved]` another storage (`.data = ...`),
+    both zeros of the same kind, and zero the old ones: returns (old tensor, old storage)."""
+    old, old_storage = params[replaced], params[moved].data
+    params[replaced] = torch.zeros_like(old)
+    params[moved].data = torch.zeros_like(old_storage)
+    old.zero_()
+    old_storage.zero_()
+    return old, old_storage
 
 
 def serving_threads(address: str) -> list[threading.Thread]:
@@ -173,11 +184,7 @@ def test_params_replaced_between_syncs_are_noticed(chunks, checkpoint, tmp_path)
     try:
         sync_weights(chunks, TINY, engine, version=1, **SYNC)
         assert holds(params, checkpoint)
-        old, old_storage = params[replaced], params[moved].data
-        params[replaced] = torch.zeros_like(old)
-        params[moved].data = torch.zeros_like(old_storage)
-        old.zero_()
-        old_storage.zero_()
+        old, old_storage = replace_and_move(params, replaced, moved)
         sync_weights(chunks, TINY, engine, version=2, **SYNC)
         assert holds(params, checkpoint)
         assert not old.any() and not old_storage.any()
@@ -324,22 +331,12 @@ def test_the_direct_protocol_follows_a_receiver_whose_params_change(chunks, chec
         sync_weights(chunks, TINY, engine, version=1, **SYNC)
         assert holds(params, checkpoint) and receiver.version == "1"
         assert "targets" in engine._carried and not engine._buffers  # written, never packed
-        old, old_storage = params[replaced], params[moved].data
-        params[replaced] = torch.zeros_like(old)
-        params[moved].data = torch.zeros_like(old_storage)
-        old.zero_()
-        old_storage.zero_()
+        old, old_storage = replace_and_move(params, replaced, moved)
         sync_weights(chunks, TINY, engine, version=2, **SYNC)
         assert holds(params, checkpoint) and not old.any() and not old_storage.any()
 
         original = core._stage_buckets
-
-        def failing(*args, **kwargs):
-            for i, bucket in enumerate(original(*args, **kwargs)):
-                if i == 2:
-                    raise RuntimeError("injected failure")
-                yield bucket
-        monkeypatch.setattr(core, "_stage_buckets", failing)
+        monkeypatch.setattr(core, "_stage_buckets", raising_at(original, 2, RuntimeError("injected failure")))
         for t in params.values():
             t.zero_()
         with pytest.raises(MconvError, match="^weight sync 3 failed; its update was aborted: rank 0: RuntimeError: "

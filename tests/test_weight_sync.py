@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, raising_at
 from tests.test_lora import VLLM_PYTHON, needs_vllm
 
 TIED = FIXTURES / "qwen3-tiny-tied"
@@ -189,13 +189,7 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
 
     if rank == 1:  # rank 1 raises after the second bucket's collectives (rank 0 has sent bucket 1 by then)
         original = core._stage_buckets
-
-        def failing(*args, **kwargs):
-            for i, bucket in enumerate(original(*args, **kwargs)):
-                if i == 1:
-                    raise RuntimeError("injected failure")
-                yield bucket
-        core._stage_buckets = failing
+        core._stage_buckets = raising_at(original, 1, RuntimeError("injected failure"))
     refused("failure", lambda: sync_weights(chunks, TIED, engine, version="step-2-broken", bucket_bytes=BUCKET))
     if rank == 1:
         core._stage_buckets = original
@@ -1193,13 +1187,7 @@ def _dtypes_worker(rank: int, tmp: str) -> None:
     sync_weights(chunks, TINY, lambda bucket: None, quantize="fp8", fp8_scale="float" if rank else None)
     # An interrupted sync (Ctrl-C, caught): the engine's update is aborted at once, not at its timeout.
     original = core._stage_buckets
-
-    def interrupted(*args, **kwargs):
-        for i, bucket in enumerate(original(*args, **kwargs)):
-            if i == 1:
-                raise KeyboardInterrupt
-            yield bucket
-    core._stage_buckets = interrupted
+    core._stage_buckets = raising_at(original, 1, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         sync_weights(chunks, TINY, engine, version="interrupted", dtype=torch.bfloat16, bucket_bytes=64 << 10)
     core._stage_buckets = original

@@ -35,11 +35,9 @@ def architecture_for(config: dict, where="config.json") -> Architecture:
         raise MconvError(f"{where} names unsupported architecture {names[0]!r}; mconv supports: "
                          f"{', '.join(sorted(ARCHITECTURES))}")
     arch = ARCHITECTURES[names[0]]
-    if not isinstance(where, str):  # the file is known: a field its table reads and it lacks is named with it
+    if not isinstance(where, str):  # the file is known (every such caller reads dims next): name it with a missing field
         try:
             arch.dims(config)
         except MissingConfigField as e:
             raise MconvError(f"{where} has no '{e.key}', which {arch.name} needs") from None
-        except MconvError:
-            pass  # told where the table reads the config, as before
     return arch
