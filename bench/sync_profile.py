@@ -10,7 +10,10 @@ of the copy primitives on one 512 MiB bucket of 3 MiB expert matrices: one flat 
 torch._foreach_copy_, a copy_ per tensor, and the batched copies torch has for flat buffers
 (torch._chunk_cat into one, torch.split_with_sizes_copy out of one: FSDP2's).
 
-    python3 bench/sync_profile.py --layers 48 [--quantize fp8] [--direct] [--sort cumtime]
+`--timeline`: for each sync, the trainer's phases in milliseconds from the sync's start (first
+start and last end of each, and its total): where the wall time goes outside the bucket loop.
+
+    python3 bench/sync_profile.py --layers 48 [--quantize fp8] [--direct] [--sort cumtime] [--timeline]
 """
 from __future__ import annotations
 
@@ -53,6 +56,37 @@ def copy_primitives() -> dict:
         ("split_with_sizes_copy", lambda: torch.split_with_sizes_copy(flat, sizes, out=outs)))}
 
 
+def timeline(engine) -> dict:
+    """Time the trainer's phases of a sync: wraps the sync's steps (module functions sync_weights
+    calls, `engine`'s requests) to record (first start, last end, total) in seconds since
+    `origin[0]`; returns {phase: [start, end, total]}, emptied by the caller per sync."""
+    from mconv.live import export
+    from mconv.live.sync import core
+
+    phases: dict[str, list[float]] = {}
+    origin = [0.0]
+
+    def timed_step(name, fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter() - origin[0]
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end = time.perf_counter() - origin[0]
+                got = phases.setdefault(name, [start, end, 0.0])
+                got[1] = end
+                got[2] += end - start
+        return call
+
+    for name in ("_prepared", "_agree_models", "_agree_dtypes", "_write", "_pack", "_started", "_config",
+                 "architecture_for"):
+        setattr(core, name, timed_step(name, getattr(core, name)))
+    export._unmoved = timed_step("_unmoved", export._unmoved)
+    for name in ("expected", "dtypes", "start", "targets", "update", "flush", "finish"):
+        setattr(engine, name, timed_step(name, getattr(engine, name)))
+    return phases, origin
+
+
 def receive(shapes, address, authkey, ready, commands, reports, direct=False):
     """The engine's process: a ParameterReceiver whose steps are timed (milliseconds per sync)."""
     from mconv.transport import copies, receiver, shm
@@ -91,6 +125,7 @@ def main():
                         help="fp8: the syncs send FP8 weights and scales (sync_weights(quantize='fp8'))")
     parser.add_argument("--direct", action="store_true",
                         help="the receiver shares its parameters and the trainer writes into them")
+    parser.add_argument("--timeline", action="store_true", help="each sync's phases, ms from its start")
     parser.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumtime)")
     options = parser.parse_args()
     require_gpu("sync_profile.py")
@@ -121,12 +156,14 @@ def main():
         process.start()
         assert ready.wait(120), "the receiver did not start"
         engine = IPCEngine(address, authkey)
+        phases, origin = timeline(engine) if options.timeline else ({}, [0.0])
         profile = cProfile.Profile()
         for index in range(4):
             if index == 3:
                 profile.enable()
             torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = origin[0] = time.perf_counter()
+            phases.clear()
             result = sync_weights([model], hf, engine, bucket_bytes=BUCKET, version=f"v{index}", quantize=quantize)
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
@@ -135,6 +172,10 @@ def main():
             print(f"sync {index}{' (profiled)' if index == 3 else ''}: {wall * 1e3:.1f} ms, {result.buckets} buckets, "
                   f"trainer seconds {({k: round(v, 4) for k, v in result.seconds.items()})}, "
                   f"receiver ms {reports.get(timeout=600)}", flush=True)
+            if phases:
+                print("  phases, ms from the start (first start, last end, total):", ", ".join(
+                    f"{name} {a * 1e3:.1f}-{b * 1e3:.1f} ({t * 1e3:.1f})"
+                    for name, (a, b, t) in sorted(phases.items(), key=lambda item: item[1][0])), flush=True)
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats(options.sort).print_stats(40)
         print(out.getvalue())

@@ -112,3 +112,17 @@ def test_plans_refuse_what_they_cannot_copy():
     kept = CopyPlan([a], [torch.ones(4)], fixed_sources=True)
     kept.run()
     assert torch.equal(a, torch.ones(4))
+
+
+def test_vouched_sources_are_read_where_they_were():
+    """`unchanged` sources are taken as the first run's tensors, in place (their current bytes),
+    whatever a later run passes in their place; the other sources are followed where they move."""
+    generator = torch.Generator().manual_seed(1)
+    kept, moving = torch.randn(32, 32, generator=generator), torch.randn(32, 32, generator=generator)
+    targets = [torch.zeros(32, 32), torch.zeros(32, 32)]
+    plan = CopyPlan(targets, [kept, moving], kernel=True, unchanged=[0])
+    plan.run([kept, moving])
+    kept.add_(1)  # in place: the next run copies the new values
+    moved = torch.randn(32, 32, generator=generator)
+    plan.run([torch.zeros(32, 32), moved])  # (position 0 vouched: what is passed there is not read)
+    assert torch.equal(targets[0], kept) and torch.equal(targets[1], moved)

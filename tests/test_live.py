@@ -147,7 +147,7 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from mconv.live import build_model, clear_cache
+    from mconv.live import build_model, clear_cache, iter_hf_weights
     from mconv.live.sync import sync_weights
     from tests.megatron_oracle import _cpu_shims
 
@@ -169,7 +169,17 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
         return sum(not ref.expired() for ref in old)
 
     assert moved_and_alive() == len(list(chunks[0].parameters()))  # the cached plan's views hold them
-    sync_weights(chunks, moe, lambda bucket: None, bucket_bytes=100_000)  # plans anew for the moved ones
+    with torch.no_grad():
+        for parameter in chunks[0].parameters():
+            parameter.add_(1)  # (in the new storages: the old ones, which the cached plan reads, keep the old values)
+    sent = {}
+    # plans anew for the moved ones (found moved while the sync goes on: core.confirm), and sends their values
+    sync_weights(chunks, moe, lambda bucket: sent.update((name, t.clone()) for name, t in bucket),
+                 bucket_bytes=100_000)
+    clear_cache(chunks)
+    fresh = {name: t for bucket in iter_hf_weights(chunks, moe, bucket_bytes=100_000) for name, t in bucket}
+    assert sent.keys() == fresh.keys() and all(torch.equal(sent[name], fresh[name]) for name in fresh)
+    del fresh  # (views of the parameters)
     clear_cache(chunks)
     assert moved_and_alive() == 0
     ps.destroy_model_parallel()

@@ -170,7 +170,8 @@ def test_params_replaced_between_syncs_are_noticed(chunks, checkpoint, tmp_path)
     """A tensor of the receiver's `params` replaced after a sync takes the next sync's bytes, and the
     old one none (the copy plans targeted the old before), as does one given a new storage
     (`param.data = ...`); in float32, either way, the next sync is refused before any bucket, with
-    the dtype message (the receiver described its model once: it was not refused before)."""
+    the dtype message (the receiver described its model once: it was not refused before), also
+    after a sync refused once its engine was asked for the model, before the change."""
     from mconv import MconvError
     from mconv.live.sync import SharedMemoryEngine, sync_weights
     from mconv.transport.receiver import ParameterReceiver
@@ -191,6 +192,10 @@ def test_params_replaced_between_syncs_are_noticed(chunks, checkpoint, tmp_path)
 
         for name, make_float32 in ((moved, lambda: setattr(params[moved], "data", params[moved].data.float())),
                                    (replaced, lambda: params.__setitem__(replaced, params[replaced].float()))):
+            # a sync refused after rank 0 sent its `expected` request ahead (Engine.ask_expected): that
+            # reply, the model before the change below, is not taken as the next sync's answer
+            with pytest.raises(MconvError, match="bucket_bytes"):
+                sync_weights(chunks, TINY, engine, version="3a", dtype=torch.bfloat16, bucket_bytes=0)
             make_float32()
             for t in params.values():
                 t.zero_()

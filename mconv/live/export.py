@@ -200,8 +200,9 @@ def _checked(model_chunks, bucket_bytes: int, dtype) -> tuple[list[torch.nn.Modu
 def _prepared(model_chunks, hf_config: dict, bucket_bytes: int, stacked: bool = False) -> tuple[LiveModel, list]:
     """LiveModel and schedule of a model, computed once per model, config, bucket size and expert
     form, and again if any parameter was replaced or its storage moved (a wrapper or optimizer
-    replaced `param.data`). The check on a cached schedule walks no module tree: it costs
-    microseconds per sync."""
+    replaced `param.data`). The check on a cached schedule walks no module tree, but reads every
+    parameter's address: 6-10 ms for the 25k parameters of a 30B MoE on an H200's host (a sync
+    overlaps it with its first request to the engine: Engine.ask_expected)."""
     key = (tuple(id(c) for c in model_chunks), json.dumps(hf_config, sort_keys=True, default=str), bucket_bytes,
            stacked)
     cached = _LIVE_CACHE.get(model_chunks[0])
@@ -240,9 +241,12 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
                    stacked: str | None = None, quantization: fp8.Quantization | None = None,
                    deferred: bool = False) -> Iterator[Bucket]:
     """This rank's stage's buckets (iter_hf_weights'). `deferred`: each bucket comes as (bucket,
-    picked): the weights `quantization` quantizes last left unquantized, and which they are
+    picked, fixed): the weights `quantization` quantizes last left unquantized, and which they are
     (fp8.picked_weights; none without `quantization`), for a caller that quantizes them where it
-    wants them (a sync's flat buffer: fp8.quantize_picked gives the bytes iter_hf_weights yields)."""
+    wants them (a sync's flat buffer: fp8.quantize_picked gives the bytes iter_hf_weights yields);
+    `fixed`, the positions in the bucket of the schedule's own views of parameters (the same
+    tensors at every call while the schedule stands, which _prepared keeps only while no
+    parameter moved)."""
     from megatron.core import parallel_state as ps
 
     groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group()}
@@ -254,6 +258,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
     picks = live.__dict__.setdefault("_fp8_picks", {})  # fp8.quantize_tensors' per bucket, kept with the model's plan
     for steps in schedule:
         out: Bucket = []
+        fixed: list[int] = []
         done: set[str] = set()  # quantized before a gather: weights and scales
         for group, step in zip(("tp", "etp"), steps):
             if not (step.static or step.gathered or step.permuted):
@@ -264,6 +269,7 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
             if step.gathered:
                 rebuilt += _gather_and_merge(step.gathered, groups[group], early, done)
             if group == "tp" or one_ep_rank:  # (one EP rank: its experts are all the experts, quantized below)
+                fixed += range(len(out), len(out) + len(step.static))
                 out += rebuilt
                 continue
             # Experts: every EP rank holds other experts; gather the rebuilt HF tensors over EP, in FP8
@@ -276,18 +282,20 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
             for names, tensors in zip(step.ep_names, _all_gather([t for _, t in mine], ep_group)):
                 out += zip(names if early is None else _with_scales(names, mine, done), tensors)
         if stacked is not None:
-            out = _stack_bucket(out, stacked == "4.x", live.dims.experts)
+            out, fixed = _stack_bucket(out, stacked == "4.x", live.dims.experts), []
         if dtype is not None:  # but the tensors the model keeps in float32 (transforms.cast_dtype), and
             # the weights to quantize, which are quantized from the model's own values
             casts = {n: None if n in done or (quantization and quantization.applies(n, x.shape))
                      else cast_dtype(dtype, live.arch.fp32_kind(n) is not None) for n, x in out}
             check_cast([(n, x) for n, x in out if casts[n] == dtype], dtype)  # one host synchronisation per bucket
+            uncast = out
             out = [(n, x if casts[n] is None else x.to(casts[n])) for n, x in out]
+            fixed = [i for i in fixed if out[i][1] is uncast[i][1]]  # (`to` keeps a tensor already in its dtype)
         if quantization is None:
-            yield (out, []) if deferred else out
+            yield (out, [], fixed) if deferred else out
             continue
         picked = fp8.picked_weights(out, quantization, frozenset(done), picks)
-        yield (out, picked) if deferred else fp8.quantize_picked(out, picked, quantization.scale_fmt)
+        yield (out, picked, fixed) if deferred else fp8.quantize_picked(out, picked, quantization.scale_fmt)
 
 
 def _with_scales(names: list[str], mine: Bucket, done: set[str]) -> list[str]:

@@ -92,7 +92,11 @@ class CopyPlan:
     the same mapped buffer every time: `run()` then takes none); a trainer's fresh tensors of one
     sync are not kept alive until the next. `fixed_destinations`: the caller vouches that the
     destinations never move (buffers and mapped memory it owns, whose plans it drops with them),
-    and `run` does not check them (a sync's 19k address reads).
+    and `run` does not check them (a sync's 19k address reads). `unchanged` (indices of pairs;
+    all of them with `fixed_sources`): the caller vouches that those sources stay the tensors of
+    the plan's first run, alive, in place and unchanged in layout (views a trainer keeps of
+    parameters it checks itself, a receiver's mapped buffer), and `run` checks and reads the
+    addresses of the others only.
 
     `kernel` (default: destinations on a GPU and Triton importable): the pairs with both sides
     contiguous on the destinations' device go through the batched kernel, the others through
@@ -103,13 +107,14 @@ class CopyPlan:
     sources. A source freed in place after that is the caller's to avoid, as with torch's copies."""
 
     def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], kernel: bool | None = None,
-                 fixed_sources: bool = False, fixed_destinations: bool = False):
+                 fixed_sources: bool = False, fixed_destinations: bool = False, unchanged: Sequence[int] = ()):
         if len(dsts) != len(srcs):
             raise ValueError(f"{len(srcs)} sources for {len(dsts)} destinations")
         self._dsts = list(dsts)
         self._check(srcs)
         self._srcs = list(srcs) if fixed_sources else None
         self._fixed_destinations = fixed_destinations
+        self._unchanged = frozenset(range(len(self._dsts)) if fixed_sources else unchanged)
         self._launched = False  # a launch went through (before it, a failing one falls back to torch's copies)
         self._device = self._dsts[0].device if self._dsts else torch.device("cpu")
         self._use_kernel = ((self._device.type == "cuda" if kernel is None else kernel) and _triton_importable())
@@ -143,6 +148,9 @@ class CopyPlan:
                       else (lambda items, rows=self._batched: [items[i] for i in rows]))
         self._batched_dsts = self._pick(self._dsts)
         self._needs_alignment = [aligned[i] for i in self._batched]
+        # the batched pairs whose sources a run after the first checks (None: all of them)
+        self._checked = ([k for k, i in enumerate(self._batched) if i not in self._unchanged]
+                         if self._unchanged else None)
         self._addresses: list[int] = []
         self._targets = [dst.data_ptr() for dst in self._dsts]
         self._launches: list[tuple[torch.Tensor, bool]] = []
@@ -167,20 +175,21 @@ class CopyPlan:
         """How many of the pairs the batched kernel copies (the others go through torch._foreach_copy_)."""
         return len(self._batched)
 
-    def _fits(self, srcs: Sequence[torch.Tensor], addresses: list[int] | None) -> bool:
-        """Whether the plan still holds for `srcs`: no destination moved, every batched source is
-        contiguous without torch's negative bit and, where their `addresses` are new (None: the last
+    def _fits(self, sources: list[torch.Tensor], rows: list[int] | None, addresses: list[int] | None) -> bool:
+        """Whether the plan still holds for the batched pairs' `sources` (those of `rows`, positions
+        among them; None: all): no destination moved, every source is contiguous without torch's
+        negative bit and, where `addresses` (all the batched sources') are new (None: the last
         run's), on the plan's device, of its dtype and shape, and 16-byte aligned where planned so."""
         # (map over torch's methods: a sync runs this for every tensor it sends, 19k for a 30B MoE)
         if not self._fixed_destinations and list(map(torch.Tensor.data_ptr, self._dsts)) != self._targets:
             return False
-        sources = self._pick(srcs)
         if not all(map(torch.Tensor.is_contiguous, sources)) or any(map(torch.Tensor.is_neg, sources)):
             return False
+        rows = range(len(self._batched)) if rows is None else rows
         return addresses is None or not any(
-            (needs and address % _ALIGN) or src.device != self._device or src.dtype != dst.dtype
-            or src.shape != dst.shape or src.is_conj()
-            for needs, address, src, dst in zip(self._needs_alignment, addresses, sources, self._batched_dsts))
+            (self._needs_alignment[k] and addresses[k] % _ALIGN) or src.device != self._device
+            or src.dtype != self._batched_dsts[k].dtype or src.shape != self._batched_dsts[k].shape or src.is_conj()
+            for k, src in zip(rows, sources))
 
     def run(self, srcs: Sequence[torch.Tensor] | None = None) -> None:
         """Copy `srcs` (in the plan's order; with `fixed_sources`, none: the planned ones) into the
@@ -191,9 +200,17 @@ class CopyPlan:
             srcs = self._srcs
         if len(srcs) != len(self._dsts):
             raise ValueError(f"{len(srcs)} sources for a plan of {len(self._dsts)} copies")
-        addresses = list(map(torch.Tensor.data_ptr, self._pick(srcs)))
+        rows = self._checked if self._addresses else None  # (a first run checks every source)
+        if rows is None:
+            sources = self._pick(srcs)
+            addresses = list(map(torch.Tensor.data_ptr, sources))
+        else:  # the vouched sources keep the first run's addresses
+            sources = [srcs[self._batched[k]] for k in rows]
+            addresses = self._addresses.copy()
+            for k, address in zip(rows, map(torch.Tensor.data_ptr, sources)):
+                addresses[k] = address
         fresh = addresses != self._addresses
-        if not self._fits(srcs, addresses if fresh else None):
+        if not self._fits(sources, rows, addresses if fresh else None):
             self._check(srcs)
             self._plan(list(srcs))
             return self.run(srcs)

@@ -553,4 +553,7 @@ class ParameterReceiver(UpdateReceiver):
                                                  f"{target.dtype} {list(target.shape)}"))
             pairs.append((target, view))
             names.append(name)
-        return CopyPlan([dst for dst, _ in pairs], [src for _, src in pairs], fixed_sources=True), names
+        # (the sources: views of a mapping dropped with its plans; the destinations: params, whose plans
+        # `changed` drops at each update's start when a parameter moved)
+        return CopyPlan([dst for dst, _ in pairs], [src for _, src in pairs], fixed_sources=True,
+                        fixed_destinations=True), names

@@ -424,6 +424,11 @@ def request(conn: Connection, message: dict, timeout: float | None = None) -> di
     """Send `message`, return the reply; an engine-side error comes back as RemoteError(its text),
     no reply within `timeout` seconds (None: wait as long as it takes) as TimeoutError."""
     send(conn, message)
+    return answer(conn, message, timeout)
+
+
+def answer(conn: Connection, message: dict, timeout: float | None = None) -> dict:
+    """The reply to `message`, sent already (`send`): as `request` returns it."""
     if timeout is not None and not conn.poll(timeout):
         raise TimeoutError(f"no reply to {message.get('op')!r} within {timeout:g} s")
     reply = receive(conn)

@@ -3,8 +3,10 @@ in flat buckets, with all ranks agreeing on the outcome."""
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -127,6 +129,8 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
         if not isinstance(verify, bool):
             raise MconvError(f"verify={verify!r}: give True or False")
         engine = as_engine(engine)
+        if first:  # its reply is read in _agree_models: the planning below overlaps the engine's answering
+            engine.ask_expected()
         chunks, cast = _checked(model_chunks, bucket_bytes, dtype)
         config = _config(hf_config, revision)
         quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
@@ -228,7 +232,7 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
         for index in range(rounds):
             if index < len(schedule) and failure is None:
                 failure = _attempt(lambda: _send(index, buckets, engine, sender, tied, version, pending, workers,
-                                                 result, sums, quantization))
+                                                 result, sums, quantization, prepared["live"]))
             if _any(failure):
                 failed = True  # (on some rank)
                 break
@@ -248,11 +252,11 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
     return failure
 
 
-def _send(index, buckets, engine, sender, tied, version, pending, workers, result, sums, quantization) -> None:
+def _send(index, buckets, engine, sender, tied, version, pending, workers, result, sums, quantization, live) -> None:
     """Gather bucket `index` (every rank of the stage takes part) and, on the sender, pack it into
     slot index % 2 once the bucket that used that slot is loaded, and queue it for the engine."""
     started = time.perf_counter()
-    named, picked = next(buckets)
+    named, picked, fixed = next(buckets)
     packed = time.perf_counter()
     result.seconds["gather"] += packed - started
     if not sender:
@@ -264,7 +268,7 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
     aliases = {LM_HEAD: EMBEDDING} if tied else None
     targets = None if picked else engine.targets(device)
     if targets is not None:
-        buffer, written, nbytes, sources = _write(engine, named, aliases, targets, device)
+        buffer, written, nbytes, sources = _write(engine, named, aliases, targets, device, fixed, live)
         bucket = FlatBucket(version, index, buffer, [], written=written)
         sent = list(zip((name for name, _ in written), sources)) if sums is not None else None  # what verify compares
     else:
@@ -276,7 +280,7 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
     result.buckets += 1
     result.tensors += len(bucket.entries) + len(bucket.written)
     result.bytes += nbytes
-    if buffer.is_cuda:
+    if buffer.is_cuda and not bucket.written:  # (written ones: Engine.flush waits for the writes)
         bucket.ready = torch.cuda.Event()
         bucket.ready.record(torch.cuda.current_stream(buffer.device))
     if sums is not None:
@@ -332,29 +336,38 @@ def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=Non
 _WRITES = "_mconv_writes"  # where _write keeps an engine's copy plans into its targets
 
 
-def _write(engine, named, aliases, targets: dict, device) -> tuple[torch.Tensor, list, int, list]:
+def _write(engine, named, aliases, targets: dict, device, fixed, live) -> tuple[torch.Tensor, list, int, list]:
     """Copy `named` (and each alias, from the tensor it aliases) straight into the engine's
     `targets` ({HF name: its tensor}), on the current stream: (an empty buffer, the (name, target)
     pairs written, their bytes, the tensor each was copied from) for the bucket. The copies of a
-    bucket are planned once per names and targets dict (copies.CopyPlan), as `_pack` plans them.
-    MconvError for a name the engine has no tensor for."""
+    bucket are planned once per names, targets dict and LiveModel (copies.CopyPlan), as `_pack`
+    plans them, the `fixed` positions' sources (views `live`'s schedule keeps of parameters
+    _prepared found unmoved) read where they were planned, unchecked. MconvError for a name the
+    engine has no tensor for."""
     cache = engine.__dict__.get(_WRITES)
-    if cache is None or cache[0] is not targets:  # plans into tensors the engine no longer offers go
-        cache = engine.__dict__[_WRITES] = (targets, {}, torch.empty(0, dtype=torch.uint8, device=device))
-    sources = dict(named)
-    key = tuple(sources)
+    if cache is None or cache[0] is not targets or cache[3]() is not live:
+        # plans into tensors the engine no longer offers, or from a model planned anew (parameters moved), go
+        cache = engine.__dict__[_WRITES] = (targets, {}, torch.empty(0, dtype=torch.uint8, device=device),
+                                            weakref.ref(live))
+    key = tuple(map(operator.itemgetter(0), named))
+    copied = list(map(operator.itemgetter(1), named))
     hit = cache[1].get(key)
     if hit is None:
-        pairs = [(name, name) for name in sources] + [(alias, of) for alias, of in (aliases or {}).items()
-                                                      if of in sources]
+        at = {name: i for i, name in enumerate(key)}
+        pairs = [(name, i) for i, name in enumerate(key)] + [(alias, at[of]) for alias, of in (aliases or {}).items()
+                                                             if of in at]
         unknown = [name for name, _ in pairs if name not in targets]
         if unknown:
             raise MconvError(f"the engine has no tensor {unknown[0]} to write into")
         written = [(name, targets[name]) for name, _ in pairs]
-        hit = cache[1][key] = (CopyPlan([t for _, t in written], [sources[of] for _, of in pairs],
-                                        fixed_destinations=True), written, [of for _, of in pairs],
-                               sum(t.nbytes for _, t in written))
-    copied = [sources[of] for of in hit[2]]
+        aliased = [i for _, i in pairs[len(key):]]  # the tensors copied a second time, under their alias
+        kept = set(fixed)
+        hit = cache[1][key] = (CopyPlan([t for _, t in written], copied + [copied[i] for i in aliased],
+                                        fixed_destinations=True, unchanged=[k for k, (_, i) in enumerate(pairs)
+                                                                            if i in kept]),
+                               written, aliased, sum(t.nbytes for _, t in written))
+    if hit[2]:
+        copied += [copied[i] for i in hit[2]]
     hit[0].run(copied)
     return cache[2], hit[1], hit[3], copied
 
@@ -550,6 +563,8 @@ def _started(refused: Exception | None, rounds: int, arguments: int) -> tuple[in
     None, "refused" if any rank refused, or "arguments" if the ranks' `arguments` (a digest of what
     shapes the buckets) differ: their collectives would not line up, and gloo aborts the process on
     such a mismatch)."""
+    if dist.get_world_size() == 1:
+        return rounds, "refused" if refused is not None else None
     flags = torch.tensor([refused is not None, rounds, arguments, -arguments], dtype=torch.int64,
                          device=_collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the digests differ where their max is not minus the min
