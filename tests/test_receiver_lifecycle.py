@@ -171,7 +171,8 @@ def test_params_replaced_between_syncs_are_noticed(chunks, checkpoint, tmp_path)
     old one none (the copy plans targeted the old before), as does one given a new storage
     (`param.data = ...`); in float32, either way, the next sync is refused before any bucket, with
     the dtype message (the receiver described its model once: it was not refused before), also
-    after a sync refused once its engine was asked for the model, before the change."""
+    after a sync refused once its engine was asked for the model, before the change. A tensor
+    replaced after the trainer checked the model and before the update's start gets the bytes."""
     from mconv import MconvError
     from mconv.live.sync import SharedMemoryEngine, sync_weights
     from mconv.transport.receiver import ParameterReceiver
@@ -208,6 +209,18 @@ def test_params_replaced_between_syncs_are_noticed(chunks, checkpoint, tmp_path)
             params[name].data = params[name].data.bfloat16()  # (a new storage again)
         sync_weights(chunks, TINY, engine, version=4, verify=True, **SYNC)
         assert holds(params, checkpoint)
+
+        old = params[replaced]
+
+        def start_after_a_change(version, **kwargs):  # between the trainer's check and the update's start
+            params[replaced] = torch.zeros_like(old)
+            return SharedMemoryEngine.start(engine, version, **kwargs)
+
+        engine.start = start_after_a_change
+        old.zero_()
+        sync_weights(chunks, TINY, engine, version=5, verify=True, **SYNC)
+        assert holds(params, checkpoint) and not old.any()  # (the plans into the old tensor went first)
+        del engine.start
     finally:
         engine.close()
         receiver.close()
@@ -300,7 +313,9 @@ def test_the_direct_protocol_follows_a_receiver_whose_params_change(chunks, chec
     new storage between syncs (same names, shapes and dtypes) make the trainer map them anew, and
     the next sync reaches the new tensors, not the old ones (a digest of names, shapes and dtypes
     alone missed it); a sync failing mid-way is aborted, leaves nothing queued, and the next is
-    exact and verified; a parameter made non-contiguous is refused before any bucket (the
+    exact and verified; a parameter replaced between the trainer's check and the update's start
+    fails that update (the trainer writes where it mapped), and the next is exact; a parameter made
+    non-contiguous is refused before any bucket (the
     engine's version kept); parameters that cannot be shared are refused when the receiver is
     made."""
     from mconv import MconvError
@@ -351,11 +366,25 @@ def test_the_direct_protocol_follows_a_receiver_whose_params_change(chunks, chec
         monkeypatch.setattr(core, "_stage_buckets", original)
         sync_weights(chunks, TINY, engine, version=4, verify=True, **SYNC)
         assert holds(params, checkpoint) and receiver.version == "4"
+
+        def start_after_a_change(version, **kwargs):  # between the trainer's check and the update's start
+            params[replaced] = torch.zeros_like(params[replaced])
+            return Engine.start(engine, version, **kwargs)
+
+        engine.start = start_after_a_change
+        with pytest.raises(MconvError, match=r"^weight sync 4b failed; its update was aborted: rank 0: .*the engine's "
+                                             r"model changed \(a parameter replaced, moved, added or removed\) after "
+                                             r"the trainer checked it, before update 4b began: sync again"):
+            sync_weights(chunks, TINY, engine, version="4b", **SYNC)
+        del engine.start
+        assert receiver.version == "failed:4b" and not params[replaced].any()
+        sync_weights(chunks, TINY, engine, version="4c", verify=True, **SYNC)
+        assert holds(params, checkpoint) and receiver.version == "4c"
         params[moved] = torch.zeros(params[moved].shape[::-1], dtype=params[moved].dtype).t()  # not contiguous
         with pytest.raises(MconvError, match=rf"^weight sync 5 refused before any bucket was sent: .*direct=True: "
                                              rf"parameter {moved} is not contiguous"):
             sync_weights(chunks, TINY, engine, version=5, **SYNC)
-        assert receiver.version == "4"  # the engine's weights are the last sync's, whole
+        assert receiver.version == "4c"  # the engine's weights are the last sync's, whole
     finally:
         engine.close()
         receiver.close()

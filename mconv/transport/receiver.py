@@ -99,6 +99,7 @@ class UpdateReceiver:
         self._last = 0.0
         self._digests: dict[str | None, tuple[str, dict]] = {}  # route -> the model's digest and expected reply
         self._generation = 0  # how many times the model changed (`changed()`)
+        self._unsettled = False  # an update started, and changed() not asked since (_settled)
         self._stopped = threading.Event()  # close() was called
 
     def start(self) -> threading.Thread:
@@ -115,6 +116,7 @@ class UpdateReceiver:
         op = message["op"]
         if op == "expected":
             with self._mutex:
+                self._settled()
                 digest, model = self._model(message.get("route"))
             return {"digest": digest} if message.get("digest") == digest else {"digest": digest, **model}
         if op == "start":
@@ -125,13 +127,18 @@ class UpdateReceiver:
             with self._mutex:
                 self._session, self._peers, self._last = str(message["version"]), {id(peer)}, time.monotonic()
                 try:
-                    self._noticed()
                     self.begin(message)
                 except BaseException:
                     self._end()
                     raise
+                # Whether the model changed since the trainer's `expected` is asked once the reply is
+                # sent (about 3 ms for 19k tensors: not on the trainer's way), or by the next request
+                # first, whichever comes first; a change fails the update (_settle).
+                self._unsettled = True
+                peer["then"] = self._settle
             return {}
         with self._mutex:
+            self._settled()
             if op == "checksums":
                 return {"checksums": self.held_checksums(list(message["names"]))}
             if op == "parameters":
@@ -162,6 +169,24 @@ class UpdateReceiver:
             else:
                 raise ValueError(f"unknown request {json.dumps(op)}")
             return {"version": self.version}
+
+    def _settle(self) -> None:
+        with self._mutex:
+            self._settled()
+
+    def _settled(self) -> None:
+        """After a `start`, once (the caller holds _mutex): `changed()` (the copy plans made anew before
+        the first bucket is loaded where it did). A receiver that shares its parameters fails the
+        update where the model changed since the trainer checked it (its `expected` request): the
+        trainer writes into the storages it mapped then."""
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        generation = self._generation
+        self._noticed()
+        if self._generation != generation and self._session is not None and self.shares_parameters:
+            self._fail(f"the engine's model changed (a parameter replaced, moved, added or removed) after the trainer "
+                       f"checked it, before update {self._session} began: sync again")
 
     def _noticed(self) -> None:
         """Ask `changed()`; if the model changed, it is described anew (the caller holds _mutex)."""
@@ -194,8 +219,8 @@ class UpdateReceiver:
 
     def changed(self) -> bool:
         """Whether the engine's model changed since this was last asked, which makes it described
-        anew (`expected`, `dtypes`); asked at each `expected` and `start` request. False (the
-        default): an engine whose model never changes."""
+        anew (`expected`, `dtypes`); asked at each `expected` request, and once an update has
+        started (a change then fails it). False (the default): an engine whose model never changes."""
         return False
 
     def dtypes(self, route: str | None = None) -> dict[str, torch.dtype] | None:
@@ -334,7 +359,9 @@ class ParameterReceiver(UpdateReceiver):
     `params` may change between syncs, not during one: an entry replaced, added or removed, or a
     parameter given another storage (`param.data = ...`), is noticed at the next sync's first
     request (`changed`): the trainer is told the new names, shapes and dtypes (and refuses a sync
-    that no longer fits before any bucket), and the copy plans are made anew from the dict.
+    that no longer fits before any bucket), and the copy plans are made anew from the dict (also for
+    a change between that request and the update's `start`, asked once `start` is answered, before
+    anything else; with `direct=True` such a change fails the update).
 
     `direct=True` (TypeError for a non-bool): the receiver shares its parameters' storages with
     each trainer connection (`shared_parameters`; every parameter a contiguous CUDA tensor), and
@@ -554,6 +581,6 @@ class ParameterReceiver(UpdateReceiver):
             pairs.append((target, view))
             names.append(name)
         # (the sources: views of a mapping dropped with its plans; the destinations: params, whose plans
-        # `changed` drops at each update's start when a parameter moved)
+        # `changed` drops when a parameter moved, asked before an update's first bucket)
         return CopyPlan([dst for dst, _ in pairs], [src for _, src in pairs], fixed_sources=True,
                         fixed_destinations=True), names

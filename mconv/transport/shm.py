@@ -160,7 +160,9 @@ class AuthListener:
         `handle(message, peer)`, `peer` a dict kept per connection; its dict is the reply, an
         exception becomes {"error": its text} (which `request` raises on the other side). When an
         authenticated connection ends (the client closed it, a message that is no JSON, or
-        `close()`), `closed(peer)` is called (if given). Returns the accepting thread."""
+        `close()`), `closed(peer)` is called (if given). A callable `handle` leaves in
+        `peer["then"]` is called once its reply is sent (work the client need not wait for).
+        Returns the accepting thread."""
         def answer(conn: Connection) -> None:
             try:
                 _handshake(conn, self.authkey)
@@ -178,10 +180,14 @@ class AuthListener:
                         reply = handle(message, peer)
                     except Exception as e:
                         reply = {"error": _said(e)}
+                    then = peer.pop("then", None)
                     try:
                         send(conn, reply)
                     except OSError:
                         break
+                    finally:
+                        if then is not None:
+                            then()
             finally:
                 self._drop(conn)
             if closed is not None:
