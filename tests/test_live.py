@@ -147,7 +147,7 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from mconv.live import build_model, clear_cache, iter_hf_weights
+    from mconv.live import build_model, clear_cache, export, iter_hf_weights
     from mconv.live.sync import sync_weights
     from tests.megatron_oracle import _cpu_shims
 
@@ -182,6 +182,22 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
     del fresh  # (views of the parameters)
     clear_cache(chunks)
     assert moved_and_alive() == 0
+
+    # One parameter moved, none of those a sync checks up front (one per bucket): found at its bucket,
+    # the model planned anew there, its new values sent.
+    sync_weights(chunks, moe, lambda bucket: None, bucket_bytes=100_000)
+    planned = export._LIVE_CACHE[chunks[0]]
+    sampled = {id(p) for p in planned[5][2]}
+    parameter = next(p for p in chunks[0].parameters() if id(p) not in sampled and p.numel())
+    parameter.data = parameter.data + 1
+    sent.clear()
+    sync_weights(chunks, moe, lambda bucket: sent.update((name, t.clone()) for name, t in bucket),
+                 bucket_bytes=100_000)
+    assert export._LIVE_CACHE[chunks[0]][2] is not planned[2]
+    del planned
+    clear_cache(chunks)
+    fresh = {name: t.clone() for bucket in iter_hf_weights(chunks, moe, bucket_bytes=100_000) for name, t in bucket}
+    assert sent.keys() == fresh.keys() and all(torch.equal(sent[name], fresh[name]) for name in fresh)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 
@@ -190,5 +206,7 @@ def test_clear_cache_lets_moved_parameters_go(tmp_path):
     """mconv's cached plan of a model (kept between syncs while no parameter moves) holds views of
     the parameters: storages the parameters left (an offload that replaces `param.data`) stay
     alive until the next sync plans anew, or until `clear_cache(model_chunks)`, after which none
-    does (GPU memory a colocated trainer frees for the rollout)."""
+    does (GPU memory a colocated trainer frees for the rollout). A sync after they moved sends
+    their new values, and so does one after a single parameter moved (found as the sync comes to
+    its bucket: the parameters are checked bucket by bucket, one of each up front)."""
     start_ranks(_moved_parameters_worker, args=(str(tmp_path / "store"),), nprocs=1)

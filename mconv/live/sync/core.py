@@ -22,7 +22,8 @@ from mconv.converter.planner import make_plan
 from mconv.converter.transforms import cast_dtype
 from mconv.errors import MconvError
 from mconv.live.chunks import _config
-from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _checked, _exported, _prepared, _stage_buckets
+from mconv.live.export import (DEFAULT_BUCKET_BYTES, _attempt, _bucket_names, _checked, _exported, _prepared,
+                               _prepared_for_sync, _stage_buckets)
 from mconv.live.sync.engines import FlatBucket, as_engine
 from mconv.mappings import architecture_for
 from mconv.transport.copies import CopyPlan
@@ -134,10 +135,11 @@ def _sync(model_chunks, hf_config, engine, version, bucket_bytes, dtype, revisio
         chunks, cast = _checked(model_chunks, bucket_bytes, dtype)
         config = _config(hf_config, revision)
         quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
-        live, schedule = _prepared(chunks, config, bucket_bytes)
+        live, schedule, unmoved = _prepared_for_sync(chunks, config, bucket_bytes)  # (checked per bucket: _buckets)
         tied = bool(config.get("tie_word_embeddings")) and engine.sends_tied_lm_head
         prepared.update(chunks=chunks, dtype=cast, config=config, quantization=quantization, live=live,
-                        schedule=schedule, tied=tied, sender=_is_sender(live))
+                        schedule=schedule, unmoved=unmoved, bucket_bytes=bucket_bytes, tied=tied,
+                        sender=_is_sender(live))
         if prepared["sender"]:  # each stage's sender packs and sends its own stage's tensors
             engine.check_device(_model_device(live))
             if not first:  # (rank 0's names and shapes, all stages', are compared first: below)
@@ -224,6 +226,23 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
     The buckets are iter_hf_weights' of the stage, the weights it quantizes last left to `_pack`."""
     schedule, sender, tied, quantization = (prepared[k] for k in ("schedule", "sender", "tied", "quantization"))
     buckets = _stage_buckets(prepared["live"], schedule, prepared["dtype"], quantization=quantization, deferred=True)
+
+    def replanned(index: int) -> None:  # before bucket `index` reads a parameter: see _prepared_for_sync
+        nonlocal buckets
+        if prepared["unmoved"](index):
+            return
+        live, planned = _prepared(prepared["chunks"], prepared["config"], prepared["bucket_bytes"])
+        cast = prepared["dtype"]
+        if _bucket_names(planned) != _bucket_names(schedule):  # (the other ranks go on with the old buckets)
+            raise MconvError("a parameter of the model was replaced by one of another dtype since the last sync, "
+                             "which regroups its buckets: sync again (the next sync plans them before it starts)")
+        if sender:
+            engine.check_device(_model_device(live))
+            _agree_dtypes(engine, live, cast, quantization, tied)
+        prepared.update(live=live, schedule=planned, unmoved=lambda _: True)
+        buckets.close()
+        buckets = _stage_buckets(live, planned[index:], cast, quantization=quantization, deferred=True)
+
     workers = ThreadPoolExecutor(1, thread_name_prefix="mconv-sync") if sender else None
     pending: list[Future] = []
     failure = None
@@ -231,8 +250,9 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
     try:
         for index in range(rounds):
             if index < len(schedule) and failure is None:
-                failure = _attempt(lambda: _send(index, buckets, engine, sender, tied, version, pending, workers,
-                                                 result, sums, quantization, prepared["live"]))
+                failure = _attempt(lambda: replanned(index)) or _attempt(lambda: _send(
+                    index, buckets, engine, sender, tied, version, pending, workers, result, sums, quantization,
+                    prepared["live"]))
             if _any(failure):
                 failed = True  # (on some rank)
                 break
