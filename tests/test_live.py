@@ -183,11 +183,11 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
     clear_cache(chunks)
     assert moved_and_alive() == 0
 
-    # One parameter moved, none of those a sync checks up front (one per bucket): found at its bucket,
+    # One parameter moved, none of those a sync checks up front: found before its bucket,
     # the model planned anew there, its new values sent.
     sync_weights(chunks, moe, lambda bucket: None, bucket_bytes=100_000)
     planned = export._LIVE_CACHE[chunks[0]]
-    sampled = {id(p) for p in planned[5][2]}
+    sampled = {id(p) for p in planned[5][2] + planned[4][0][2]}  # (one of each bucket's, and all of the first's)
     parameter = next(p for p in chunks[0].parameters() if id(p) not in sampled and p.numel())
     parameter.data = parameter.data + 1
     sent.clear()

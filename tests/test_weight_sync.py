@@ -83,12 +83,14 @@ def _generator(rank: int, socket: str, authkey: bytes, served: dict):
 
 def _moe_syncs(rank: int, socket: str, authkey: bytes, weights: dict) -> dict:
     """Qwen3-MoE at TP2/EP2/ETP1 into the MoE engine: a sync through vLLM's weight-transfer API, then
-    one through its reload route; rank 0 returns what the engine served before, after each."""
+    one through its reload route, after one parameter of rank 1 moved to a new storage (found as
+    the sync reaches it: that rank alone plans anew mid-sync); rank 0 returns what the engine
+    served before, after each."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     from mconv import Layout
-    from mconv.live import build_model, load_hf_weights
+    from mconv.live import build_model, export, load_hf_weights
     from mconv.live.sync import VLLMEngine, sync_weights
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
@@ -100,6 +102,13 @@ def _moe_syncs(rank: int, socket: str, authkey: bytes, weights: dict) -> dict:
     generate("before")
     engines = [VLLMEngine(socket, authkey), VLLMEngine(socket, authkey, route="reload")]
     for step, engine in enumerate(engines, 1):
+        if step == 2 and rank == 1:  # one parameter of one rank moved since the last sync, before new weights
+            planned = export._LIVE_CACHE[chunks[0]]  # (those a sync checks up front: one of each bucket, bucket 0's)
+            checked = {id(p) for p in planned[5][2] + planned[4][0][2]}
+            moved = next(p for name, p in chunks[0].named_parameters()  # (an expert's: rank 1's own, gathered)
+                         if id(p) not in checked and ".experts." in name)
+            moved.data = moved.data.clone()  # (its old storage, which the cached plan reads, keeps moe-1's values)
+            del planned
         load_hf_weights(chunks, weights[f"moe-{step}"])
         sync_weights(chunks, MOE, engine, version=f"moe-{step}", bucket_bytes=BUCKET, verify=step == 1)
         generate(f"moe-{step}")

@@ -222,12 +222,12 @@ def _prepared_for_sync(model_chunks, hf_config: dict, bucket_bytes: int) -> tupl
     (checking them all up front took 7-10 ms of a 43 ms sync of a 30B MoE on an H200, while the
     host waited for nothing during the copies): (LiveModel, schedule, unmoved), `unmoved(k)`
     whether every parameter bucket k reads is still the one planned, in place (where not, the caller
-    plans anew with _prepared). Up front, one parameter of each bucket is checked: an offload that
-    replaced every `param.data` is planned anew here."""
+    plans anew with _prepared). Up front, every parameter of bucket 0 and one of each other bucket
+    are checked: an offload that replaced every `param.data` is planned anew here."""
     key = (tuple(id(c) for c in model_chunks), json.dumps(hf_config, sort_keys=True, default=str), bucket_bytes,
            False)
     cached = _LIVE_CACHE.get(model_chunks[0])
-    if cached is None or cached[0] != key or not _unmoved(cached[5]):
+    if cached is None or cached[0] != key or not (_unmoved(cached[5]) and (not cached[4] or _unmoved(cached[4][0]))):
         _prepared(model_chunks, hf_config, bucket_bytes)  # (checks every parameter)
         cached = _LIVE_CACHE[model_chunks[0]]
     per_bucket = cached[4]

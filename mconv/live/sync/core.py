@@ -227,7 +227,7 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
     schedule, sender, tied, quantization = (prepared[k] for k in ("schedule", "sender", "tied", "quantization"))
     buckets = _stage_buckets(prepared["live"], schedule, prepared["dtype"], quantization=quantization, deferred=True)
 
-    def replanned(index: int) -> None:  # before bucket `index` reads a parameter: see _prepared_for_sync
+    def replanned(index: int) -> None:  # before bucket `index` reads a parameter (_prepared_for_sync)
         nonlocal buckets
         if prepared["unmoved"](index):
             return
@@ -250,9 +250,12 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
     try:
         for index in range(rounds):
             if index < len(schedule) and failure is None:
-                failure = _attempt(lambda: replanned(index)) or _attempt(lambda: _send(
-                    index, buckets, engine, sender, tied, version, pending, workers, result, sums, quantization,
-                    prepared["live"]))
+                failure = _attempt(lambda: _send(index, buckets, engine, sender, tied, version, pending, workers,
+                                                 result, sums, quantization, prepared["live"]))
+            if index + 1 < len(schedule) and failure is None:  # (bucket 0's: _prepared_for_sync)
+                # before the ranks agree on this round: one that fails here stops them all before the
+                # next bucket's collectives
+                failure = _attempt(lambda: replanned(index + 1))
             if _any(failure):
                 failed = True  # (on some rank)
                 break
