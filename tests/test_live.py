@@ -173,7 +173,7 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
         for parameter in chunks[0].parameters():
             parameter.add_(1)  # (in the new storages: the old ones, which the cached plan reads, keep the old values)
     sent = {}
-    # plans anew for the moved ones (found moved while the sync goes on: core.confirm), and sends their values
+    # plans anew for the moved ones (found moved up front: export._prepared_for_sync), and sends their values
     sync_weights(chunks, moe, lambda bucket: sent.update((name, t.clone()) for name, t in bucket),
                  bucket_bytes=100_000)
     clear_cache(chunks)

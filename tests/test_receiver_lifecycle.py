@@ -166,6 +166,40 @@ def test_close_aborts_an_update_and_ends_a_waiting_start(tmp_path):
     engine.close()
 
 
+def test_a_failing_check_after_start_ends_the_update(chunks, checkpoint, tmp_path):
+    """The receiver asks `changed()` after it answered `start`: if that raises, the update is failed
+    there (the trainer's next request says so), the lock let go, and the next sync is exact."""
+    from mconv import MconvError
+    from mconv.live.sync import SharedMemoryEngine, sync_weights
+    from mconv.transport.receiver import ParameterReceiver
+
+    class Flaky(ParameterReceiver):
+        broken = False
+
+        def changed(self):
+            if self.broken and self._session is not None:  # (asked at `expected` too: not then)
+                raise RuntimeError("the engine's parameters cannot be read now")
+            return super().changed()
+
+    address, key = str(tmp_path / "engine.sock"), os.urandom(32)
+    receiver = Flaky(zeros(checkpoint), address, key)
+    receiver.start()
+    engine = SharedMemoryEngine(address, key, timeout=30)
+    try:
+        sync_weights(chunks, TINY, engine, version=1, **SYNC)
+        receiver.broken = True
+        with pytest.raises(MconvError, match="^weight sync 2 failed; its update was aborted: rank 0: .*RuntimeError: "
+                                             "the engine's parameters cannot be read now"):
+            sync_weights(chunks, TINY, engine, version=2, **SYNC)
+        assert not receiver.lock.locked() and receiver.version == "failed:2"
+        receiver.broken = False
+        sync_weights(chunks, TINY, engine, version=3, verify=True, **SYNC)
+        assert holds(receiver.params, checkpoint)
+    finally:
+        engine.close()
+        receiver.close()
+
+
 def test_params_replaced_between_syncs_are_noticed(chunks, checkpoint, tmp_path):
     """A tensor of the receiver's `params` replaced after a sync takes the next sync's bytes, and the
     old one none (the copy plans targeted the old before), as does one given a new storage
@@ -314,7 +348,8 @@ def test_the_direct_protocol_follows_a_receiver_whose_params_change(chunks, chec
     the next sync reaches the new tensors, not the old ones (a digest of names, shapes and dtypes
     alone missed it); a sync failing mid-way is aborted, leaves nothing queued, and the next is
     exact and verified; a parameter replaced between the trainer's check and the update's start
-    fails that update (the trainer writes where it mapped), and the next is exact; a parameter made
+    fails that update (the trainer writes where it mapped), and the next is exact, as is one after
+    the trainer's parameters moved (the receiver is told the same buckets); a parameter made
     non-contiguous is refused before any bucket (the
     engine's version kept); parameters that cannot be shared are refused when the receiver is
     made."""
@@ -380,11 +415,18 @@ def test_the_direct_protocol_follows_a_receiver_whose_params_change(chunks, chec
         assert receiver.version == "failed:4b" and not params[replaced].any()
         sync_weights(chunks, TINY, engine, version="4c", verify=True, **SYNC)
         assert holds(params, checkpoint) and receiver.version == "4c"
+        # the trainer's parameters moved (an offload by `param.data = ...`): planned anew, the same
+        # buckets named to the receiver as before (no layout sent again, nothing kept twice)
+        known = len(engine._layouts), len(engine._written_entries)
+        for parameter in (p for chunk in chunks for p in chunk.parameters()):
+            parameter.data = parameter.data.clone()
+        sync_weights(chunks, TINY, engine, version="4d", verify=True, **SYNC)
+        assert holds(params, checkpoint) and (len(engine._layouts), len(engine._written_entries)) == known
         params[moved] = torch.zeros(params[moved].shape[::-1], dtype=params[moved].dtype).t()  # not contiguous
         with pytest.raises(MconvError, match=rf"^weight sync 5 refused before any bucket was sent: .*direct=True: "
                                              rf"parameter {moved} is not contiguous"):
             sync_weights(chunks, TINY, engine, version=5, **SYNC)
-        assert receiver.version == "4c"  # the engine's weights are the last sync's, whole
+        assert receiver.version == "4d"  # the engine's weights are the last sync's, whole
     finally:
         engine.close()
         receiver.close()

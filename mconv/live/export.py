@@ -169,18 +169,20 @@ def clear_cache(model_chunks: Sequence[torch.nn.Module]) -> None:
         _LIVE_CACHE.pop(chunks[0], None)
 
 
-def _parameter_slots(model_chunks) -> tuple[list[dict], list[str], list[torch.Tensor], list[int]]:
+def _parameter_slots(model_chunks, read: set[int]) -> tuple[list[dict], list[str], list[torch.Tensor], list[int]]:
     """Where each parameter lives (its module's parameter dict and name), the parameter and its
     storage address, as four lists, to tell cheaply whether the model still holds the same tensors
-    in place."""
-    slots = [(module._parameters, name, param, param.data_ptr()) for chunk in model_chunks
-             for module in chunk.modules() for name, param in module._parameters.items() if param is not None]
+    in place; with them the buffers at the addresses in `read` (those an export reads, e.g. a
+    router's expert_bias)."""
+    slots = [(held, name, tensor, tensor.data_ptr()) for chunk in model_chunks for module in chunk.modules()
+             for held in (module._parameters, module._buffers) for name, tensor in held.items()
+             if tensor is not None and (held is module._parameters or tensor.data_ptr() in read)]
     return tuple(map(list, zip(*slots))) if slots else ([], [], [], [])
 
 
 def _unmoved(slots) -> bool:
-    """Whether every slot of _parameter_slots still holds its parameter at its address (mapped over
-    C functions: 25k parameters in a 30B MoE, checked at every sync)."""
+    """Whether every slot of _parameter_slots still holds its tensor at its address (mapped over C
+    functions: 12.6k parameters in a 30B MoE)."""
     modules, names, params, addresses = slots
     return (all(map(operator.is_, map(dict.get, modules, names), params))
             and list(map(torch.Tensor.data_ptr, params)) == addresses)
@@ -211,7 +213,9 @@ def _prepared(model_chunks, hf_config: dict, bucket_bytes: int, stacked: bool = 
     cached = _LIVE_CACHE.get(model_chunks[0])
     if cached is None or cached[0] != key or not _unmoved(cached[1]):
         live = LiveModel.of(model_chunks, hf_config)
-        slots, schedule = _parameter_slots(model_chunks), _schedule(live, bucket_bytes, stacked)
+        schedule = _schedule(live, bucket_bytes, stacked)
+        slots = _parameter_slots(model_chunks, {t.data_ptr() for steps in schedule for step in steps
+                                                for t in step.reads})
         cached = (key, slots, live, schedule, *_bucket_slots(slots, schedule))
         _LIVE_CACHE[model_chunks[0]] = cached
     return cached[2], cached[3]
@@ -234,12 +238,13 @@ def _prepared_for_sync(model_chunks, hf_config: dict, bucket_bytes: int) -> tupl
     return cached[2], cached[3], lambda index: _unmoved(per_bucket[index])
 
 
-def _bucket_names(schedule: list[list[_GroupStep]]) -> list[list[str]]:
-    """The HF names each bucket of `schedule` holds (its experts' on every EP rank)."""
-    return [[name for step in steps for name in itertools.chain(
+def _bucket_layout(schedule: list[list[_GroupStep]]) -> list[tuple[list[str], list[tuple]]]:
+    """What each bucket of `schedule` holds and takes part in: its HF names (its experts' on every EP
+    rank) and the dtype and shape of each model tensor it reads (they decide its collectives)."""
+    return [([name for step in steps for name in itertools.chain(
         (n for n, _ in step.static), (n for item in step.permuted for n in item[4]),
-        (n for item in step.gathered for n in item[2]), itertools.chain.from_iterable(step.ep_names or ()))]
-        for steps in schedule]
+        (n for item in step.gathered for n in item[2]), itertools.chain.from_iterable(step.ep_names or ()))],
+        [(t.dtype, tuple(t.shape)) for step in steps for t in step.reads]) for steps in schedule]
 
 
 def _bucket_slots(slots, schedule: list[list[_GroupStep]]) -> tuple[list[tuple], tuple]:

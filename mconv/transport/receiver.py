@@ -99,7 +99,8 @@ class UpdateReceiver:
         self._last = 0.0
         self._digests: dict[str | None, tuple[str, dict]] = {}  # route -> the model's digest and expected reply
         self._generation = 0  # how many times the model changed (`changed()`)
-        self._unsettled = False  # an update started, and changed() not asked since (_settled)
+        self._unsettled: tuple | None = None  # an update started, changed() not asked since: (digest, route) (_settled)
+        self._doomed: str | None = None  # why the update in progress fails at its next request (_settled)
         self._stopped = threading.Event()  # close() was called
 
     def start(self) -> threading.Thread:
@@ -133,12 +134,14 @@ class UpdateReceiver:
                     raise
                 # Whether the model changed since the trainer's `expected` is asked once the reply is
                 # sent (about 3 ms for 19k tensors: not on the trainer's way), or by the next request
-                # first, whichever comes first; a change fails the update (_settle).
-                self._unsettled = True
+                # first, whichever comes first (_settled).
+                self._unsettled = (message.get("digest"), message.get("route"))
                 peer["then"] = self._settle
             return {}
         with self._mutex:
             self._settled()
+            if self._doomed is not None and op in ("update", "finish"):
+                self._fail(self._doomed)
             if op == "checksums":
                 return {"checksums": self.held_checksums(list(message["names"]))}
             if op == "parameters":
@@ -171,22 +174,32 @@ class UpdateReceiver:
             return {"version": self.version}
 
     def _settle(self) -> None:
+        """`start`'s work after its reply (shm.serve's `then`): _settled; what it raises fails the update."""
         with self._mutex:
-            self._settled()
+            try:
+                self._settled()
+            except Exception as e:
+                if self._session is not None:
+                    self._fail(f"{type(e).__name__}: {e}")
 
     def _settled(self) -> None:
         """After a `start`, once (the caller holds _mutex): `changed()` (the copy plans made anew before
-        the first bucket is loaded where it did). A receiver that shares its parameters fails the
-        update where the model changed since the trainer checked it (its `expected` request): the
-        trainer writes into the storages it mapped then."""
-        if not self._unsettled:
+        the first bucket is loaded where it did). A receiver that shares its parameters dooms the
+        update where its model is no longer the one the trainer checked (the digest `start` carries,
+        or a change noticed now): the trainer writes into the storages it mapped for that one. The
+        update fails at the trainer's next request (its writes are done by then: it keeps `lock`
+        until they are)."""
+        if self._unsettled is None:
             return
-        self._unsettled = False
+        (digest, route), self._unsettled = self._unsettled, None
         generation = self._generation
         self._noticed()
-        if self._generation != generation and self._session is not None and self.shares_parameters:
-            self._fail(f"the engine's model changed (a parameter replaced, moved, added or removed) after the trainer "
-                       f"checked it, before update {self._session} began: sync again")
+        if self._session is None or not self.shares_parameters:
+            return
+        described = self._digests.get(route)
+        if self._generation != generation or (digest is not None and (described is None or described[0] != digest)):
+            self._doomed = (f"the engine's model changed (a parameter replaced, moved, added or removed) after the "
+                            f"trainer checked it, before update {self._session} began: sync again")
 
     def _noticed(self) -> None:
         """Ask `changed()`; if the model changed, it is described anew (the caller holds _mutex)."""
@@ -271,7 +284,7 @@ class UpdateReceiver:
             self._end()
 
     def _end(self) -> None:
-        self._session, self._peers = None, set()
+        self._session, self._peers, self._doomed = None, set(), None
         self.lock.release()
 
     def forget(self, kept: dict) -> None:

@@ -187,7 +187,10 @@ class AuthListener:
                         break
                     finally:
                         if then is not None:
-                            then()
+                            try:
+                                then()
+                            except Exception:  # (its own errors are its to report: the connection goes on)
+                                pass
             finally:
                 self._drop(conn)
             if closed is not None:
@@ -430,10 +433,10 @@ def request(conn: Connection, message: dict, timeout: float | None = None) -> di
     """Send `message`, return the reply; an engine-side error comes back as RemoteError(its text),
     no reply within `timeout` seconds (None: wait as long as it takes) as TimeoutError."""
     send(conn, message)
-    return answer(conn, message, timeout)
+    return await_reply(conn, message, timeout)
 
 
-def answer(conn: Connection, message: dict, timeout: float | None = None) -> dict:
+def await_reply(conn: Connection, message: dict, timeout: float | None = None) -> dict:
     """The reply to `message`, sent already (`send`): as `request` returns it."""
     if timeout is not None and not conn.poll(timeout):
         raise TimeoutError(f"no reply to {message.get('op')!r} within {timeout:g} s")

@@ -22,7 +22,7 @@ from mconv.converter.planner import make_plan
 from mconv.converter.transforms import cast_dtype
 from mconv.errors import MconvError
 from mconv.live.chunks import _config
-from mconv.live.export import (DEFAULT_BUCKET_BYTES, _attempt, _bucket_names, _checked, _exported, _prepared,
+from mconv.live.export import (DEFAULT_BUCKET_BYTES, _attempt, _bucket_layout, _checked, _exported, _prepared,
                                _prepared_for_sync, _stage_buckets)
 from mconv.live.sync.engines import FlatBucket, as_engine
 from mconv.mappings import architecture_for
@@ -83,7 +83,9 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     engine's `dtypes()`, for an engine that needs exact dtypes (ParameterReceiver): names the
     engine does not know, names it expects and does not get, shapes and dtypes that differ are one
     MconvError on every rank, and no bucket is sent (a dtype refused on another sender than rank 0
-    after rank 0 started the engine's update: after its `abort`). Once started, the ranks agree
+    after rank 0 started the engine's update: after its `abort`). The parameters are checked for
+    moves bucket by bucket (those of bucket 0 and one of each other bucket first): one found moved
+    to another dtype, shape or device at a later bucket fails the sync then, aborted. Once started, the ranks agree
     after every bucket: if any rank raises (its gather, its packing or the engine), every rank
     raises one MconvError naming that rank and its error, the engine is told `abort` (never
     `finish`), and the next sync starts clean. `version` (default: "1", "2", ... per process) is
@@ -233,9 +235,9 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
             return
         live, planned = _prepared(prepared["chunks"], prepared["config"], prepared["bucket_bytes"])
         cast = prepared["dtype"]
-        if _bucket_names(planned) != _bucket_names(schedule):  # (the other ranks go on with the old buckets)
-            raise MconvError("a parameter of the model was replaced by one of another dtype since the last sync, "
-                             "which regroups its buckets: sync again (the next sync plans them before it starts)")
+        if _bucket_layout(planned) != _bucket_layout(schedule):  # (the other ranks go on with the old buckets)
+            raise MconvError("a parameter of the model was replaced by one of another dtype or shape since the last "
+                             "sync: sync again (the next sync plans its buckets before it starts)")
         if sender:
             engine.check_device(_model_device(live))
             _agree_dtypes(engine, live, cast, quantization, tied)
@@ -362,16 +364,15 @@ _WRITES = "_mconv_writes"  # where _write keeps an engine's copy plans into its 
 def _write(engine, named, aliases, targets: dict, device, fixed, live) -> tuple[torch.Tensor, list, int, list]:
     """Copy `named` (and each alias, from the tensor it aliases) straight into the engine's
     `targets` ({HF name: its tensor}), on the current stream: (an empty buffer, the (name, target)
-    pairs written, their bytes, the tensor each was copied from) for the bucket. The copies of a
-    bucket are planned once per names, targets dict and LiveModel (copies.CopyPlan), as `_pack`
-    plans them, the `fixed` positions' sources (views `live`'s schedule keeps of parameters
-    _prepared found unmoved) read where they were planned, unchecked. MconvError for a name the
-    engine has no tensor for."""
+    pairs written, their bytes, the tensor each was copied from) for the bucket. What a bucket's
+    names write is worked out once per targets dict (the `written` list kept, which the engine's
+    caches know it by), its copies planned once per LiveModel and `fixed` positions
+    (copies.CopyPlan, as `_pack` plans them): those positions' sources, views `live`'s schedule
+    keeps of parameters the sync checks, are read where they were planned, unchecked. MconvError
+    for a name the engine has no tensor for."""
     cache = engine.__dict__.get(_WRITES)
-    if cache is None or cache[0] is not targets or cache[3]() is not live:
-        # plans into tensors the engine no longer offers, or from a model planned anew (parameters moved), go
-        cache = engine.__dict__[_WRITES] = (targets, {}, torch.empty(0, dtype=torch.uint8, device=device),
-                                            weakref.ref(live))
+    if cache is None or cache[0] is not targets:  # what writes into tensors the engine no longer offers goes
+        cache = engine.__dict__[_WRITES] = (targets, {}, torch.empty(0, dtype=torch.uint8, device=device))
     key = tuple(map(operator.itemgetter(0), named))
     copied = list(map(operator.itemgetter(1), named))
     hit = cache[1].get(key)
@@ -383,16 +384,19 @@ def _write(engine, named, aliases, targets: dict, device, fixed, live) -> tuple[
         if unknown:
             raise MconvError(f"the engine has no tensor {unknown[0]} to write into")
         written = [(name, targets[name]) for name, _ in pairs]
-        aliased = [i for _, i in pairs[len(key):]]  # the tensors copied a second time, under their alias
+        hit = cache[1][key] = [written, [i for _, i in pairs[len(key):]],  # (the tensors copied again, aliased)
+                               sum(t.nbytes for _, t in written), None, None]  # + the plan, and what it was made for
+    written, aliased, nbytes, plan, made_for = hit
+    if aliased:
+        copied += [copied[i] for i in aliased]
+    if plan is None or made_for[0]() is not live or made_for[1] != fixed:  # (a model planned anew: parameters moved)
         kept = set(fixed)
-        hit = cache[1][key] = (CopyPlan([t for _, t in written], copied + [copied[i] for i in aliased],
-                                        fixed_destinations=True, unchanged=[k for k, (_, i) in enumerate(pairs)
-                                                                            if i in kept]),
-                               written, aliased, sum(t.nbytes for _, t in written))
-    if hit[2]:
-        copied += [copied[i] for i in hit[2]]
-    hit[0].run(copied)
-    return cache[2], hit[1], hit[3], copied
+        sources = [*range(len(key)), *aliased]  # the position in `named` each pair copies from
+        plan = hit[3] = CopyPlan([t for _, t in written], copied, fixed_destinations=True,
+                                 unchanged=[k for k, i in enumerate(sources) if i in kept])
+        hit[4] = (weakref.ref(live), fixed)
+    plan.run(copied)
+    return cache[2], written, nbytes, copied
 
 
 @dataclass

@@ -62,7 +62,8 @@ class Engine:
     any rank failed (never `finish` then), and with verify `checksums(names)`. On each sender rank
     (TP/EP/ETP/DP rank 0 of every pipeline stage): `check_device(device)` and `dtypes()` (before
     anything is sent, rank 0 included), then `buffer(slot, nbytes, device)` and `update(bucket)`,
-    from one background thread, at most two buckets in flight (slots 0 and 1); an engine whose
+    from one background thread, at most two buckets in flight (slots 0 and 1); rank 0 may be told
+    `ask_expected()` first, as the sync begins; an engine whose
     parameters a sender can write itself says so by `targets`, and is then `flush`ed by each
     sender after its last bucket."""
 
@@ -79,8 +80,8 @@ class Engine:
     def ask_expected(self) -> None:
         """On rank 0, as a sync begins, before its own planning: an engine whose `expected()` waits
         for another process may ask now, and read the answer when `expected()` is called (RemoteEngine
-        does: the trainer's check that no parameter moved, 6-10 ms for a 30B MoE, then overlaps the
-        receiver's answering). Nothing by default."""
+        does, on a connection already open: the trainer's planning then overlaps the receiver's
+        answering). Nothing by default."""
 
     def dtypes(self) -> dict[str, torch.dtype] | None:
         """{HF name: dtype} in which the engine needs each tensor sent (an engine that copies the
@@ -251,7 +252,7 @@ class RemoteEngine(Engine):
             while True:
                 try:
                     self._connected()
-                    reply = (shm.answer if early is not None else shm.request)(self._conn, message, self.timeout)
+                    reply = (shm.await_reply if early is not None else shm.request)(self._conn, message, self.timeout)
                     self._unanswered = False
                     return reply
                 except shm.RemoteError as e:
@@ -307,21 +308,20 @@ class RemoteEngine(Engine):
         """Send the `expected` request now; `expected()` reads its reply. Where the connection
         cannot send (or an earlier request went unanswered), nothing: `expected()` asks as ever."""
         with self._lock:
-            if self._early is not None:  # a sync refused before it read the reply: read now, an old answer
+            if self._early is not None:  # a sync refused before it read the reply (an old answer): it goes
                 try:
-                    shm.answer(self._conn, self._early, self.timeout)
+                    shm.await_reply(self._conn, self._early, 0)
                 except shm.RemoteError:
                     pass
-                except (TimeoutError, OSError, EOFError):
+                except (TimeoutError, OSError, EOFError):  # (not there yet: the connection goes with it)
                     self._drop_connection()
                 self._early = None
-            if self._unanswered:
+            if self._unanswered or self._conn is None:  # (connecting waits as long as the request: expected()'s)
                 return
             message = self._expected_request()
             try:
-                self._connected()
                 shm.send(self._conn, message)
-            except (MconvError, OSError, EOFError):
+            except (OSError, EOFError):
                 self._drop_connection()
                 return
             self._early = message
@@ -359,7 +359,10 @@ class RemoteEngine(Engine):
         return self._model()[2]
 
     def start(self, version: str, verify: bool = False) -> None:
-        self._request({"op": "start", "version": version, "verify": verify})
+        # (the digest of the model this sync checked: a receiver the trainer writes into fails the
+        # update where its model is another by then)
+        self._request({"op": "start", "version": version, "verify": verify, "route": self.route,
+                       "digest": self._expected and self._expected[0]})
 
     def finish(self, version: str) -> None:
         self._request({"op": "finish", "version": version})
