@@ -202,14 +202,19 @@ def _checked(model_chunks, bucket_bytes: int, dtype) -> tuple[list[torch.nn.Modu
     return chunks, torch_dtype(dtype)
 
 
+def _cache_key(model_chunks, hf_config: dict, bucket_bytes: int, stacked: bool) -> tuple:
+    """What a cached LiveModel and schedule were made for (_LIVE_CACHE)."""
+    return (tuple(id(c) for c in model_chunks), json.dumps(hf_config, sort_keys=True, default=str), bucket_bytes,
+            stacked)
+
+
 def _prepared(model_chunks, hf_config: dict, bucket_bytes: int, stacked: bool = False) -> tuple[LiveModel, list]:
     """LiveModel and schedule of a model, computed once per model, config, bucket size and expert
     form, and again if any parameter was replaced or its storage moved (a wrapper or optimizer
     replaced `param.data`). The check on a cached schedule walks no module tree, but reads every
     parameter's address: 7-10 ms for the 12.6k parameters of a 30B MoE on an H200's host (a sync
     makes it bucket by bucket instead: _prepared_for_sync)."""
-    key = (tuple(id(c) for c in model_chunks), json.dumps(hf_config, sort_keys=True, default=str), bucket_bytes,
-           stacked)
+    key = _cache_key(model_chunks, hf_config, bucket_bytes, stacked)
     cached = _LIVE_CACHE.get(model_chunks[0])
     if cached is None or cached[0] != key or not _unmoved(cached[1]):
         live = LiveModel.of(model_chunks, hf_config)
@@ -228,8 +233,7 @@ def _prepared_for_sync(model_chunks, hf_config: dict, bucket_bytes: int) -> tupl
     whether every parameter bucket k reads is still the one planned, in place (where not, the caller
     plans anew with _prepared). Up front, every parameter of bucket 0 and one of each other bucket
     are checked: an offload that replaced every `param.data` is planned anew here."""
-    key = (tuple(id(c) for c in model_chunks), json.dumps(hf_config, sort_keys=True, default=str), bucket_bytes,
-           False)
+    key = _cache_key(model_chunks, hf_config, bucket_bytes, False)
     cached = _LIVE_CACHE.get(model_chunks[0])
     if cached is None or cached[0] != key or not (_unmoved(cached[5]) and (not cached[4] or _unmoved(cached[4][0]))):
         _prepared(model_chunks, hf_config, bucket_bytes)  # (checks every parameter)

@@ -93,10 +93,10 @@ class CopyPlan:
     sync are not kept alive until the next. `fixed_destinations`: the caller vouches that the
     destinations never move (buffers and mapped memory it owns, whose plans it drops with them),
     and `run` does not check them (a sync's 19k address reads). `unchanged` (indices of pairs;
-    all of them with `fixed_sources`): the caller vouches that those sources stay the tensors of
-    the plan's first run, alive, in place and unchanged in layout (views a trainer keeps of
-    parameters it checks itself, a receiver's mapped buffer), and `run` checks and reads the
-    addresses of the others only.
+    all of them with `fixed_sources`): the caller vouches that those sources stay the tensors given
+    to the run that made or last remade the plan, alive, in place and unchanged in layout (views a
+    trainer keeps of parameters it checks itself, a receiver's mapped buffer), and `run` checks,
+    follows and reads the addresses of the others only.
 
     `kernel` (default: destinations on a GPU and Triton importable): the pairs with both sides
     contiguous on the destinations' device go through the batched kernel, the others through

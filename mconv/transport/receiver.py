@@ -110,7 +110,9 @@ class UpdateReceiver:
         return self._listener.serve(self.handle, self._closed)
 
     def handle(self, message: dict, peer: dict | None = None) -> dict:
-        """Answer one request (`peer`: the connection's own dict, which remembers its rank)."""
+        """Answer one request (`peer`: the connection's own dict, which remembers its rank). After a
+        `start`, `peer["then"]` is the check to run once the reply is sent (shm.serve does; where
+        nothing runs it, the next request makes it first)."""
         peer = {} if peer is None else peer
         if message.get("rank") is not None:
             peer["rank"] = message["rank"]
@@ -233,7 +235,8 @@ class UpdateReceiver:
     def changed(self) -> bool:
         """Whether the engine's model changed since this was last asked, which makes it described
         anew (`expected`, `dtypes`); asked at each `expected` request, and once an update has
-        started (a change then fails it). False (the default): an engine whose model never changes."""
+        started (a change then fails it where the trainer writes the parameters itself). False (the
+        default): an engine whose model never changes."""
         return False
 
     def dtypes(self, route: str | None = None) -> dict[str, torch.dtype] | None:
