@@ -195,6 +195,10 @@ def test_a_failing_check_after_start_ends_the_update(chunks, checkpoint, tmp_pat
         receiver.broken = False
         sync_weights(chunks, TINY, engine, version=3, verify=True, **SYNC)
         assert holds(receiver.params, checkpoint)
+        with pytest.raises(MconvError, match=r"version='failed:3': a receiver marks a failed update so \(its "
+                                             r"`version`\); give another$"):
+            sync_weights(chunks, TINY, engine, version="failed:3", **SYNC)
+        assert receiver.version == "3"
     finally:
         engine.close()
         receiver.close()
@@ -213,13 +217,14 @@ def test_params_replaced_between_syncs_are_noticed(chunks, checkpoint, tmp_path)
 
     address, key = str(tmp_path / "engine.sock"), os.urandom(32)
     params = zeros(checkpoint)
+    params["model.embed_tokens.weight"] = torch.nn.Parameter(params["model.embed_tokens.weight"])  # (requires grad)
     receiver = ParameterReceiver(params, address, key)
     receiver.start()
     engine = SharedMemoryEngine(address, key, timeout=30)
     replaced, moved = "model.norm.weight", "model.layers.0.mlp.down_proj.weight"
     try:
         sync_weights(chunks, TINY, engine, version=1, **SYNC)
-        assert holds(params, checkpoint)
+        assert holds({n: t.detach() for n, t in params.items()}, checkpoint)
         old, old_storage = replace_and_move(params, replaced, moved)
         sync_weights(chunks, TINY, engine, version=2, **SYNC)
         assert holds(params, checkpoint)
@@ -232,8 +237,9 @@ def test_params_replaced_between_syncs_are_noticed(chunks, checkpoint, tmp_path)
             with pytest.raises(MconvError, match="bucket_bytes"):
                 sync_weights(chunks, TINY, engine, version="3a", dtype=torch.bfloat16, bucket_bytes=0)
             make_float32()
-            for t in params.values():
-                t.zero_()
+            with torch.no_grad():
+                for t in params.values():
+                    t.zero_()
             with pytest.raises(MconvError, match=r"^weight sync 3 refused before any bucket was sent: rank 0: the "
                                                  rf"trainer's model does not match the engine's: {name} is sent as "
                                                  r"bfloat16, the engine holds float32: "):
@@ -440,9 +446,10 @@ def test_the_direct_protocol_follows_a_receiver_whose_params_change(chunks, chec
 def test_bad_keys_and_addresses_are_one_sentence(tmp_path):
     """A receiver refuses an empty key (any client would pass the handshake) and a str key, an empty
     address (it listened at a temporary path of multiprocessing's choosing), an address that is
-    taken and a Unix path longer than the OS allows, each in one sentence saying what to do (a
-    too-long path was "[Errno None] cannot listen at ...: None"); the trainer's engine given an
-    empty or too-long address says so too."""
+    taken and a Unix path longer than the OS allows, params that are no dict of tensors and a
+    timeout that is no positive number, each in one sentence saying what to do (a too-long path
+    was "[Errno None] cannot listen at ...: None"); the trainer's engine given an empty or too-long
+    address says so too, and one connecting to a receiver never started says to start it."""
     from mconv import MconvError
     from mconv.live.sync import SharedMemoryEngine
     from mconv.transport.receiver import ParameterReceiver
@@ -466,12 +473,25 @@ def test_bad_keys_and_addresses_are_one_sentence(tmp_path):
                                          r'"host:port"$'):
         SharedMemoryEngine("", b"key", timeout=5).expected()
 
+    with pytest.raises(TypeError, match=r"^params: give a dict of HF name \(str\) -> the engine's tensor, not list$"):
+        ParameterReceiver([torch.zeros(4)], str(tmp_path / "a.sock"), b"key")
+    with pytest.raises(TypeError, match=r"^params: .*, not one with 'w' -> NoneType$"):
+        ParameterReceiver({"w": None}, str(tmp_path / "a.sock"), b"key")
+    for timeout in (0, -1, "x"):
+        with pytest.raises(ValueError, match=rf"^timeout={timeout!r}: give the seconds an update may stay silent"):
+            ParameterReceiver(params, str(tmp_path / "a.sock"), b"key", timeout=timeout)
+
     taken = ParameterReceiver(params, str(tmp_path / "a.sock"), b"key")
     try:
         with pytest.raises(OSError) as in_use:
             ParameterReceiver(params, str(tmp_path / "a.sock"), b"key")
         assert str(in_use.value) == (f"cannot listen at {tmp_path / 'a.sock'}: address already in use (another "
                                      "receiver listens there: close it, or give this one another address)")
+        # made and never started: it accepts the connection and answers nothing
+        with pytest.raises(RuntimeError, match=r"did not answer 'expected': TimeoutError: no answer from .* within 2 s "
+                                               r"while connecting: .*\(a receiver made but not started: call its "
+                                               r"start\(\); or another service\)$"):
+            SharedMemoryEngine(str(tmp_path / "a.sock"), b"key", timeout=2).expected()
     finally:
         taken.close()
     long = "/tmp/" + "d" * 120 + ".sock"

@@ -88,6 +88,9 @@ class UpdateReceiver:
     rank hangs)."""
 
     def __init__(self, address: str, authkey: bytes, timeout: float = DEFAULT_TIMEOUT):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout={timeout!r}: give the seconds an update may stay silent before it is aborted "
+                             "(a positive number)")
         self.lock = threading.Lock()
         self.version: str | None = None
         self.failure: str | None = None
@@ -391,6 +394,12 @@ class ParameterReceiver(UpdateReceiver):
                  timeout: float = DEFAULT_TIMEOUT, direct: bool = False):
         if not isinstance(direct, bool):
             raise TypeError(f"direct={direct!r}: give True or False")
+        if not isinstance(params, dict) or not all(isinstance(n, str) and isinstance(t, torch.Tensor)
+                                                   for n, t in params.items()):
+            raise TypeError("params: give a dict of HF name (str) -> the engine's tensor, not "
+                            + (type(params).__name__ if not isinstance(params, dict) else "one with "
+                               + next(f"{n!r} -> {type(t).__name__}" for n, t in params.items()
+                                      if not (isinstance(n, str) and isinstance(t, torch.Tensor)))))
         if direct:  # (before listening)
             _check_shareable(params)
         super().__init__(address, authkey, timeout)
@@ -457,7 +466,8 @@ class ParameterReceiver(UpdateReceiver):
                 if plan is None:
                     plan = self._plans[key, start, stop, layout] = self._plan(mapped[start:stop], [
                         Entry.from_json(e) for e in item["entries"]])
-                plan[0].run()
+                with torch.no_grad():  # (parameters that require grad: nn.Parameter's)
+                    plan[0].run()
                 self._received.update(plan[1])
         except BaseException:
             if self._cuda:  # the trainer reuses the buffers once we reply, an error too

@@ -379,7 +379,9 @@ def connect(address: str, authkey: bytes, timeout: float | None = None) -> Conne
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise TimeoutError(f"no answer from {address} within {timeout:g} s while connecting")
+        raise TimeoutError(f"no answer from {address} within {timeout:g} s while connecting: something accepts "
+                           "connections there but does not answer (a receiver made but not started: call its "
+                           "start(); or another service)")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["conn"]

@@ -220,6 +220,9 @@ def _check_version(version) -> None:
     if _shown(version) != version:
         raise MconvError(f"version={version[:60]!r} is not a version: give a non-empty string of at most 200 "
                          "printable characters (a training step, a checkpoint name)")
+    if version.startswith("failed:"):
+        raise MconvError(f"version={version[:60]!r}: a receiver marks a failed update so (its `version`); give "
+                         "another")
 
 
 def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | None:

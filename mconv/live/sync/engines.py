@@ -178,6 +178,9 @@ class CallableEngine(Engine):
         return self._checksums(names)
 
 
+_CONNECTING = 30.0  # seconds a connection and its handshake may take
+
+
 class RemoteEngine(Engine):
     """An engine in another process that serves mconv's JSON requests (a
     mconv.transport.receiver.UpdateReceiver) on `address` (a Unix socket path or "host:port"),
@@ -186,7 +189,7 @@ class RemoteEngine(Engine):
     Errors: MconvError, in one sentence, for an `address` that is no str or path or an `authkey`
     that is no bytes (here), nothing listening at the address, another key than the receiver's,
     and a request the receiver refused (naming the request and giving the receiver's error). A
-    request unanswered within `timeout` seconds, connecting included, is a RuntimeError (and the
+    request unanswered within `timeout` seconds (connecting: 30 s at most) is a RuntimeError (and the
     connection is reopened at the next); a sync's first request on a connection an earlier sync
     left broken (the engine's process restarted) is sent once more on a new one."""
 
@@ -224,7 +227,9 @@ class RemoteEngine(Engine):
         receiver's key is another."""
         if self._conn is None:
             try:
-                self._conn = shm.connect(self.address, self.authkey, self.timeout)
+                # (a receiver answers the handshake at once, busy or not: one that does not was made and
+                # never started, or is no receiver)
+                self._conn = shm.connect(self.address, self.authkey, min(self.timeout or _CONNECTING, _CONNECTING))
             except shm.Unreachable as e:
                 raise MconvError(str(e)) from None
             except AuthenticationError:
@@ -421,7 +426,8 @@ class SharedMemoryBuffers(Engine):
 class SharedMemoryEngine(SharedMemoryBuffers, RemoteEngine):
     """An engine process on this host (mconv.transport.receiver.ParameterReceiver, or vLLM's
     Receiver) serving mconv's requests: each sender rank keeps two bucket buffers as files in
-    /dev/shm (SharedMemoryBuffers), and a bucket crosses as its file's path and entries."""
+    /dev/shm (SharedMemoryBuffers), and a bucket crosses as its file's path and entries.
+    `SharedMemoryEngine(address, authkey, timeout=600.0)`: as RemoteEngine."""
 
     def update(self, bucket: FlatBucket) -> None:
         self._update({"path": self._path(bucket)}, bucket.entries)
