@@ -477,6 +477,10 @@ def test_bad_keys_and_addresses_are_one_sentence(tmp_path):
         ParameterReceiver([torch.zeros(4)], str(tmp_path / "a.sock"), b"key")
     with pytest.raises(TypeError, match=r"^params: .*, not one with 'w' -> NoneType$"):
         ParameterReceiver({"w": None}, str(tmp_path / "a.sock"), b"key")
+    with pytest.raises(TypeError, match=r"^params: w is on the meta device \(no memory to write into\)"):
+        ParameterReceiver({"w": torch.empty(4, device="meta")}, str(tmp_path / "a.sock"), b"key")
+    with pytest.raises(TypeError, match=r"^params: w and v lie at one address \(one would hold the other's bytes\)"):
+        ParameterReceiver({"w": params["w"], "v": params["w"][:2]}, str(tmp_path / "a.sock"), b"key")
     for timeout in (0, -1, "x"):
         with pytest.raises(ValueError, match=rf"^timeout={timeout!r}: give the seconds an update may stay silent"):
             ParameterReceiver(params, str(tmp_path / "a.sock"), b"key", timeout=timeout)
@@ -492,8 +496,13 @@ def test_bad_keys_and_addresses_are_one_sentence(tmp_path):
                                                r"while connecting: .*\(a receiver made but not started: call its "
                                                r"start\(\); or another service\)$"):
             SharedMemoryEngine(str(tmp_path / "a.sock"), b"key", timeout=2).expected()
+        taken.start()
+        with pytest.raises(RuntimeError, match="^this receiver is serving already: start\\(\\) once$"):
+            taken.start()
     finally:
         taken.close()
+    with pytest.raises(RuntimeError, match=r"^this receiver was closed: make another \(at the same address if you "):
+        taken.start()
     long = "/tmp/" + "d" * 120 + ".sock"
     with pytest.raises(OSError) as too_long:
         ParameterReceiver(params, long, b"key")

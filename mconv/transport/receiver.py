@@ -105,10 +105,16 @@ class UpdateReceiver:
         self._unsettled: tuple | None = None  # an update started, changed() not asked since: (digest, route) (_settled)
         self._doomed: str | None = None  # why the update in progress fails at its next request (_settled)
         self._stopped = threading.Event()  # close() was called
+        self._started = False  # start() was called
 
     def start(self) -> threading.Thread:
         """Accept trainer connections on a daemon thread, each served on its own thread, and watch
-        for updates that went silent."""
+        for updates that went silent. RuntimeError where it was started already, or closed (make
+        another receiver: a closed one's address is let go)."""
+        if self._stopped.is_set() or self._started:
+            raise RuntimeError("this receiver " + ("was closed: make another (at the same address if you like)"
+                                                   if self._stopped.is_set() else "is serving already: start() once"))
+        self._started = True
         threading.Thread(target=self._watch, daemon=True, name="mconv-receiver-watchdog").start()
         return self._listener.serve(self.handle, self._closed)
 
@@ -315,6 +321,24 @@ class UpdateReceiver:
                         pass  # the update has ended as failed whatever the engine said; keep watching
 
 
+def _check_params(params) -> None:
+    """TypeError, in one sentence, for `params` that are no dict of HF name (str) -> tensor, hold a
+    tensor on the meta device (nothing to write into) or two names at one address (one would hold
+    the other's bytes)."""
+    if not isinstance(params, dict):
+        raise TypeError(f"params: give a dict of HF name (str) -> the engine's tensor, not {type(params).__name__}")
+    named: dict[int, str] = {}
+    for name, t in params.items():
+        if not (isinstance(name, str) and isinstance(t, torch.Tensor)):
+            raise TypeError(f"params: give a dict of HF name (str) -> the engine's tensor, not one with {name!r} -> "
+                            f"{type(t).__name__}")
+        if t.is_meta:
+            raise TypeError(f"params: {name} is on the meta device (no memory to write into): give allocated tensors")
+        if t.numel() and named.setdefault(t.data_ptr(), name) != name:
+            raise TypeError(f"params: {named[t.data_ptr()]} and {name} lie at one address (one would hold the "
+                            "other's bytes): give each name its own tensor")
+
+
 def _check_shareable(params: dict[str, torch.Tensor]) -> None:
     """ValueError naming a parameter that is not a contiguous CUDA tensor (`direct=True` needs them all)."""
     for name, t in params.items():
@@ -394,12 +418,7 @@ class ParameterReceiver(UpdateReceiver):
                  timeout: float = DEFAULT_TIMEOUT, direct: bool = False):
         if not isinstance(direct, bool):
             raise TypeError(f"direct={direct!r}: give True or False")
-        if not isinstance(params, dict) or not all(isinstance(n, str) and isinstance(t, torch.Tensor)
-                                                   for n, t in params.items()):
-            raise TypeError("params: give a dict of HF name (str) -> the engine's tensor, not "
-                            + (type(params).__name__ if not isinstance(params, dict) else "one with "
-                               + next(f"{n!r} -> {type(t).__name__}" for n, t in params.items()
-                                      if not (isinstance(n, str) and isinstance(t, torch.Tensor)))))
+        _check_params(params)
         if direct:  # (before listening)
             _check_shareable(params)
         super().__init__(address, authkey, timeout)

@@ -86,11 +86,13 @@ def sync_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Path 
     after rank 0 started the engine's update: after its `abort`). The parameters are checked for
     moves bucket by bucket (those of bucket 0 and one of each other bucket first): one found moved
     to another dtype, shape or device at a later bucket fails the sync then, aborted. Once started,
-    the ranks agree after every bucket: if any rank raises (its gather, its packing or the engine), every rank
-    raises one MconvError naming that rank and its error, the engine is told `abort` (never
-    `finish`), and the next sync starts clean. `version` (default: "1", "2", ... per process) is
-    given to the engine's `start` / `finish`: a str, or an int (a training step, given as its
-    decimal string); another type is refused before any bucket. Returns this rank's SyncResult.
+    the ranks agree after every bucket: if any rank raises (its gather, its packing or the engine),
+    every rank raises one MconvError naming that rank and its error, the engine is told `abort`
+    (never `finish`), and the next sync starts clean. `version` (default: "1", "2", ... counting
+    the calls in this process, refused ones too) is given to the engine's `start` / `finish`: a
+    str, or an int (a training step, given as its decimal string); another type, or a str
+    beginning "failed:" (a receiver's mark of a failed update), is refused before any bucket.
+    Returns this rank's SyncResult.
 
     A rank that dies mid-sync (the process group raises in a collective: gloo does at once, NCCL
     after its timeout) gives every surviving rank one MconvError saying so; rank 0 aborts the
