@@ -162,6 +162,8 @@ class UpdateReceiver:
                 # the model the places are of: the trainer refuses them if it checked another
                 return {"digest": self._model(message.get("route"))[0], **self.shared_parameters(peer)}
             if self._session is None:
+                if op == "abort" and self.version == f"failed:{message.get('version')}":
+                    return {"version": self.version}  # aborted here already (its trainer was told why)
                 raise RuntimeError(f"{op} without a weight update in progress"
                                    + (f" (the last one was aborted: {self.failure})" if self.failure else ""))
             self._peers.add(id(peer))
