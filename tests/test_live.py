@@ -198,6 +198,20 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
     clear_cache(chunks)
     fresh = {name: t.clone() for bucket in iter_hf_weights(chunks, moe, bucket_bytes=100_000) for name, t in bucket}
     assert sent.keys() == fresh.keys() and all(torch.equal(sent[name], fresh[name]) for name in fresh)
+
+    # An offload in place not undone (the storage freed): one sentence naming the parameter, then,
+    # loaded back, a sync as before
+    del fresh, sent
+    storage = parameter.untyped_storage()
+    size = storage.nbytes()
+    storage.resize_(0)
+    # (found at its bucket, as the parameter moved above: the sync fails there)
+    with pytest.raises(MconvError, match=r"^weight sync \S+ failed; its update was aborted: rank 0: model chunk "
+                                         r"0: \S+ has no memory \(its storage was freed in place, an offload's "
+                                         r"untyped_storage\(\).resize_\(0\)\): load it back first$"):
+        sync_weights(chunks, moe, lambda bucket: None, bucket_bytes=100_000)
+    storage.resize_(size)
+    sync_weights(chunks, moe, lambda bucket: None, bucket_bytes=100_000)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 
@@ -208,5 +222,6 @@ def test_clear_cache_lets_moved_parameters_go(tmp_path):
     alive until the next sync plans anew, or until `clear_cache(model_chunks)`, after which none
     does (GPU memory a colocated trainer frees for the rollout). A sync after they moved sends
     their new values, and so does one after a single parameter moved (found as the sync comes to
-    its bucket: the parameters are checked bucket by bucket, one of each up front)."""
+    its bucket: the parameters are checked bucket by bucket, one of each up front); a parameter
+    whose storage was freed in place and not loaded back is refused in one sentence naming it."""
     start_ranks(_moved_parameters_worker, args=(str(tmp_path / "store"),), nprocs=1)

@@ -16,6 +16,7 @@ from mconv.converter.layout import Layout, Rank
 from mconv.converter.planner import RankPlan, model_dims, plan_rank, validate_layout
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
+from mconv.transport.copies import _held
 
 # Transformer Engine's grouped experts name expert e's weight `experts.linear_fc1.weight{e}` (the tables'
 # TE name); a TE model with SequentialMLP experts (moe_grouped_gemm off) names it as the local spec does.
@@ -103,6 +104,9 @@ class LiveModel:
                 if tuple(state[name].shape) != task.shape:
                     raise MconvError(f"model chunk {v}: {name} has shape {list(state[name].shape)}, the HF config "
                                      f"and layout imply {list(task.shape)}")
+                if not _held(state[name]):
+                    raise MconvError(f"model chunk {v}: {name} has no memory (its storage was freed in place, "
+                                     "an offload's untyped_storage().resize_(0)): load it back first")
         return cls(arch, hf_config, dims, layout, spec, rank, plan, states)
 
     def peer_plan(self, **coordinates) -> RankPlan:
