@@ -126,7 +126,7 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
 
     from mconv import Layout, MconvError
     from mconv.live import build_model, load_hf_weights, save_hf_weights
-    from mconv.live.sync import SharedMemoryEngine, VLLMEngine, core, sync_weights
+    from mconv.live.sync import SharedMemoryEngine, VLLMEngine, agree, core, sync_weights
     from mconv.transport import shm
     from mconv.transport.receiver import ParameterReceiver
     from tests.megatron_oracle import _cpu_shims
@@ -176,7 +176,7 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
 
         calls = {name: 0 for name in ("make_plan", "_check", "layout", "_block_aligned")}
         for name in calls:
-            module = export if name == "_block_aligned" else core
+            module = export if name == "_block_aligned" else core if name == "layout" else agree
             def counted(*args, _name=name, _original=getattr(module, name), **kwargs):
                 calls[_name] += 1
                 return _original(*args, **kwargs)
@@ -1060,7 +1060,7 @@ def _dtypes_worker(rank: int, tmp: str) -> None:
     from mconv.live import build_model, clear_cache, iter_hf_weights, load_hf_weights
     from mconv.live.chunks import _config
     from mconv.live.export import DEFAULT_BUCKET_BYTES, _prepared
-    from mconv.live.sync import CallableEngine, SharedMemoryEngine, core, sync_weights
+    from mconv.live.sync import CallableEngine, SharedMemoryEngine, agree, core, sync_weights
     from mconv.mappings import architecture_for
     from mconv.mappings.schema import Architecture
     from mconv.transport.flat import dtype_name
@@ -1099,7 +1099,7 @@ def _dtypes_worker(rank: int, tmp: str) -> None:
             config = _config(hf, None)
             live, _ = _prepared(chunks, config, DEFAULT_BUCKET_BYTES)
             quantization = fp8.writer_quantization(architecture_for(config), options.get("quantize"), None, config)
-            expected = core._sent_dtypes(live, options.get("dtype"), quantization, bool(config["tie_word_embeddings"]))
+            expected = agree._sent_dtypes(live, options.get("dtype"), quantization, bool(config["tie_word_embeddings"]))
             assert {name: dtype_name(dtype) for name, dtype in expected.items()} == recorder.got, options
             assert options or set(recorder.got.values()) == {"bfloat16", "float32"}  # bf16, norms float32
         return recorder.got
@@ -1285,13 +1285,13 @@ def test_engine_and_address_mistakes_are_one_sentence(tmp_path):
     # keeps megatron-core's local norms on the CPU; here "meta" stands in for the GPU)
     from types import SimpleNamespace
 
-    from mconv.live.sync import core
+    from mconv.live.sync import agree
     mixed = SimpleNamespace(tensors=[{"embedding.word_embeddings.weight": torch.zeros(2)},
                                      {"decoder.final_layernorm.weight": torch.zeros(2, device="meta")}])
     with pytest.raises(MconvError, match=r"^the model's tensors lie on cpu \(embedding.word_embeddings.weight, ...\) "
                                          r"and meta \(decoder.final_layernorm.weight, ...\): move the whole model"):
-        core._model_device(mixed)
-    assert core._model_device(SimpleNamespace(tensors=[{"w": torch.zeros(2)}])) == torch.device("cpu")
+        agree._model_device(mixed)
+    assert agree._model_device(SimpleNamespace(tensors=[{"w": torch.zeros(2)}])) == torch.device("cpu")
     with pytest.raises(TypeError, match=r"^authkey is a str; give the key as bytes"):
         ParameterReceiver({"w": torch.zeros(1)}, str(tmp_path / "engine.sock"), "key")
     odd = ParameterReceiver({"w": torch.zeros(2, dtype=torch.uint16)}, str(tmp_path / "odd.sock"), b"key")
