@@ -126,3 +126,11 @@ def test_vouched_sources_are_read_where_they_were():
     moved = torch.randn(32, 32, generator=generator)
     plan.run([torch.zeros(32, 32), moved])  # (position 0 vouched: what is passed there is not read)
     assert torch.equal(targets[0], kept) and torch.equal(targets[1], moved)
+
+
+def test_a_destination_that_requires_grad_takes_the_bytes():
+    """A parameter that requires grad (a receiver's nn.Parameter) is copied into as bytes, outside
+    autograd (torch's own in-place copy into it would refuse)."""
+    destination, source = torch.nn.Parameter(torch.zeros(8)), torch.arange(8.0)
+    CopyPlan([destination], [source]).run([source])
+    assert torch.equal(destination.detach(), source)

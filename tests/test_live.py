@@ -187,13 +187,13 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
     # the model planned anew there, its new values sent.
     sync_weights(chunks, moe, lambda bucket: None, bucket_bytes=100_000)
     planned = export._LIVE_CACHE[chunks[0]]
-    sampled = {id(p) for p in planned[5][2] + planned[4][0][2]}  # (one of each bucket's, and all of the first's)
+    sampled = {id(p) for p in planned.up_front.tensors}  # (one of each bucket's, and all of the first's)
     parameter = next(p for p in chunks[0].parameters() if id(p) not in sampled and p.numel())
     parameter.data = parameter.data + 1
     sent.clear()
     sync_weights(chunks, moe, lambda bucket: sent.update((name, t.clone()) for name, t in bucket),
                  bucket_bytes=100_000)
-    assert export._LIVE_CACHE[chunks[0]][2] is not planned[2]
+    assert export._LIVE_CACHE[chunks[0]].live is not planned.live
     del planned
     clear_cache(chunks)
     fresh = {name: t.clone() for bucket in iter_hf_weights(chunks, moe, bucket_bytes=100_000) for name, t in bucket}

@@ -104,7 +104,7 @@ def _moe_syncs(rank: int, socket: str, authkey: bytes, weights: dict) -> dict:
     for step, engine in enumerate(engines, 1):
         if step == 2 and rank == 1:  # one parameter of one rank moved since the last sync, before new weights
             planned = export._LIVE_CACHE[chunks[0]]  # (those a sync checks up front: one of each bucket, bucket 0's)
-            checked = {id(p) for p in planned[5][2] + planned[4][0][2]}
+            checked = {id(p) for p in planned.up_front.tensors}
             moved = next(p for name, p in chunks[0].named_parameters()  # (an expert's: rank 1's own, gathered)
                          if id(p) not in checked and ".experts." in name)
             moved.data = moved.data.clone()  # (its old storage, which the cached plan reads, keeps moe-1's values)

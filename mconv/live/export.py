@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -169,7 +169,29 @@ def clear_cache(model_chunks: Sequence[torch.nn.Module]) -> None:
         _LIVE_CACHE.pop(chunks[0], None)
 
 
-def _parameter_slots(model_chunks, read: set[int]) -> tuple[list[dict], list[str], list[torch.Tensor], list[int]]:
+class _Slots(NamedTuple):
+    """Parameters (and buffers an export reads) as four parallel lists: what holds each, its name
+    there, the tensor and its address."""
+
+    holders: list[dict]
+    names: list[str]
+    tensors: list[torch.Tensor]
+    addresses: list[int]
+
+
+class _Planned(NamedTuple):
+    """A model's cached plan (_LIVE_CACHE): what it was made for (_cache_key), its slots, LiveModel
+    and schedule, the slots each bucket reads, and those a sync checks up front (_prepared_for_sync)."""
+
+    key: tuple
+    slots: _Slots
+    live: LiveModel
+    schedule: list
+    per_bucket: list[_Slots]
+    up_front: _Slots
+
+
+def _parameter_slots(model_chunks, read: set[int]) -> _Slots:
     """Where each parameter lives (its module's parameter dict and name), the parameter and its
     storage address, as four lists, to tell cheaply whether the model still holds the same tensors
     in place; with them the buffers at the addresses in `read` (those an export reads, e.g. a
@@ -177,7 +199,7 @@ def _parameter_slots(model_chunks, read: set[int]) -> tuple[list[dict], list[str
     slots = [(held, name, tensor, tensor.data_ptr()) for chunk in model_chunks for module in chunk.modules()
              for held in (module._parameters, module._buffers) for name, tensor in held.items()
              if tensor is not None and (held is module._parameters or tensor.data_ptr() in read)]
-    return tuple(map(list, zip(*slots))) if slots else ([], [], [], [])
+    return _Slots(*map(list, zip(*slots))) if slots else _Slots([], [], [], [])
 
 
 def _unmoved(slots) -> bool:
@@ -216,14 +238,13 @@ def _prepared(model_chunks, hf_config: dict, bucket_bytes: int, stacked: bool = 
     makes it bucket by bucket instead: _prepared_for_sync)."""
     key = _cache_key(model_chunks, hf_config, bucket_bytes, stacked)
     cached = _LIVE_CACHE.get(model_chunks[0])
-    if cached is None or cached[0] != key or not _unmoved(cached[1]):
+    if cached is None or cached.key != key or not _unmoved(cached.slots):
         live = LiveModel.of(model_chunks, hf_config)
         schedule = _schedule(live, bucket_bytes, stacked)
         slots = _parameter_slots(model_chunks, {t.data_ptr() for steps in schedule for step in steps
                                                 for t in step.reads})
-        cached = (key, slots, live, schedule, *_bucket_slots(slots, schedule))
-        _LIVE_CACHE[model_chunks[0]] = cached
-    return cached[2], cached[3]
+        cached = _LIVE_CACHE[model_chunks[0]] = _Planned(key, slots, live, schedule, *_bucket_slots(slots, schedule))
+    return cached.live, cached.schedule
 
 
 def _prepared_for_sync(model_chunks, hf_config: dict, bucket_bytes: int) -> tuple[LiveModel, list, Callable]:
@@ -235,11 +256,11 @@ def _prepared_for_sync(model_chunks, hf_config: dict, bucket_bytes: int) -> tupl
     are checked: an offload that replaced every `param.data` is planned anew here."""
     key = _cache_key(model_chunks, hf_config, bucket_bytes, False)
     cached = _LIVE_CACHE.get(model_chunks[0])
-    if cached is None or cached[0] != key or not (_unmoved(cached[5]) and (not cached[4] or _unmoved(cached[4][0]))):
+    if cached is None or cached.key != key or not _unmoved(cached.up_front):
         _prepared(model_chunks, hf_config, bucket_bytes)  # (checks every parameter)
         cached = _LIVE_CACHE[model_chunks[0]]
-    per_bucket = cached[4]
-    return cached[2], cached[3], lambda index: _unmoved(per_bucket[index])
+    per_bucket = cached.per_bucket
+    return cached.live, cached.schedule, lambda index: _unmoved(per_bucket[index])
 
 
 def _bucket_layout(schedule: list[list[_GroupStep]]) -> list[tuple[list[str], list[tuple]]]:
@@ -251,16 +272,18 @@ def _bucket_layout(schedule: list[list[_GroupStep]]) -> list[tuple[list[str], li
         [(t.dtype, tuple(t.shape)) for step in steps for t in step.reads]) for steps in schedule]
 
 
-def _bucket_slots(slots, schedule: list[list[_GroupStep]]) -> tuple[list[tuple], tuple]:
-    """The _parameter_slots each bucket of `schedule` reads (the parameters at the addresses of the
-    tensors its steps read), and one of each bucket's (a sample that finds an offload of them all)."""
+def _bucket_slots(slots: _Slots, schedule: list[list[_GroupStep]]) -> tuple[list[_Slots], _Slots]:
+    """The slots each bucket of `schedule` reads (those at the addresses of the tensors its steps
+    read), and those a sync checks before any bucket: all of bucket 0's and one of each other
+    bucket's (a sample that finds an offload of them all)."""
     at: dict[int, list[int]] = defaultdict(list)
-    for i, address in enumerate(slots[3]):
+    for i, address in enumerate(slots.addresses):
         at[address].append(i)
     per_bucket = [sorted({i for step in steps for t in step.reads for i in at.get(t.data_ptr(), ())})
                   for steps in schedule]
-    subset = lambda rows: tuple([column[i] for i in rows] for column in slots)  # noqa: E731
-    return [subset(rows) for rows in per_bucket], subset(sorted({rows[0] for rows in per_bucket if rows}))
+    subset = lambda rows: _Slots(*([column[i] for i in rows] for column in slots))  # noqa: E731
+    up_front = set(per_bucket[0] if per_bucket else ()) | {rows[0] for rows in per_bucket if rows}
+    return [subset(rows) for rows in per_bucket], subset(sorted(up_front))
 
 
 def _stack_bucket(entries: Bucket, transposed: bool, experts: int) -> Bucket:

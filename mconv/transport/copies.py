@@ -7,7 +7,8 @@ torch._foreach_copy_, the plain choice, took 1.55x a flat copy's time for a 512 
 expert weights on an H200 (bench/results-sync-ipc-h200.log, "copy primitives"), with host work
 growing with the number of tensors. Other pairs (non-contiguous, on the CPU, across devices) keep
 torch._foreach_copy_, one call per dtype, devices and contiguity. Either way each copy is
-`dst.copy_(src)` for tensors of one dtype and shape: the same bytes.
+`dst.copy_(src)` for tensors of one dtype and shape: the same bytes, outside autograd (a
+destination may be a parameter that requires grad).
 """
 from __future__ import annotations
 
@@ -220,8 +221,10 @@ class CopyPlan:
             self._table[:, 0].copy_(torch.tensor(addresses, dtype=torch.int64, pin_memory=self._device.type == "cuda")
                                     .to(self._device, non_blocking=True))
             self._addresses = addresses
-        for group in self._others:
-            torch._foreach_copy_([self._dsts[i] for i in group], [srcs[i] for i in group])
+        if self._others:
+            with torch.no_grad():  # bytes copied, not a step of any graph (destinations may require grad)
+                for group in self._others:
+                    torch._foreach_copy_([self._dsts[i] for i in group], [srcs[i] for i in group])
         if not self._launches:
             return
         try:

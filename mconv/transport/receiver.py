@@ -487,8 +487,7 @@ class ParameterReceiver(UpdateReceiver):
                 if plan is None:
                     plan = self._plans[key, start, stop, layout] = self._plan(mapped[start:stop], [
                         Entry.from_json(e) for e in item["entries"]])
-                with torch.no_grad():  # (parameters that require grad: nn.Parameter's)
-                    plan[0].run()
+                plan[0].run()
                 self._received.update(plan[1])
         except BaseException:
             if self._cuda:  # the trainer reuses the buffers once we reply, an error too

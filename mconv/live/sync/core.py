@@ -386,19 +386,31 @@ def _write(engine, named, aliases, targets: dict, device, fixed, live) -> tuple[
         if unknown:
             raise MconvError(f"the engine has no tensor {unknown[0]} to write into")
         written = [(name, targets[name]) for name, _ in pairs]
-        hit = cache[1][key] = [written, [i for _, i in pairs[len(key):]],  # (the tensors copied again, aliased)
-                               sum(t.nbytes for _, t in written), None, None]  # + the plan, and what it was made for
-    written, aliased, nbytes, plan, made_for = hit
-    if aliased:
-        copied += [copied[i] for i in aliased]
-    if plan is None or made_for[0]() is not live or made_for[1] != fixed:  # (a model planned anew: parameters moved)
+        hit = cache[1][key] = _Written(written, [i for _, i in pairs[len(key):]], sum(t.nbytes for _, t in written))
+    if hit.aliased:
+        copied += [copied[i] for i in hit.aliased]
+    if hit.plan is None or hit.live() is not live or hit.fixed != fixed:  # (a model planned anew: parameters moved)
         kept = set(fixed)
-        sources = [*range(len(key)), *aliased]  # the position in `named` each pair copies from
-        plan = hit[3] = CopyPlan([t for _, t in written], copied, fixed_destinations=True,
-                                 unchanged=[k for k, i in enumerate(sources) if i in kept])
-        hit[4] = (weakref.ref(live), fixed)
-    plan.run(copied)
-    return cache[2], written, nbytes, copied
+        sources = [*range(len(key)), *hit.aliased]  # the position in `named` each pair copies from
+        hit.plan = CopyPlan([t for _, t in hit.written], copied, fixed_destinations=True,
+                            unchanged=[k for k, i in enumerate(sources) if i in kept])
+        hit.live, hit.fixed = weakref.ref(live), fixed
+    hit.plan.run(copied)
+    return cache[2], hit.written, hit.nbytes, copied
+
+
+@dataclass
+class _Written:
+    """What a bucket's names write (_write): the (name, target) pairs, kept while the engine offers
+    the same targets (its caches know the bucket by this list), the positions copied again under an
+    alias, their bytes, and the copy plan with the LiveModel and fixed positions it was made for."""
+
+    written: list[tuple[str, torch.Tensor]]
+    aliased: list[int]
+    nbytes: int
+    plan: CopyPlan | None = None
+    live: "weakref.ref | None" = None
+    fixed: list[int] | None = None
 
 
 @dataclass
