@@ -159,6 +159,8 @@ print(assert_batch_into_is_the_rule())
 from tests.test_fp8 import assert_sync_packing_follows_the_scale_format
 assert_sync_packing_follows_the_scale_format()
 print("packed")
+from tests.test_fp8 import assert_sync_writes_fp8_into_targets
+print(assert_sync_writes_fp8_into_targets())
 """
 
 
@@ -271,6 +273,58 @@ def assert_sync_packing_follows_the_scale_format() -> None:
             assert torch.equal(bits(sent[name]), bits(expected)), (fmt, name)
 
 
+def assert_sync_writes_fp8_into_targets() -> str:
+    """sync_weights' direct route (core._write into an engine's tensors) quantizes a bucket's FP8
+    weights straight into the engine's float8_e4m3fn weights and float32 scale grids (separate
+    tensors, one lying below the others in memory), copies the rest, and names every pair written:
+    fp8.quantize_picked's bytes, twice (the second through the plans kept); nothing else written.
+    Targets it cannot quantize into (a bfloat16 weight) leave the bucket to packing (None). A NaN
+    weight is written unchecked and named by fp8_batch.check_pending afterwards. Returns that
+    refusal's message. As above, "cuda" is what makes it quantize so; the tensors are on the CPU."""
+    from mconv.converter import fp8_batch
+    from mconv.live.sync import core
+    from mconv.live.sync.engines import Engine
+
+    class Live:  # what the copy plans are made for (a LiveModel: only its identity counts)
+        pass
+
+    down, up, norm = ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                      "model.layers.0.input_layernorm.weight")
+    named = [(down, (torch.randn(256, 300) * 0.37).bfloat16()), (norm, torch.randn(512).bfloat16()),
+             (up, (torch.randn(200, 256) * 0.02).bfloat16().t())]
+    picked = [(0, down + "_scale_inv"), (2, up + "_scale_inv")]
+    quantization = fp8.Quantization(lambda name: True)
+    expected = fp8.quantize_picked(named, picked)
+    arena = torch.full((1 << 20,), 0xAB, dtype=torch.uint8)  # the engine's memory: its tensors at odd places
+    targets, at = {}, 0
+    for name, t in reversed(expected):
+        at += 40 + (-at % 4)
+        targets[name] = arena[at:at + t.nbytes].view(t.dtype).view(t.shape)
+        at += t.nbytes
+    untouched = torch.ones_like(arena, dtype=torch.bool)
+    for t in targets.values():
+        untouched[t.data_ptr() - arena.data_ptr():t.data_ptr() - arena.data_ptr() + t.nbytes] = False
+    engine, live = Engine(), Live()
+    for again in (False, True):
+        unchecked: list = []
+        _, written, nbytes = core._write(engine, named, None, targets, torch.device("cuda"), [], live, picked,
+                                         quantization, unchecked)
+        assert [name for name, _ in written] == [name for name, _ in expected], again
+        assert nbytes == sum(t.nbytes for _, t in expected)
+        fp8_batch.check_pending(unchecked)
+        for name, t in expected:
+            assert torch.equal(bits(targets[name]), bits(t)), (name, again)
+        assert (arena[untouched] == 0xAB).all(), again
+    wrong = dict(targets, **{down: torch.zeros(256, 300, dtype=torch.bfloat16)})
+    assert core._write(Engine(), named, None, wrong, torch.device("cuda"), [], live, picked, quantization, []) is None
+    named[2][1][5, 5] = float("nan")
+    unchecked = []
+    core._write(engine, named, None, targets, torch.device("cuda"), [], live, picked, quantization, unchecked)
+    with pytest.raises(MconvError) as refused:
+        fp8_batch.check_pending(unchecked)
+    return str(refused.value)
+
+
 def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
     """fp8_batch.quantize_batch (the GPU path of the live export: all a bucket's weights in one kernel
     launch sequence) gives fp8.quantize's bytes and scales, checked above against compressed-tensors',
@@ -283,10 +337,12 @@ def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     run = subprocess.run([sys.executable, "-c", BATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[:4] == ["model.x.weight holds inf or NaN values, which FP8 cannot quantize",
+    assert run.stdout.split("\n")[:5] == ["model.x.weight holds inf or NaN values, which FP8 cannot quantize",
                                           "3 plans",
                                           "model.y.weight holds inf or NaN values, which FP8 cannot quantize",
-                                          "packed"]
+                                          "packed",
+                                          "model.layers.0.mlp.up_proj.weight holds inf or NaN values, which FP8 "
+                                          "cannot quantize"]
 
 
 def test_batched_quantize_without_triton_is_the_torch_rule(monkeypatch):

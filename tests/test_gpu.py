@@ -154,13 +154,16 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles, quantize, 
     the rest bf16; tests/test_fp8.py holds them to compressed-tensors' bytes), and gets their bytes
     through the sync's packing, which quantizes straight into the bucket buffers. Direct: the
     receiver shares its parameters (ParameterReceiver(direct=True)) and the trainer copies each
-    bucket straight into them (no buffer), the FP8 buckets with weights to quantize packed as
-    ever; verify=True reads them back."""
+    bucket straight into them (no buffer), FP8 weights quantized straight into the receiver's FP8
+    weights and scales; verify=True reads them back (against a quantization of its own). FP8: a
+    sync after one weight took a NaN fails, naming it, its update aborted (the check comes after
+    the last bucket), and the next sync is exact."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     import mconv.live
     from mconv.converter.hf_io import HFCheckpoint
+    from mconv.errors import MconvError
     from mconv.live.sync import IPCEngine, sync_weights
 
     hf_dir = FIXTURES / "qwen3-moe-tiny"
@@ -185,15 +188,25 @@ def test_gpu_ipc_sync_is_exact(process_group, tmp_path, delay_cycles, quantize, 
     engine = IPCEngine(address, authkey)
     try:
         assert ready.wait(120), "the receiver process did not start"
-        for step in (1, 2):
-            result = sync_weights([model], FIXTURES / "qwen3-moe-tiny", engine, version=f"step-{step}",
-                                  bucket_bytes=100_000, dtype=torch.bfloat16, quantize=quantize, verify=direct)
+        def sync(step):
+            return sync_weights([model], FIXTURES / "qwen3-moe-tiny", engine, version=f"step-{step}",
+                                bucket_bytes=100_000, dtype=torch.bfloat16, quantize=quantize, verify=direct)
+
+        result = sync(1)
+        if quantize:
+            weight = next(p for n, p in model.named_parameters() if "linear_fc2" in n)
+            kept, weight.data[1, 1] = weight.data[1, 1].item(), float("nan")
+            with pytest.raises(MconvError, match=r"update was aborted: rank 0: \S+ holds inf or NaN"):
+                sync("nan")
+            weight.data[1, 1] = kept
+        result = sync(2)
         assert result.buckets > 4
-        if direct:  # written straight into the receiver's parameters, packed only where quantized
-            assert "targets" in engine._carried and bool(engine._buffers) == bool(quantize)
-        if not direct or quantize:
+        if direct:  # written straight into the receiver's parameters, FP8 weights too
+            assert "targets" in engine._carried and not engine._buffers
+            assert not quantize or any(w.places for w in engine.__dict__["_mconv_writes"][1].values())
+        else:
             assert sorted(engine._carried["done"]) == [0, 1]  # the receiver replied with its "done" events
-        if quantize:  # the buckets' weights were quantized straight into their buffers
+        if quantize and not direct:  # the buckets' weights were quantized straight into their buffers
             layouts = engine.__dict__["_mconv_layouts"]
             assert any(signature[2] for signature in layouts)
             assert all(layout.places for signature, layout in layouts.items() if signature[2])

@@ -32,18 +32,23 @@ _DTYPES = dict(zip(fp8._BATCHED_DTYPES, (tl.bfloat16, tl.float16, tl.float32))) 
 
 AMAX, QUANTIZE, FUSED = (tl.constexpr(mode) for mode in range(3))  # what a launch does (_kernel's MODE)
 _FP8_MAX, _ZERO_BLOCK_SCALE = tl.constexpr(fp8.FP8_MAX), tl.constexpr(fp8.ZERO_BLOCK_SCALE)  # the rule's, in the kernel
+COLUMNS = tl.constexpr(10)  # of a weight's row in a launch table (_kernel)
 _ROWS = 32  # rows of a block a kernel step reads (on an H200 at 8 warps: 32 and 64 about equal, 16 and 128 slower)
 
 
 @triton.jit
-def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+def _kernel(table, block_tensor, base, scale, out, bad, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
             MODE: tl.constexpr, ALIGNED: tl.constexpr, ROWS: tl.constexpr):
     """Block `base + program id` of the batch (a launch's blocks start at `base`), zero outside its
     tensor. MODE AMAX: its amax into its scale; QUANTIZE: its values divided by its scale into `out`;
     FUSED: its float scale (fp8.scales' rule) into its scale and its values divided by it into `out`.
-    `table` holds a row of 9 int64 per tensor: address, rows, columns, row stride (elements; columns
-    are contiguous), first block, scale-grid columns, offset of its FP8 output (elements), number of
-    blocks, offset of its scale grid in `scale` (elements). ALIGNED: every address of the launch is
+    Where the amax is inf (the block holds inf or NaN: its scale is not finite), AMAX and FUSED
+    lower `bad` (one int64) to the tensor's index in the caller's list.
+    `table` holds a row of _COLUMNS int64 per tensor: address, rows, columns, row stride (elements;
+    columns are contiguous), first block, scale-grid columns, offset of its FP8 output (elements),
+    number of blocks, offset of its scale grid in `scale` (elements), index in the caller's list.
+    The offsets may reach beyond `out` and `scale` into other tensors on the device (an engine's
+    parameters: quantize_batch's `into`). ALIGNED: every address of the launch is
     a multiple of 16 bytes and every row stride, column count and output offset a multiple of 16
     elements (then loads and stores are vectorised; without the hint they go element by element).
 
@@ -52,7 +57,7 @@ def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: t
     registers that too few blocks were in flight per SM (0.73 of a flat copy's rate on an H200
     against 0.91 at 32 rows, bench/results-fp8-h200.log)."""
     pid = tl.program_id(0).to(tl.int64)
-    row = table + tl.load(block_tensor + pid).to(tl.int64) * 9
+    row = table + tl.load(block_tensor + pid).to(tl.int64) * COLUMNS
     rows, cols, stride = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
     src, dst = tl.load(row).to(tl.pointer_type(DTYPE)), out + tl.load(row + 6)
     if ALIGNED:
@@ -72,6 +77,7 @@ def _kernel(table, block_tensor, base, scale, out, DTYPE: tl.constexpr, BLOCK: t
             x = tl.load(src + r * stride + c, mask=(r < rows) & (c < cols), other=0.0).to(tl.float32)
             magnitude = tl.where(x != x, float("inf"), tl.abs(x))
             amax = tl.maximum(amax, tl.max(tl.max(magnitude, axis=1), axis=0))
+        tl.atomic_min(bad, tl.load(row + 9), mask=amax == float("inf"))
         if MODE == AMAX:
             tl.store(scale_at, amax)
         else:
@@ -103,14 +109,16 @@ class _Plan:
     once: the launches (their tables hold every field but the weights' addresses, written at each
     call), the output sizes, and how to cut the flat outputs into the weights' views."""
 
-    table: torch.Tensor  # int64 [weights, 9], in `order` (`_kernel`'s rows; addresses written per call)
+    table: torch.Tensor  # int64 [weights, COLUMNS], in `order` (`_kernel`'s rows; addresses written per call)
     launches: list[tuple]  # (its rows of `table`, block tensor, base, Triton dtype, aligned)
     out_numel: int
     blocks: int  # 128x128 blocks of all the weights
     order: list[int]
     runs: list[tuple]  # (indices, FP8 element offset, weight shape, first block, scale grid): consecutive
     # outputs of one shape, cut apart by one view and unbind each
-    scale_span: tuple[int, int]  # the scales' first and end offsets (float32 elements) in the scale buffer
+    addresses: list[int] | None = None  # the weights' addresses in `table` (None: not written yet)
+    done: "torch.cuda.Event | None" = None  # recorded after the last call's launches (on a GPU)
+    stream: "torch.cuda.Stream | None" = None  # where they were launched
 
 
 _PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -118,7 +126,7 @@ _PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
 # with more distinct buckets plans again at every call (about 500 GB of weights at 512 MiB buckets).
 _MAX_PLANS = 1024
 _DTYPE_OF, _SHAPE_OF = operator.attrgetter("dtype"), operator.attrgetter("shape")
-_LOCK = threading.Lock()  # a plan's tables serve one call at a time, from its addresses to its end
+_LOCK = threading.Lock()  # a plan's table serves one call at a time, from its addresses to its launches
 
 
 def _plan(weights: list[torch.Tensor], aligned: list[bool], into: list[tuple[int, int]] | None = None) -> _Plan:
@@ -136,7 +144,7 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool], into: list[tuple[int
     offsets = dict(zip(order, itertools.accumulate(padded, initial=0)))
     placed = {i: into[i] if into is not None else (offsets[i], starts[i]) for i in order}
     rows = [[0, *weights[i].shape, weights[i].stride(0), starts[i], grids[i][1], placed[i][0],
-             grids[i][0] * grids[i][1], placed[i][1]] for i in order]
+             grids[i][0] * grids[i][1], placed[i][1], i] for i in order]
     table = torch.tensor(rows, dtype=torch.int64, device=device)  # in `order`; a launch's rows are a slice
     launches, first = [], 0
     for group in dict.fromkeys(key[i] for i in order):
@@ -157,31 +165,34 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool], into: list[tuple[int
             last[0].append(i)
         else:
             runs.append(([i], offsets[i], shape, starts[i], grids[i]))
-    scale_ends = [(row[8], row[8] + row[7]) for row in rows]
-    span = (min(s for s, _ in scale_ends), max(e for _, e in scale_ends)) if rows else (0, 0)
-    return _Plan(table, launches, sum(padded), block_starts[-1], order, runs, span)
+    return _Plan(table, launches, sum(padded), block_starts[-1], order, runs)
 
 
 def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float",
-                   into: tuple[torch.Tensor, list[tuple[int, int]]] | None = None) -> list[tuple] | None:
+                   into: tuple[torch.Tensor, list[tuple[int, int]]] | None = None,
+                   pending: list | None = None) -> list[tuple] | None:
     """fp8.quantize of each (name, 2-D weight) (bfloat16, float16 or float32; any strides; all on one
     device), bit for bit, in one kernel launch per dtype and alignment (two for UE8M0 scales):
     (q float8_e4m3fn [out, in], scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one
     flat FP8 buffer and one flat scale buffer. One host synchronisation: MconvError naming the first
     weight of `named` that holds inf or NaN.
 
-    `into` = (buffer, places): the FP8 weights and float scales go straight into `buffer` (1-D
-    uint8 on the weights' device, e.g. a sync's flat bucket) instead, each weight's q row-major at
-    its place's first byte offset and its scale grid (float32, row-major) at the second (a multiple
-    of 4); returns None. Float scales only (ValueError for "ue8m0", whose scales are computed
-    between two launches over one flat scale buffer). Where one of the scales is not finite, the
-    weight is named as above; other float32 bytes lying between the scales in `buffer` may be
-    anything.
+    `into` = (buffer, places): the FP8 weights and float scales go straight to `buffer`'s device
+    memory instead (`buffer` 1-D uint8, e.g. a sync's flat bucket), each weight's q row-major at its
+    place's first byte offset from `buffer`'s first byte and its scale grid (float32, row-major) at
+    the second (a multiple of 4); returns None. The places may lie beyond `buffer`'s end, in other
+    tensors of its device (a sync writing into an engine's parameters): the caller vouches for them.
+    Float scales only (ValueError for "ue8m0", whose scales are computed between two launches over
+    one flat scale buffer).
+
+    `pending` (a list): no host synchronisation; what tells whether a weight held inf or NaN is
+    appended to `pending` instead, for `check_pending` to read once for many calls (a sync, before
+    it finishes). The outputs must not be used as valid before then.
 
     The launch tables are planned once per list of dtypes, shapes, strides and alignments (and
     places) (a sync quantizes the same buckets every time) and kept for the next call (the last
     1024 such lists, 4 bytes per 128x128 block on the device); a call then writes the weights'
-    addresses into them."""
+    addresses into them where they changed."""
     if into is not None and scale_fmt != "float":
         raise ValueError(f"quantize_batch(into=...) writes float scales, not {scale_fmt!r}")
     if into is not None and (into[0].dtype != torch.uint8 or into[0].dim() != 1):
@@ -212,43 +223,69 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
                 _PLANS.popitem(last=False)
         else:
             _PLANS.move_to_end(signature)
-        # The last call's kernels have finished (its host synchronisation below). The addresses go
-        # pinned and asynchronously: a pageable copy would wait for all the work queued on the device.
-        plan.table[:, 0].copy_(torch.tensor([addresses[i] for i in plan.order], dtype=torch.int64,
-                                            pin_memory=device.type == "cuda").to(device, non_blocking=True))
+        cuda = device.type == "cuda"
+        stream = torch.cuda.current_stream(device) if cuda else None
+        if plan.done is not None and plan.stream != stream:  # its last launches, unsynchronised, came on another
+            stream.wait_event(plan.done)  # stream: they read the table first (no host wait)
+        ordered = [addresses[i] for i in plan.order]
+        if ordered != plan.addresses:  # (a sync's buckets of parameters: the same addresses every time)
+            # Pinned and asynchronous: a pageable copy would wait for all the work queued on the device;
+            # stream-ordered after the last call's launches, which read the old ones.
+            plan.table[:, 0].copy_(torch.tensor(ordered, dtype=torch.int64, pin_memory=cuda).to(
+                device, non_blocking=True))
+            plan.addresses = ordered
         if into is None:
             out = torch.empty(plan.out_numel, dtype=fp8.FP8, device=device)
             scale = torch.empty(plan.blocks, dtype=torch.float32, device=device)  # amax values first, for UE8M0
         else:
             out, scale = into[0].view(fp8.FP8), into[0][:into[0].numel() // 4 * 4].view(torch.float32)
-        kernel = _launcher(device)
-        for mode in ((FUSED,) if scale_fmt == "float" else (AMAX, QUANTIZE)):
-            if mode == QUANTIZE:
-                scale = fp8.scales(scale, scale_fmt)
-            for table, block_tensor, base, dtype, aligned_ in plan.launches:
-                kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, dtype, fp8.BLOCK, mode.value,
-                                                aligned_, _ROWS, num_warps=8)
-        if into is not None:
-            lowest, end = plan.scale_span
-            if not torch.isfinite(scale[lowest:end]).all():  # the scales' span: one host synchronisation
-                grids = [fp8.grid(w.shape) for w in weights]
-                _refuse_non_finite(named, [scale[s:s + r * c] for (_, s), (r, c) in zip(places, grids)])
-            return None
-        quantized: list = [None] * len(weights)
-        for indices, offset, (rows, cols), first, grid in plan.runs:
-            n = len(indices)
-            qs = out[offset:offset + n * rows * cols].view(n, rows, cols).unbind(0)
-            scales = scale[first:first + n * grid[0] * grid[1]].view(n, *grid).unbind(0)
-            for i, q, s in zip(indices, qs, scales):
-                quantized[i] = (q, s)
-        if not torch.isfinite(scale).all():  # checked once all is launched: the host waits for the GPU once
-            _refuse_non_finite(named, [s for _, s in quantized])
-        return quantized
+        bad = torch.full((1,), len(named), dtype=torch.int64, device=device)
+        scale = _launch(plan, scale_fmt, scale, out, bad)
+        if cuda:  # (a call on another stream waits for these launches, which read the table: above)
+            plan.done, plan.stream = plan.done or torch.cuda.Event(), stream
+            plan.done.record(stream)
+        if pending is not None:
+            pending.append((bad, [name for name, _ in named]))
+        quantized = None if into is not None else _cut(plan, out, scale, len(weights))
+    if pending is None:
+        check_pending([(bad, [name for name, _ in named])])  # checked once all is launched: the host waits once
+    return quantized
 
 
-def _refuse_non_finite(named: list[tuple[str, torch.Tensor]], scales: list[torch.Tensor]) -> None:
-    """MconvError naming the first weight of `named` whose scale (in `scales`, in the same order) is
-    not finite (none: another float32 value in the span checked was, and no weight is refused)."""
-    for (name, _), s in zip(named, scales):
-        if not torch.isfinite(s).all():
-            raise fp8._not_finite(name)
+def _launch(plan: _Plan, scale_fmt: str, scale: torch.Tensor, out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """The plan's kernel launches, its table's addresses written: FP8 weights into `out`, float
+    scales into `scale`, the first weight holding inf or NaN into `bad`. Returns the scales (for
+    UE8M0: `scale` holds the amax values, made into a new tensor of scales between the launches)."""
+    kernel = _launcher(out.device)
+    for mode in ((FUSED,) if scale_fmt == "float" else (AMAX, QUANTIZE)):
+        if mode == QUANTIZE:
+            scale = fp8.scales(scale, scale_fmt)
+        for table, block_tensor, base, dtype, aligned in plan.launches:
+            kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, bad, dtype, fp8.BLOCK, mode.value,
+                                            aligned, _ROWS, num_warps=8)
+    return scale
+
+
+def _cut(plan: _Plan, out: torch.Tensor, scale: torch.Tensor, count: int) -> list[tuple]:
+    """(q, scale) of each of the plan's `count` weights, in the caller's order: views of `out` and
+    `scale`."""
+    quantized: list = [None] * count
+    for indices, offset, (rows, cols), first, grid in plan.runs:
+        n = len(indices)
+        qs = out[offset:offset + n * rows * cols].view(n, rows, cols).unbind(0)
+        scales = scale[first:first + n * grid[0] * grid[1]].view(n, *grid).unbind(0)
+        for i, q, s in zip(indices, qs, scales):
+            quantized[i] = (q, s)
+    return quantized
+
+
+def check_pending(pending: list) -> None:
+    """One host synchronisation for the quantize_batch calls that left their check in `pending`:
+    MconvError naming the first weight (of the first call) that held inf or NaN, which FP8 cannot
+    quantize."""
+    if not pending:
+        return
+    found = torch.cat([bad for bad, _ in pending]).tolist()
+    for index, (_, names) in zip(found, pending):
+        if index < len(names):
+            raise fp8._not_finite(names[index])

@@ -249,13 +249,14 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
 
     workers = ThreadPoolExecutor(1, thread_name_prefix="mconv-sync") if sender else None
     pending: list[Future] = []
+    unchecked: list = []  # whether the FP8 weights quantized held inf or NaN: read once, after the last bucket
     failure = None
     flushed = failed = False  # flushed: told the engine what this sender wrote into its tensors (Engine.targets)
     try:
         for index in range(rounds):
             if index < len(schedule) and failure is None:
                 failure = _attempt(lambda: _send(index, buckets, engine, sender, tied, version, pending, workers,
-                                                 result, sums, quantization, prepared["live"]))
+                                                 result, sums, quantization, prepared["live"], unchecked))
             if index + 1 < len(schedule) and failure is None:  # (bucket 0's: _prepared_for_sync)
                 # before the ranks agree on this round: one that fails here stops them all before the
                 # next bucket's collectives
@@ -266,6 +267,10 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
         if workers is not None:
             waited = time.perf_counter()
             failure = failure or next((e for e in (_attempt(f.result) for f in pending) if e is not None), None)
+            if unchecked and not failed:  # (a weight held inf or NaN: the update is aborted, not finished)
+                from mconv.converter.fp8_batch import check_pending
+
+                failure = failure or _attempt(lambda: check_pending(unchecked))
             if failure is None and not failed:
                 failure = _attempt(engine.flush)
                 flushed = failure is None
@@ -279,9 +284,12 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
     return failure
 
 
-def _send(index, buckets, engine, sender, tied, version, pending, workers, result, sums, quantization, live) -> None:
-    """Gather bucket `index` (every rank of the stage takes part) and, on the sender, pack it into
-    slot index % 2 once the bucket that used that slot is loaded, and queue it for the engine."""
+def _send(index, buckets, engine, sender, tied, version, pending, workers, result, sums, quantization, live,
+          unchecked) -> None:
+    """Gather bucket `index` (every rank of the stage takes part) and, on the sender, write it into
+    the engine's tensors (Engine.targets) or pack it into slot index % 2 once the bucket that used
+    that slot is loaded, and queue it for the engine. `unchecked`: fp8_batch.quantize_batch's
+    `pending`, checked once after the last bucket."""
     started = time.perf_counter()
     named, picked, fixed = next(buckets)
     packed = time.perf_counter()
@@ -293,15 +301,15 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
     waited = time.perf_counter()
     device = named[0][1].device if named else torch.device("cpu")
     aliases = {LM_HEAD: EMBEDDING} if tied else None
-    targets = None if picked else engine.targets(device)
-    if targets is not None:
-        buffer, written, nbytes, sources = _write(engine, named, aliases, targets, device, fixed, live)
+    targets = engine.targets(device)
+    done = None if targets is None else _write(engine, named, aliases, targets, device, fixed, live, picked,
+                                               quantization, unchecked)
+    if done is not None:
+        buffer, written, nbytes = done
         bucket = FlatBucket(version, index, buffer, [], written=written)
-        sent = list(zip((name for name, _ in written), sources)) if sums is not None else None  # what verify compares
     else:
-        entries, buffer = _pack(engine, index % 2, named, aliases, device, picked, quantization)
+        entries, buffer = _pack(engine, index % 2, named, aliases, device, picked, quantization, unchecked)
         bucket, nbytes = FlatBucket(version, index, buffer, entries), buffer.numel()
-        sent = None
     result.seconds["engine"] += waited - packed
     result.seconds["pack"] += time.perf_counter() - waited
     result.buckets += 1
@@ -311,8 +319,9 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
         bucket.ready = torch.cuda.Event()
         bucket.ready.record(torch.cuda.current_stream(buffer.device))
     if sums is not None:
-        # (a written bucket's: the tensors copied from; a packed one's: its views, before the engine reuses the buffer)
-        sums.update(checksums(sent if bucket.written else list(bucket)))
+        # a packed bucket's: its views, before the engine reuses the buffer; a written one's: the tensors
+        # copied from, and its FP8 weights quantized again apart from the engine's (fp8.quantize_picked)
+        sums.update(checksums(_sent(named, picked, quantization, aliases) if bucket.written else list(bucket)))
     pending.append(workers.submit(engine.update, bucket))
 
 
@@ -323,7 +332,17 @@ def _is_sender(live) -> bool:
             and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
 
 
-def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=None) -> tuple[list, torch.Tensor]:
+def _sent(named, picked, quantization, aliases) -> list[tuple[str, torch.Tensor]]:
+    """A bucket written into the engine's tensors as what verify compares them with: the tensors
+    copied, and its `picked` weights quantized apart (fp8.quantize_picked: the same rule into new
+    tensors, so a weight written to the wrong place differs), aliases beside what they alias."""
+    sent = fp8.quantize_picked(named, picked, quantization.scale_fmt) if picked else list(named)
+    at = dict(sent)
+    return sent + [(alias, at[of]) for alias, of in (aliases or {}).items() if of in at]
+
+
+def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=None,
+          unchecked: list | None = None) -> tuple[list, torch.Tensor]:
     """Pack `named` into the engine's buffer for `slot`, the weights `picked` ((index, scale name),
     fp8.picked_weights) quantized by `quantization` on the way: its entries and the buffer. A
     bucket's layout is computed once per signature (names, dtypes, shapes), and its copies into the
@@ -332,7 +351,8 @@ def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=Non
     the plan replans itself where one does not fit it), so a later sync's packing is one batched
     copy on a GPU. There, with float scales, the picked weights are quantized straight into the
     buffer (fp8_batch.quantize_batch(into=...)): no FP8 tensors made and copied per weight;
-    elsewhere they are quantized first (fp8.quantize_picked), the same bytes."""
+    elsewhere they are quantized first (fp8.quantize_picked), the same bytes. `unchecked`:
+    quantize_batch's `pending` (None: checked here)."""
     layouts = engine.__dict__.setdefault("_mconv_layouts", {})  # signature -> _Layout (RemoteEngine has a _layouts)
     plans = engine.__dict__.setdefault(_COPY_PLANS, {})  # (slot, signature) -> (buffer, CopyPlan)
     signature = (tuple((name, t.dtype, t.shape) for name, t in named), tuple(sorted((aliases or {}).items())),
@@ -356,58 +376,99 @@ def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=Non
     if known.places:
         from mconv.converter.fp8_batch import quantize_batch
 
-        quantize_batch([named[i] for i, _ in picked], quantization.scale_fmt, into=(buffer, known.places))
+        quantize_batch([named[i] for i, _ in picked], quantization.scale_fmt, into=(buffer, known.places),
+                       pending=unchecked)
     return known.entries, buffer
 
 
 _WRITES = "_mconv_writes"  # where _write keeps an engine's copy plans into its targets
 
 
-def _write(engine, named, aliases, targets: dict, device, fixed, live) -> tuple[torch.Tensor, list, int, list]:
+def _write(engine, named, aliases, targets: dict, device, fixed, live, picked=(), quantization=None,
+           unchecked: list | None = None) -> tuple[torch.Tensor, list, int] | None:
     """Copy `named` (and each alias, from the tensor it aliases) straight into the engine's
-    `targets` ({HF name: its tensor}), on the current stream: (an empty buffer, the (name, target)
-    pairs written, their bytes, the tensor each was copied from) for the bucket. What a bucket's
-    names write is worked out once per targets dict (the `written` list kept, which the engine's
-    caches know it by), its copies planned once per LiveModel and `fixed` positions
+    `targets` ({HF name: its tensor}), on the current stream, and quantize its `picked` weights
+    ((index, scale name), fp8.picked_weights) straight into their FP8 targets and their scales into
+    theirs (fp8_batch.quantize_batch, `unchecked` its `pending`): (an empty buffer, the (name,
+    target) pairs written, their bytes) for the bucket. None where the picked weights cannot be
+    quantized so (not on a GPU, UE8M0 scales, targets not contiguous float8_e4m3fn weights and
+    float32 scale grids): the caller packs the bucket.
+
+    What a bucket's names write is worked out once per targets dict (the `written` list kept, which
+    the engine's caches know it by), its copies planned once per LiveModel and `fixed` positions
     (copies.CopyPlan, as `_pack` plans them): those positions' sources, views `live`'s schedule
     keeps of parameters the sync checks, are read where they were planned, unchecked. MconvError
     for a name the engine has no tensor for."""
     cache = engine.__dict__.get(_WRITES)
     if cache is None or cache[0] is not targets:  # what writes into tensors the engine no longer offers goes
-        cache = engine.__dict__[_WRITES] = (targets, {}, torch.empty(0, dtype=torch.uint8, device=device))
-    key = tuple(map(operator.itemgetter(0), named))
-    copied = list(map(operator.itemgetter(1), named))
+        # (the bucket's buffer: empty, on the device of the writes)
+        cache = engine.__dict__[_WRITES] = (targets, {}, torch.empty(0, dtype=torch.uint8,
+                                                                     device=named[0][1].device if named else device))
+    key = (tuple(map(operator.itemgetter(0), named)), tuple(picked), quantization.scale_fmt if picked else None)
     hit = cache[1].get(key)
     if hit is None:
-        at = {name: i for i, name in enumerate(key)}
-        pairs = [(name, i) for i, name in enumerate(key)] + [(alias, at[of]) for alias, of in (aliases or {}).items()
-                                                             if of in at]
-        unknown = [name for name, _ in pairs if name not in targets]
-        if unknown:
-            raise MconvError(f"the engine has no tensor {unknown[0]} to write into")
-        written = [(name, targets[name]) for name, _ in pairs]
-        hit = cache[1][key] = _Written(written, [i for _, i in pairs[len(key):]], sum(t.nbytes for _, t in written))
-    if hit.aliased:
-        copied += [copied[i] for i in hit.aliased]
+        hit = cache[1][key] = _writes(named, aliases, targets, device, picked, quantization)
+    if picked and hit.places is None:
+        return None
+    copied = [named[i][1] for i in hit.sources]
     if hit.plan is None or hit.live() is not live or hit.fixed != fixed:  # (a model planned anew: parameters moved)
         kept = set(fixed)
-        sources = [*range(len(key)), *hit.aliased]  # the position in `named` each pair copies from
-        hit.plan = CopyPlan([t for _, t in hit.written], copied, fixed_destinations=True,
-                            unchanged=[k for k, i in enumerate(sources) if i in kept])
+        hit.plan = CopyPlan(hit.destinations, copied, fixed_destinations=True,
+                            unchanged=[k for k, i in enumerate(hit.sources) if i in kept])
         hit.live, hit.fixed = weakref.ref(live), fixed
     hit.plan.run(copied)
-    return cache[2], hit.written, hit.nbytes, copied
+    if picked:
+        from mconv.converter.fp8_batch import quantize_batch
+
+        quantize_batch([named[i] for i, _ in picked], "float", into=(hit.base, hit.places), pending=unchecked)
+    return cache[2], hit.written, hit.nbytes
+
+
+def _writes(named, aliases, targets: dict, device, picked, quantization) -> "_Written | None":
+    """_Written for a bucket's names: every (name, target) pair, FP8 weights and scales where
+    `picked`, in fp8.quantize_picked's order, then the aliases; the copies; and the places of the
+    quantized weights (None where they cannot be quantized into their targets: _write). MconvError
+    for a name the engine has no tensor for."""
+    names = [name for name, _ in named]
+    at = {name: i for i, name in enumerate(names)}
+    scales = dict(picked)
+    sent = [n for i, name in enumerate(names) for n in ((name, scales[i]) if i in scales else (name,))]
+    aliased = [(alias, of) for alias, of in (aliases or {}).items() if of in at]
+    unknown = [name for name in sent + [alias for alias, _ in aliased] if name not in targets]
+    if unknown:
+        raise MconvError(f"the engine has no tensor {unknown[0]} to write into")
+    written = [(name, targets[name]) for name in sent] + [(alias, targets[alias]) for alias, _ in aliased]
+    sources = [i for i in range(len(names)) if i not in scales] + [at[of] for _, of in aliased]
+    destinations = [targets[names[i]] for i in range(len(names)) if i not in scales] + [
+        targets[alias] for alias, _ in aliased]
+    base = places = None
+    if picked and device.type == "cuda" and quantization.scale_fmt == "float" and fp8.batchable(
+            [named[i][1] for i in scales]):
+        pairs = [(targets[names[i]], targets[scale], named[i][1]) for i, scale in picked]
+        if all(q.dtype == fp8.FP8 and q.shape == w.shape and q.is_contiguous() and q.device == w.device
+               and s.dtype == torch.float32 and tuple(s.shape) == fp8.grid(w.shape) and s.is_contiguous()
+               and s.device == w.device for q, s, w in pairs):
+            # offsets from the lowest scale's address (4-byte aligned, as quantize_batch's scale offsets are)
+            lowest = min((s for _, s, _ in pairs), key=torch.Tensor.data_ptr)
+            base = lowest.view(-1).view(torch.uint8)
+            places = [(q.data_ptr() - base.data_ptr(), s.data_ptr() - base.data_ptr()) for q, s, _ in pairs]
+    return _Written(written, sources, destinations, sum(t.nbytes for _, t in written), base, places)
 
 
 @dataclass
 class _Written:
     """What a bucket's names write (_write): the (name, target) pairs, kept while the engine offers
-    the same targets (its caches know the bucket by this list), the positions copied again under an
-    alias, their bytes, and the copy plan with the LiveModel and fixed positions it was made for."""
+    the same targets (its caches know the bucket by this list), the position in the bucket each
+    copied target copies from and the target, their bytes, where its picked weights are quantized
+    (quantize_batch's `into`: a base tensor and places; None: not into targets), and the copy plan
+    with the LiveModel and fixed positions it was made for."""
 
     written: list[tuple[str, torch.Tensor]]
-    aliased: list[int]
+    sources: list[int]
+    destinations: list[torch.Tensor]
     nbytes: int
+    base: torch.Tensor | None
+    places: list[tuple[int, int]] | None
     plan: CopyPlan | None = None
     live: "weakref.ref | None" = None
     fixed: list[int] | None = None
