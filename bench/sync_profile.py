@@ -12,8 +12,10 @@ torch._foreach_copy_, a copy_ per tensor, and the batched copies torch has for f
 
 `--timeline`: for each sync, the trainer's phases in milliseconds from the sync's start (first
 start and last end of each, and its total): where the wall time goes outside the bucket loop.
+`--export`: no sync: iter_hf_weights alone (`--quantize`), its wall time four times (until the
+device is done with the last bucket) and the fourth's profile.
 
-    python3 bench/sync_profile.py --layers 48 [--quantize fp8] [--direct] [--sort cumtime] [--timeline]
+    python3 bench/sync_profile.py --layers 48 [--quantize fp8] [--direct] [--sort cumtime] [--timeline] [--export]
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def timeline(engine) -> dict:
     """Time the trainer's phases of a sync: wraps the sync's steps (module functions sync_weights
     calls, `engine`'s requests) to record (first start, last end, total) in seconds since
     `origin[0]`; returns {phase: [start, end, total]}, emptied by the caller per sync."""
-    from mconv.live import export
+    from mconv.live import schedule
     from mconv.live.sync import core
 
     phases: dict[str, list[float]] = {}
@@ -81,10 +83,29 @@ def timeline(engine) -> dict:
     for name in ("_prepared", "_agree_models", "_agree_dtypes", "_write", "_pack", "_started", "_config",
                  "architecture_for"):
         setattr(core, name, timed_step(name, getattr(core, name)))
-    export._unmoved = timed_step("_unmoved", export._unmoved)
+    schedule._unmoved = timed_step("_unmoved", schedule._unmoved)
     for name in ("expected", "dtypes", "start", "targets", "update", "flush", "finish"):
         setattr(engine, name, timed_step(name, getattr(engine, name)))
     return phases, origin
+
+
+def profile_export(export, sort: str) -> None:
+    """Time `export()`'s buckets consumed four times (wall, until the device is done), profiling
+    the fourth; print the times and the profile's top 40 by `sort`."""
+    profile = cProfile.Profile()
+    for index in range(4):
+        torch.cuda.synchronize()
+        if index == 3:
+            profile.enable()
+        start = time.perf_counter()
+        tensors = sum(len(bucket) for bucket in export())
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        profile.disable()
+        print(f"export {index}{' (profiled)' if index == 3 else ''}: {wall * 1e3:.1f} ms, {tensors} tensors", flush=True)
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats(sort).print_stats(40)
+    print(out.getvalue())
 
 
 def receive(shapes, address, authkey, ready, commands, reports, direct=False):
@@ -126,6 +147,7 @@ def main():
     parser.add_argument("--direct", action="store_true",
                         help="the receiver shares its parameters and the trainer writes into them")
     parser.add_argument("--timeline", action="store_true", help="each sync's phases, ms from its start")
+    parser.add_argument("--export", action="store_true", help="profile iter_hf_weights alone, no sync")
     parser.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumtime)")
     options = parser.parse_args()
     require_gpu("sync_profile.py")
@@ -148,6 +170,11 @@ def main():
         shapes = {name: (list(t.shape), dtype_name(t.dtype))
                   for bucket in iter_hf_weights([model], hf, bucket_bytes=BUCKET, quantize=quantize)
                   for name, t in bucket}
+        if options.export:
+            profile_export(lambda: iter_hf_weights([model], hf, bucket_bytes=BUCKET, quantize=quantize), options.sort)
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+            return
         context = multiprocessing.get_context("spawn")
         address, authkey = os.path.join(store, "engine.sock"), os.urandom(16)
         ready, commands, reports = context.Event(), context.Queue(), context.Queue()

@@ -161,6 +161,8 @@ assert_sync_packing_follows_the_scale_format()
 print("packed")
 from tests.test_fp8 import assert_sync_writes_fp8_into_targets
 print(assert_sync_writes_fp8_into_targets())
+from tests.test_fp8 import assert_keyed_plans_follow_their_lists
+print(assert_keyed_plans_follow_their_lists())
 """
 
 
@@ -247,12 +249,12 @@ def assert_batch_into_is_the_rule() -> str:
 
 
 def assert_sync_packing_follows_the_scale_format() -> None:
-    """sync_weights' packing of one bucket (core._pack) into one engine, with float scales, then
+    """sync_weights' packing of one bucket (pack._pack) into one engine, with float scales, then
     UE8M0, then float again, sends fp8.quantize_picked's bytes each time: the layout kept per
     bucket is keyed by the scale format too (a float layout quantizes into the buffer; reused for
     UE8M0 it sent float scales). _pack is told the device is "cuda" (what makes it quantize into
     the buffer); the engine's buffers are CPU memory, for the interpreter."""
-    from mconv.live.sync import core
+    from mconv.live.sync import pack
     from mconv.live.sync.engines import Engine
     from mconv.transport.flat import unpack
 
@@ -266,7 +268,7 @@ def assert_sync_packing_follows_the_scale_format() -> None:
     picked = [(0, weight + "_scale_inv")]
     engine = CPUBuffers()
     for fmt in ("float", "ue8m0", "float"):
-        entries, buffer = core._pack(engine, 0, named, None, torch.device("cuda"), picked,
+        entries, buffer = pack._pack(engine, 0, named, None, torch.device("cuda"), picked,
                                      fp8.Quantization(lambda name: True, fmt))
         sent = dict(unpack(buffer, entries))
         for name, expected in fp8.quantize_picked(named, picked, fmt):
@@ -274,7 +276,7 @@ def assert_sync_packing_follows_the_scale_format() -> None:
 
 
 def assert_sync_writes_fp8_into_targets() -> str:
-    """sync_weights' direct route (core._write into an engine's tensors) quantizes a bucket's FP8
+    """sync_weights' direct route (pack._write into an engine's tensors) quantizes a bucket's FP8
     weights straight into the engine's float8_e4m3fn weights and float32 scale grids (separate
     tensors, one lying below the others in memory), copies the rest, and names every pair written:
     fp8.quantize_picked's bytes, twice (the second through the plans kept); nothing else written.
@@ -282,7 +284,7 @@ def assert_sync_writes_fp8_into_targets() -> str:
     weight is written unchecked and named by fp8_batch.check_pending afterwards. Returns that
     refusal's message. As above, "cuda" is what makes it quantize so; the tensors are on the CPU."""
     from mconv.converter import fp8_batch
-    from mconv.live.sync import core
+    from mconv.live.sync import pack
     from mconv.live.sync.engines import Engine
 
     class Live:  # what the copy plans are made for (a LiveModel: only its identity counts)
@@ -307,7 +309,7 @@ def assert_sync_writes_fp8_into_targets() -> str:
     engine, live = Engine(), Live()
     for again in (False, True):
         unchecked: list = []
-        _, written, nbytes = core._write(engine, named, None, targets, torch.device("cuda"), [], live, picked,
+        _, written, nbytes = pack._write(engine, named, None, targets, torch.device("cuda"), [], live, picked,
                                          quantization, unchecked)
         assert [name for name, _ in written] == [name for name, _ in expected], again
         assert nbytes == sum(t.nbytes for _, t in expected)
@@ -316,13 +318,40 @@ def assert_sync_writes_fp8_into_targets() -> str:
             assert torch.equal(bits(targets[name]), bits(t)), (name, again)
         assert (arena[untouched] == 0xAB).all(), again
     wrong = dict(targets, **{down: torch.zeros(256, 300, dtype=torch.bfloat16)})
-    assert core._write(Engine(), named, None, wrong, torch.device("cuda"), [], live, picked, quantization, []) is None
+    assert pack._write(Engine(), named, None, wrong, torch.device("cuda"), [], live, picked, quantization, []) is None
     named[2][1][5, 5] = float("nan")
     unchecked = []
-    core._write(engine, named, None, targets, torch.device("cuda"), [], live, picked, quantization, unchecked)
+    pack._write(engine, named, None, targets, torch.device("cuda"), [], live, picked, quantization, unchecked)
     with pytest.raises(MconvError) as refused:
         fp8_batch.check_pending(unchecked)
     return str(refused.value)
+
+
+def assert_keyed_plans_follow_their_lists() -> str:
+    """quantize_batch's plans kept per caller key (a sync's or an export's bucket) give fp8.quantize's
+    bytes for the same weights with new values, for other weights of the same shapes (other
+    addresses, one of them not 16-byte aligned) and for weights of other shapes or dtypes under the
+    same key: the plan is used only where it fits. Returns how many keyed plans it added (one)."""
+    from mconv.converter import fp8_batch
+
+    def check(named):
+        for (name, x), (q, scale) in zip(named, fp8_batch.quantize_batch(named, key="bucket 7")):
+            expected_q, expected_scale = fp8.quantize(x)
+            assert torch.equal(bits(q), bits(expected_q)) and torch.equal(scale, expected_scale), name
+
+    before = len(fp8_batch._KEYED)
+    weights = [(torch.randn(256, 384) * 0.1).bfloat16(), torch.randn(130, 200) * 3]
+    named = [("a", weights[0]), ("b", weights[1])]
+    check(named)
+    for w in weights:
+        w.mul_(-7)  # new values in place
+    check(named)
+    unaligned = torch.empty(256 * 384 + 1, dtype=torch.bfloat16)[1:].view(256, 384)
+    unaligned.copy_(torch.randn(256, 384))
+    check([("a", unaligned), ("b", torch.randn(130, 200))])
+    check([("a", torch.randn(128, 384).half()), ("b", torch.randn(130, 200))])
+    check(named)
+    return f"{len(fp8_batch._KEYED) - before} keyed"
 
 
 def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
@@ -337,12 +366,13 @@ def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     run = subprocess.run([sys.executable, "-c", BATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[:5] == ["model.x.weight holds inf or NaN values, which FP8 cannot quantize",
+    assert run.stdout.split("\n")[:6] == ["model.x.weight holds inf or NaN values, which FP8 cannot quantize",
                                           "3 plans",
                                           "model.y.weight holds inf or NaN values, which FP8 cannot quantize",
                                           "packed",
                                           "model.layers.0.mlp.up_proj.weight holds inf or NaN values, which FP8 "
-                                          "cannot quantize"]
+                                          "cannot quantize",
+                                          "1 keyed"]
 
 
 def test_batched_quantize_without_triton_is_the_torch_rule(monkeypatch):

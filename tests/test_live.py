@@ -147,7 +147,7 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from mconv.live import build_model, clear_cache, export, iter_hf_weights
+    from mconv.live import build_model, clear_cache, iter_hf_weights, schedule
     from mconv.live.sync import sync_weights
     from tests.megatron_oracle import _cpu_shims
 
@@ -173,7 +173,7 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
         for parameter in chunks[0].parameters():
             parameter.add_(1)  # (in the new storages: the old ones, which the cached plan reads, keep the old values)
     sent = {}
-    # plans anew for the moved ones (found moved up front: export._prepared_for_sync), and sends their values
+    # plans anew for the moved ones (found moved up front: schedule._prepared_for_sync), and sends their values
     sync_weights(chunks, moe, lambda bucket: sent.update((name, t.clone()) for name, t in bucket),
                  bucket_bytes=100_000)
     clear_cache(chunks)
@@ -186,14 +186,14 @@ def _moved_parameters_worker(rank: int, store: str) -> None:
     # One parameter moved, none of those a sync checks up front: found before its bucket,
     # the model planned anew there, its new values sent.
     sync_weights(chunks, moe, lambda bucket: None, bucket_bytes=100_000)
-    planned = export._LIVE_CACHE[chunks[0]]
+    planned = schedule._LIVE_CACHE[chunks[0]]
     sampled = {id(p) for p in planned.up_front.tensors}  # (one of each bucket's, and all of the first's)
     parameter = next(p for p in chunks[0].parameters() if id(p) not in sampled and p.numel())
     parameter.data = parameter.data + 1
     sent.clear()
     sync_weights(chunks, moe, lambda bucket: sent.update((name, t.clone()) for name, t in bucket),
                  bucket_bytes=100_000)
-    assert export._LIVE_CACHE[chunks[0]].live is not planned.live
+    assert schedule._LIVE_CACHE[chunks[0]].live is not planned.live
     del planned
     clear_cache(chunks)
     fresh = {name: t.clone() for bucket in iter_hf_weights(chunks, moe, bucket_bytes=100_000) for name, t in bucket}

@@ -90,7 +90,7 @@ def _moe_syncs(rank: int, socket: str, authkey: bytes, weights: dict) -> dict:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     from mconv import Layout
-    from mconv.live import build_model, export, load_hf_weights
+    from mconv.live import build_model, load_hf_weights, schedule
     from mconv.live.sync import VLLMEngine, sync_weights
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
@@ -103,7 +103,7 @@ def _moe_syncs(rank: int, socket: str, authkey: bytes, weights: dict) -> dict:
     engines = [VLLMEngine(socket, authkey), VLLMEngine(socket, authkey, route="reload")]
     for step, engine in enumerate(engines, 1):
         if step == 2 and rank == 1:  # one parameter of one rank moved since the last sync, before new weights
-            planned = export._LIVE_CACHE[chunks[0]]  # (those a sync checks up front: one of each bucket, bucket 0's)
+            planned = schedule._LIVE_CACHE[chunks[0]]  # (those a sync checks up front: one of each bucket, bucket 0's)
             checked = {id(p) for p in planned.up_front.tensors}
             moved = next(p for name, p in chunks[0].named_parameters()  # (an expert's: rank 1's own, gathered)
                          if id(p) not in checked and ".experts." in name)
@@ -172,11 +172,12 @@ def _trainer(rank: int, tmp: Path, socket: str, authkey: bytes, weights: dict) -
                 if any(e[0] == spoilt for b in buffers for e in b["entries"]):
                     self.params[spoilt].view(-1)[5] += 1
         Spoiling({n: t.clone() for n, t in held.items()}, socket + ".spoilt", authkey).start()
-        from mconv.live import export
+        from mconv.live import schedule
+        from mconv.live.sync import pack
 
         calls = {name: 0 for name in ("make_plan", "_check", "layout", "_block_aligned")}
         for name in calls:
-            module = export if name == "_block_aligned" else core if name == "layout" else agree
+            module = schedule if name == "_block_aligned" else pack if name == "layout" else agree
             def counted(*args, _name=name, _original=getattr(module, name), **kwargs):
                 calls[_name] += 1
                 return _original(*args, **kwargs)
@@ -1023,7 +1024,7 @@ def test_fresh_buffers_let_the_old_ones_go():
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from mconv.live.sync import CallableEngine
-    from mconv.live.sync.core import _pack
+    from mconv.live.sync.pack import _pack
     from mconv.live.sync.vllm import _fresh_cuda_buffers
 
     engine = CallableEngine(lambda bucket: None)
@@ -1059,7 +1060,8 @@ def _dtypes_worker(rank: int, tmp: str) -> None:
     from mconv.converter import fp8
     from mconv.live import build_model, clear_cache, iter_hf_weights, load_hf_weights
     from mconv.live.chunks import _config
-    from mconv.live.export import DEFAULT_BUCKET_BYTES, _prepared
+    from mconv.live.export import DEFAULT_BUCKET_BYTES
+    from mconv.live.schedule import _prepared
     from mconv.live.sync import CallableEngine, SharedMemoryEngine, agree, core, sync_weights
     from mconv.mappings import architecture_for
     from mconv.mappings.schema import Architecture

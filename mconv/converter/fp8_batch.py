@@ -116,16 +116,18 @@ class _Plan:
     order: list[int]
     runs: list[tuple]  # (indices, FP8 element offset, weight shape, first block, scale grid): consecutive
     # outputs of one shape, cut apart by one view and unbind each
-    addresses: list[int] | None = None  # the weights' addresses in `table` (None: not written yet)
+    addresses: list[int] | None = None  # the weights' addresses in `table`, in the caller's order (None: not yet)
+    signature: tuple = ()  # what quantize_batch made it for
     done: "torch.cuda.Event | None" = None  # recorded after the last call's launches (on a GPU)
     stream: "torch.cuda.Stream | None" = None  # where they were launched
 
 
-_PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()  # by signature: shared by the calls of one
+_KEYED: "OrderedDict[object, _Plan]" = OrderedDict()  # by a caller's key: its own
 # More than a sync's buckets of a large model on one rank (114 for Qwen3-30B-A3B at 512 MiB); a rank
 # with more distinct buckets plans again at every call (about 500 GB of weights at 512 MiB buckets).
 _MAX_PLANS = 1024
-_DTYPE_OF, _SHAPE_OF = operator.attrgetter("dtype"), operator.attrgetter("shape")
+_DTYPE_OF, _SHAPE_OF, _LAST = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.itemgetter(-1)
 _LOCK = threading.Lock()  # a plan's table serves one call at a time, from its addresses to its launches
 
 
@@ -170,7 +172,7 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool], into: list[tuple[int
 
 def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float",
                    into: tuple[torch.Tensor, list[tuple[int, int]]] | None = None,
-                   pending: list | None = None) -> list[tuple] | None:
+                   pending: list | None = None, key=None) -> list[tuple] | None:
     """fp8.quantize of each (name, 2-D weight) (bfloat16, float16 or float32; any strides; all on one
     device), bit for bit, in one kernel launch per dtype and alignment (two for UE8M0 scales):
     (q float8_e4m3fn [out, in], scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one
@@ -192,48 +194,48 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     The launch tables are planned once per list of dtypes, shapes, strides and alignments (and
     places) (a sync quantizes the same buckets every time) and kept for the next call (the last
     1024 such lists, 4 bytes per 128x128 block on the device); a call then writes the weights'
-    addresses into them where they changed."""
+    addresses into them where they changed. `key` (any hashable: a caller's name for one of the
+    lists it quantizes again and again, e.g. a bucket of a sync): the plan is kept for that key
+    alone (its own table: the addresses of a list of parameters are written once, not at every
+    call of the lists of the same shapes), and found without hashing the list; it is used only
+    where that list's dtypes, shapes, strides, alignments and places are the plan's."""
     if into is not None and scale_fmt != "float":
         raise ValueError(f"quantize_batch(into=...) writes float scales, not {scale_fmt!r}")
     if into is not None and (into[0].dtype != torch.uint8 or into[0].dim() != 1):
         raise ValueError(f"quantize_batch(into=(buffer, places)) writes into a 1-D uint8 buffer, not a "
                          f"{into[0].dim()}-D {into[0].dtype} one")
     weights = [w for _, w in named]
-    strides = list(map(torch.Tensor.stride, weights))
-    if any(stride[-1] != 1 for stride in strides):  # transposed views: copied row-major
+    strides = tuple(map(torch.Tensor.stride, weights))
+    if set(map(_LAST, strides)) != {1}:  # transposed views: copied row-major
         weights = [w if stride[-1] == 1 else w.contiguous() for w, stride in zip(weights, strides)]
-        strides = list(map(torch.Tensor.stride, weights))
+        strides = tuple(map(torch.Tensor.stride, weights))
     device = weights[0].device
     addresses = list(map(torch.Tensor.data_ptr, weights))
-    places = None if into is None else [(q, s // 4) for q, s in into[1]]
-    # all that _plan reads (the alignments: of the addresses, row strides, columns and outputs)
-    signature = (device, tuple(map(_DTYPE_OF, weights)), tuple(map(_SHAPE_OF, weights)), tuple(strides),
-                 tuple(a % 16 for a in addresses), None if into is None else (into[0].data_ptr() % 16, tuple(into[1])))
+    # all that _plan reads (the alignments: of the addresses, row strides, columns and outputs), in C-level maps
+    signature = (device, tuple(map(_DTYPE_OF, weights)), tuple(map(_SHAPE_OF, weights)), strides,
+                 tuple(map(operator.mod, addresses, itertools.repeat(16))),
+                 None if into is None else (into[0].data_ptr() % 16, tuple(into[1])))
     with _LOCK:
-        plan = _PLANS.get(signature)
-        if plan is None:
-            if into is not None and any(s % 4 for _, s in into[1]):
-                raise ValueError("quantize_batch(into=(buffer, places)): scale offsets must be multiples of 4 bytes")
-            aligned = [a % 16 == 0 and stride[0] % 16 == 0 and w.shape[1] % 16 == 0
-                       for w, a, stride in zip(weights, addresses, strides)]
-            if into is not None:
-                aligned = [a and not (into[0].data_ptr() + q) % 16 for a, (q, _) in zip(aligned, places)]
-            plan = _PLANS[signature] = _plan(weights, aligned, places)
-            while len(_PLANS) > _MAX_PLANS:
-                _PLANS.popitem(last=False)
+        plan = _KEYED.get(key) if key is not None else None
+        if plan is not None and plan.signature == signature:  # (compared, not hashed)
+            _KEYED.move_to_end(key)
         else:
-            _PLANS.move_to_end(signature)
+            plan = _PLANS.get(signature) if key is None else None
+            if plan is None:
+                plan = _plan_for(weights, addresses, strides, into, signature)
+                _kept(_KEYED if key is not None else _PLANS, signature if key is None else key, plan)
+            elif key is None:
+                _PLANS.move_to_end(signature)
         cuda = device.type == "cuda"
         stream = torch.cuda.current_stream(device) if cuda else None
         if plan.done is not None and plan.stream != stream:  # its last launches, unsynchronised, came on another
             stream.wait_event(plan.done)  # stream: they read the table first (no host wait)
-        ordered = [addresses[i] for i in plan.order]
-        if ordered != plan.addresses:  # (a sync's buckets of parameters: the same addresses every time)
+        if addresses != plan.addresses:  # (a sync's buckets of parameters: the same addresses every time)
             # Pinned and asynchronous: a pageable copy would wait for all the work queued on the device;
             # stream-ordered after the last call's launches, which read the old ones.
-            plan.table[:, 0].copy_(torch.tensor(ordered, dtype=torch.int64, pin_memory=cuda).to(
-                device, non_blocking=True))
-            plan.addresses = ordered
+            plan.table[:, 0].copy_(torch.tensor([addresses[i] for i in plan.order], dtype=torch.int64,
+                                                pin_memory=cuda).to(device, non_blocking=True))
+            plan.addresses = addresses
         if into is None:
             out = torch.empty(plan.out_numel, dtype=fp8.FP8, device=device)
             scale = torch.empty(plan.blocks, dtype=torch.float32, device=device)  # amax values first, for UE8M0
@@ -250,6 +252,27 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     if pending is None:
         check_pending([(bad, [name for name, _ in named])])  # checked once all is launched: the host waits once
     return quantized
+
+
+def _plan_for(weights: list[torch.Tensor], addresses: list[int], strides, into, signature: tuple) -> _Plan:
+    """A new _Plan for quantize_batch's call (`signature`: what it was made for)."""
+    places = None if into is None else [(q, s // 4) for q, s in into[1]]
+    if into is not None and any(s % 4 for _, s in into[1]):
+        raise ValueError("quantize_batch(into=(buffer, places)): scale offsets must be multiples of 4 bytes")
+    aligned = [a % 16 == 0 and stride[0] % 16 == 0 and w.shape[1] % 16 == 0
+               for w, a, stride in zip(weights, addresses, strides)]
+    if into is not None:
+        aligned = [a and not (into[0].data_ptr() + q) % 16 for a, (q, _) in zip(aligned, places)]
+    plan = _plan(weights, aligned, places)
+    plan.signature = signature
+    return plan
+
+
+def _kept(plans: OrderedDict, key, plan: _Plan) -> None:
+    """`plan` kept under `key`, the least recently used plans dropped beyond _MAX_PLANS."""
+    plans[key] = plan
+    while len(plans) > _MAX_PLANS:
+        plans.popitem(last=False)
 
 
 def _launch(plan: _Plan, scale_fmt: str, scale: torch.Tensor, out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ except ImportError:
     raise ImportError("mconv.live needs megatron-core: pip install 'mconv[live]'", name="megatron") from None
 
 from mconv.live.chunks import LiveModel  # noqa: E402
-from mconv.live.export import DEFAULT_BUCKET_BYTES, clear_cache, iter_hf_weights, save_hf_weights  # noqa: E402
+from mconv.live.export import DEFAULT_BUCKET_BYTES, iter_hf_weights, save_hf_weights  # noqa: E402
+from mconv.live.schedule import clear_cache  # noqa: E402
 from mconv.live.load import load_hf_weights  # noqa: E402
 from mconv.live.model import build_model, transformer_config  # noqa: E402
 

@@ -10,7 +10,7 @@ from mconv.converter.options import DTYPES
 from mconv.converter.planner import make_plan
 from mconv.converter.transforms import cast_dtype
 from mconv.errors import MconvError
-from mconv.live.export import _exported
+from mconv.live.schedule import _exported
 from mconv.transport.flat import dtype_name
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"

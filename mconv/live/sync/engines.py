@@ -183,7 +183,7 @@ _CONNECTING = 30.0  # seconds a connection and its handshake may take
 
 class RemoteEngine(Engine):
     """An engine in another process that serves mconv's JSON requests (a
-    mconv.transport.receiver.UpdateReceiver) on `address` (a Unix socket path or "host:port"),
+    mconv.transport.update_receiver.UpdateReceiver) on `address` (a Unix socket path or "host:port"),
     authenticated with `authkey` (bytes). Subclasses say how a bucket travels (`update`).
 
     Errors: MconvError, in one sentence, for an `address` that is no str or path or an `authkey`

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mconv.errors import MconvError
-from mconv.live.sync.core import _WRITES, forget_packing
+from mconv.live.sync.pack import _WRITES, forget_packing
 from mconv.live.sync.engines import FlatBucket, RemoteEngine
 from mconv.transport import cuda_ipc
 from mconv.transport.flat import Entry, dtype_name

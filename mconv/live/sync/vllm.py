@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from mconv.errors import MconvError
-from mconv.live.sync.core import forget_packing
+from mconv.live.sync.pack import forget_packing
 from mconv.live.sync.engines import Engine, FlatBucket, RemoteEngine, SharedMemoryBuffers, SharedMemoryEngine
 from mconv.live.sync.http import call_json
 from mconv.live.sync.ipc import IPCEngine
