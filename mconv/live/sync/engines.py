@@ -101,10 +101,11 @@ class Engine:
     def targets(self, device: torch.device) -> dict[str, torch.Tensor] | None:
         """{HF name: the engine's own tensor}, for an engine whose parameters this process can write
         (another process's GPU memory mapped here: IPCEngine with a ParameterReceiver(direct=True)),
-        or None (the default): buckets are packed into `buffer`s. With targets, a bucket with no
-        weights to quantize is copied straight into them (one copy on the device, no buffer) and
-        handed to `update` as a FlatBucket with `written` only; `flush` follows the last one
-        (`discard` where the sync failed).
+        or None (the default): buckets are packed into `buffer`s. With targets, a bucket is copied
+        straight into them (one copy on the device, no buffer; FP8 weights quantized straight into
+        their FP8 targets and scales where those are contiguous and the scales float: otherwise
+        that bucket is packed) and handed to `update` as a FlatBucket with `written` only; `flush`
+        follows the last one (`discard` where the sync failed).
         Asked per bucket on each sender: return the same dict while the engine is unchanged."""
         return None
 
