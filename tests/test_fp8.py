@@ -280,7 +280,9 @@ def assert_sync_writes_fp8_into_targets() -> str:
     weights straight into the engine's float8_e4m3fn weights and float32 scale grids (separate
     tensors, one lying below the others in memory), copies the rest, and names every pair written:
     fp8.quantize_picked's bytes, twice (the second through the plans kept); nothing else written.
-    Targets it cannot quantize into (a bfloat16 weight) leave the bucket to packing (None). A NaN
+    With every tensor at the schedule's fixed positions (vouched for from the second call on), new
+    values written in place are quantized, and so are other tensors once the model is planned anew. Targets it cannot quantize into (a bfloat16 weight)
+    leave the bucket to packing (None). A NaN
     weight is written unchecked and named by fp8_batch.check_pending afterwards. Returns that
     refusal's message. As above, "cuda" is what makes it quantize so; the tensors are on the CPU."""
     from mconv.converter import fp8_batch
@@ -317,6 +319,18 @@ def assert_sync_writes_fp8_into_targets() -> str:
         for name, t in expected:
             assert torch.equal(bits(targets[name]), bits(t)), (name, again)
         assert (arena[untouched] == 0xAB).all(), again
+    named[2] = (up, named[2][1].contiguous())  # (a transposed weight is copied at every call: never vouched for)
+    for factor in (2.0, 3.0, 5.0):  # the bucket's tensors all the schedule's own (fixed): vouched for at the second
+        named[0][1].mul_(factor)  # new values in place
+        if factor == 5.0:  # the model planned anew (moved parameters): other tensors, not vouched for
+            live, named = Live(), [(name, t.clone()) for name, t in named]
+            named[0][1].mul_(factor)
+        unchecked = []
+        pack._write(engine, named, None, targets, torch.device("cuda"), [0, 1, 2], live, picked, quantization,
+                    unchecked)
+        fp8_batch.check_pending(unchecked)
+        for name, t in fp8.quantize_picked(named, picked):
+            assert torch.equal(bits(targets[name]), bits(t)), (name, factor)
     wrong = dict(targets, **{down: torch.zeros(256, 300, dtype=torch.bfloat16)})
     assert pack._write(Engine(), named, None, wrong, torch.device("cuda"), [], live, picked, quantization, []) is None
     named[2][1][5, 5] = float("nan")
@@ -331,11 +345,15 @@ def assert_keyed_plans_follow_their_lists() -> str:
     """quantize_batch's plans kept per caller key (a sync's or an export's bucket) give fp8.quantize's
     bytes for the same weights with new values, for other weights of the same shapes (other
     addresses, one of them not 16-byte aligned) and for weights of other shapes or dtypes under the
-    same key: the plan is used only where it fits. Returns how many keyed plans it added (one)."""
+    same key: the plan is used only where it fits. Vouched for (`unchanged`: the key's last
+    tensors), it follows their new values, and is used without looking at the list (given other
+    tensors, it reads the last ones), but for a list holding a transposed weight (copied row-major
+    at every call): that one follows the list. Returns how many keyed plans it added (two)."""
     from mconv.converter import fp8_batch
 
-    def check(named):
-        for (name, x), (q, scale) in zip(named, fp8_batch.quantize_batch(named, key="bucket 7")):
+    def check(named, key="bucket 7", unchanged=False, expected=None):
+        out = fp8_batch.quantize_batch(named, key=key, unchanged=unchanged)
+        for (name, x), (q, scale) in zip(expected or named, out):
             expected_q, expected_scale = fp8.quantize(x)
             assert torch.equal(bits(q), bits(expected_q)) and torch.equal(scale, expected_scale), name
 
@@ -351,6 +369,14 @@ def assert_keyed_plans_follow_their_lists() -> str:
     check([("a", unaligned), ("b", torch.randn(130, 200))])
     check([("a", torch.randn(128, 384).half()), ("b", torch.randn(130, 200))])
     check(named)
+    for w in weights:
+        w.mul_(0.5)
+    check(named, unchanged=True)
+    check([("a", torch.zeros(256, 384).bfloat16()), ("b", torch.zeros(130, 200))], unchanged=True, expected=named)
+    transposed = [("a", weights[0]), ("t", torch.randn(200, 130).t())]
+    check(transposed, key="bucket 8")
+    transposed[1][1].mul_(3)
+    check(transposed, key="bucket 8", unchanged=True)
     return f"{len(fp8_batch._KEYED) - before} keyed"
 
 
@@ -372,7 +398,7 @@ def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
                                           "packed",
                                           "model.layers.0.mlp.up_proj.weight holds inf or NaN values, which FP8 "
                                           "cannot quantize",
-                                          "1 keyed"]
+                                          "2 keyed"]
 
 
 def test_batched_quantize_without_triton_is_the_torch_rule(monkeypatch):

@@ -71,6 +71,41 @@ def test_gpu_load_and_export_are_exact(process_group, fixture):
     assert (logits.float().cpu()[..., :300] - hf_logits(hf_dir, tokens)).abs().max().item() < 1e-3
 
 
+def test_gpu_fp8_export_follows_the_weights(process_group):
+    """iter_hf_weights(quantize="fp8") on a GPU (fp8_batch's kernels; each bucket's plan kept and, for
+    the schedule's own views of parameters, used without looking at them: quantize_batch's
+    `unchanged`) yields fp8.quantize's CPU bytes of the model's weights, twice, again after every
+    parameter changed in place (new values at the same addresses), and after one was replaced
+    (`param.data`: the model planned anew)."""
+    import mconv.live
+    from mconv.converter import fp8
+
+    hf_dir = FIXTURES / "qwen3-moe-tiny"
+    model = _gpu_model(hf_dir)
+    mconv.live.load_hf_weights([model], hf_dir)
+
+    def check():
+        export = lambda **options: {name: t.cpu() for bucket in mconv.live.iter_hf_weights(  # noqa: E731
+            [model], hf_dir, bucket_bytes=100_000, **options) for name, t in bucket}
+        plain, got = export(), export(quantize="fp8")
+        quantized = [name for name in got if name + fp8.SCALE_SUFFIX in got]
+        assert len(quantized) > 10
+        for name in quantized:
+            q, scale = fp8.quantize(plain[name])
+            assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(got[name + fp8.SCALE_SUFFIX], scale), name
+
+    check()
+    check()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.5)
+    check()
+    param = next(p for name, p in model.named_parameters() if "linear_fc1" in name)
+    param.data = param.data * 0.5
+    check()
+
+
 def test_fp8_quantize_on_gpu_gives_the_cpu_bytes():
     """fp8.quantize on CUDA equals its CPU result (itself equal to compressed-tensors', test_fp8.py),
     edge and all-zero blocks, both scale formats; before the divisor became a tensor, CUDA's

@@ -282,22 +282,22 @@ def output_config(config: dict, quantization: Quantization | None, kept: list[st
 
 
 def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float",
-                 batched: bool | None = None, key=None) -> list[tuple]:
+                 batched: bool | None = None, key=None, unchanged: bool = False) -> list[tuple]:
     """(q, scale) of each (name, 2-D weight), by `quantize`, on the weights' device (one device); one
     host synchronisation for the list (MconvError naming the first weight holding inf or NaN).
     `batched` (default: on a GPU): all the weights together, in a few Triton kernel launches
     (fp8_batch), where Triton is importable and the list holds only 2-D bfloat16, float16 or
     float32 weights (no 3-D stacked experts); otherwise (and where Triton is not importable: a
     torch build without it), one by one: the same bytes either way. MconvError for a `scale_fmt`
-    not in SCALE_FORMATS. `key`: fp8_batch.quantize_batch's (a caller's name for a list it
-    quantizes again and again)."""
+    not in SCALE_FORMATS. `key`, `unchanged`: fp8_batch.quantize_batch's (a caller's name for a
+    list it quantizes again and again, and its word that the list holds that key's last tensors)."""
     if not named:
         return []
     _check_scale_fmt(scale_fmt)
     if (named[0][1].is_cuda if batched is None else batched) and batchable([t for _, t in named]):
         from mconv.converter.fp8_batch import quantize_batch
 
-        return quantize_batch(named, scale_fmt, key=key)
+        return quantize_batch(named, scale_fmt, key=key, unchanged=unchanged)
     quantized = [quantize(t, scale_fmt, name, check=False) for name, t in named]
     finite = torch.stack([torch.isfinite(scale).all() for _, scale in quantized])
     if not finite.all():
@@ -346,12 +346,12 @@ def picked_weights(tensors: list[tuple[str, torch.Tensor]], quantization: Quanti
 
 
 def quantize_picked(tensors: list[tuple[str, torch.Tensor]], picked: list[tuple[int, str]],
-                    scale_fmt: str = "float", key=None) -> list[tuple[str, torch.Tensor]]:
+                    scale_fmt: str = "float") -> list[tuple[str, torch.Tensor]]:
     """`tensors` with each `picked` weight ((index, scale name), as picked_weights gives) replaced
-    by (name, FP8 weight) and (scale name, float32 scale), quantized by `quantize_all` (`key`: its)."""
+    by (name, FP8 weight) and (scale name, float32 scale), quantized by `quantize_all`."""
     if not picked:
         return list(tensors)
-    return with_scales(tensors, picked, quantize_all([tensors[i] for i, _ in picked], scale_fmt, key=key))
+    return with_scales(tensors, picked, quantize_all([tensors[i] for i, _ in picked], scale_fmt))
 
 
 def with_scales(tensors: list[tuple[str, object]], picked: list[tuple[int, str]], pairs: list[tuple]) -> list[tuple]:

@@ -118,6 +118,7 @@ class _Plan:
     # outputs of one shape, cut apart by one view and unbind each
     addresses: list[int] | None = None  # the weights' addresses in `table`, in the caller's order (None: not yet)
     signature: tuple = ()  # what quantize_batch made it for
+    copied: bool = False  # some weights are copied row-major first (new tensors at every call: never vouched for)
     done: "torch.cuda.Event | None" = None  # recorded after the last call's launches (on a GPU)
     stream: "torch.cuda.Stream | None" = None  # where they were launched
 
@@ -172,7 +173,7 @@ def _plan(weights: list[torch.Tensor], aligned: list[bool], into: list[tuple[int
 
 def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float",
                    into: tuple[torch.Tensor, list[tuple[int, int]]] | None = None,
-                   pending: list | None = None, key=None) -> list[tuple] | None:
+                   pending: list | None = None, key=None, unchanged: bool = False) -> list[tuple] | None:
     """fp8.quantize of each (name, 2-D weight) (bfloat16, float16 or float32; any strides; all on one
     device), bit for bit, in one kernel launch per dtype and alignment (two for UE8M0 scales):
     (q float8_e4m3fn [out, in], scale float32 [ceil(out/128), ceil(in/128)]) per weight, views of one
@@ -198,39 +199,30 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     lists it quantizes again and again, e.g. a bucket of a sync): the plan is kept for that key
     alone (its own table: the addresses of a list of parameters are written once, not at every
     call of the lists of the same shapes), and found without hashing the list; it is used only
-    where that list's dtypes, shapes, strides, alignments and places are the plan's."""
+    where that list's dtypes, shapes, strides, alignments and places are the plan's. With
+    `unchanged` the caller vouches that `named` holds the very tensors of that key's last call,
+    unmoved, and `into` its places (a sync's or an export's bucket of parameters, while its plan
+    stands): the plan is used without looking at them (nothing per weight on the host). A key is
+    an object the caller keeps for as long as it vouches by it (not an id() that a new object
+    could take)."""
     if into is not None and scale_fmt != "float":
         raise ValueError(f"quantize_batch(into=...) writes float scales, not {scale_fmt!r}")
     if into is not None and (into[0].dtype != torch.uint8 or into[0].dim() != 1):
         raise ValueError(f"quantize_batch(into=(buffer, places)) writes into a 1-D uint8 buffer, not a "
                          f"{into[0].dim()}-D {into[0].dtype} one")
-    weights = [w for _, w in named]
-    strides = tuple(map(torch.Tensor.stride, weights))
-    if set(map(_LAST, strides)) != {1}:  # transposed views: copied row-major
-        weights = [w if stride[-1] == 1 else w.contiguous() for w, stride in zip(weights, strides)]
-        strides = tuple(map(torch.Tensor.stride, weights))
-    device = weights[0].device
-    addresses = list(map(torch.Tensor.data_ptr, weights))
-    # all that _plan reads (the alignments: of the addresses, row strides, columns and outputs), in C-level maps
-    signature = (device, tuple(map(_DTYPE_OF, weights)), tuple(map(_SHAPE_OF, weights)), strides,
-                 tuple(map(operator.mod, addresses, itertools.repeat(16))),
-                 None if into is None else (into[0].data_ptr() % 16, tuple(into[1])))
+    device = named[0][1].device
     with _LOCK:
         plan = _KEYED.get(key) if key is not None else None
-        if plan is not None and plan.signature == signature:  # (compared, not hashed)
+        if plan is not None and unchanged and not plan.copied:  # vouched for: the same tensors as the plan's
             _KEYED.move_to_end(key)
-        else:
-            plan = _PLANS.get(signature) if key is None else None
-            if plan is None:
-                plan = _plan_for(weights, addresses, strides, into, signature)
-                _kept(_KEYED if key is not None else _PLANS, signature if key is None else key, plan)
-            elif key is None:
-                _PLANS.move_to_end(signature)
+            addresses, read = plan.addresses, None
+        else:  # `read`: the tensors the kernels read (row-major copies of transposed weights), kept until launched
+            plan, addresses, read = _planned(named, into, key, plan)
         cuda = device.type == "cuda"
         stream = torch.cuda.current_stream(device) if cuda else None
         if plan.done is not None and plan.stream != stream:  # its last launches, unsynchronised, came on another
             stream.wait_event(plan.done)  # stream: they read the table first (no host wait)
-        if addresses != plan.addresses:  # (a sync's buckets of parameters: the same addresses every time)
+        if addresses is not plan.addresses:  # (a sync's buckets of parameters: the same addresses every time)
             # Pinned and asynchronous: a pageable copy would wait for all the work queued on the device;
             # stream-ordered after the last call's launches, which read the old ones.
             plan.table[:, 0].copy_(torch.tensor([addresses[i] for i in plan.order], dtype=torch.int64,
@@ -243,15 +235,45 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
             out, scale = into[0].view(fp8.FP8), into[0][:into[0].numel() // 4 * 4].view(torch.float32)
         bad = torch.full((1,), len(named), dtype=torch.int64, device=device)
         scale = _launch(plan, scale_fmt, scale, out, bad)
+        del read  # (launched: on a GPU, their memory is reused only after the kernels, stream-ordered)
         if cuda:  # (a call on another stream waits for these launches, which read the table: above)
             plan.done, plan.stream = plan.done or torch.cuda.Event(), stream
             plan.done.record(stream)
         if pending is not None:
             pending.append((bad, [name for name, _ in named]))
-        quantized = None if into is not None else _cut(plan, out, scale, len(weights))
+        quantized = None if into is not None else _cut(plan, out, scale, len(named))
     if pending is None:
         check_pending([(bad, [name for name, _ in named])])  # checked once all is launched: the host waits once
     return quantized
+
+
+def _planned(named: list[tuple[str, torch.Tensor]], into, key, plan: _Plan | None) -> tuple[_Plan, list[int], list]:
+    """quantize_batch's plan for `named` (key's `plan` where it fits, else one from _PLANS, else a
+    new one, kept), the weights' addresses (the same list as the plan's where they are its) and the
+    tensors at those addresses."""
+    weights = [w for _, w in named]
+    strides = tuple(map(torch.Tensor.stride, weights))
+    copied = set(map(_LAST, strides)) != {1}
+    if copied:  # transposed views: copied row-major (new addresses at every call)
+        weights = [w if stride[-1] == 1 else w.contiguous() for w, stride in zip(weights, strides)]
+        strides = tuple(map(torch.Tensor.stride, weights))
+    addresses = list(map(torch.Tensor.data_ptr, weights))
+    # all that _plan reads (the alignments: of the addresses, row strides, columns and outputs), in C-level maps,
+    # and whether the weights read are copies (a plan for them is never vouched for)
+    signature = (weights[0].device, tuple(map(_DTYPE_OF, weights)), tuple(map(_SHAPE_OF, weights)), strides,
+                 tuple(map(operator.mod, addresses, itertools.repeat(16))),
+                 None if into is None else (into[0].data_ptr() % 16, tuple(into[1])), copied)
+    if plan is not None and plan.signature == signature:  # (compared, not hashed)
+        _KEYED.move_to_end(key)
+    else:
+        plan = _PLANS.get(signature) if key is None else None
+        if plan is None:
+            plan = _plan_for(weights, addresses, strides, into, signature)
+            plan.copied = copied
+            _kept(_KEYED if key is not None else _PLANS, signature if key is None else key, plan)
+        elif key is None:
+            _PLANS.move_to_end(signature)
+    return plan, (plan.addresses if addresses == plan.addresses else addresses), weights
 
 
 def _plan_for(weights: list[torch.Tensor], addresses: list[int], strides, into, signature: tuple) -> _Plan:

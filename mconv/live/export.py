@@ -93,6 +93,8 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
     # together) as stored: not before the gathers, which send per-expert modules
     early = quantization if stacked is None else None
     picks = live.__dict__.setdefault("_fp8_picks", {})  # fp8.quantize_tensors' per bucket, kept with the model's plan
+    # (picked list, key for quantize_batch's plans, whether its weights are all at fixed positions) by id(picked list)
+    keys = live.__dict__.setdefault("_fp8_keys", {})
     for steps in schedule:
         out: Bucket = []
         fixed: list[int] = []
@@ -132,8 +134,16 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
             yield (out, [], fixed) if deferred else out
             continue
         picked = fp8.picked_weights(out, quantization, frozenset(done), picks)
-        # (the picked list, kept per bucket: the name of this bucket's weights for quantize_batch's plans)
-        yield (out, picked, fixed) if deferred else fp8.quantize_picked(out, picked, quantization.scale_fmt, id(picked))
+        if deferred or not picked:
+            yield (out, picked, fixed) if deferred else out
+            continue
+        known = keys.get(id(picked))
+        if known is None or known[0] is not picked:  # (the entry holds the list: its id is not taken again)
+            fixed_at = set(fixed)
+            known = keys[id(picked)] = (picked, object(), all(i in fixed_at for i, _ in picked))
+        # the schedule's own views of parameters, unmoved since _prepared: the same tensors as the last call's
+        yield fp8.with_scales(out, picked, fp8.quantize_all([out[i] for i, _ in picked], quantization.scale_fmt,
+                                                            key=known[1], unchanged=known[2]))
 
 
 def _with_scales(names: list[str], mine: Bucket, done: set[str]) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,7 +61,7 @@ def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=Non
         from mconv.converter.fp8_batch import quantize_batch
 
         quantize_batch([named[i] for i, _ in picked], quantization.scale_fmt, into=(buffer, known.places),
-                       pending=unchecked, key=id(known))
+                       pending=unchecked, key=known.token)
     return known.entries, buffer
 
 
@@ -95,17 +95,18 @@ def _write(engine, named, aliases, targets: dict, device, fixed, live, picked=()
     if picked and hit.places is None:
         return None
     copied = [named[i][1] for i in hit.sources]
-    if hit.plan is None or hit.live() is not live or hit.fixed != fixed:  # (a model planned anew: parameters moved)
+    planned = hit.plan is None or hit.live() is not live or hit.fixed != fixed  # (a model planned anew: moved)
+    if planned:
         kept = set(fixed)
         hit.plan = CopyPlan(hit.destinations, copied, fixed_destinations=True,
                             unchanged=[k for k, i in enumerate(hit.sources) if i in kept])
-        hit.live, hit.fixed = weakref.ref(live), fixed
+        hit.live, hit.fixed, hit.vouched = weakref.ref(live), fixed, all(i in kept for i, _ in picked)
     hit.plan.run(copied)
-    if picked:
+    if picked:  # (the weights the schedule keeps views of, read where the last call read them)
         from mconv.converter.fp8_batch import quantize_batch
 
         quantize_batch([named[i] for i, _ in picked], "float", into=(hit.base, hit.places), pending=unchecked,
-                       key=id(hit))
+                       key=hit.token, unchanged=hit.vouched and not planned)
     return cache[2], hit.written, hit.nbytes
 
 
@@ -146,7 +147,8 @@ class _Written:
     the same targets (its caches know the bucket by this list), the position in the bucket each
     copied target copies from and the target, their bytes, where its picked weights are quantized
     (quantize_batch's `into`: a base tensor and places; None: not into targets), and the copy plan
-    with the LiveModel and fixed positions it was made for."""
+    with the LiveModel and fixed positions it was made for (and whether they hold all its picked
+    weights: then quantize_batch's plan, under its token, is vouched for while they stand)."""
 
     written: list[tuple[str, torch.Tensor]]
     sources: list[int]
@@ -157,6 +159,8 @@ class _Written:
     plan: CopyPlan | None = None
     live: "weakref.ref | None" = None
     fixed: list[int] | None = None
+    vouched: bool = False  # its picked weights are all at `fixed` positions
+    token: object = field(default_factory=object)  # its key for quantize_batch's plans
 
 
 @dataclass
@@ -168,6 +172,7 @@ class _Layout:
     copied: list[int]  # indices of the bucket's tensors copied as they are
     places: list[tuple[int, int]] | None  # (FP8 weight, scale) byte offsets of each picked weight quantized
     # into the buffer
+    token: object = field(default_factory=object)  # its key for quantize_batch's plans
 
 
 def _layout(named, aliases, picked, quantization, device) -> _Layout:
