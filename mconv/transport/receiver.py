@@ -130,6 +130,7 @@ class ParameterReceiver(UpdateReceiver):
         super().__init__(address, authkey, timeout)
         self.params = params
         self.shares_parameters = direct
+        self.weights_change_only_in_load = not direct  # (direct: the trainer writes without a request)
         self._cuda = any(t.is_cuda for t in params.values())
         self._received: set[str] = set()
         self._mapped: OrderedDict[str, object] = OrderedDict()  # key -> (tensor, SharedBuffer or None)

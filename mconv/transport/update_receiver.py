@@ -48,7 +48,9 @@ class UpdateReceiver:
     An update in progress is aborted (`version` becomes "failed:<version>", `failure` says why,
     `lock` is released) when a connection that took part in it closes before `finish` (a trainer
     rank died, or `close()` ended it) or when no request comes for `timeout` seconds (a trainer
-    rank hangs)."""
+    rank hangs). `version` stays as it was where the update is aborted before any bucket reached
+    an engine whose weights change only as buckets are loaded (`weights_change_only_in_load`): its
+    weights are still that version's."""
 
     def __init__(self, address: str, authkey: bytes, timeout: float = DEFAULT_TIMEOUT):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -61,6 +63,8 @@ class UpdateReceiver:
         self._listener = shm.listen(address, authkey)
         self._mutex = threading.Lock()  # one request, or the watchdog's abort, at a time
         self._session: str | None = None  # the version being updated
+        self._loaded = False  # whether an `update` request came in this session
+        self._failed: str | None = None  # the version of the last update aborted here
         self._peers: set[int] = set()  # the connections that took part in it
         self._last = 0.0
         self._digests: dict[str | None, tuple[str, dict]] = {}  # route -> the model's digest and expected reply
@@ -101,6 +105,7 @@ class UpdateReceiver:
                     raise RuntimeError("the receiver was closed: start it again, or sync to the one now at its address")
             with self._mutex:
                 self._session, self._peers, self._last = str(message["version"]), {id(peer)}, time.monotonic()
+                self._loaded = False
                 try:
                     self.begin(message)
                 except BaseException:
@@ -125,13 +130,14 @@ class UpdateReceiver:
                 # the model the places are of: the trainer refuses them if it checked another
                 return {"digest": self._model(message.get("route"))[0], **self.shared_parameters(peer)}
             if self._session is None:
-                if op == "abort" and self.version == f"failed:{message.get('version')}":
+                if op == "abort" and self._failed == message.get("version"):
                     return {"version": self.version}  # aborted here already (its trainer was told why)
                 raise RuntimeError(f"{op} without a weight update in progress"
                                    + (f" (the last one was aborted: {self.failure})" if self.failure else ""))
             self._peers.add(id(peer))
             self._last = time.monotonic()
             if op == "update":
+                self._loaded = True
                 reply = self.load(_with_entries(message["buffers"], peer))
                 self._last = time.monotonic()  # the timeout counts the trainer's silence, not our loading
                 return reply or {}
@@ -221,6 +227,7 @@ class UpdateReceiver:
         return None
 
     shares_parameters = False  # answers "parameters": the trainer writes into them itself (ParameterReceiver)
+    weights_change_only_in_load = False  # an update that loaded nothing leaves the weights as they were
 
     def shared_parameters(self, peer: dict) -> dict:
         """The `parameters` request's reply, for a receiver that `shares_parameters`."""
@@ -257,7 +264,9 @@ class UpdateReceiver:
         try:
             self.abandon(self._session, reason)
         finally:
-            self.version, self.failure = f"failed:{self._session}", reason
+            if self._loaded or not self.weights_change_only_in_load:  # (else the weights are still self.version's)
+                self.version = f"failed:{self._session}"
+            self._failed, self.failure = self._session, reason
             self._end()
 
     def _end(self) -> None:
