@@ -1,6 +1,7 @@
 """Block-wise FP8: mconv's quantization equals compressed-tensors' block quantization bit for bit (edge
 blocks, all-zero blocks, values beyond +-448), UE8M0 scales equal SGLang's power-of-two rule, and the
 dequantization of a window equals the formula over the whole tensor."""
+import gc
 import os
 import sys
 from pathlib import Path
@@ -252,15 +253,23 @@ def assert_sync_packing_follows_the_scale_format() -> None:
     """sync_weights' packing of one bucket (pack._pack) into one engine, with float scales, then
     UE8M0, then float again, sends fp8.quantize_picked's bytes each time: the layout kept per
     bucket is keyed by the scale format too (a float layout quantizes into the buffer; reused for
-    UE8M0 it sent float scales). _pack is told the device is "cuda" (what makes it quantize into
-    the buffer); the engine's buffers are CPU memory, for the interpreter."""
-    from mconv.live.sync import pack
-    from mconv.live.sync.engines import Engine
+    UE8M0 it sent float scales). A bucket whose weight holds NaN is packed unchecked and never
+    handed to the engine: the sync's worker reads its check first (core._deliver) and names the
+    weight. _pack is told the device is "cuda" (what makes it quantize into the buffer); the
+    engine's buffers are CPU memory, for the interpreter."""
+    from mconv.errors import MconvError
+    from mconv.live.sync import core, pack
+    from mconv.live.sync.engines import Engine, FlatBucket
     from mconv.transport.flat import unpack
 
     class CPUBuffers(Engine):
+        updated = 0
+
         def buffer(self, slot, nbytes, device):
             return super().buffer(slot, nbytes, torch.device("cpu"))
+
+        def update(self, bucket):
+            self.updated += 1
 
     weight = "model.layers.0.mlp.down_proj.weight"
     named = [(weight, (torch.randn(256, 512) * 0.37).bfloat16()),
@@ -273,6 +282,14 @@ def assert_sync_packing_follows_the_scale_format() -> None:
         sent = dict(unpack(buffer, entries))
         for name, expected in fp8.quantize_picked(named, picked, fmt):
             assert torch.equal(bits(sent[name]), bits(expected)), (fmt, name)
+    core._deliver(engine, FlatBucket("v", 0, buffer, entries), [])
+    named[0][1][3, 3] = float("nan")
+    checks: list = []
+    entries, buffer = pack._pack(engine, 0, named, None, torch.device("cuda"), picked, fp8.Quantization(
+        lambda name: True), checks)
+    with pytest.raises(MconvError, match=f"^{weight} holds inf or NaN"):
+        core._deliver(engine, FlatBucket("v", 1, buffer, entries), checks)
+    assert engine.updated == 1
 
 
 def assert_sync_writes_fp8_into_targets() -> str:
@@ -348,15 +365,19 @@ def assert_keyed_plans_follow_their_lists() -> str:
     same key: the plan is used only where it fits. Vouched for (`unchanged`: the key's last
     tensors), it follows their new values, and is used without looking at the list (given other
     tensors, it reads the last ones), but for a list holding a transposed weight (copied row-major
-    at every call): that one follows the list. Returns how many keyed plans it added (two)."""
+    at every call): that one follows the list. Returns how many keyed plans it added (two) and how
+    many are left once their keys are gone (none)."""
     from mconv.converter import fp8_batch
 
-    def check(named, key="bucket 7", unchanged=False, expected=None):
+    bucket_7, bucket_8 = fp8_batch.PlanKey(), fp8_batch.PlanKey()
+
+    def check(named, key=bucket_7, unchanged=False, expected=None):
         out = fp8_batch.quantize_batch(named, key=key, unchanged=unchanged)
         for (name, x), (q, scale) in zip(expected or named, out):
             expected_q, expected_scale = fp8.quantize(x)
             assert torch.equal(bits(q), bits(expected_q)) and torch.equal(scale, expected_scale), name
 
+    gc.collect()  # (the keys of the checks before, gone with their engines)
     before = len(fp8_batch._KEYED)
     weights = [(torch.randn(256, 384) * 0.1).bfloat16(), torch.randn(130, 200) * 3]
     named = [("a", weights[0]), ("b", weights[1])]
@@ -374,10 +395,13 @@ def assert_keyed_plans_follow_their_lists() -> str:
     check(named, unchanged=True)
     check([("a", torch.zeros(256, 384).bfloat16()), ("b", torch.zeros(130, 200))], unchanged=True, expected=named)
     transposed = [("a", weights[0]), ("t", torch.randn(200, 130).t())]
-    check(transposed, key="bucket 8")
+    check(transposed, key=bucket_8)
     transposed[1][1].mul_(3)
-    check(transposed, key="bucket 8", unchanged=True)
-    return f"{len(fp8_batch._KEYED) - before} keyed"
+    check(transposed, key=bucket_8, unchanged=True)
+    added = len(fp8_batch._KEYED) - before
+    del bucket_7, bucket_8, check  # (a key's plan goes with it)
+    gc.collect()
+    return f"{added} keyed, {len(fp8_batch._KEYED) - before} once their keys went"
 
 
 def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
@@ -398,7 +422,7 @@ def test_batched_quantize_kernels_give_the_same_bytes(tmp_path):
                                           "packed",
                                           "model.layers.0.mlp.up_proj.weight holds inf or NaN values, which FP8 "
                                           "cannot quantize",
-                                          "2 keyed"]
+                                          "2 keyed, 0 once their keys went"]
 
 
 def test_batched_quantize_without_triton_is_the_torch_rule(monkeypatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -118,13 +119,22 @@ class _Plan:
     # outputs of one shape, cut apart by one view and unbind each
     addresses: list[int] | None = None  # the weights' addresses in `table`, in the caller's order (None: not yet)
     signature: tuple = ()  # what quantize_batch made it for
+    home: "torch.cuda.Stream | None" = None  # the stream its tables were made on
     copied: bool = False  # some weights are copied row-major first (new tensors at every call: never vouched for)
     done: "torch.cuda.Event | None" = None  # recorded after the last call's launches (on a GPU)
     stream: "torch.cuda.Stream | None" = None  # where they were launched
 
 
+class PlanKey:
+    """A caller's name for one list of weights it quantizes again and again (quantize_batch's `key`):
+    its plan lives as long as the key does (a weak reference), so a caller lets its plans go by
+    letting its keys go."""
+
+    __slots__ = ("__weakref__",)
+
+
 _PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()  # by signature: shared by the calls of one
-_KEYED: "OrderedDict[object, _Plan]" = OrderedDict()  # by a caller's key: its own
+_KEYED: "weakref.WeakKeyDictionary[PlanKey, _Plan]" = weakref.WeakKeyDictionary()  # by a caller's key: its own
 # More than a sync's buckets of a large model on one rank (114 for Qwen3-30B-A3B at 512 MiB); a rank
 # with more distinct buckets plans again at every call (about 500 GB of weights at 512 MiB buckets).
 _MAX_PLANS = 1024
@@ -195,16 +205,15 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     The launch tables are planned once per list of dtypes, shapes, strides and alignments (and
     places) (a sync quantizes the same buckets every time) and kept for the next call (the last
     1024 such lists, 4 bytes per 128x128 block on the device); a call then writes the weights'
-    addresses into them where they changed. `key` (any hashable: a caller's name for one of the
+    addresses into them where they changed. `key` (a PlanKey: a caller's name for one of the
     lists it quantizes again and again, e.g. a bucket of a sync): the plan is kept for that key
-    alone (its own table: the addresses of a list of parameters are written once, not at every
-    call of the lists of the same shapes), and found without hashing the list; it is used only
-    where that list's dtypes, shapes, strides, alignments and places are the plan's. With
-    `unchanged` the caller vouches that `named` holds the very tensors of that key's last call,
-    unmoved, and `into` its places (a sync's or an export's bucket of parameters, while its plan
-    stands): the plan is used without looking at them (nothing per weight on the host). A key is
-    an object the caller keeps for as long as it vouches by it (not an id() that a new object
-    could take)."""
+    alone, while the key lives (its own table: the addresses of a list of parameters are written
+    once, not at every call of the lists of the same shapes), and found without hashing the list;
+    it is used only where that list's dtypes, shapes, strides, alignments and places are the
+    plan's. With `unchanged` the caller vouches that `named` holds the very tensors of that key's
+    last call, unmoved, and `into` its places (a sync's or an export's bucket of parameters, while
+    its plan stands): the plan is used without looking at them (nothing per weight on the host).
+    A caller whose tensors may have changed since takes a new key."""
     if into is not None and scale_fmt != "float":
         raise ValueError(f"quantize_batch(into=...) writes float scales, not {scale_fmt!r}")
     if into is not None and (into[0].dtype != torch.uint8 or into[0].dim() != 1):
@@ -213,9 +222,8 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
     device = named[0][1].device
     with _LOCK:
         plan = _KEYED.get(key) if key is not None else None
-        if plan is not None and unchanged and not plan.copied:  # vouched for: the same tensors as the plan's
-            _KEYED.move_to_end(key)
-            addresses, read = plan.addresses, None
+        if plan is not None and unchanged and not plan.copied and plan.addresses is not None:  # vouched for:
+            addresses, read = plan.addresses, None  # the same tensors as the plan's (whose addresses it holds)
         else:  # `read`: the tensors the kernels read (row-major copies of transposed weights), kept until launched
             plan, addresses, read = _planned(named, into, key, plan)
         cuda = device.type == "cuda"
@@ -225,9 +233,13 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
         if addresses is not plan.addresses:  # (a sync's buckets of parameters: the same addresses every time)
             # Pinned and asynchronous: a pageable copy would wait for all the work queued on the device;
             # stream-ordered after the last call's launches, which read the old ones.
+            plan.addresses = None  # (until written: a plan whose write failed is not vouched for)
             plan.table[:, 0].copy_(torch.tensor([addresses[i] for i in plan.order], dtype=torch.int64,
                                                 pin_memory=cuda).to(device, non_blocking=True))
             plan.addresses = addresses
+        if cuda and stream != plan.home:  # its tables, freed with it, are reused only after these launches
+            for t in (plan.table, *(launch[1] for launch in plan.launches)):
+                t.record_stream(stream)
         if into is None:
             out = torch.empty(plan.out_numel, dtype=fp8.FP8, device=device)
             scale = torch.empty(plan.blocks, dtype=torch.float32, device=device)  # amax values first, for UE8M0
@@ -263,9 +275,7 @@ def _planned(named: list[tuple[str, torch.Tensor]], into, key, plan: _Plan | Non
     signature = (weights[0].device, tuple(map(_DTYPE_OF, weights)), tuple(map(_SHAPE_OF, weights)), strides,
                  tuple(map(operator.mod, addresses, itertools.repeat(16))),
                  None if into is None else (into[0].data_ptr() % 16, tuple(into[1])), copied)
-    if plan is not None and plan.signature == signature:  # (compared, not hashed)
-        _KEYED.move_to_end(key)
-    else:
+    if plan is None or plan.signature != signature:  # (compared, not hashed)
         plan = _PLANS.get(signature) if key is None else None
         if plan is None:
             plan = _plan_for(weights, addresses, strides, into, signature)
@@ -287,13 +297,16 @@ def _plan_for(weights: list[torch.Tensor], addresses: list[int], strides, into, 
         aligned = [a and not (into[0].data_ptr() + q) % 16 for a, (q, _) in zip(aligned, places)]
     plan = _plan(weights, aligned, places)
     plan.signature = signature
+    if weights[0].is_cuda:
+        plan.home = torch.cuda.current_stream(weights[0].device)
     return plan
 
 
-def _kept(plans: OrderedDict, key, plan: _Plan) -> None:
-    """`plan` kept under `key`, the least recently used plans dropped beyond _MAX_PLANS."""
+def _kept(plans, key, plan: _Plan) -> None:
+    """`plan` kept under `key` in `plans` (_PLANS: the least recently used dropped beyond _MAX_PLANS;
+    _KEYED: while the key lives)."""
     plans[key] = plan
-    while len(plans) > _MAX_PLANS:
+    while plans is _PLANS and len(plans) > _MAX_PLANS:
         plans.popitem(last=False)
 
 

@@ -139,8 +139,13 @@ def _stage_buckets(live: LiveModel, schedule: list[list[_GroupStep]], dtype: tor
             continue
         known = keys.get(id(picked))
         if known is None or known[0] is not picked:  # (the entry holds the list: its id is not taken again)
+            weights, key = [out[i][1] for i, _ in picked], None
+            if weights[0].is_cuda and fp8.batchable(weights):  # (what quantize_all batches: fp8_batch's plans)
+                from mconv.converter.fp8_batch import PlanKey
+
+                key = PlanKey()
             fixed_at = set(fixed)
-            known = keys[id(picked)] = (picked, object(), all(i in fixed_at for i, _ in picked))
+            known = keys[id(picked)] = (picked, key, all(i in fixed_at for i, _ in picked))
         # the schedule's own views of parameters, unmoved since _prepared: the same tensors as the last call's
         yield fp8.with_scales(out, picked, fp8.quantize_all([out[i] for i, _ in picked], quantization.scale_fmt,
                                                             key=known[1], unchanged=known[2]))

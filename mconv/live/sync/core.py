@@ -247,7 +247,7 @@ def _buckets(rounds, prepared, engine, version, result, sums) -> Exception | Non
 
     workers = ThreadPoolExecutor(1, thread_name_prefix="mconv-sync") if sender else None
     pending: list[Future] = []
-    unchecked: list = []  # whether the FP8 weights quantized held inf or NaN: read once, after the last bucket
+    unchecked: list = []  # whether the FP8 weights written into the engine held inf or NaN: read after the last bucket
     failure = None
     flushed = failed = False  # flushed: told the engine what this sender wrote into its tensors (Engine.targets)
     try:
@@ -286,8 +286,10 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
           unchecked) -> None:
     """Gather bucket `index` (every rank of the stage takes part) and, on the sender, write it into
     the engine's tensors (Engine.targets) or pack it into slot index % 2 once the bucket that used
-    that slot is loaded, and queue it for the engine. `unchecked`: fp8_batch.quantize_batch's
-    `pending`, checked once after the last bucket."""
+    that slot is loaded, and queue it for the engine. Whether its FP8 weights held inf or NaN
+    (fp8_batch.quantize_batch's `pending`) is read on the worker before a packed bucket goes to
+    the engine, and for a written one (in the engine's memory already) added to `unchecked`, read
+    once after the last bucket."""
     started = time.perf_counter()
     named, picked, fixed = next(buckets)
     packed = time.perf_counter()
@@ -302,11 +304,12 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
     targets = engine.targets(device)
     done = None if targets is None else _write(engine, named, aliases, targets, device, fixed, live, picked,
                                                quantization, unchecked)
+    checks: list = []  # a packed bucket's finite checks
     if done is not None:
         buffer, written, nbytes = done
         bucket = FlatBucket(version, index, buffer, [], written=written)
     else:
-        entries, buffer = _pack(engine, index % 2, named, aliases, device, picked, quantization, unchecked)
+        entries, buffer = _pack(engine, index % 2, named, aliases, device, picked, quantization, checks)
         bucket, nbytes = FlatBucket(version, index, buffer, entries), buffer.numel()
     result.seconds["engine"] += waited - packed
     result.seconds["pack"] += time.perf_counter() - waited
@@ -317,10 +320,23 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
         bucket.ready = torch.cuda.Event()
         bucket.ready.record(torch.cuda.current_stream(buffer.device))
     if sums is not None:
-        # a packed bucket's: its views, before the engine reuses the buffer; a written one's: the tensors
-        # copied from, and its FP8 weights quantized again apart from the engine's (fp8.quantize_picked)
-        sums.update(checksums(_sent(named, picked, quantization, aliases) if bucket.written else list(bucket)))
-    pending.append(workers.submit(engine.update, bucket))
+        # the tensors copied from, and the FP8 weights quantized again apart from the bucket's (fp8.quantize_picked:
+        # a weight quantized to the wrong place differs); a packed bucket without them: its views
+        sums.update(checksums(_sent(named, picked, quantization, aliases) if bucket.written or picked
+                              else list(bucket)))
+    pending.append(workers.submit(_deliver, engine, bucket, checks))
+
+
+def _deliver(engine, bucket: FlatBucket, checks: list) -> None:
+    """engine.update(bucket), on the sync's worker thread; where the bucket holds FP8 weights
+    quantized into it, once its bytes are there and none held inf or NaN (MconvError naming it:
+    the engine never gets the bucket)."""
+    if checks:
+        from mconv.converter.fp8_batch import check_pending
+
+        bucket.wait()
+        check_pending(checks)
+    engine.update(bucket)
 
 
 def _is_sender(live) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,10 +56,11 @@ def _pack(engine, slot: int, named, aliases, device, picked=(), quantization=Non
         by_name = dict(unpack(buffer, known.entries))
         hit = plans[slot, signature] = (buffer, CopyPlan([by_name[named[i][0]] for i in known.copied], sources,
                                                          fixed_destinations=True))
-    hit[1].run(sources)  # first: the float32 tensors between the scales hold their values at the check below
+    hit[1].run(sources)
     if known.places:
-        from mconv.converter.fp8_batch import quantize_batch
+        from mconv.converter.fp8_batch import PlanKey, quantize_batch
 
+        known.token = known.token or PlanKey()
         quantize_batch([named[i] for i, _ in picked], quantization.scale_fmt, into=(buffer, known.places),
                        pending=unchecked, key=known.token)
     return known.entries, buffer
@@ -96,17 +97,18 @@ def _write(engine, named, aliases, targets: dict, device, fixed, live, picked=()
         return None
     copied = [named[i][1] for i in hit.sources]
     planned = hit.plan is None or hit.live() is not live or hit.fixed != fixed  # (a model planned anew: moved)
+    if picked:
+        from mconv.converter.fp8_batch import PlanKey, quantize_batch
     if planned:
         kept = set(fixed)
         hit.plan = CopyPlan(hit.destinations, copied, fixed_destinations=True,
                             unchanged=[k for k, i in enumerate(hit.sources) if i in kept])
         hit.live, hit.fixed, hit.vouched = weakref.ref(live), fixed, all(i in kept for i, _ in picked)
+        hit.token = PlanKey() if picked else None  # (a new model: the quantization's plan made anew)
     hit.plan.run(copied)
-    if picked:  # (the weights the schedule keeps views of, read where the last call read them)
-        from mconv.converter.fp8_batch import quantize_batch
-
+    if picked:  # (vouched for: the weights the schedule keeps views of, read where the last call read them)
         quantize_batch([named[i] for i, _ in picked], "float", into=(hit.base, hit.places), pending=unchecked,
-                       key=hit.token, unchanged=hit.vouched and not planned)
+                       key=hit.token, unchanged=hit.vouched)
     return cache[2], hit.written, hit.nbytes
 
 
@@ -160,7 +162,7 @@ class _Written:
     live: "weakref.ref | None" = None
     fixed: list[int] | None = None
     vouched: bool = False  # its picked weights are all at `fixed` positions
-    token: object = field(default_factory=object)  # its key for quantize_batch's plans
+    token: object = None  # its fp8_batch.PlanKey for quantize_batch's plans, new with each plan
 
 
 @dataclass
@@ -172,7 +174,7 @@ class _Layout:
     copied: list[int]  # indices of the bucket's tensors copied as they are
     places: list[tuple[int, int]] | None  # (FP8 weight, scale) byte offsets of each picked weight quantized
     # into the buffer
-    token: object = field(default_factory=object)  # its key for quantize_batch's plans
+    token: object = None  # its fp8_batch.PlanKey for quantize_batch's plans (made at its first quantization)
 
 
 def _layout(named, aliases, picked, quantization, device) -> _Layout:
