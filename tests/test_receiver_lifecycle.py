@@ -450,8 +450,9 @@ def test_bad_keys_and_addresses_are_one_sentence(tmp_path):
     address (it listened at a temporary path of multiprocessing's choosing), an address that is
     taken and a Unix path longer than the OS allows, params that are no dict of tensors and a
     timeout that is no positive number, each in one sentence saying what to do (a too-long path
-    was "[Errno None] cannot listen at ...: None"); the trainer's engine given an empty or too-long
-    address says so too, and one connecting to a receiver never started says to start it."""
+    was "[Errno None] cannot listen at ...: None"), and a URL; the trainer's engine given an empty
+    or too-long address, a URL or a port beyond 65535 (an OverflowError from socket) says so too,
+    and one connecting to a receiver never started says to start it."""
     from mconv import MconvError
     from mconv.live.sync import SharedMemoryEngine
     from mconv.transport.receiver import ParameterReceiver
@@ -474,6 +475,14 @@ def test_bad_keys_and_addresses_are_one_sentence(tmp_path):
     with pytest.raises(MconvError, match=r"^the engine's address is empty: give its receiver's Unix socket path or "
                                          r'"host:port"$'):
         SharedMemoryEngine("", b"key", timeout=5).expected()
+    with pytest.raises(ValueError, match=r'^http://localhost:8000 is a URL: a receiver listens at a Unix socket path '
+                                         r'or "host:port"$'):
+        ParameterReceiver(params, "http://localhost:8000", b"key")
+    with pytest.raises(MconvError, match=r"^http://localhost:8000 is a URL: give the receiver's Unix socket path or "
+                                         r"\"host:port\" \(a vLLM server's HTTP address is VLLMServerEngine's\)$"):
+        SharedMemoryEngine("http://localhost:8000", b"key", timeout=5).expected()
+    with pytest.raises(MconvError, match=r"^localhost:99999: no port 99999 \(0-65535\)$"):
+        SharedMemoryEngine("localhost:99999", b"key", timeout=5).expected()
 
     with pytest.raises(TypeError, match=r"^params: give a dict of HF name \(str\) -> the engine's tensor, not list$"):
         ParameterReceiver([torch.zeros(4)], str(tmp_path / "a.sock"), b"key")

@@ -140,6 +140,8 @@ class AuthListener:
         address = os.fspath(address)
         if not address:
             raise ValueError("address is empty: give a Unix socket path or \"host:port\"")
+        if "://" in address:
+            raise ValueError(f"{address} is a URL: a receiver listens at a Unix socket path or \"host:port\"")
         self._listener = _listen(address)
         self.address, self.authkey = address, authkey
         self._guard = threading.Lock()  # _served and _closed, between the accept thread, serving threads and close()
@@ -391,9 +393,14 @@ def _client(address: str, authkey: bytes) -> Connection:
     """multiprocessing's Client for `address`, with Unreachable saying what is wrong with it."""
     if not address:
         raise Unreachable("the engine's address is empty: give its receiver's Unix socket path or \"host:port\"")
+    if "://" in address:
+        raise Unreachable(f"{address} is a URL: give the receiver's Unix socket path or \"host:port\" (a vLLM server's "
+                          "HTTP address is VLLMServerEngine's)")
     target = _address(address)
     try:
         return Client(target, authkey=authkey)
+    except OverflowError:  # (socket's error for a port number out of range)
+        raise Unreachable(f"{address}: no port {target[1]} (0-65535)") from None
     except FileNotFoundError:
         raise Unreachable(f"nothing listens at {address}: no such socket file (start the receiver first)"
                           if "/" in address else f"{address!r} is neither an existing Unix socket nor host:port "
