@@ -141,6 +141,9 @@ def test_close_aborts_an_update_and_ends_a_waiting_start(tmp_path):
     # (nothing was loaded: the weights, and so the version, are as they were)
     assert receiver.version is None and not receiver.lock.locked()
     assert receiver.failure == "the receiver was closed in the middle of update v1"
+    with pytest.raises(RuntimeError, match=r"did not answer 'finish': the connection closed \(its receiver was closed, "
+                                           r"or its process ended\)$"):  # (it was "EOFError: ")
+        engine.finish("v1")
     engine.close()
 
     receiver = ParameterReceiver({"w": torch.zeros(4)}, address, b"key")

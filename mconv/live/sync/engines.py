@@ -271,8 +271,10 @@ class RemoteEngine(Engine):
                     if retry and not isinstance(e, TimeoutError):
                         retry = False
                         continue
-                    raise RuntimeError(f"the engine at {self.address} did not answer {message['op']!r}: "
-                                       f"{type(e).__name__}: {e or 'the connection closed'}") from None
+                    closed = isinstance(e, (EOFError, BrokenPipeError, ConnectionResetError))
+                    raise RuntimeError(f"the engine at {self.address} did not answer {message['op']!r}: " + (
+                        "the connection closed (its receiver was closed, or its process ended)" if closed
+                        else f"{type(e).__name__}: {e}")) from None
                 except BaseException:  # (a KeyboardInterrupt): the reply would answer the next request instead
                     self._drop_connection()
                     raise
