@@ -1311,3 +1311,25 @@ def test_engine_and_address_mistakes_are_one_sentence(tmp_path):
         with pytest.raises(MconvError) as refused:
             SharedMemoryEngine(address, b"key", timeout=5).expected()
         assert str(refused.value) == message
+
+
+def test_a_model_mismatch_names_three_and_counts_the_rest():
+    """The refusal of a trainer model that does not match the engine's names three tensors of each
+    kind and counts the rest (it ended in "..."); an FP8 sync into an engine that holds no FP8
+    weights (names its `_scale_inv` tensors unknown) says what such an engine must hold."""
+    from mconv import MconvError
+    from mconv.live.sync.agree import _check
+
+    engine = {f"model.layers.{i}.mlp.down_proj.weight": [8, 4] for i in range(5)}
+    sent = {**engine, **{f"model.layers.{i}.mlp.down_proj.weight_scale_inv": [1, 1] for i in range(5)}}
+    with pytest.raises(MconvError) as refused:
+        _check(engine, sent)
+    assert str(refused.value) == (
+        "the trainer's model does not match the engine's: the engine's model has no "
+        "model.layers.0.mlp.down_proj.weight_scale_inv, model.layers.1.mlp.down_proj.weight_scale_inv, "
+        "model.layers.2.mlp.down_proj.weight_scale_inv and 2 more; with quantize=\"fp8\" the engine holds each "
+        "quantized weight as float8_e4m3fn with a float32 _scale_inv beside it (the tensors "
+        "iter_hf_weights(quantize=\"fp8\") yields): give it those, or sync without quantize")
+    with pytest.raises(MconvError, match=r"^the trainer's model does not match the engine's: the trainer does not "
+                                         r"send model.layers.0.mlp.down_proj.weight, .* and 2 more$"):
+        _check(engine, {})

@@ -125,10 +125,14 @@ def _check(expected: dict | None, sent: dict) -> None:
     unknown = sorted(set(sent) - set(expected))
     missing = sorted(set(expected) - set(sent))
     shapes = sorted(n for n in set(sent) & set(expected) if list(expected[n]) != list(sent[n]))
-    problems = ([f"the engine's model has no {', '.join(unknown[:3])}" + (" ..." if len(unknown) > 3 else "")]
-                if unknown else []) + \
-               ([f"the trainer does not send {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else "")]
-                if missing else []) + \
+    more = lambda names: f" and {len(names) - 3} more" if len(names) > 3 else ""  # noqa: E731
+    problems = ([f"the engine's model has no {', '.join(unknown[:3])}{more(unknown)}"] if unknown else []) + \
+               ([f"the trainer does not send {', '.join(missing[:3])}{more(missing)}"] if missing else []) + \
                [f"{n} is {sent[n]} in the trainer, {list(expected[n])} in the engine" for n in shapes[:3]]
+    scales = [n for n in unknown if n.endswith(fp8.SCALE_SUFFIX)]
+    if scales and len(scales) * 2 >= len(unknown):  # an FP8 sync into an engine without FP8 weights
+        problems.append("with quantize=\"fp8\" the engine holds each quantized weight as float8_e4m3fn with a float32 "
+                        f"{fp8.SCALE_SUFFIX} beside it (the tensors iter_hf_weights(quantize=\"fp8\") yields): give it "
+                        "those, or sync without quantize")
     if problems:
         raise MconvError("the trainer's model does not match the engine's: " + "; ".join(problems))
