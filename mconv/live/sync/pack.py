@@ -112,7 +112,7 @@ def _write(engine, named, aliases, targets: dict, device, fixed, live, picked=()
     return cache[2], hit.written, hit.nbytes
 
 
-def _writes(named, aliases, targets: dict, device, picked, quantization) -> "_Written | None":
+def _writes(named, aliases, targets: dict, device, picked, quantization) -> "_Written":
     """_Written for a bucket's names: every (name, target) pair, FP8 weights and scales where
     `picked`, in fp8.quantize_picked's order, then the aliases; the copies; and the places of the
     quantized weights (None where they cannot be quantized into their targets: _write). MconvError
