@@ -794,7 +794,7 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     hung = Hung({"w": torch.zeros(4)}, str(tmp_path / "hung.sock"), b"key")
     hung.start()
     engine = SharedMemoryEngine(str(tmp_path / "hung.sock"), b"key", timeout=0.5)
-    with pytest.raises(RuntimeError, match="did not answer 'start': TimeoutError"):
+    with pytest.raises(RuntimeError, match="did not answer 'start': no reply to 'start' within 0.5 s$"):
         engine.start("v4")
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="'finish' not sent, an earlier request of this update got no answer"):
@@ -812,7 +812,7 @@ def test_receiver_aborts_an_update_whose_trainer_is_gone(tmp_path):
     accepted = []
     threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
     with pytest.raises(RuntimeError, match=f"the engine at {tmp_path / 'mute.sock'} did not answer 'start': "
-                                           r"TimeoutError: no reply to 'start' within 0.3 s"):
+                                           r"no reply to 'start' within 0.3 s$"):
         RemoteEngine(str(tmp_path / "mute.sock"), b"key", timeout=0.3).start("v3")
     listener.close()
 

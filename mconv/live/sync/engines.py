@@ -274,6 +274,7 @@ class RemoteEngine(Engine):
                     closed = isinstance(e, (EOFError, BrokenPipeError, ConnectionResetError))
                     raise RuntimeError(f"the engine at {self.address} did not answer {message['op']!r}: " + (
                         "the connection closed (its receiver was closed, or its process ended)" if closed
+                        else str(e) if isinstance(e, TimeoutError) and str(e)  # (a sentence of shm's own)
                         else f"{type(e).__name__}: {e}")) from None
                 except BaseException:  # (a KeyboardInterrupt): the reply would answer the next request instead
                     self._drop_connection()
