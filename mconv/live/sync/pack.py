@@ -120,7 +120,7 @@ def _writes(named, aliases, targets: dict, device, picked, quantization) -> "_Wr
     names = [name for name, _ in named]
     at = {name: i for i, name in enumerate(names)}
     scales = dict(picked)
-    sent = [n for i, name in enumerate(names) for n in ((name, scales[i]) if i in scales else (name,))]
+    sent = [name for name, _ in fp8.with_scales(named, picked, [(None, None)] * len(picked))]  # (its order)
     aliased = [(alias, of) for alias, of in (aliases or {}).items() if of in at]
     unknown = [name for name in sent + [alias for alias, _ in aliased] if name not in targets]
     if unknown:
