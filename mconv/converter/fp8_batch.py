@@ -251,12 +251,27 @@ def quantize_batch(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "floa
         if cuda:  # (a call on another stream waits for these launches, which read the table: above)
             plan.done, plan.stream = plan.done or torch.cuda.Event(), stream
             plan.done.record(stream)
+        check = (*_flag_on_host(bad, stream), [name for name, _ in named])
         if pending is not None:
-            pending.append((bad, [name for name, _ in named]))
+            pending.append(check)
         quantized = None if into is not None else _cut(plan, out, scale, len(named))
     if pending is None:
-        check_pending([(bad, [name for name, _ in named])])  # checked once all is launched: the host waits once
+        check_pending([check])  # checked once all is launched: the host waits once
     return quantized
+
+
+def _flag_on_host(bad: torch.Tensor, stream) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """`bad` as check_pending reads it: on a GPU, copied into pinned host memory after the launches,
+    with an event recorded after the copy, so that its reader waits for these launches alone (a
+    read of the device tensor from another thread, e.g. a sync's worker, would wait for everything
+    queued on the stream since: the next buckets' packing)."""
+    if stream is None:
+        return bad, None
+    flag = torch.empty(1, dtype=torch.int64, pin_memory=True)
+    flag.copy_(bad, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(stream)
+    return flag, copied
 
 
 def _planned(named: list[tuple[str, torch.Tensor]], into, key, plan: _Plan | None) -> tuple[_Plan, list[int], list]:
@@ -338,12 +353,12 @@ def _cut(plan: _Plan, out: torch.Tensor, scale: torch.Tensor, count: int) -> lis
 
 
 def check_pending(pending: list) -> None:
-    """One host synchronisation for the quantize_batch calls that left their check in `pending`:
-    MconvError naming the first weight (of the first call) that held inf or NaN, which FP8 cannot
-    quantize."""
-    if not pending:
-        return
-    found = torch.cat([bad for bad, _ in pending]).tolist()
-    for index, (_, names) in zip(found, pending):
+    """MconvError naming the first weight (of the first call) that held inf or NaN, which FP8 cannot
+    quantize, of the quantize_batch calls that left their check in `pending`: the host waits for
+    each call's launches (not for later work on their stream)."""
+    for flag, copied, names in pending:
+        if copied is not None:
+            copied.synchronize()
+        index = int(flag[0])
         if index < len(names):
             raise fp8._not_finite(names[index])

@@ -329,12 +329,11 @@ def _send(index, buckets, engine, sender, tied, version, pending, workers, resul
 
 def _deliver(engine, bucket: FlatBucket, checks: list) -> None:
     """engine.update(bucket), on the sync's worker thread; where the bucket holds FP8 weights
-    quantized into it, once its bytes are there and none held inf or NaN (MconvError naming it:
-    the engine never gets the bucket)."""
+    quantized into it, once its quantization is done and none held inf or NaN (MconvError naming
+    it: the engine never gets the bucket)."""
     if checks:
         from mconv.converter.fp8_batch import check_pending
 
-        bucket.wait()
         check_pending(checks)
     engine.update(bucket)
 
