@@ -1,15 +1,17 @@
 """FP8 block quantization on a GPU (one run, ratios printed): (1) fp8.quantize on CUDA gives the CPU's
 bytes (edge blocks, all-zero blocks, values beyond +-448, both scale formats); (2) quantization
 throughput against the device's copy bandwidth, on Qwen3-30B-A3B-shaped expert weights (one
-[1536, 2048] gate_up and one [2048, 768] down per expert, 128 experts): eager per tensor, and under
+[1536, 2048] gate_up and one [2048, 768] down per expert, 128 experts; `--layer`: a layer's q, k,
+v, o and each expert's gate, up and down, as the live export quantizes them): eager per tensor, and under
 torch.compile, and batched (fp8.quantize_tensors: the Triton kernels of fp8_batch, a whole bucket
 of weights per launch, as the live export quantizes; and that kernel's launches alone), whose
-bytes are checked equal to the CPU's fp8.quantize of every weight. Copy floors: the same tensors
+bytes are checked equal to the CPU's fp8.quantize of every weight (`--rows`: the kernel alone reading
+that many rows of a block a step, each in turn). Copy floors: the same tensors
 cloned one by one, copied in one launch (torch.cat), and their bytes as one flat buffer copied
 (the device's copy rate). Each time is the fastest of --repeat calls. Prints one JSON line per
 measurement.
 
-    python bench/fp8_bench.py [--experts 128] [--repeat 5]
+    python bench/fp8_bench.py [--experts 128] [--repeat 5] [--layer] [--rows 32 64 32 64]
 """
 import argparse
 import json
@@ -69,9 +71,10 @@ def batched_bytes_equal_cpu(weights: list[torch.Tensor], scale_fmt: str) -> dict
             "differing bytes": differing_bytes, "differing scales": differing_scales}
 
 
-def kernel_alone(weights: list[torch.Tensor]):
+def kernel_alone(weights: list[torch.Tensor], rows: int | None = None):
     """A call of fp8_batch's launches for `weights` (float scales), without the host's work around
-    them (the plan, the addresses, the output views, the finite check)."""
+    them (the plan, the addresses, the output views, the finite check), reading `rows` rows of a
+    block per step (None: fp8_batch's choice); the bytes are checked equal to the default's."""
     from mconv.converter import fp8_batch
 
     plan = fp8_batch._plan(weights, [True] * len(weights))
@@ -79,12 +82,18 @@ def kernel_alone(weights: list[torch.Tensor]):
     out = torch.empty(plan.out_numel, dtype=fp8.FP8, device="cuda")
     scale = torch.empty(plan.blocks, dtype=torch.float32, device="cuda")
     bad = torch.full((1,), len(weights), dtype=torch.int64, device="cuda")
-    return lambda: fp8_batch._launch(plan, "float", scale, out, bad)
+    rows = rows or fp8_batch._ROWS
+    fp8_batch._launch(plan, "float", scale, out, bad, rows)
+    expected = torch.empty_like(out), torch.empty_like(scale)
+    fp8_batch._launch(plan, "float", expected[1], expected[0], bad.clone())
+    assert torch.equal(out.view(torch.uint8), expected[0].view(torch.uint8)) and torch.equal(scale, expected[1]), rows
+    return lambda: fp8_batch._launch(plan, "float", scale, out, bad, rows)
 
 
-def throughput(experts: int, repeat: int, compiled: bool) -> list[dict]:
-    weights = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02
-               for _ in range(experts) for shape in ((1536, 2048), (2048, 768))]
+def throughput(experts: int, repeat: int, compiled: bool, rows: list[int], layer: bool) -> list[dict]:
+    shapes = ([(4096, 2048), (512, 2048), (512, 2048), (2048, 4096)] + [(768, 2048), (768, 2048), (2048, 768)] * experts
+              if layer else [(1536, 2048), (2048, 768)] * experts)
+    weights = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02 for shape in shapes]
     nbytes = sum(w.nbytes for w in weights)
     quantization = fp8.Quantization(lambda name: True)
     named = [(str(i), w) for i, w in enumerate(weights)]
@@ -97,6 +106,8 @@ def throughput(experts: int, repeat: int, compiled: bool) -> list[dict]:
             ("quantize eager, per tensor", timed(lambda: [fp8.quantize(w, check=False) for w in weights], repeat)),
             ("quantize batched (quantize_tensors)", timed(lambda: fp8.quantize_tensors(named, quantization), repeat)),
             ("quantize batched, the kernel alone", timed(kernel_alone(weights), repeat))]
+    for count in rows:  # in the order given (32 64 32 64: a drift of the device's speed shows)
+        runs.append((f"the kernel alone, {count} rows a step", timed(kernel_alone(weights, count), repeat)))
     if compiled:
         compiled_quantize = torch.compile(fp8.quantize, dynamic=False)
         runs.append(("quantize torch.compile, per tensor",
@@ -112,6 +123,12 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--compiled", action="store_true", help="also time per-tensor torch.compile")
+    parser.add_argument("--rows", type=int, nargs="*", default=[],
+                        help="also time the kernel alone reading this many rows of a block a step, each in turn "
+                             "(its bytes checked equal to the default's)")
+    parser.add_argument("--layer", action="store_true",
+                        help="a whole MoE layer's weights as the live export quantizes them (q, k, v, o; per expert "
+                             "gate, up and down) instead of fused gate_up and down per expert")
     args = parser.parse_args()
     require_gpu("fp8_bench.py")
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}))
@@ -123,7 +140,7 @@ def main() -> None:
     mixed = awkward + [w.bfloat16() for w in awkward] + [awkward[1].bfloat16().t(), awkward[2][100:1000, 3:700]]
     for scale_fmt in fp8.SCALE_FORMATS:
         print(json.dumps(batched_bytes_equal_cpu(mixed, scale_fmt)))
-    for line in throughput(args.experts, args.repeat, args.compiled):
+    for line in throughput(args.experts, args.repeat, args.compiled, args.rows, args.layer):
         print(json.dumps(line))
 
 

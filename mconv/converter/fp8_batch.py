@@ -34,7 +34,9 @@ _DTYPES = dict(zip(fp8._BATCHED_DTYPES, (tl.bfloat16, tl.float16, tl.float32))) 
 AMAX, QUANTIZE, FUSED = (tl.constexpr(mode) for mode in range(3))  # what a launch does (_kernel's MODE)
 _FP8_MAX, _ZERO_BLOCK_SCALE = tl.constexpr(fp8.FP8_MAX), tl.constexpr(fp8.ZERO_BLOCK_SCALE)  # the rule's, in the kernel
 COLUMNS = tl.constexpr(10)  # of a weight's row in a launch table (_kernel)
-_ROWS = 32  # rows of a block a kernel step reads (on an H200 at 8 warps: 32 and 64 about equal, 16 and 128 slower)
+# rows of a block a kernel step reads: on an H200 at 8 warps, 64 rows are 4-6% faster than 32 on Qwen3-30B-A3B's
+# weights (bench/fp8_bench.py --rows, bench/results-fp8-h200.log), 16 and 128 (and 16 warps) slower
+_ROWS = 64
 
 
 @triton.jit
@@ -56,7 +58,7 @@ def _kernel(table, block_tensor, base, scale, out, bad, DTYPE: tl.constexpr, BLO
     The block is read ROWS rows at a time, twice where it is quantized (first its amax, then its
     values, the second read mostly from the cache): a whole 128x128 block held at once took so many
     registers that too few blocks were in flight per SM (0.73 of a flat copy's rate on an H200
-    against 0.91 at 32 rows, bench/results-fp8-h200.log)."""
+    against 0.91 at 32 rows and 0.96 at 64, bench/results-fp8-h200.log)."""
     pid = tl.program_id(0).to(tl.int64)
     row = table + tl.load(block_tensor + pid).to(tl.int64) * COLUMNS
     rows, cols, stride = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
@@ -325,17 +327,20 @@ def _kept(plans, key, plan: _Plan) -> None:
         plans.popitem(last=False)
 
 
-def _launch(plan: _Plan, scale_fmt: str, scale: torch.Tensor, out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+def _launch(plan: _Plan, scale_fmt: str, scale: torch.Tensor, out: torch.Tensor, bad: torch.Tensor,
+            rows: int = _ROWS) -> torch.Tensor:
     """The plan's kernel launches, its table's addresses written: FP8 weights into `out`, float
-    scales into `scale`, the first weight holding inf or NaN into `bad`. Returns the scales (for
-    UE8M0: `scale` holds the amax values, made into a new tensor of scales between the launches)."""
+    scales into `scale`, the first weight holding inf or NaN into `bad`, reading `rows` rows of a
+    block per step (the same bytes for any power of two up to 128: bench/fp8_bench.py --rows).
+    Returns the scales (for UE8M0: `scale` holds the amax values, made into a new tensor of scales
+    between the launches)."""
     kernel = _launcher(out.device)
     for mode in ((FUSED,) if scale_fmt == "float" else (AMAX, QUANTIZE)):
         if mode == QUANTIZE:
             scale = fp8.scales(scale, scale_fmt)
         for table, block_tensor, base, dtype, aligned in plan.launches:
             kernel[(block_tensor.numel(),)](table, block_tensor, base, scale, out, bad, dtype, fp8.BLOCK, mode.value,
-                                            aligned, _ROWS, num_warps=8)
+                                            aligned, rows, num_warps=8)
     return scale
 
 
