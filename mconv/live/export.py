@@ -245,13 +245,14 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     `param.data`, call `clear_cache(model_chunks)`, or their old storages stay allocated.
     """
     config = _config(hf_config, revision)
-    if stacked_experts and not architecture_for(config).stacked_experts:
-        raise MconvError(f"stacked_experts: {architecture_for(config).name} checkpoints keep their experts per "
+    arch = architecture_for(config)
+    if stacked_experts and not arch.stacked_experts:
+        raise MconvError(f"stacked_experts: {arch.name} checkpoints keep their experts per "
                          "expert (stacked mlp.experts.gate_up_proj / down_proj is the HF form of Qwen3-VL-MoE)")
     if expert_orientation is not None and not stacked_experts:
         raise MconvError("expert_orientation applies with stacked_experts=True (experts come per expert otherwise)")
     stacked = _orientation(config, expert_orientation) if stacked_experts else None
-    quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
+    quantization = fp8.writer_quantization(arch, quantize, fp8_scale, config)
     model_chunks, dtype = _checked(model_chunks, bucket_bytes, dtype)
     live, schedule = _prepared(model_chunks, config, bucket_bytes, stacked_experts)
     if not gather_pp or live.layout.pp == 1:
@@ -322,8 +323,9 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         source = _model_dir(hf_config, revision, False)
         config = read_config(source)
         side_files(source)  # a bad tokenizer file stops the save now, not after the weights
-        quantization = fp8.writer_quantization(architecture_for(config), quantize, fp8_scale, config)
-        stacked = (None if fp8_per_expert(architecture_for(config), quantization, expert_orientation)
+        arch = architecture_for(config)
+        quantization = fp8.writer_quantization(arch, quantize, fp8_scale, config)
+        stacked = (None if fp8_per_expert(arch, quantization, expert_orientation)
                    else _orientation(config, expert_orientation))
         chunks, _ = _checked(model_chunks, bucket_bytes, None)
         planned.update(source=source, config=config, quantization=quantization, stacked=stacked,

@@ -89,6 +89,8 @@ def _write(engine, named, aliases, targets: dict, device, fixed, live, picked=()
         # (the bucket's buffer: empty, on the device of the writes)
         cache = engine.__dict__[_WRITES] = (targets, {}, torch.empty(0, dtype=torch.uint8,
                                                                      device=named[0][1].device if named else device))
+    # by names: they fix the shapes for one model (a new model: a new targets dict); the dtypes are checked by the
+    # copy plan (a source's against its target's, which _agree_dtypes holds to first) and quantize_batch (its plan's)
     key = (tuple(map(operator.itemgetter(0), named)), tuple(picked), quantization.scale_fmt if picked else None)
     hit = cache[1].get(key)
     if hit is None:
