@@ -15,6 +15,7 @@ import torch
 from mconv.converter import safe_load, torch_dist_io
 from mconv.converter.hf_config import read_json
 from mconv.converter.layout import Layout, Rank
+from mconv.converter.saved_args import described, saved_args
 from mconv.errors import MconvError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -249,14 +250,14 @@ def rank_chunks(state: dict, path: Path) -> list[dict[str, torch.Tensor]]:
     for name in names:
         chunk = state[name]
         if not isinstance(chunk, dict):
-            raise MconvError(f"{path}: {name!r} is {torch_dist_io.described(chunk)}, not a dict of tensors")
+            raise MconvError(f"{path}: {name!r} is {described(chunk)}, not a dict of tensors")
         for key, value in chunk.items():
             if not isinstance(key, str):
                 raise MconvError(f"{path}: entry {key!r:.80} of {name!r} is not a tensor name")
             if key.endswith("._extra_state"):
                 continue
             if not isinstance(value, torch.Tensor):
-                raise MconvError(f"{path}: {key:.200} in {name!r} is {torch_dist_io.described(value)}, not a tensor")
+                raise MconvError(f"{path}: {key:.200} in {name!r} is {described(value)}, not a tensor")
             if not safe_load.is_dense(value):
                 raise MconvError(f"{path}: {key:.200} in {name!r} is a sparse, quantized, nested or meta tensor, "
                                  "not a dense one as Megatron-LM saves weights")
@@ -324,7 +325,7 @@ def read_legacy_ranks(location: CheckpointLocation) -> tuple[argparse.Namespace,
     """A legacy checkpoint's saved args, the layout they describe, and every rank file's model
     chunks (memory-mapped: tensors are read on access). Also returns the rank file the args came from."""
     first = sorted(location.iter_dir.glob(f"mp_rank_*/{RANK_FILE}"))[0]
-    args = torch_dist_io.saved_args(load_rank_file(first), first)
+    args = saved_args(load_rank_file(first), first)
     if args is None:
         raise MconvError(f"{first} has no 'args', so its parallel layout is unknown")
     layout = layout_from_args(args, first)
