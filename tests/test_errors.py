@@ -144,9 +144,26 @@ def test_output_exists(tmp_path):
 def test_overwrite_replaces_output(tmp_path):
     out = tmp_path / "out"
     assert mconv("hf2mcore", TINY, out, "-q").exit_code == 0
-    (out / "stale").write_text("x")
+    (out / "iter_0000100").mkdir()  # an older output's iteration: replaced with the rest
+    (out / "iter_0000100" / "stale").write_text("x")
     assert mconv("hf2mcore", TINY, out, "--overwrite", "-q").exit_code == 0
-    assert not (out / "stale").exists() and (out / "release").is_dir()
+    assert not (out / "iter_0000100").exists() and (out / "release").is_dir()
+
+
+@pytest.mark.parametrize("foreign", [".git", "src", "notes.txt"])
+def test_overwrite_refuses_a_directory_holding_what_no_mconv_output_holds(tmp_path, foreign):
+    """A project directory that happens to hold a config.json (one of the marks of an mconv output)
+    is not replaced when it also holds a hidden entry, a directory or a file no output has: named,
+    nothing touched."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.json").write_text('{"name": "my-app"}')
+    (project / foreign).mkdir() if "." not in foreign[1:] else (project / foreign).write_text("x")
+    result = mconv("hf2mcore", TINY, project, "--overwrite", "-q")
+    assert_refused(result, project / "release", "which no mconv output holds")
+    assert foreign in result.stderr
+    assert sorted(p.name for p in project.iterdir()) == sorted(["config.json", foreign])
+    assert (project / "config.json").read_text() == '{"name": "my-app"}'
 
 
 def test_overwrite_replaces_only_what_mconv_could_have_written(tmp_path):

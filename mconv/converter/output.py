@@ -6,6 +6,7 @@ import errno
 import fcntl
 import glob
 import os
+import re
 import shutil
 import signal
 import stat
@@ -55,8 +56,14 @@ def check_output_path(out: str | Path, overwrite: bool, inputs: tuple[str | Path
         raise MconvError(refusal)
 
 
-# What --overwrite may replace: a directory that an mconv command could have written.
+# What --overwrite may replace: a directory that an mconv command could have written (one of these files in it,
+# and nothing an mconv output never holds: _foreign).
 _OUTPUT_MARKERS = ("config.json", "adapter_config.json", "latest_checkpointed_iteration.txt", "mconv.json")
+# What an mconv output's top level holds (_foreign): HF weights, indexes and configs, tokenizer files
+# (hf_config.SIDE_FILES), remote code (what a config's auto_map names), a PEFT adapter, a Megatron
+# checkpoint's tracker, its iterations' directories and its copy of the HF config (megatron_io's)
+_OUTPUT_FILE_SUFFIXES = (".safetensors", ".json", ".py")
+_OUTPUT_DIRECTORIES = re.compile(r"release|iter_\d{7}|hf_config")
 
 
 def _refusal(out: Path, overwrite: bool) -> str | None:
@@ -71,6 +78,29 @@ def _refusal(out: Path, overwrite: bool) -> str | None:
     if not any((out / marker).is_file() for marker in _OUTPUT_MARKERS) and any(out.iterdir()):
         return (f"{out} holds neither a model, an adapter nor a Megatron checkpoint; {option('overwrite', True)} replaces only "
                 "those (or an empty directory), so remove it yourself if it must go")
+    foreign = _foreign(out)
+    if foreign is not None:
+        return (f"{out} holds {foreign}, which no mconv output holds; {option('overwrite', True)} replaces only a directory "
+                "an mconv command could have written, so remove it yourself if it must go")
+    return None
+
+
+def _foreign(out: Path) -> str | None:
+    """The first entry of directory `out` that an mconv output never holds at its top level (a
+    hidden one such as .git, a directory but a Megatron checkpoint's, a file of another kind), as
+    a message names it; None if there is none."""
+    from mconv.converter.hf_config import SIDE_FILES  # (hf_config imports this module)
+    from mconv.converter.megatron_io import TRACKER
+
+    for entry in sorted(out.iterdir()):
+        name = entry.name
+        if name.startswith("."):
+            return name
+        if entry.is_dir() and not entry.is_symlink():
+            if not _OUTPUT_DIRECTORIES.fullmatch(name):
+                return f"the directory {name}"
+        elif not name.endswith(_OUTPUT_FILE_SUFFIXES) and name not in SIDE_FILES and name != TRACKER:
+            return name
     return None
 
 
