@@ -231,6 +231,28 @@ def test_verify_quiet_is_one_line(tmp_path):
     assert len(mconv("verify", TINY, FIXTURES / "qwen3-tiny-tied").stderr.splitlines()) > 1  # the details without -q
 
 
+def test_verify_compares_model_settings_and_tokenizer_files(tmp_path):
+    """verify holds config.json's settings as mconv's table reads them (one setting spelled the 4.x
+    way is no difference; another norm epsilon or rotary base is) and the tokenizer files byte for
+    byte (new-user pass: a copy with other settings and no tokenizer.json verified identical)."""
+    config = json.loads((TINY / "config.json").read_text())
+    respelled = shutil.copytree(TINY, tmp_path / "respelled")
+    theta = config["rope_parameters"]["rope_theta"]
+    (respelled / "config.json").write_text(json.dumps(
+        {**{k: v for k, v in config.items() if k != "rope_parameters"}, "rope_theta": theta}))
+    same = mconv("verify", TINY, respelled)
+    assert same.exit_code == 0 and "identical" in same.stdout, same.output
+    changed = shutil.copytree(TINY, tmp_path / "changed")
+    (changed / "config.json").write_text(json.dumps(
+        {**config, "rms_norm_eps": 1e-5, "rope_parameters": {**config["rope_parameters"], "rope_theta": 10000.0}}))
+    (changed / "tokenizer.json").unlink()
+    (changed / "tokenizer_config.json").write_text("{}")
+    result = mconv("verify", TINY, changed)
+    assert result.exit_code == 1, result.output
+    assert "norm_eps 1e-06 vs 1e-05" in result.output and f"rope.rotary_base {theta} vs 10000.0" in result.output
+    assert f"tokenizer.json: only in {TINY}" in result.output and "tokenizer_config.json: the files differ" in result.output
+
+
 def test_inspect_and_verify_take_peft_adapters(tmp_path):
     from peft import PeftConfig
     from safetensors.torch import save_file

@@ -194,3 +194,33 @@ def test_yarn_args_in_torch_dist_common_state(tmp_path):
     back = {k: v for f in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(f).items()}
     assert original.keys() == back.keys()
     assert all(torch.equal(original[k].view(torch.uint8), back[k].view(torch.uint8)) for k in original)
+
+
+MALFORMED = {  # id: (fixture, field, value, what the one line says)
+    "hidden_size null": ("qwen3-tiny", "hidden_size", None, "gives 'hidden_size' as null"),
+    "moe_intermediate_size null": ("qwen3-moe-tiny", "moe_intermediate_size", None,
+                                   "gives 'moe_intermediate_size' as null"),
+    "linear_num_value_heads null": ("qwen3-5-tiny", "linear_num_value_heads", None,
+                                    "gives 'linear_num_value_heads' as null"),
+    "linear_key_head_dim a string": ("qwen3-5-tiny", "linear_key_head_dim", "8", 'linear_key_head_dim is "8", not int'),
+    "rope_parameters a string": ("qwen3-tiny", "rope_parameters", "x", 'rope_parameters is "x", not an object'),
+    "rope factor a string": ("qwen3-tiny", "rope_parameters", {"rope_type": "yarn", "factor": "4"},
+                             'rope_parameters.factor is "4", not a number'),
+    "quantization_config a string": ("qwen3-tiny", "quantization_config", "fp8",
+                                     'quantization_config is "fp8", not an object'),
+    "layer_types a string": ("qwen3-5-tiny", "layer_types", "full", 'layer_types is "full", not a list'),
+}
+
+
+@pytest.mark.parametrize("fixture,field,value,fragment", MALFORMED.values(), ids=MALFORMED)
+def test_malformed_config_fields_are_one_line(tmp_path, fixture, field, value, fragment):
+    """A null where a table needs a value, or a value of the wrong JSON type, in a field mconv reads
+    (new-user pass: these were tracebacks): hf2mcore and inspect each say so in one line naming
+    config.json and the field, nothing written."""
+    hf = shutil.copytree(FIXTURES / fixture, tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, field: value}))
+    result = CliRunner().invoke(main, ["hf2mcore", str(hf), str(tmp_path / "out"), "-q"])
+    assert_refused(result, tmp_path / "out", "config.json", fragment)
+    shown = CliRunner().invoke(main, ["inspect", str(hf)])
+    assert shown.exit_code == 1 and shown.stderr.count("\n") == 1 and fragment in shown.stderr, shown.output

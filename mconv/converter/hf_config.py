@@ -49,19 +49,39 @@ CONFIG_FIELDS = {
     **{key: (int, 1, 2**31) for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                          "intermediate_size", "vocab_size", "max_position_embeddings",
                                          "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step",
-                                         "shared_expert_intermediate_size")},
+                                         "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
+                                         # Qwen3.5 / Qwen3-Next's gated delta net, BailingMoeV3's MLA and KDA
+                                         "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                         "linear_value_head_dim", "linear_conv_kernel_dim", "short_conv_kernel_size",
+                                         "v_head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "kv_lora_rank",
+                                         "n_group", "topk_group", "layer_group_size",
+                                         # vision towers (vision_config)
+                                         "depth", "num_heads", "patch_size", "temporal_patch_size",
+                                         "spatial_merge_size", "in_channels", "out_hidden_size",
+                                         "num_position_embeddings")},
+    **{key: (int, 0, 2**31) for key in ("q_lora_rank", "num_shared_experts", "num_nextn_predict_layers")},
     **{key: (int, 1, 100_000) for key in ("num_hidden_layers", "num_experts", "num_local_experts")},
-    **{key: (float, 0, float("inf")) for key in ("rms_norm_eps", "rope_theta", "layer_norm_eps")},
+    **{key: (float, 0, float("inf")) for key in ("rms_norm_eps", "rope_theta", "layer_norm_eps",
+                                                  "partial_rotary_factor", "routed_scaling_factor")},
     **{key: (bool, None, None) for key in ("tie_word_embeddings", "attention_bias", "norm_topk_prob")},
-    "architectures": (list, None, None),
-    "mlp_only_layers": (list, None, None),
+    "architectures": (list, None, None),  # of names
+    "mlp_only_layers": (list, None, None),  # of layer numbers
+    "layer_types": (list, None, None),  # of names
+    **{key: (dict, None, None) for key in ("rope_parameters", "rope_scaling", "quantization_config",
+                                            "text_config", "vision_config")},
 }
+_LIST_ITEMS = {"architectures": (str, "names"), "mlp_only_layers": (int, "layer numbers"),
+               "layer_types": (str, "layer types")}
+_ROPE_NAMES = ("rope_type", "type")  # the rotary block's fields that are names; the others numbers, flags or lists
 
 
 def check_config(config: dict, path: Path) -> None:
     """Refuse standard config fields of the wrong type or size (`CONFIG_FIELDS`), in config.json
-    and in a nested `text_config` (vision-language models)."""
-    for where, fields in (("", config), ("text_config.", config.get("text_config"))):
+    and in a nested `text_config` and `vision_config` (vision-language models), and a rotary block
+    (`rope_parameters`, `rope_scaling`) holding a name where a number goes or the reverse. A null
+    is left to the table that reads the field (a default, or MissingConfigField)."""
+    for where, fields in (("", config), ("text_config.", config.get("text_config")),
+                          ("vision_config.", config.get("vision_config"))):
         if not isinstance(fields, dict):
             continue
         for key, (kind, low, high) in CONFIG_FIELDS.items():
@@ -70,13 +90,28 @@ def check_config(config: dict, path: Path) -> None:
                 continue
             number = kind in (int, float) and isinstance(value, (int, float) if kind is float else int)
             if isinstance(value, bool) != (kind is bool) or not (number or isinstance(value, kind)):
-                raise MconvError(f"{path}: {where}{key} is {value!r}, not {'a number' if kind is float else kind.__name__}")
+                what = {float: "a number", dict: "an object", list: "a list"}.get(kind, kind.__name__)
+                raise MconvError(f"{path}: {where}{key} is {_shown(value)}, not {what}")
             if number and not low <= value <= high:
-                raise MconvError(f"{path}: {where}{key} is {value!r}, outside [{low}, {high:g}]")
-            if kind is list and not all(isinstance(v, str if key == "architectures" else int)
-                                        and not isinstance(v, bool) for v in value):
-                raise MconvError(f"{path}: {where}{key} is {value!r}, not a list of "
-                                 f"{'names' if key == 'architectures' else 'layer numbers'}")
+                raise MconvError(f"{path}: {where}{key} is {value!r}, outside [{low}, {high:,}]")
+            if kind is list:
+                item, items = _LIST_ITEMS[key]
+                if not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+                    raise MconvError(f"{path}: {where}{key} is {_shown(value)}, not a list of {items}")
+        for block in ("rope_parameters", "rope_scaling"):
+            for name, value in (fields.get(block) or {}).items():
+                if value is None or isinstance(value, (dict, list, bool)):  # (per-layer-type blocks: the tables'; flags
+                    continue  # such as mrope_interleaved)
+                named = name in _ROPE_NAMES
+                if isinstance(value, str) != named:
+                    raise MconvError(f"{path}: {where}{block}.{name} is {_shown(value)}, "
+                                     f"not {'a name' if named else 'a number'}")
+
+
+def _shown(value) -> str:
+    """A config value as a message quotes it: its JSON, cut at 60 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def read_config(directory: Path) -> dict:

@@ -117,6 +117,7 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
         if settings[0][key] != settings[1][key]:
             differences.append(f"config.json quantization_config.{key}: {json.dumps(settings[0][key])} vs "
                                f"{json.dumps(settings[1][key])}")
+    differences += _setting_differences(left, right)
     common = sorted(left.tensors.keys() & right.tensors.keys())
     differing = [name for name, _ in only]
     total = 0
@@ -145,4 +146,45 @@ def _form_differences(forms: dict[str, list], differing: list[str]) -> list[str]
                    "the same values, stored differently")
         lines.append(f"{name}: stored as {a} vs {b} (stacked experts in another orientation or form): {outcome}")
     return lines
-    return len(common), total, differences
+
+
+def _setting_differences(left: HFCheckpoint, right: HFCheckpoint) -> list[str]:
+    """The model settings two HF models differ in, as mconv's table for their architecture reads
+    config.json (its `dims`: sizes, rotary embedding, norm epsilon, tied embeddings, MoE layers...),
+    so that one setting spelled two ways (transformers 4.x and 5.x keys) is no difference; their
+    architectures where they differ; and the config, generation config and tokenizer files
+    (hf_config.SIDE_FILES but config.json) that one has and the other lacks or holds otherwise,
+    byte for byte (a conversion copies them as they are). Nothing for settings where either
+    config is not one mconv reads (the tensors are still compared)."""
+    from mconv.converter.hf_config import SIDE_FILES
+    from mconv.mappings import architecture_for
+
+    differences = []
+    try:
+        archs = [architecture_for(side.config) for side in (left, right)]
+        if archs[0] is not archs[1]:
+            differences.append(f"config.json architectures: {archs[0].name} vs {archs[1].name}")
+        else:
+            dims = [_flat(vars(archs[0].dims(side.config))) for side in (left, right)]
+            for key in sorted(dims[0].keys() | dims[1].keys()):
+                if dims[0].get(key) != dims[1].get(key):
+                    differences.append(f"config.json, as mconv reads it for {archs[0].name}: {key} "
+                                       f"{dims[0].get(key)!r:.80} vs {dims[1].get(key)!r:.80}")
+    except MconvError:
+        pass
+    for name in SIDE_FILES[1:]:
+        files = [side.dir / name for side in (left, right)]
+        there = [f.is_file() for f in files]
+        if there[0] != there[1]:
+            differences.append(f"{name}: only in {(left, right)[there.index(True)].dir}")
+        elif there[0] and files[0].read_bytes() != files[1].read_bytes():
+            differences.append(f"{name}: the files differ")
+    return differences
+
+
+def _flat(settings: dict, prefix: str = "") -> dict:
+    """`settings` with nested dicts' entries as "outer.inner" keys (one line per setting that differs)."""
+    flat = {}
+    for key, value in settings.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat

@@ -39,5 +39,5 @@ def architecture_for(config: dict, where="config.json") -> Architecture:
         try:
             arch.dims(config)
         except MissingConfigField as e:
-            raise MconvError(f"{where} has no '{e.key}', which {arch.name} needs") from None
+            raise MconvError(f"{where} {e.lacks}, which {arch.name} needs") from None
     return arch

@@ -12,16 +12,29 @@ from mconv.errors import MconvError
 class MissingConfigField(MconvError):
     """config.json lacks a field an architecture's table reads (`key`)."""
 
-    def __init__(self, key: str):
-        super().__init__(f"config.json has no '{key}', which this architecture needs")
-        self.key = key
+    def __init__(self, key: str, null: bool = False):
+        self.key, self.null = key, null
+        super().__init__(f"config.json {self.lacks}, which this architecture needs")
+
+    @property
+    def lacks(self) -> str:
+        """How the field is missing, for a message: "has no 'key'" or "gives 'key' as null"."""
+        return f"gives '{self.key}' as null" if self.null else f"has no '{self.key}'"
 
 
 def config_value(config: dict, key: str):
-    """config[key]; MissingConfigField naming `key` where config.json lacks it."""
-    if key not in config:
-        raise MissingConfigField(key)
-    return config[key]
+    """config[key]; MissingConfigField naming `key` where config.json lacks it or gives it as null
+    (no architecture's table has a meaning for a null where it needs a value)."""
+    value = config.get(key)
+    if value is None:
+        raise MissingConfigField(key, key in config)
+    return value
+
+
+def config_default(config: dict, key: str, default):
+    """config[key], `default` where config.json lacks it; MissingConfigField where it gives null
+    (transformers' config classes then hold None, not their default)."""
+    return config_value(config, key) if key in config else default
 
 
 def rope_parameters(config: dict) -> tuple[dict, str]:

@@ -26,7 +26,7 @@ from mconv.converter.options import option
 from mconv.converter.transforms import COLUMN, GATED_QKV, GLU, REPLICATED, ROW, SECTIONED, ZERO_CENTRED
 from mconv.errors import MconvError
 from mconv.mappings import qwen3, qwen3_moe
-from mconv.mappings.common import config_value
+from mconv.mappings.common import config_default, config_value
 from mconv.mappings.qwen3 import DENSE_MLP, EMBEDDING_AND_OUTPUT, H, L
 from mconv.mappings.schema import Architecture, DistKeys, Rule, extra_state, linear, mtp_block_rules
 
@@ -67,9 +67,11 @@ def dims(config: dict, groups: int = 4) -> SimpleNamespace:
     d.q_gate = 2 * d.q
     types = layer_types(config)
     d.linear_layers = frozenset(i for i, t in enumerate(types) if t == "linear_attention")
-    d.key_heads, d.value_heads = config.get("linear_num_key_heads", 16), config.get("linear_num_value_heads", 32)
-    d.key_dim, d.value_dim = config.get("linear_key_head_dim", 128), config.get("linear_value_head_dim", 128)
-    d.conv_kernel = config.get("linear_conv_kernel_dim", 4)
+    d.key_heads, d.value_heads = (config_default(config, "linear_num_key_heads", 16),
+                                  config_default(config, "linear_num_value_heads", 32))
+    d.key_dim, d.value_dim = (config_default(config, "linear_key_head_dim", 128),
+                              config_default(config, "linear_value_head_dim", 128))
+    d.conv_kernel = config_default(config, "linear_conv_kernel_dim", 4)
     d.qk, d.vd = d.key_heads * d.key_dim, d.value_heads * d.value_dim
     if d.value_heads % d.key_heads:
         raise MconvError(f"config.json's linear_num_value_heads={d.value_heads} is not a multiple of "
