@@ -209,6 +209,8 @@ MALFORMED = {  # id: (fixture, field, value, what the one line says)
     "quantization_config a string": ("qwen3-tiny", "quantization_config", "fp8",
                                      'quantization_config is "fp8", not an object'),
     "layer_types a string": ("qwen3-5-tiny", "layer_types", "full", 'layer_types is "full", not a list'),
+    "top-k beyond the experts": ("qwen3-moe-tiny", "num_experts_per_tok", 99,
+                                 "num_experts_per_tok is 99, more than the model's"),
 }
 
 
@@ -224,3 +226,12 @@ def test_malformed_config_fields_are_one_line(tmp_path, fixture, field, value, f
     assert_refused(result, tmp_path / "out", "config.json", fragment)
     shown = CliRunner().invoke(main, ["inspect", str(hf)])
     assert shown.exit_code == 1 and shown.stderr.count("\n") == 1 and fragment in shown.stderr, shown.output
+
+
+def test_a_side_file_that_is_not_json_stops_the_conversion(tmp_path):
+    """A generation config or tokenizer file that is not JSON is named before any weight is written
+    (it was copied into the output as it was, broken)."""
+    hf = shutil.copytree(FIXTURES / "qwen3-tiny", tmp_path / "hf")
+    (hf / "tokenizer_config.json").write_text("{bad")
+    result = CliRunner().invoke(main, ["hf2mcore", str(hf), str(tmp_path / "out"), "-q"])
+    assert_refused(result, tmp_path / "out", "tokenizer_config.json is not valid JSON")

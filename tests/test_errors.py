@@ -1662,3 +1662,14 @@ def test_a_config_field_the_table_needs_is_named_with_its_file(tmp_path):
     assert_refused(mconv("hf2mcore", hf, tmp_path / "out", "-q"), tmp_path / "out", said)
     result = mconv("inspect", hf)
     assert result.exit_code == 1 and said in result.stderr
+
+
+@pytest.mark.parametrize("command", [["hf2mcore", "", "OUT"], ["hf2mcore", str(TINY), ""], ["mcore2hf", "", "OUT"],
+                                     ["export-lora", "", "OUT"], ["inspect", ""], ["verify", "", str(TINY)]],
+                         ids=["hf2mcore in", "hf2mcore out", "mcore2hf", "export-lora", "inspect", "verify"])
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, command):
+    """An empty argument (an unset shell variable) is named, not taken as "." (new-user pass: hf2mcore
+    "" read the current directory)."""
+    result = mconv(*[str(tmp_path / "out") if part == "OUT" else part for part in command], "-q")
+    assert result.exit_code == 1 and "is empty: give a path" in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

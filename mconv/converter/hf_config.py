@@ -98,6 +98,10 @@ def check_config(config: dict, path: Path) -> None:
                 item, items = _LIST_ITEMS[key]
                 if not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
                     raise MconvError(f"{path}: {where}{key} is {_shown(value)}, not a list of {items}")
+        experts = fields.get("num_local_experts") or fields.get("num_experts")
+        top_k = fields.get("num_experts_per_tok")
+        if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts:
+            raise MconvError(f"{path}: {where}num_experts_per_tok is {top_k}, more than the model's {experts} experts")
         for block in ("rope_parameters", "rope_scaling"):
             for name, value in (fields.get(block) or {}).items():
                 if value is None or isinstance(value, (dict, list, bool)):  # (per-layer-type blocks: the tables'; flags
@@ -126,9 +130,10 @@ def side_files(source: Path) -> list[str]:
     """The config, generation config and tokenizer files `source` holds, and the remote code their
     `auto_map` names (remote_code.remote_code_files: never imported here): what copy_side_files
     copies. Commands call it before converting, so that a bad one stops them before the weights.
-    One that is there but is not a regular file (a FIFO, a device, a directory, a dangling symlink)
-    raises MconvError naming it, as every file mconv reads does: skipped, it would be missing from
-    this output and from every later one without a word. A symlink to a regular file is one."""
+    One that is there but is not a regular file (a FIFO, a device, a directory, a dangling symlink),
+    or a .json one that is not a JSON object, raises MconvError naming it, as every file mconv
+    reads does: skipped or copied, it would be missing or broken in this output and every later one
+    without a word. A symlink to a regular file is one."""
     found = []
     for name in SIDE_FILES + tuple(remote_code_files(source, SIDE_FILES)):
         path = Path(source) / name
@@ -137,6 +142,8 @@ def side_files(source: Path) -> list[str]:
         if not path.is_file():  # never opened: a FIFO would block, /dev/zero never end
             what = ("a directory" if path.is_dir() else file_kind(path)) + (", not a regular file" if path.exists() else "")
             raise MconvError(f"{path} is {what}: mconv copies a model's config and tokenizer files beside its weights")
+        if name.endswith(".json") and name != "config.json":  # (config.json: read_config's)
+            read_json(path, "mconv copies a model's config and tokenizer files beside its weights, as they are")
         found.append(name)
     return found
 

@@ -30,7 +30,7 @@ from mconv.converter.layout import Layout, Rank
 from mconv.converter.megatron_checkpoint import ADAPTER, _config_dir, check_args, embedding_key, legacy_padded_vocab
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
-from mconv.converter.options import option, shard_bytes, torch_dtype
+from mconv.converter.options import check_path, option, shard_bytes, torch_dtype
 from mconv.converter.transforms import GATED_QKV, cast_dtype, checked_cast, fp32_note, merge, padded_vocab_size
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
@@ -466,6 +466,7 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
                          "is not quantized)")
     if alpha is not None and not (math.isfinite(alpha) and alpha > 0):  # as run_config.yaml's is checked
         raise MconvError(f"{option('alpha')} must be a positive number (scale = alpha / r), got {alpha:g}")
+    check_path(ckpt_dir, "ckpt_dir")
     location = mio.locate(ckpt_dir)
     if merge_into and not base_model:
         raise MconvError(f"{option('merge_into', True)} needs {option('base_model')}, the HF model (directory or hub "

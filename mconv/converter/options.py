@@ -49,9 +49,12 @@ def shard_bytes(size, name: str = "max_shard_bytes") -> int:
 
 
 def check_path(value, name: str) -> None:
-    """MconvError unless `value` (library parameter `name`) is a path: a str or an os.PathLike."""
+    """MconvError unless `value` (library parameter `name`) is a path: a str or an os.PathLike, not
+    the empty string (which os and pathlib read as the current directory)."""
     if not isinstance(value, (str, os.PathLike)):
         raise MconvError(f"{name} is {value!r} ({type(value).__name__}): give a path (a str or pathlib.Path)")
+    if value == "":
+        raise MconvError(f"{name} is empty: give a path (\".\" for the current directory)")
 
 
 def check_count(value, name: str, low: int = 1, high: int | None = None) -> int:
