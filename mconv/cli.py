@@ -86,11 +86,12 @@ def one_line(message: str) -> str:
     return "mconv: error: " + " ".join(message.split())
 
 
-def fail(message: str):
-    """Print the error (under torchrun: once for the job, see parallel.speaks_for_itself); exit 1."""
+def fail(message: str, status: int = 1):
+    """Print the error (under torchrun: once for the job, see parallel.speaks_for_itself); exit with
+    `status`."""
     if speaks_for_itself(one_line(message)):
         click.echo(one_line(message), err=True)
-    sys.exit(1)
+    sys.exit(status)
 
 
 def fp8_scale_needs_quantize(quantize, fp8_scale) -> None:
@@ -99,17 +100,18 @@ def fp8_scale_needs_quantize(quantize, fp8_scale) -> None:
         raise click.UsageError(f"--fp8-scale {fp8_scale} applies with --quantize fp8")
 
 
-def run(action):
-    """Turn user errors into one line on stderr and exit status 1 (tracebacks are for bugs only).
+def run(action, status: int = 1):
+    """Turn user errors into one line on stderr and exit `status` (1; verify's 2, as cmp's: its 1
+    says the inputs differ). Tracebacks are for bugs only.
 
     An OSError that reaches here (a file that cannot be read, a full or read-only disk) is the
     environment's, not a bug: its path and cause are the sentence."""
     try:
         return action()
     except MconvError as e:
-        fail(str(e))
+        fail(str(e), status)
     except OSError as e:
-        fail(f"{e.filename}: {e.strerror or e}" if e.filename else str(e))
+        fail(f"{e.filename}: {e.strerror or e}" if e.filename else str(e), status)
 
 
 QUIET_HELP = "Quiet: no progress bars and no informational lines (errors are still printed)."
@@ -474,10 +476,12 @@ def verify_command(first, second, quiet):
     settings (method, FP8 format, block size, activation scheme, scale format), or two PEFT adapters the same tensors
     and adapter settings (r, alpha, target modules...). Stacked experts stored in another form
     (fused vs per expert, or another orientation) differ, and verify says whether their values
-    are the same. Exit status 1 if they differ (with -q: one line)."""
+    are the same. Also the model settings mconv reads from config.json, and the generation config
+    and tokenizer files. Exit status 0 if they are the same, 1 if they differ (with -q: one line),
+    2 if they could not be compared (a model missing or unreadable), as cmp's."""
     from mconv.converter.pipelines import compare_hf
 
-    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=show_progress(quiet)))
+    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=show_progress(quiet)), status=2)
     if differences:
         for line in differences[:20] if not quiet else ():
             click.echo(f"  {line}", err=True)
