@@ -545,9 +545,12 @@ def test_command_line_refusals_name_what_is_at_fault(tmp_path):
         assert_refused(mconv(*args), tmp_path / "out", fragment)
 
 
-def test_a_lora_checkpoint_given_to_mcore2hf_or_inspect_points_to_export_lora(tmp_path, monkeypatch):
-    """With or without its base weights, legacy or torch_dist: one line saying export-lora reads it
-    (it was an unexpected adapter tensor, or a missing embedding)."""
+def test_a_lora_checkpoint_given_to_mcore2hf_points_to_export_lora_and_inspect_describes_it(tmp_path, monkeypatch):
+    """With or without its base weights, legacy or torch_dist: mcore2hf says in one line that
+    export-lora reads it (it was an unexpected adapter tensor, or a missing embedding); inspect
+    describes its adapters (it refused them too: new-user pass), the rank the test wrote, the
+    modules, whether the base weights are stored, and export-lora."""
+    from tests.test_lora import R as RANK
     from tests.test_lora import lora_checkpoint, save_dist_adapters
 
     full, _ = lora_checkpoint(tmp_path / "full", TINY, Layout(tp=2))
@@ -555,9 +558,15 @@ def test_a_lora_checkpoint_given_to_mcore2hf_or_inspect_points_to_export_lora(tm
     written_here = only / "release" / "mp_rank_00" / "model_optim_rng.pt"
     adapters = load_rank_file(written_here)["model"]
     dist = save_dist_adapters(tmp_path, TINY, adapters, monkeypatch)
-    for ckpt in (full, only, dist):
-        for args in (["mcore2hf", ckpt, tmp_path / "out", "--hf-config", TINY], ["inspect", ckpt, "--hf-config", TINY]):
-            assert_refused(mconv(*args), tmp_path / "out", "holds LoRA adapters (", "mconv export-lora")
+    for ckpt, base in ((full, "stored"), (only, "not stored"), (dist, "not stored")):
+        assert_refused(mconv("mcore2hf", ckpt, tmp_path / "out", "--hf-config", TINY), tmp_path / "out",
+                       "holds LoRA adapters (", "mconv export-lora")
+        for args in ([], ["--hf-config", TINY]):
+            shown = mconv("inspect", ckpt, *args)
+            assert shown.exit_code == 0, shown.output
+            [line] = [line for line in shown.stdout.splitlines() if line.strip().startswith("adapters")]
+            assert f"LoRA, rank {RANK}, on linear_fc1, linear_fc2, linear_proj, linear_qkv (" in line, line
+            assert f"base weights {base})" in line and "mconv export-lora" in line, line
 
 
 def test_torch_dist_with_the_config_of_another_model_names_the_embedding(tmp_path):

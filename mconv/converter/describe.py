@@ -8,6 +8,7 @@ beyond what the checkpoint readers need.
 """
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -17,9 +18,10 @@ from mconv.converter import fp8
 from mconv.converter import megatron_io as mio
 from mconv.converter.adapter_dir import describe_adapter, is_adapter, render_adapter
 from mconv.converter.hf_io import HFCheckpoint
+from mconv.converter.hf_config import read_config
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout, count
-from mconv.converter.megatron_checkpoint import open_checkpoint
+from mconv.converter.megatron_checkpoint import ADAPTER, open_checkpoint
 from mconv.converter.options import check_path, option
 from mconv.converter.planner import validate_layout
 from mconv.converter.transforms import tp_sizes_for_padded_vocab
@@ -276,23 +278,27 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     metadata = mio.read_metadata(location.save_dir) or {}
     stored_config = (location.save_dir / mio.HF_CONFIG_DIR / "config.json").is_file()
     dtypes: dict = {}
+    shapes: dict[str, tuple] = {}  # of each stored tensor (a legacy checkpoint's: each rank's), by name
     if dist:
         from mconv.converter.torch_dist_io import TorchDistReader
 
         reader = TorchDistReader.open(location.iter_dir)
         args = reader.args
-        for entry in reader.tensors.values():
+        for name, entry in reader.tensors.items():
             _count(dtypes, entry.dtype, entry.nbytes)
+            shapes[name] = entry.shape
         stored = len(reader.tensors)
         reader.close()
     else:
         args, layout, chunks, _ = mio.read_legacy_ranks(location)
         for rank_chunks in chunks.values():
             for chunk in rank_chunks:
-                for tensor in chunk.values():
+                for name, tensor in chunk.items():
                     if hasattr(tensor, "dtype"):
                         _count(dtypes, tensor.dtype, tensor.nbytes)
+                        shapes[name] = tuple(tensor.shape)
         stored = None
+    adapters = _adapters(shapes)
     args = dict(vars(args)) if args is not None else {}  # a Namespace: the readers check it
     info = {"kind": "megatron", "path": str(path),
             "checkpoint": {"format": location.format,
@@ -301,7 +307,12 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
                            "files": len(list(location.iter_dir.glob("*.distcp" if dist else "mp_rank_*")))}}
     name, vocab, plan = None, args.get("vocab_size"), None
     size = _sizes(dtypes)
-    if hf_config or stored_config:
+    if adapters:  # export-lora's input: its base weights (if any) are not checked against the HF config here
+        info["adapters"] = adapters
+        if hf_config or stored_config:
+            name = architecture_for(read_config(Path(hf_config) if hf_config else
+                                                location.save_dir / mio.HF_CONFIG_DIR)).name
+    elif hf_config or stored_config:
         ckpt = open_checkpoint(location.iter_dir, hf_config)  # checks the tensors against the HF config
         plan = ckpt.plan
         name, vocab = plan.arch.name, plan.dims.vocab
@@ -309,10 +320,10 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
         info["other_settings"] = other_settings(ckpt.plan.arch, ckpt.plan.dims)
         if dist:  # hf2mcore counts megatron-core's parameters, which torch_dist stores stacked by layer
             size["tensors"] = sum(1 for task in ckpt.plan.ranks[0].chunks[0] if task.shape is not None)
-    else:
+    elif not adapters:
         info["note"] = ("no HF config stored in the checkpoint: the architecture is not checked; pass "
                         f"{option('hf_config')} (a directory or hub name) to check it and to convert it")
-    info["model"] = {**_model(args, name), **(_attention_layers(ckpt.plan.dims) if name else {})}
+    info["model"] = {**_model(args, name), **(_attention_layers(plan.dims) if plan is not None else {})}
     if dist:
         short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
                  "expert_model_parallel_size": "EP", "expert_tensor_parallel_size": "ETP"}
@@ -332,6 +343,22 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
     info["size"] = {**size, **({"stored_tensors": stored} if dist else {}), "files": info["checkpoint"]["files"]}
     info["trainer_flags"] = trainer_flags(args, layout=not dist)
     return info
+
+
+def _adapters(shapes: dict[str, tuple]) -> dict | None:
+    """The LoRA adapters (Megatron-Bridge's: `<module>.adapter.linear_in.weight` [r, in] and
+    `linear_out.weight` [out, r], docs/lora.md) among a checkpoint's tensors (`shapes`: name -> shape): their
+    count, ranks, the modules they adapt (by Megatron-LM's names, layers and experts folded) and
+    whether the base weights are stored beside them; None without adapters."""
+    names = [name for name in shapes if ADAPTER in name]
+    if not names:
+        return None
+    # r from linear_out [out, r], whole on every TP rank (a column-parallel linear_in is split along r)
+    ranks = sorted({shapes[name][-1] for name in names if name.endswith("linear_out.weight") and shapes[name]})
+    modules = sorted({re.sub(r"\.\d+(?=\.|$)", "", name.split(ADAPTER)[0]).rsplit(".", 1)[-1] for name in names})
+    return {"tensors": len(names), "ranks": ranks, "modules": modules,
+            "base_weights": any(ADAPTER not in name and not name.endswith("_extra_state") for name in shapes),
+            "export": "mconv export-lora CKPT OUT (a PEFT adapter), or with --merge --base-model a merged HF model"}
 
 
 def _dist_layouts(args: dict, vocab: int | None, plan) -> dict:
@@ -425,6 +452,11 @@ def render(info: dict) -> list[str]:
     if info.get("other_settings"):
         lines.append(("also", "model settings beyond these flags: " + ", ".join(
             f"{k} {_text(v)}" for k, v in info["other_settings"].items())))
+    if "adapters" in info:
+        a = info["adapters"]
+        lines.append(("adapters", f"LoRA, rank {_text(a['ranks'])}, on {_text(a['modules'])} "
+                                  f"({a['tensors']} tensors; base weights {'stored' if a['base_weights'] else 'not stored'}"
+                                  f"): {a['export']}"))
     if "note" in info:
         lines.append(("note", info["note"]))
     return [line if isinstance(line, str) else f"  {line[0]:<8} {line[1]}" for line in lines]
