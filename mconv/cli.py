@@ -452,9 +452,10 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of text.")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP + " The description itself is printed.")
 def inspect_command(path, hf_config, revision, as_json, quiet):
-    """Describe PATH: a Megatron checkpoint (legacy torch or torch_dist, written by any tool) or an
-    HF model (directory or hub name): format, model, layout, dtypes, size, and the Megatron-LM
-    flags the training job must pass."""
+    """Describe PATH: a Megatron checkpoint (legacy torch or torch_dist, written by any tool; its
+    LoRA adapters too), an HF model (directory or hub name; its FP8 quantization too) or a PEFT
+    adapter directory: format, model, layout, dtypes, size, and the Megatron-LM flags the training
+    job must pass."""
     from mconv.converter.describe import inspect_path, render
 
     info = run(lambda: inspect_path(path, hf_config=hf_config, revision=revision,

@@ -107,17 +107,16 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[in
     forms = {name: [side.stacked.get(name) for side in (left, right)]
              for name in sorted(left.stacked.keys() | right.stacked.keys())}
     forms = {name: shapes for name, shapes in forms.items() if shapes[0] != shapes[1]}
-    at = len(differences)
     # FP8 bytes mean what quantization_config says (method, format, block size, scale format): equal
     # bytes under different settings are different weights. Which modules it keeps in 16-bit shows
     # in the tensors themselves.
     settings = [{key: (side.config.get("quantization_config") or {}).get(key) for key in QUANTIZATION_MEANING}
                 for side in (left, right)]
-    for key in QUANTIZATION_MEANING:
-        if settings[0][key] != settings[1][key]:
-            differences.append(f"config.json quantization_config.{key}: {json.dumps(settings[0][key])} vs "
-                               f"{json.dumps(settings[1][key])}")
-    differences += _setting_differences(left, right)
+    # the settings first: an FP8 model against its bf16 twin differs in every weight, which says less
+    differences[:0] = [f"config.json quantization_config.{key}: {json.dumps(settings[0][key])} vs "
+                       f"{json.dumps(settings[1][key])}" for key in QUANTIZATION_MEANING
+                       if settings[0][key] != settings[1][key]] + _setting_differences(left, right)
+    at = len(differences)  # (the stacked experts' lines go before the tensors' own)
     common = sorted(left.tensors.keys() & right.tensors.keys())
     differing = [name for name, _ in only]
     total = 0
