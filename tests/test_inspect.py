@@ -198,3 +198,16 @@ def test_fp8_checkpoint_headers_are_read_once(checkpoints, tmp_path, monkeypatch
     assert "is block-wise FP8" in report["note"]
     files = sorted(str(p) for p in (tmp_path / "fp8").glob("*.safetensors"))
     assert len(files) > 1 and sorted(opened) == files
+
+
+def test_an_hf_model_whose_tensors_disagree_with_its_config_is_refused_as_hf2mcore_refuses_it(tmp_path):
+    """inspect holds an HF model's tensors to its config.json as hf2mcore does (new-user pass: an
+    expert ffn of 31 with tensors of 32 rows was described, exit 0, and hf2mcore then refused it)."""
+    hf = shutil.copytree(MOE, tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": config["moe_intermediate_size"] - 1}))
+    results = [CliRunner().invoke(main, [command, str(hf), *args]) for command, args in
+               (("inspect", ()), ("hf2mcore", (str(tmp_path / "out"), "-q")))]
+    lines = {result.stderr for result in results}
+    assert all(result.exit_code == 1 for result in results) and len(lines) == 1, [r.output for r in results]
+    assert "but config.json implies" in lines.pop()

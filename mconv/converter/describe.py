@@ -18,12 +18,13 @@ from mconv.converter import fp8
 from mconv.converter import megatron_io as mio
 from mconv.converter.adapter_dir import describe_adapter, is_adapter, render_adapter
 from mconv.converter.hf_io import HFCheckpoint
+from mconv.converter.hf2mcore import check_hf_tensors
 from mconv.converter.hf_config import read_config
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout, count
 from mconv.converter.megatron_checkpoint import ADAPTER, open_checkpoint
 from mconv.converter.options import check_path, option
-from mconv.converter.planner import validate_layout
+from mconv.converter.planner import make_plan, validate_layout
 from mconv.converter.transforms import tp_sizes_for_padded_vocab
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
@@ -222,10 +223,27 @@ def fp8_note(ckpt: HFCheckpoint, where) -> str | None:
             "(bfloat16 by default), the other tensors are kept as stored")
 
 
+def _check_tensors(ckpt: HFCheckpoint, arch) -> None:
+    """The HF tensors' names and shapes against config.json, as hf2mcore checks them (MconvError
+    naming a missing, mis-shaped or unexpected tensor), an FP8 checkpoint's weights as hf2mcore
+    reads them (dequantized, their scales hidden) from the headers already read; nothing where its
+    quantization is refused (fp8_note says why)."""
+    try:
+        presented = ckpt.dequantized(torch.bfloat16)[2]
+    except MconvError:
+        return
+    stored, ckpt.tensors = ckpt.tensors, presented  # (check_hf_tensors reads ckpt.tensors)
+    try:
+        check_hf_tensors(make_plan(arch, ckpt.config, Layout(), "local"), ckpt)
+    finally:
+        ckpt.tensors = stored
+
+
 def _describe_hf(path: Path, shown: str) -> dict:
     ckpt = HFCheckpoint(path)
     arch = architecture_for(ckpt.config, ckpt.dir / "config.json")
     dims = arch.dims(ckpt.config)
+    _check_tensors(ckpt, arch)
     args = {"num_layers": dims.layers, "hidden_size": dims.hidden, "num_attention_heads": dims.heads,
             "vocab_size": dims.vocab, "untie_embeddings_and_output_weights": not dims.tied,
             **arch.megatron_args(dims)}
