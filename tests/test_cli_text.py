@@ -253,6 +253,23 @@ def test_verify_compares_model_settings_and_tokenizer_files(tmp_path):
     assert f"tokenizer.json: only in {TINY}" in result.output and "tokenizer_config.json: the files differ" in result.output
 
 
+def test_a_merge_onto_an_fp8_base_says_it_wrote_it_dequantized(tmp_path):
+    """export-lora --merge onto an FP8 base writes it dequantized (bf16), and says so as hf2mcore does
+    (new-user pass: it did not); with --quantize fp8 it writes FP8 again and says nothing of it."""
+    from tests.test_lora import lora_checkpoint
+
+    lora, _ = lora_checkpoint(tmp_path / "lora", TINY, Layout())
+    assert mconv("hf2mcore", TINY, tmp_path / "m", "-q").exit_code == 0
+    assert mconv("mcore2hf", tmp_path / "m", tmp_path / "fp8", "--quantize", "fp8", "-q").exit_code == 0
+    merged = mconv("export-lora", lora, tmp_path / "merged", "--alpha", 8, "--merge", "--base-model", tmp_path / "fp8")
+    assert merged.exit_code == 0, merged.output
+    assert f"{tmp_path / 'fp8'} is FP8 (blocks 128x128): its weights are dequantized into bfloat16; pass --quantize " \
+           "fp8 to export-lora --merge to write FP8 again" in " ".join(merged.output.split()), merged.output
+    again = mconv("export-lora", lora, tmp_path / "again", "--alpha", 8, "--merge", "--base-model", tmp_path / "fp8",
+                  "--quantize", "fp8")
+    assert again.exit_code == 0 and "is FP8" not in again.output, again.output
+
+
 def test_inspect_and_verify_take_peft_adapters(tmp_path):
     from peft import PeftConfig
     from safetensors.torch import save_file

@@ -249,10 +249,11 @@ def block_note(config: dict | None, quantization: Quantization | None) -> str | 
             f"so the output's quantization_config says [{BLOCK}, {BLOCK}]")
 
 
-def dequantized_note(where, block: tuple[int, int], dtype: torch.dtype) -> str:
-    """What hf2mcore says of the FP8 checkpoint `where` (blocks `block`) it reads dequantized into `dtype`."""
+def dequantized_note(where, block: tuple[int, int], dtype: torch.dtype, writer: str = "mcore2hf") -> str:
+    """What hf2mcore (or `export-lora --merge`) says of the FP8 checkpoint `where` (blocks `block`)
+    it reads dequantized into `dtype`; `writer`: the command that writes FP8 again."""
     return (f"{where} is FP8 (blocks {block[0]}x{block[1]}): its weights are dequantized into "
-            f"{str(dtype).removeprefix('torch.')}; pass --quantize fp8 to mcore2hf to write FP8 again "
+            f"{str(dtype).removeprefix('torch.')}; pass --quantize fp8 to {writer} to write FP8 again "
             f"(in {BLOCK}x{BLOCK} blocks)")
 
 

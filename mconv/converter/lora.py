@@ -490,9 +490,9 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
     inputs = (location.save_dir, config_dir) + ((Path(base_model),) if merge_into else ())
     with staged_directory(Path(out_dir), overwrite, inputs=inputs) as staging:
         if merge_into:
-            result.merged_tensors, note = merge_adapter(adapter, alpha, base_model, staging, dtype, max_shard_bytes,
-                                                        quantize, fp8_scale)
-            result.notes += filter(None, [note])
+            result.merged_tensors, notes = merge_adapter(adapter, alpha, base_model, staging, dtype, max_shard_bytes,
+                                                         quantize, fp8_scale)
+            result.notes += notes
         else:
             adapter.save(staging, alpha, base_model)
     return result
@@ -500,13 +500,14 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
 
 def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out: Path,
                   dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                  quantize: str | None = None, fp8_scale: str | None = None) -> tuple[int, str | None]:
+                  quantize: str | None = None, fp8_scale: str | None = None) -> tuple[int, list[str]]:
     """Write base + alpha/r * B @ A (in float32, then cast to `dtype`, default each tensor's own; see
     transforms.cast_dtype for those kept in float32) as HF safetensors into `out`, one tensor in
     memory at a time; with `quantize="fp8"` the weights the architecture's FP8 releases quantize are
     quantized from the float32 sum (fp8.quantize). An FP8 base is read dequantized into `dtype`
-    (default bfloat16). Returns how many tensors changed and the note on the tensors the cast kept in
-    float32 (transforms.fp32_note; None if none).
+    (default bfloat16). Returns how many tensors changed and the notes for the user: the tensors the
+    cast kept in float32 (transforms.fp32_note), an FP8 base read dequantized and written so (as
+    hf2mcore says it: fp8.dequantized_note), unless `quantize` quantizes again.
     Raises MconvError where the cast turns finite values into inf (transforms.check_cast)."""
     base = HFCheckpoint(base_dir, dequantize=dtype or torch.bfloat16)
     side_files(base.dir)  # a bad tokenizer file stops the merge now, not after the weights
@@ -555,4 +556,6 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
     write_hf_config(out, fp8.output_config(base.config, quantization, writer.kept), base.config)
     write_config_dtype(out, plain)
     base.close()
-    return len(deltas), fp32_note(arch, base.tensors, dtype)
+    dequantized = (fp8.dequantized_note(base.dir, base.block, dtype or torch.bfloat16, "export-lora --merge")
+                   if base.block is not None and quantization is None else None)
+    return len(deltas), [note for note in (fp32_note(arch, base.tensors, dtype), dequantized) if note]
