@@ -1683,3 +1683,20 @@ def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path, co
     assert result.exit_code == (2 if command[0] == "verify" else 1) and "is empty: give a path" in result.stderr
     # (verify's 1 says the models differ)
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_export_lora_refuses_to_record_a_local_base_model_of_another_shape(tmp_path):
+    """--base-model without --merge is only recorded in adapter_config.json, but a local one that is
+    not the model the adapters were trained on (another architecture, other sizes) is refused by
+    name (new-user pass: a MoE base was recorded for a dense adapter); a hub name is recorded as given."""
+    from tests.test_lora import lora_checkpoint
+
+    lora, _ = lora_checkpoint(tmp_path / "lora", TINY, Layout())
+    for base, fragment in ((FIXTURES / "qwen3-moe-tiny", "is a Qwen3MoeForCausalLM, the adapter is for Qwen3ForCausalLM"),
+                           (FIXTURES / "qwen3-tiny-tied", "has layers 2, the model the adapter was trained on 4")):
+        assert_refused(mconv("export-lora", lora, tmp_path / "out", "--alpha", 8, "--base-model", base), tmp_path / "out",
+                       fragment, "give --base-model the model it was trained on")
+    for base in (TINY, "Qwen/Qwen3-8B"):
+        assert mconv("export-lora", lora, tmp_path / "out", "--alpha", 8, "--base-model", base, "--overwrite",
+                     "-q").exit_code == 0
+        assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)

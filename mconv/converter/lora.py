@@ -448,6 +448,23 @@ def read_adapter(location: mio.CheckpointLocation,
     return adapter_to_peft(states, config, layout, str(location.iter_dir)), layout, config_dir
 
 
+def _check_recorded_base(base: Path, adapter: PeftAdapter, config_dir: Path) -> None:
+    """The local base model a PEFT adapter will name (`base_model` without a merge) is the model the
+    adapters were trained on, as far as its config.json tells: its architecture and its sizes as
+    the table reads them (the checkpoint's HF config's, in `config_dir`). MconvError naming the
+    first difference (a name that is no local directory is recorded as it is)."""
+    theirs, ours = read_config(base), read_config(config_dir)
+    arch = architecture_for(theirs, base / "config.json")
+    if arch.name != adapter.arch:
+        raise MconvError(f"{base} is a {arch.name}, the adapter is for {adapter.arch}: give "
+                         f"{option('base_model')} the model it was trained on")
+    sizes = [vars(arch.dims(config)) for config in (theirs, ours)]
+    for key in ("layers", "hidden", "heads", "groups", "head_dim", "ffn", "vocab", "experts", "moe_ffn"):
+        if sizes[0].get(key) != sizes[1].get(key):
+            raise MconvError(f"{base} has {key} {sizes[0].get(key)}, the model the adapter was trained on "
+                             f"{sizes[1].get(key)}: give {option('base_model')} the model it was trained on")
+
+
 def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | None = None,
                 rank: int | None = None, alpha: float | None = None, base_model: str | None = None,
                 merge_into: bool = False, dtype: torch.dtype | None = None, overwrite: bool = False,
@@ -480,6 +497,8 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
                                    parameter="base_model")
     check_output_path(out_dir, overwrite, (location.save_dir,))
     adapter, layout, config_dir = read_adapter(location, hf_config)
+    if not merge_into and base_model and is_local(base_model) and (Path(base_model) / "config.json").is_file():
+        _check_recorded_base(Path(base_model), adapter, config_dir)
     if rank is not None and rank != adapter.rank:
         raise MconvError(f"{location.iter_dir}: the adapters have rank {adapter.rank}, not {option('rank', rank)}")
     alpha = alpha if alpha is not None else _run_config_alpha(location)
