@@ -470,8 +470,11 @@ def inspect_command(path, hf_config, revision, as_json, quiet):
 @main.command("verify", short_help="Are two HF models (or PEFT adapters) bit-identical?")
 @click.argument("first", type=click.Path(file_okay=False))
 @click.argument("second", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON for scripts instead of text: identical, tensors, bytes and every difference "
+                   "(the exit status is the same).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
-def verify_command(first, second, quiet):
+def verify_command(first, second, as_json, quiet):
     """Check that two HF model directories hold the same tensors, bit for bit (names, dtypes,
     shapes and bytes; shard layout may differ) and the same config.json quantization_config
     settings (method, FP8 format, block size, activation scheme, scale format), or two PEFT adapters the same tensors
@@ -482,7 +485,12 @@ def verify_command(first, second, quiet):
     2 if they could not be compared (a model missing or unreadable), as cmp's."""
     from mconv.converter.pipelines import compare_hf
 
-    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=show_progress(quiet)), status=2)
+    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=show_progress(quiet, as_json)),
+                                       status=2)
+    if as_json:
+        click.echo(json.dumps({"identical": not differences, "tensors": tensors, "bytes": nbytes,
+                               "differences": differences}, indent=2))
+        sys.exit(1 if differences else 0)
     if differences:
         for line in differences[:20] if not quiet else ():
             click.echo(f"  {line}", err=True)

@@ -251,6 +251,11 @@ def test_verify_compares_model_settings_and_tokenizer_files(tmp_path):
     assert result.exit_code == 1, result.output
     assert "norm_eps 1e-06 vs 1e-05" in result.output and f"rope.rotary_base {theta} vs 10000.0" in result.output
     assert f"tokenizer.json: only in {TINY}" in result.output and "tokenizer_config.json: the files differ" in result.output
+    as_json = mconv("verify", TINY, changed, "--json")
+    report = json.loads(as_json.stdout)
+    assert as_json.exit_code == 1 and report["identical"] is False and report["tensors"] == 47, as_json.output
+    assert f"tokenizer.json: only in {TINY}" in report["differences"] and len(report["differences"]) == 4
+    assert json.loads(mconv("verify", TINY, respelled, "--json").stdout)["identical"] is True
 
 
 def test_a_merge_onto_an_fp8_base_says_it_wrote_it_dequantized(tmp_path):
