@@ -1700,3 +1700,20 @@ def test_export_lora_refuses_to_record_a_local_base_model_of_another_shape(tmp_p
         assert mconv("export-lora", lora, tmp_path / "out", "--alpha", 8, "--base-model", base, "--overwrite",
                      "-q").exit_code == 0
         assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+
+
+def test_a_merge_that_fp8_cannot_quantize_names_the_adapter(tmp_path):
+    """export-lora --merge --quantize fp8 of an adapter holding a NaN: one line naming the merged
+    weight, the base model and the adapter's A and B (new-user pass: it named the weight alone, as
+    if the base were at fault), nothing written."""
+    from tests.test_lora import lora_checkpoint
+
+    lora, _ = lora_checkpoint(tmp_path / "lora", TINY, Layout())
+    rank_file = lora / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    state = load_rank_file(rank_file)
+    key = next(k for k in state["model"] if "self_attention.linear_qkv.adapter.linear_in" in k)
+    state["model"][key][0, 0] = float("nan")
+    torch.save(state, rank_file)
+    result = mconv("export-lora", lora, tmp_path / "out", "--alpha", 8, "--merge", "--base-model", TINY,
+                   "--quantize", "fp8")
+    assert_refused(result, tmp_path / "out", "with its adapter merged (the weight of", "check the adapter's A and B")

@@ -562,6 +562,11 @@ def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out:
         if name in deltas:
             a, b = deltas[name]
             tensor = tensor.float() + scale * (b.float() @ a.float())
+            if quantization is not None and not torch.isfinite(tensor).all() and (
+                    writer.quantizes(name) or quantization.applies(name, shape)):
+                raise MconvError(f"{name} with its adapter merged (the weight of {base.dir} + {alpha:g}/{adapter.rank} "
+                                 "* B @ A) holds inf or NaN values, which FP8 cannot quantize: check the adapter's "
+                                 "A and B and that weight")
         if writer.quantizes(name):  # an expert's module of stacked experts: the writer quantizes its expert
             writer.write(name, tensor)
         elif quantization is not None and quantization.applies(name, shape):
