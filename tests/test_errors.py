@@ -143,27 +143,46 @@ def test_output_exists(tmp_path):
 
 def test_overwrite_replaces_output(tmp_path):
     out = tmp_path / "out"
-    assert mconv("hf2mcore", TINY, out, "-q").exit_code == 0
-    (out / "iter_0000100").mkdir()  # an older output's iteration: replaced with the rest
-    (out / "iter_0000100" / "stale").write_text("x")
+    assert mconv("hf2mcore", TINY, out, "--iteration", 100, "-q").exit_code == 0  # an older output's iteration
     assert mconv("hf2mcore", TINY, out, "--overwrite", "-q").exit_code == 0
     assert not (out / "iter_0000100").exists() and (out / "release").is_dir()
 
 
-@pytest.mark.parametrize("foreign", [".git", "src", "notes.txt"])
+@pytest.mark.parametrize("foreign", [".git", "src", "notes.txt", "train.py", "results.json", "release/notes.txt",
+                                     "hf_config/thesis.tex", "iter_0000200/"])
 def test_overwrite_refuses_a_directory_holding_what_no_mconv_output_holds(tmp_path, foreign):
-    """A project directory that happens to hold a config.json (one of the marks of an mconv output)
-    is not replaced when it also holds a hidden entry, a directory or a file no output has: named,
-    nothing touched."""
+    """A project directory that happens to hold a config.json and a tracker (marks of an mconv
+    output) is not replaced when it also holds a hidden entry, a directory, a file no output has
+    (at its top level or in a checkpoint's directories: remote code only where config.json names
+    it), or more than one iteration (a training run's): named, nothing touched. (New-user passes: a
+    project, then a Megatron-LM run's iterations, were deleted.)"""
     project = tmp_path / "project"
     project.mkdir()
     (project / "config.json").write_text('{"name": "my-app"}')
-    (project / foreign).mkdir() if "." not in foreign[1:] else (project / foreign).write_text("x")
+    (project / "latest_checkpointed_iteration.txt").write_text("100")
+    (project / "iter_0000100").mkdir()
+    path = project / foreign
+    path.parent.mkdir(exist_ok=True)
+    path.mkdir(exist_ok=True) if foreign.endswith("/") or "." not in foreign[1:] else path.write_text("x")
+    before = sorted(str(p.relative_to(project)) for p in project.rglob("*"))
     result = mconv("hf2mcore", TINY, project, "--overwrite", "-q")
-    assert_refused(result, project / "release", "which no mconv output holds")
-    assert foreign in result.stderr
-    assert sorted(p.name for p in project.iterdir()) == sorted(["config.json", foreign])
+    assert result.exit_code == 1 and "which no mconv output holds" in result.stderr, result.output
+    assert foreign.rstrip("/").split("/")[-1] in result.stderr or "more than one iteration" in result.stderr
+    assert sorted(str(p.relative_to(project)) for p in project.rglob("*")) == before
     assert (project / "config.json").read_text() == '{"name": "my-app"}'
+
+
+@pytest.mark.parametrize("args", [["--iteration", "12345678"], ["--format", "torch", "--tp", "2"]])
+def test_overwrite_replaces_every_kind_of_checkpoint_mconv_writes(tmp_path, args):
+    """hf2mcore's outputs at any iteration number (more than seven digits too) and format, and
+    mcore2hf's sharded one, are replaced by --overwrite (the new-user pass found iter_12345678 refused)."""
+    out = tmp_path / "out"
+    for _ in range(2):
+        assert mconv("hf2mcore", TINY, out, *args, "--overwrite", "-q").exit_code == 0
+    for _ in range(2):
+        result = mconv("mcore2hf", out, tmp_path / "hf", "--max-shard-size", "100KB", "--overwrite", "-q")
+        assert result.exit_code == 0, result.output
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
 
 
 def test_overwrite_replaces_only_what_mconv_could_have_written(tmp_path):

@@ -59,11 +59,13 @@ def check_output_path(out: str | Path, overwrite: bool, inputs: tuple[str | Path
 # What --overwrite may replace: a directory that an mconv command could have written (one of these files in it,
 # and nothing an mconv output never holds: _foreign).
 _OUTPUT_MARKERS = ("config.json", "adapter_config.json", "latest_checkpointed_iteration.txt", "mconv.json")
-# What an mconv output's top level holds (_foreign): HF weights, indexes and configs, tokenizer files
-# (hf_config.SIDE_FILES), remote code (what a config's auto_map names), a PEFT adapter, a Megatron
-# checkpoint's tracker, its iterations' directories and its copy of the HF config (megatron_io's)
-_OUTPUT_FILE_SUFFIXES = (".safetensors", ".json", ".py")
-_OUTPUT_DIRECTORIES = re.compile(r"release|iter_\d{7}|hf_config")
+# What an mconv output holds (_foreign): HF weights and their index, configs and tokenizer files
+# (hf_config.SIDE_FILES), remote code (what a config's auto_map names), a PEFT adapter, mconv.json; a
+# Megatron checkpoint's tracker, its one iteration's directory (rank directories, or torch_dist's files)
+# and its copy of the HF config (megatron_io.HF_CONFIG_DIR: configs, tokenizer files, remote code)
+_OUTPUT_FILES = re.compile(r".+\.safetensors|.+\.safetensors\.index\.json|adapter_config\.json|mconv\.json")
+_ITERATION = re.compile(r"release|iter_\d{7,}")
+_ITERATION_ENTRIES = re.compile(r"mp_rank_\d+(_\d+)*|.+\.distcp|\.metadata|common\.pt|metadata\.json")
 
 
 def _refusal(out: Path, overwrite: bool) -> str | None:
@@ -90,17 +92,36 @@ def _foreign(out: Path) -> str | None:
     hidden one such as .git, a directory but a Megatron checkpoint's, a file of another kind), as
     a message names it; None if there is none."""
     from mconv.converter.hf_config import SIDE_FILES  # (hf_config imports this module)
-    from mconv.converter.megatron_io import TRACKER
+    from mconv.converter.megatron_io import HF_CONFIG_DIR, TRACKER
+    from mconv.converter.remote_code import remote_code_files
 
+    def config_files(directory: Path) -> set[str]:
+        try:
+            return {*SIDE_FILES, *remote_code_files(directory, SIDE_FILES)}
+        except MconvError:  # (a config.json that is not one: its remote code is no output's)
+            return set(SIDE_FILES)
+
+    iterations = 0
     for entry in sorted(out.iterdir()):
-        name = entry.name
+        name, directory = entry.name, entry.is_dir() and not entry.is_symlink()
         if name.startswith("."):
             return name
-        if entry.is_dir() and not entry.is_symlink():
-            if not _OUTPUT_DIRECTORIES.fullmatch(name):
-                return f"the directory {name}"
-        elif not name.endswith(_OUTPUT_FILE_SUFFIXES) and name not in SIDE_FILES and name != TRACKER:
-            return name
+        if directory and _ITERATION.fullmatch(name):
+            iterations += 1
+            inside = next((e.name for e in sorted(entry.iterdir()) if not _ITERATION_ENTRIES.fullmatch(e.name)), None)
+        elif directory and name == HF_CONFIG_DIR:
+            kept = config_files(entry)
+            inside = next((e.name for e in sorted(entry.iterdir()) if e.name not in kept or e.is_dir()), None)
+        elif directory:
+            return f"the directory {name}"
+        else:
+            inside = None
+            if not (_OUTPUT_FILES.fullmatch(name) or name == TRACKER or name in config_files(out)):
+                return name
+        if inside is not None:
+            return f"{name}/{inside}"
+        if iterations > 1:
+            return f"more than one iteration ({name} among them)"
     return None
 
 
