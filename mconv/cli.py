@@ -114,6 +114,13 @@ def run(action, status: int = 1):
         fail(f"{e.filename}: {e.strerror or e}" if e.filename else str(e), status)
 
 
+def not_empty(ctx, param, value):
+    """An option given as "" (an unset shell variable) is a usage error, not the option left out."""
+    if value == "":
+        raise click.BadParameter("is empty: give a value, or leave the option out", ctx, param)
+    return value
+
+
 QUIET_HELP = "Quiet: no progress bars and no informational lines (errors are still printed)."
 
 
@@ -295,7 +302,7 @@ def main(ctx: click.Context):
 @main.command("hf2mcore", short_help="HF safetensors -> Megatron checkpoint.")
 @click.argument("hf_dir", type=click.Path(file_okay=False), metavar="HF_DIR|HUB_NAME")
 @click.argument("out_dir", type=click.Path())
-@click.option("--revision", default=None, help=REVISION_HELP)
+@click.option("--revision", default=None, callback=not_empty, help=REVISION_HELP)
 @click.option("--tp", default=1, show_default=True, help="Tensor parallel size.")
 @click.option("--pp", default=1, show_default=True, help="Pipeline parallel size.")
 @click.option("--vpp", default=1, show_default=True, help="Virtual pipeline chunks per pipeline rank.")
@@ -382,10 +389,10 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
 @main.command("mcore2hf", short_help="Megatron checkpoint -> HF safetensors.")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path())
-@click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
+@click.option("--hf-config", type=click.Path(file_okay=False), default=None, callback=not_empty, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the HF config.json (and tokenizer) of the model; needed for "
                    "checkpoints not written by mconv, and overrides the one stored in the checkpoint.")
-@click.option("--revision", default=None, help=REVISION_HELP)
+@click.option("--revision", default=None, callback=not_empty, help=REVISION_HELP)
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Cast every tensor to this dtype (e.g. a float32 training checkpoint to bfloat16), but those "
                    "the model keeps in float32 (BailingMoeV3's router expert_bias, KDA A_log / dt_bias), which "
@@ -445,10 +452,10 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
 
 @main.command("inspect", short_help="What a checkpoint or HF model is, and the flags its trainer needs.")
 @click.argument("path")
-@click.option("--hf-config", default=None, metavar="DIR|HUB_NAME",
+@click.option("--hf-config", default=None, callback=not_empty, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the HF config.json of the model, for checkpoints that store none: "
                    "the tensors are then checked against the architecture.")
-@click.option("--revision", default=None, help=REVISION_HELP)
+@click.option("--revision", default=None, callback=not_empty, help=REVISION_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of text.")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP + " The description itself is printed.")
 def inspect_command(path, hf_config, revision, as_json, quiet):
@@ -504,7 +511,7 @@ def verify_command(first, second, as_json, quiet):
 @main.command("export-lora", short_help="Megatron LoRA -> HF PEFT adapter (or a merged model).")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path())
-@click.option("--hf-config", type=click.Path(file_okay=False), default=None, metavar="DIR|HUB_NAME",
+@click.option("--hf-config", type=click.Path(file_okay=False), default=None, callback=not_empty, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the base model's HF config.json; needed for checkpoints not "
                    "written by mconv.")
 @click.option("--rank", type=click.IntRange(min=1), default=None,
@@ -513,10 +520,10 @@ def verify_command(first, second, as_json, quiet):
 @click.option("--alpha", type=float, default=None,
               help="LoRA alpha (scale = alpha / r). Default: peft.alpha from Megatron-Bridge's run_config.yaml in the "
                    "checkpoint; required when there is none.")
-@click.option("--base-model", default=None, metavar="DIR|HUB_NAME",
+@click.option("--base-model", default=None, callback=not_empty, metavar="DIR|HUB_NAME",
               help="Written as base_model_name_or_path (a hub name or path). With --merge: the HF model "
                    "(directory or hub name) whose weights the delta is added to.")
-@click.option("--revision", default=None, help=REVISION_HELP + " Applies to --hf-config and --merge's --base-model.")
+@click.option("--revision", default=None, callback=not_empty, help=REVISION_HELP + " Applies to --hf-config and --merge's --base-model.")
 @click.option("--merge", is_flag=True,
               help="Write a full HF model (base + alpha/r * B @ A) instead of an adapter, for serving merged weights.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,

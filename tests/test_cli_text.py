@@ -256,6 +256,10 @@ def test_verify_compares_model_settings_and_tokenizer_files(tmp_path):
     assert as_json.exit_code == 1 and report["identical"] is False and report["tensors"] == 47, as_json.output
     assert f"tokenizer.json: only in {TINY}" in report["differences"] and len(report["differences"]) == 4
     assert json.loads(mconv("verify", TINY, respelled, "--json").stdout)["identical"] is True
+    gelu = shutil.copytree(TINY, tmp_path / "gelu")  # a setting the table refuses: the configs compared as JSON
+    (gelu / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    differs = mconv("verify", TINY, gelu)
+    assert differs.exit_code == 1 and 'config.json hidden_act: "silu" vs "gelu"' in differs.output, differs.output
 
 
 def test_a_merge_onto_an_fp8_base_says_it_wrote_it_dequantized(tmp_path):

@@ -197,12 +197,19 @@ def test_yarn_args_in_torch_dist_common_state(tmp_path):
 
 
 MALFORMED = {  # id: (fixture, field, value, what the one line says)
-    "hidden_size null": ("qwen3-tiny", "hidden_size", None, "gives 'hidden_size' as null"),
+    "hidden_size null": ("qwen3-tiny", "hidden_size", None, "hidden_size is null, where a value is needed"),
     "moe_intermediate_size null": ("qwen3-moe-tiny", "moe_intermediate_size", None,
-                                   "gives 'moe_intermediate_size' as null"),
+                                   "moe_intermediate_size is null, where a value is needed"),
     "linear_num_value_heads null": ("qwen3-5-tiny", "linear_num_value_heads", None,
                                     "gives 'linear_num_value_heads' as null"),
-    "linear_key_head_dim a string": ("qwen3-5-tiny", "linear_key_head_dim", "8", 'linear_key_head_dim is "8", not int'),
+    "linear_key_head_dim a string": ("qwen3-5-tiny", "linear_key_head_dim", "8",
+                                     'linear_key_head_dim is "8", not a whole number'),
+    "rms_norm_eps null": ("qwen3-tiny", "rms_norm_eps", None, "rms_norm_eps is null, where a value is needed"),
+    "attention_dropout a string": ("qwen3-tiny", "attention_dropout", "abc", 'attention_dropout is "abc", not a number'),
+    "rope_theta null in the block": ("qwen3-tiny", "rope_parameters", {"rope_type": "default", "rope_theta": None},
+                                     "rope_parameters.rope_theta is null, where a value is needed"),
+    "max_position_embeddings null": ("bailing-v3-tiny", "max_position_embeddings", None,
+                                     "max_position_embeddings is null, where a value is needed"),
     "rope_parameters a string": ("qwen3-tiny", "rope_parameters", "x", 'rope_parameters is "x", not an object'),
     "rope factor a string": ("qwen3-tiny", "rope_parameters", {"rope_type": "yarn", "factor": "4"},
                              'rope_parameters.factor is "4", not a number'),

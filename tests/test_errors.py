@@ -1736,3 +1736,16 @@ def test_a_merge_that_fp8_cannot_quantize_names_the_adapter(tmp_path):
     result = mconv("export-lora", lora, tmp_path / "out", "--alpha", 8, "--merge", "--base-model", TINY,
                    "--quantize", "fp8")
     assert_refused(result, tmp_path / "out", "with its adapter merged (the weight of", "check the adapter's A and B")
+
+
+@pytest.mark.parametrize("command", [["mcore2hf", "CKPT", "OUT", "--hf-config", ""], ["inspect", "CKPT", "--hf-config", ""],
+                                     ["export-lora", "CKPT", "OUT", "--alpha", "8", "--base-model", ""],
+                                     ["hf2mcore", str(TINY), "OUT", "--revision", ""]],
+                         ids=["mcore2hf --hf-config", "inspect --hf-config", "export-lora --base-model", "--revision"])
+def test_an_empty_option_value_is_a_usage_error_not_the_option_left_out(tmp_path, command):
+    """--hf-config "", --base-model "" or --revision "" (unset shell variables) were taken as not
+    given, and --base-model "" was recorded in adapter_config.json (second new-user pass)."""
+    parts = {"CKPT": str(tmp_path / "ckpt"), "OUT": str(tmp_path / "out")}
+    result = mconv(*[parts.get(part, part) for part in command])
+    assert result.exit_code == 2 and "is empty: give a value, or leave the option out" in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -59,7 +59,10 @@ CONFIG_FIELDS = {
                                          "depth", "num_heads", "patch_size", "temporal_patch_size",
                                          "spatial_merge_size", "in_channels", "out_hidden_size",
                                          "num_position_embeddings")},
-    **{key: (int, 0, 2**31) for key in ("q_lora_rank", "num_shared_experts", "num_nextn_predict_layers")},
+    **{key: (int, 0, 2**31) for key in ("q_lora_rank", "num_shared_experts", "num_nextn_predict_layers",
+                                         "first_k_dense_replace", "mtp_num_hidden_layers")},
+    "full_attention_interval": (int, 1, 2**31),
+    "attention_dropout": (float, 0, 1),
     **{key: (int, 1, 100_000) for key in ("num_hidden_layers", "num_experts", "num_local_experts")},
     **{key: (float, 0, float("inf")) for key in ("rms_norm_eps", "rope_theta", "layer_norm_eps",
                                                   "partial_rotary_factor", "routed_scaling_factor")},
@@ -67,11 +70,18 @@ CONFIG_FIELDS = {
     "architectures": (list, None, None),  # of names
     "mlp_only_layers": (list, None, None),  # of layer numbers
     "layer_types": (list, None, None),  # of names
+    "deepstack_visual_indexes": (list, None, None),  # of layer numbers
+    **{key: (str, None, None) for key in ("hidden_act", "score_function", "scoring_func", "model_type")},
     **{key: (dict, None, None) for key in ("rope_parameters", "rope_scaling", "quantization_config",
                                             "text_config", "vision_config")},
 }
 _LIST_ITEMS = {"architectures": (str, "names"), "mlp_only_layers": (int, "layer numbers"),
-               "layer_types": (str, "layer types")}
+               "layer_types": (str, "layer types"), "deepstack_visual_indexes": (int, "layer numbers")}
+# Fields a null cannot stand for (transformers' config classes would hold None where a number goes);
+# others may be null for "none" or "the default" (head_dim, q_lora_rank, rope_scaling...)
+_NEVER_NULL = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+               "max_position_embeddings", "moe_intermediate_size", "num_experts_per_tok", "decoder_sparse_step",
+               "rms_norm_eps", "rope_theta", "attention_dropout", "full_attention_interval", "first_k_dense_replace")
 _ROPE_NAMES = ("rope_type", "type")  # the rotary block's fields that are names; the others numbers, flags or lists
 
 
@@ -87,10 +97,13 @@ def check_config(config: dict, path: Path) -> None:
         for key, (kind, low, high) in CONFIG_FIELDS.items():
             value = fields.get(key)
             if value is None:
+                if key in fields and key in _NEVER_NULL:
+                    raise MconvError(f"{path}: {where}{key} is null, where a value is needed")
                 continue
             number = kind in (int, float) and isinstance(value, (int, float) if kind is float else int)
             if isinstance(value, bool) != (kind is bool) or not (number or isinstance(value, kind)):
-                what = {float: "a number", dict: "an object", list: "a list"}.get(kind, kind.__name__)
+                what = {float: "a number", dict: "an object", list: "a list", int: "a whole number", str: "a name",
+                        bool: "true or false"}[kind]
                 raise MconvError(f"{path}: {where}{key} is {_shown(value)}, not {what}")
             if number and not low <= value <= high:
                 raise MconvError(f"{path}: {where}{key} is {value!r}, outside [{low}, {high:,}]")
@@ -104,6 +117,11 @@ def check_config(config: dict, path: Path) -> None:
             raise MconvError(f"{path}: {where}num_experts_per_tok is {top_k}, more than the model's {experts} experts")
         for block in ("rope_parameters", "rope_scaling"):
             for name, value in (fields.get(block) or {}).items():
+                if value is None and name == "rope_theta":
+                    raise MconvError(f"{path}: {where}{block}.rope_theta is null, where a value is needed")
+                if isinstance(value, list) and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                       for v in value):
+                    raise MconvError(f"{path}: {where}{block}.{name} is {_shown(value)}, not a list of numbers")
                 if value is None or isinstance(value, (dict, list, bool)):  # (per-layer-type blocks: the tables'; flags
                     continue  # such as mrope_interleaved)
                 named = name in _ROPE_NAMES

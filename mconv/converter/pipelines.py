@@ -153,8 +153,9 @@ def _setting_differences(left: HFCheckpoint, right: HFCheckpoint) -> list[str]:
     so that one setting spelled two ways (transformers 4.x and 5.x keys) is no difference; their
     architectures where they differ; and the config, generation config and tokenizer files
     (hf_config.SIDE_FILES but config.json) that one has and the other lacks or holds otherwise,
-    byte for byte (a conversion copies them as they are). Nothing for settings where either
-    config is not one mconv reads (the tensors are still compared)."""
+    byte for byte (a conversion copies them as they are). Where the table refuses either config
+    (a setting mconv cannot carry, such as another activation), the two config.json objects are
+    compared key by key instead."""
     from mconv.converter.hf_config import SIDE_FILES
     from mconv.mappings import architecture_for
 
@@ -169,8 +170,12 @@ def _setting_differences(left: HFCheckpoint, right: HFCheckpoint) -> list[str]:
                 if dims[0].get(key) != dims[1].get(key):
                     differences.append(f"config.json, as mconv reads it for {archs[0].name}: {key} "
                                        f"{dims[0].get(key)!r:.80} vs {dims[1].get(key)!r:.80}")
-    except MconvError:
-        pass
+    except MconvError:  # not one mconv reads: the files as JSON, every top-level key
+        configs = [side.config for side in (left, right)]
+        differences += [f"config.json {key}: {json.dumps(configs[0].get(key))[:80]} vs "
+                        f"{json.dumps(configs[1].get(key))[:80]}"
+                        for key in sorted(configs[0].keys() | configs[1].keys())
+                        if configs[0].get(key) != configs[1].get(key)]
     for name in SIDE_FILES[1:]:
         files = [side.dir / name for side in (left, right)]
         there = [f.is_file() for f in files]
