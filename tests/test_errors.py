@@ -1715,7 +1715,10 @@ def test_export_lora_refuses_to_record_a_local_base_model_of_another_shape(tmp_p
                            (FIXTURES / "qwen3-tiny-tied", "has layers 2, the model the adapter was trained on 4")):
         assert_refused(mconv("export-lora", lora, tmp_path / "out", "--alpha", 8, "--base-model", base), tmp_path / "out",
                        fragment, "give --base-model the model it was trained on")
-    for base in (TINY, "Qwen/Qwen3-8B"):
+    assert mconv("hf2mcore", TINY, tmp_path / "megatron", "-q").exit_code == 0
+    assert_refused(mconv("export-lora", lora, tmp_path / "out", "--alpha", 8, "--base-model", tmp_path / "megatron"),
+                   tmp_path / "out", "is a Megatron checkpoint; --base-model names the HF model")
+    for base in (TINY, "Qwen/Qwen3-8B", "/models/not-on-this-machine"):
         assert mconv("export-lora", lora, tmp_path / "out", "--alpha", 8, "--base-model", base, "--overwrite",
                      "-q").exit_code == 0
         assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)

@@ -451,8 +451,18 @@ def read_adapter(location: mio.CheckpointLocation,
 def _check_recorded_base(base: Path, adapter: PeftAdapter, config_dir: Path) -> None:
     """The local base model a PEFT adapter will name (`base_model` without a merge) is the model the
     adapters were trained on, as far as its config.json tells: its architecture and its sizes as
-    the table reads them (the checkpoint's HF config's, in `config_dir`). MconvError naming the
-    first difference (a name that is no local directory is recorded as it is)."""
+    the table reads them (the checkpoint's HF config's, in `config_dir`); not a Megatron checkpoint
+    or a PEFT adapter. MconvError naming the first difference. A path with no config.json here (the
+    model may be on the serving machine) is recorded as it is, as is a hub name."""
+    from mconv.converter.adapter_dir import is_adapter  # (it imports this module)
+    from mconv.converter.pipelines import refuse_megatron
+
+    what = f"{option('base_model')} names the HF model the adapter was trained on"
+    refuse_megatron(base, what)
+    if is_adapter(base):
+        raise MconvError(f"{base} is a PEFT adapter; {what}")
+    if not (base / "config.json").is_file():
+        return
     theirs, ours = read_config(base), read_config(config_dir)
     arch = architecture_for(theirs, base / "config.json")
     if arch.name != adapter.arch:
@@ -497,7 +507,7 @@ def export_lora(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path
                                    parameter="base_model")
     check_output_path(out_dir, overwrite, (location.save_dir,))
     adapter, layout, config_dir = read_adapter(location, hf_config)
-    if not merge_into and base_model and is_local(base_model) and (Path(base_model) / "config.json").is_file():
+    if not merge_into and base_model and is_local(base_model):
         _check_recorded_base(Path(base_model), adapter, config_dir)
     if rank is not None and rank != adapter.rank:
         raise MconvError(f"{location.iter_dir}: the adapters have rank {adapter.rank}, not {option('rank', rank)}")
