@@ -8,6 +8,7 @@ beyond what the checkpoint readers need.
 """
 from __future__ import annotations
 
+import copy
 import re
 import shlex
 from pathlib import Path
@@ -232,11 +233,9 @@ def _check_tensors(ckpt: HFCheckpoint, arch) -> None:
         presented = ckpt.dequantized(torch.bfloat16)[2]
     except MconvError:
         return
-    stored, ckpt.tensors = ckpt.tensors, presented  # (check_hf_tensors reads ckpt.tensors)
-    try:
-        check_hf_tensors(make_plan(arch, ckpt.config, Layout(), "local"), ckpt)
-    finally:
-        ckpt.tensors = stored
+    view = copy.copy(ckpt)  # (its files, the weights as hf2mcore's checkpoint presents them)
+    view.tensors = presented
+    check_hf_tensors(make_plan(arch, ckpt.config, Layout(), "local"), view)
 
 
 def _describe_hf(path: Path, shown: str) -> dict:

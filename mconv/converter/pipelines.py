@@ -176,7 +176,7 @@ def _setting_differences(left: HFCheckpoint, right: HFCheckpoint) -> list[str]:
                         f"{json.dumps(configs[1].get(key))[:80]}"
                         for key in sorted(configs[0].keys() | configs[1].keys())
                         if configs[0].get(key) != configs[1].get(key)]
-    for name in SIDE_FILES[1:]:
+    for name in (name for name in SIDE_FILES if name != "config.json"):
         files = [side.dir / name for side in (left, right)]
         there = [f.is_file() for f in files]
         if there[0] != there[1]:
