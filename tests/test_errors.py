@@ -1059,10 +1059,10 @@ def test_interrupt_while_writing_leaves_nothing(tmp_path, command, signame):
 
 INTERRUPTED_IMPORT = """
 import importlib.abc, importlib.machinery, signal, sys, threading, time
-from mconv import cli
+from mconv.cli import process
 
-signal.signal(signal.SIGINT, cli._on_signal)
-cli._command.update(out=None, done=False)
+signal.signal(signal.SIGINT, process._on_signal)
+process._command.update(out=None, done=False)
 
 
 class Loader(importlib.abc.Loader):

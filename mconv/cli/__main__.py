@@ -1,0 +1,4 @@
+"""`python -m mconv.cli`: the mconv program, as the console script runs it."""
+from mconv.cli import entry
+
+entry()
