@@ -496,6 +496,8 @@ def test_inputs_are_not_modified(tmp_path):
     (["hf2mcore", TINY, "out", "--iteration", "-5"], "'--iteration': -5 is not in the range"),
     (["mcore2hf", "ckpt", "out", "--workers", "0"], "'--workers': 0 is not in the range 1<=x<=64"),
     (["hf2mcore", TINY, "out", "--workers", "1000"], "'--workers': 1000 is not in the range 1<=x<=64"),
+    (["hf2mcore", TINY, "out", "--tp", "0"], "'--tp': 0 is not in the range x>=1"),
+    (["hf2mcore", TINY, "out", "--pp", "2", "--first-stage-layers", "0"], "'--first-stage-layers': 0 is not in"),
 ])
 def test_usage_errors_are_one_line_with_status_2(tmp_path, args, fragment):
     result = mconv(*args)

@@ -50,6 +50,7 @@ def default_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
+POSITIVE = click.IntRange(min=1)  # (a size or count: 0 is refused by click, exit 2, as --workers 0)
 REVISION_HELP = ("Branch, tag or commit of a hub model name (default: its default branch). Hub names are "
                  "resolved as transformers does: the hub cache under HF_HOME, HF_HUB_OFFLINE, HF_TOKEN.")
 WORKERS_HELP = ("Threads that convert disjoint tensors of the output (default: half the CPUs, at most 4; "
@@ -133,21 +134,21 @@ def main(ctx: click.Context):
 @click.argument("hf_dir", type=click.Path(file_okay=False), metavar="HF_DIR|HUB_NAME")
 @click.argument("out_dir", type=click.Path())
 @click.option("--revision", default=None, callback=not_empty, help=REVISION_HELP)
-@click.option("--tp", default=1, show_default=True, help="Tensor parallel size.")
-@click.option("--pp", default=1, show_default=True, help="Pipeline parallel size.")
-@click.option("--vpp", default=1, show_default=True, help="Virtual pipeline chunks per pipeline rank.")
-@click.option("--ep", default=1, show_default=True, help="Expert parallel size (MoE).")
-@click.option("--etp", default=1, show_default=True,
+@click.option("--tp", type=POSITIVE, default=1, show_default=True, help="Tensor parallel size.")
+@click.option("--pp", type=POSITIVE, default=1, show_default=True, help="Pipeline parallel size.")
+@click.option("--vpp", type=POSITIVE, default=1, show_default=True, help="Virtual pipeline chunks per pipeline rank.")
+@click.option("--ep", type=POSITIVE, default=1, show_default=True, help="Expert parallel size (MoE).")
+@click.option("--etp", type=POSITIVE, default=1, show_default=True,
               help="Expert tensor parallel size (MoE parallel folding; 1 = experts not split by TP).")
 @click.option("--layout", "layout_string", default=None,
               help="AReaL-style layout instead of --tp/--pp/--ep/--etp, e.g. 'attn:d1p4t2c2|ffn:d1p4t1e4' "
                    "(attention dp/pp/tp/cp, experts dp/pp/tp/ep; dp and cp do not change weights).")
-@click.option("--first-stage-layers", type=int, default=None,
+@click.option("--first-stage-layers", type=POSITIVE, default=None,
               help="Layers on the first pipeline stage (uneven pipeline; Megatron-LM "
                    "--decoder-first-pipeline-num-layers).")
-@click.option("--last-stage-layers", type=int, default=None,
+@click.option("--last-stage-layers", type=POSITIVE, default=None,
               help="Layers on the last pipeline stage (Megatron-LM --decoder-last-pipeline-num-layers).")
-@click.option("--vocab-divisor", default=128, show_default=True,
+@click.option("--vocab-divisor", type=POSITIVE, default=128, show_default=True,
               help="Megatron's --make-vocab-size-divisible-by; the vocabulary is padded to a multiple "
                    "of this times --tp.")
 @click.option("--spec", type=click.Choice(SPECS), default="local", show_default=True,
@@ -344,7 +345,7 @@ def verify_command(first, second, as_json, quiet):
 @click.option("--hf-config", type=click.Path(file_okay=False), default=None, callback=not_empty, metavar="DIR|HUB_NAME",
               help="Directory or hub name with the base model's HF config.json; needed for checkpoints not "
                    "written by mconv.")
-@click.option("--rank", type=click.IntRange(min=1), default=None,
+@click.option("--rank", type=POSITIVE, default=None,
               help="Expected LoRA rank r (Megatron-Bridge's `dim`); the export stops if the adapters have another. "
                    "Read from the tensors either way.")
 @click.option("--alpha", type=float, default=None,
