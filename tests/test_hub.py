@@ -104,6 +104,11 @@ def test_every_command_takes_a_hub_name(hub, tmp_path):
     assert result.exit_code == 0, result.output
     assert mconv("verify", tmp_path / "back", REPO, "-q").exit_code == 0  # verify takes names too
     assert mconv("verify", tmp_path / "back", FIXTURES / "qwen3-tiny", "-q").exit_code == 0
+    # verify --revision: applies to the hub name (the tied snapshot differs from the untied model)
+    assert mconv("verify", tmp_path / "back", REPO, "--revision", "v-tied", "-q").exit_code == 1
+    assert mconv("verify", REPO, REPO, "--revision", TIED, "-q").exit_code == 0
+    result = mconv("verify", tmp_path / "back", FIXTURES / "qwen3-tiny", "--revision", "v-tied")
+    assert result.exit_code == 2 and "a revision applies only to hub model names" in result.stderr, result.output
     # inspect NAME and inspect CKPT --hf-config NAME
     result = mconv("inspect", REPO, "--json")
     assert result.exit_code == 0 and json.loads(result.output)["model"]["name"] == "Qwen3ForCausalLM"

@@ -308,11 +308,13 @@ def inspect_command(path, hf_config, revision, as_json, quiet):
 @main.command("verify", short_help="Are two HF models (or PEFT adapters) bit-identical?")
 @click.argument("first", type=click.Path(file_okay=False))
 @click.argument("second", type=click.Path(file_okay=False))
+@click.option("--revision", default=None, callback=not_empty, help=REVISION_HELP + " Applies to each of FIRST and "
+              "SECOND that is a hub name.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print JSON for scripts instead of text: identical, tensors, bytes and every difference "
                    "(the exit status is the same).")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
-def verify_command(first, second, as_json, quiet):
+def verify_command(first, second, revision, as_json, quiet):
     """Check that two HF model directories hold the same tensors, bit for bit (names, dtypes,
     shapes and bytes; shard layout may differ) and the same config.json quantization_config
     settings (method, FP8 format, block size, activation scheme, scale format), or two PEFT adapters the same tensors
@@ -323,7 +325,7 @@ def verify_command(first, second, as_json, quiet):
     2 if they could not be compared (a model missing or unreadable), as cmp's."""
     from mconv.converter.pipelines import compare_hf
 
-    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=show_progress(quiet, as_json)),
+    tensors, nbytes, differences = run(lambda: compare_hf(first, second, progress=show_progress(quiet, as_json), revision=revision),
                                        status=2)
     if as_json:
         click.echo(json.dumps({"identical": not differences, "tensors": tensors, "bytes": nbytes,

@@ -12,7 +12,7 @@ from mconv.converter import megatron_io as mio
 from mconv.converter.adapter_dir import compare_adapters, is_adapter
 from mconv.converter.hf_experts import stacked_expert
 from mconv.converter.hf_io import HFCheckpoint, tensor_difference
-from mconv.converter.hub import resolve_model
+from mconv.converter.hub import check_revision, is_local, resolve_model
 from mconv.converter.output import SharedStaging, write_errors
 from mconv.converter.parallel import TorchrunTeam
 from mconv.errors import MconvError
@@ -84,14 +84,17 @@ def _run_team(team: TorchrunTeam, out: Path, overwrite: bool, prepare, finish, w
 QUANTIZATION_MEANING = ("quant_method", "fmt", "weight_block_size", "activation_scheme", "scale_fmt")
 
 
-def compare_hf(a: str | Path, b: str | Path, progress: bool = False) -> tuple[int, int, list[str]]:
+def compare_hf(a: str | Path, b: str | Path, progress: bool = False,
+               revision: str | None = None) -> tuple[int, int, list[str]]:
     """Compare two HF models (directories or hub names) tensor by tensor (names, dtypes, shapes,
     bytes), one tensor in memory at a time; or two PEFT adapters (adapter_dir.compare_adapters).
-    Returns (tensors, bytes, differences). MconvError for a Megatron checkpoint, or an adapter
-    compared with a model."""
+    `revision` applies to each of them that is a hub name (MconvError where neither is). Returns
+    (tensors, bytes, differences). MconvError for a Megatron checkpoint, or an adapter compared
+    with a model."""
+    check_revision(revision, a, b)
     for path in (a, b):
         refuse_megatron(path, "verify compares HF models (convert it with `mconv mcore2hf` first)")
-    dirs = [resolve_model(x, progress=progress) for x in (a, b)]
+    dirs = [resolve_model(x, None if is_local(x) else revision, progress=progress) for x in (a, b)]
     adapters = [is_adapter(d) for d in dirs]
     if all(adapters):
         return compare_adapters(*dirs)
