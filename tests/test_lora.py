@@ -225,8 +225,11 @@ def test_adapter_layout_independent_and_vllm_shaped(tmp_path):
     """The same adapter read at TP2 and as a library call at its gathered TP1 form gives identical
     tensors; q/k/v share A, gate/up share A; keys and config follow vLLM's rules."""
     lora, _ = lora_checkpoint(tmp_path, FIXTURES / "qwen3-tiny", Layout(tp=2))
-    export(lora, tmp_path / "adapter", "--base-model", "Qwen/Qwen3-tiny")
+    summary = json.loads(export(lora, tmp_path / "adapter", "--base-model", "Qwen/Qwen3-tiny", "--json").stdout)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert {k: summary[k] for k in ("output", "r", "alpha", "target_modules", "adapter_tensors", "layout")} == {
+        "output": "adapter", "r": config["r"], "alpha": config["lora_alpha"], "target_modules": config["target_modules"],
+        "adapter_tensors": len(load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)), "layout": "TP2 PP1"}, summary
     assert config["r"] == R and config["lora_alpha"] == ALPHA and config["peft_type"] == "LORA"
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert config["bias"] == "none" and not config["modules_to_save"] and not config["use_dora"]

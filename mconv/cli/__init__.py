@@ -67,12 +67,16 @@ def report(summary, started: float, as_json: bool, text: str) -> None:
     if torchrun_rank()[0]:
         return
     if as_json:
-        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
         click.echo(json.dumps({"tensors": summary.tensors, "bytes": summary.bytes, "files": summary.files,
-                               "seconds": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak}))
+                               "seconds": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak_rss()}))
     else:
         click.echo(text)
+
+
+def peak_rss() -> int:
+    """The peak resident memory of this process or of any child it waited for, in bytes."""
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
 
 
 def print_notes(summary, quiet: bool) -> None:
@@ -371,9 +375,12 @@ def verify_command(first, second, revision, as_json, quiet):
               help="With --quantize fp8: 'float' (amax/448) or 'ue8m0' (powers of two). Default: the base "
                    "model config's quantization_config.scale_fmt (a UE8M0 model comes back UE8M0), else 'float'.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists (only once the new one is complete).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a JSON summary for scripts: what was written (adapter or merged model), architecture, r, "
+                   "alpha, target modules, tensors, the checkpoint's format and layout, notes, seconds, peak RSS.")
 @click.option("--quiet", "-q", is_flag=True, help=QUIET_HELP)
 def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, revision, merge, dtype,
-                        max_shard_size, quantize, fp8_scale, overwrite, quiet):
+                        max_shard_size, quantize, fp8_scale, overwrite, as_json, quiet):
     """Export the Megatron-Bridge LoRA adapter in CKPT_DIR as a HF PEFT adapter in OUT_DIR.
 
     CKPT_DIR is a legacy (torch) or torch_dist checkpoint, adapter-only or with the base weights,
@@ -401,17 +408,26 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
     fp8_scale_needs_quantize(quantize, fp8_scale)
     from mconv.converter.lora import export_lora
 
+    started = time.perf_counter()
     result = run(lambda: export_lora(ckpt_dir, out_dir, hf_config=hf_config, rank=rank, alpha=alpha,
                                      base_model=base_model, merge_into=merge, dtype=dtype,
                                      overwrite=overwrite, max_shard_bytes=max_shard_size,
-                                     revision=revision, progress=show_progress(quiet), quantize=quantize,
+                                     revision=revision, progress=show_progress(quiet, as_json), quantize=quantize,
                                      fp8_scale=fp8_scale))
+    adapter = result.adapter
+    layout = result.layout.describe() if result.format == "torch" else "any layout"
     print_notes(result, quiet)
+    if as_json:
+        click.echo(json.dumps({
+            "output": "merged model" if merge else "adapter", "arch": adapter.arch, "r": adapter.rank,
+            "alpha": result.alpha, "target_modules": adapter.target_modules, "adapter_tensors": len(adapter.tensors),
+            **({"merged_weights": result.merged_tensors} if merge else {}), "format": result.format,
+            "layout": layout, "notes": result.notes, "seconds": round(time.perf_counter() - started, 3),
+            "peak_rss_bytes": peak_rss()}, indent=2))
+        return
     if not quiet:
-        adapter = result.adapter
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else
                 f"PEFT adapter ({len(adapter.tensors)} tensors, target_modules {', '.join(adapter.target_modules)})")
-        layout = result.layout.describe() if result.format == "torch" else "any layout"
         click.echo(f"wrote {out_dir}: {what}; {adapter.arch}, r={adapter.rank}, alpha={result.alpha:g}, "
                    f"read from a {result.format} checkpoint at {layout}")
 
