@@ -244,17 +244,19 @@ def test_verify_compares_model_settings_and_tokenizer_files(tmp_path):
     assert same.exit_code == 0 and "identical" in same.stdout, same.output
     changed = shutil.copytree(TINY, tmp_path / "changed")
     (changed / "config.json").write_text(json.dumps(
-        {**config, "rms_norm_eps": 1e-5, "rope_parameters": {**config["rope_parameters"], "rope_theta": 10000.0}}))
+        {**config, "rms_norm_eps": 1e-5, "rope_parameters": {**config["rope_parameters"], "rope_theta": 10000.0},
+         "eos_token_id": 7}))  # (a token id: the table does not read it, the engines do)
     (changed / "tokenizer.json").unlink()
     (changed / "tokenizer_config.json").write_text("{}")
     result = mconv("verify", TINY, changed)
     assert result.exit_code == 1, result.output
     assert "norm_eps 1e-06 vs 1e-05" in result.output and f"rope.rotary_base {theta} vs 10000.0" in result.output
     assert f"tokenizer.json: only in {TINY}" in result.output and "tokenizer_config.json: the files differ" in result.output
+    assert f'config.json eos_token_id: {config["eos_token_id"]} vs 7' in result.output, result.output
     as_json = mconv("verify", TINY, changed, "--json")
     report = json.loads(as_json.stdout)
     assert as_json.exit_code == 1 and report["identical"] is False and report["tensors"] == 47, as_json.output
-    assert f"tokenizer.json: only in {TINY}" in report["differences"] and len(report["differences"]) == 4
+    assert f"tokenizer.json: only in {TINY}" in report["differences"] and len(report["differences"]) == 5
     assert json.loads(mconv("verify", TINY, respelled, "--json").stdout)["identical"] is True
     gelu = shutil.copytree(TINY, tmp_path / "gelu")  # a setting the table refuses: the configs compared as JSON
     (gelu / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))

@@ -150,11 +150,20 @@ def _form_differences(forms: dict[str, list], differing: list[str]) -> list[str]
     return lines
 
 
+def _token_ids(config: dict) -> dict:
+    """config.json's `*_token_id` keys, at the top level and in text_config (as `text_config.KEY`)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return {f"{prefix}{key}": value for prefix, block in (("", config), ("text_config.", text))
+            for key, value in block.items() if key.endswith("_token_id")}
+
+
 def _setting_differences(left: HFCheckpoint, right: HFCheckpoint) -> list[str]:
     """The model settings two HF models differ in, as mconv's table for their architecture reads
     config.json (its `dims`: sizes, rotary embedding, norm epsilon, tied embeddings, MoE layers...),
     so that one setting spelled two ways (transformers 4.x and 5.x keys) is no difference; their
-    architectures where they differ; and the config, generation config and tokenizer files
+    architectures where they differ; the special token ids (every `*_token_id` key, at the top level
+    and in text_config: the table does not read them, the engines do); and the config, generation
+    config and tokenizer files
     (hf_config.SIDE_FILES but config.json) that one has and the other lacks or holds otherwise,
     byte for byte (a conversion copies them as they are). Where the table refuses either config
     (a setting mconv cannot carry, such as another activation), the two config.json objects are
@@ -173,6 +182,10 @@ def _setting_differences(left: HFCheckpoint, right: HFCheckpoint) -> list[str]:
                 if dims[0].get(key) != dims[1].get(key):
                     differences.append(f"config.json, as mconv reads it for {archs[0].name}: {key} "
                                        f"{dims[0].get(key)!r:.80} vs {dims[1].get(key)!r:.80}")
+        tokens = [_token_ids(side.config) for side in (left, right)]
+        differences += [f"config.json {key}: {json.dumps(tokens[0].get(key))[:80]} vs "
+                        f"{json.dumps(tokens[1].get(key))[:80]}" for key in sorted(tokens[0].keys() | tokens[1].keys())
+                        if tokens[0].get(key) != tokens[1].get(key)]
     except MconvError:  # not one mconv reads: the files as JSON, every top-level key
         configs = [side.config for side in (left, right)]
         differences += [f"config.json {key}: {json.dumps(configs[0].get(key))[:80]} vs "
