@@ -1692,6 +1692,18 @@ def test_a_config_field_the_table_needs_is_named_with_its_file(tmp_path):
     assert_refused(mconv("hf2mcore", hf, tmp_path / "out", "-q"), tmp_path / "out", said)
     result = mconv("inspect", hf)
     assert result.exit_code == 1 and said in result.stderr
+    # in a vision-language model's nested blocks, the field is named with its block
+    vl = Path(shutil.copytree(FIXTURES / "qwen3-vl-tiny", tmp_path / "vl"))
+    config = json.loads((vl / "config.json").read_text())
+    del config["text_config"]["num_attention_heads"]
+    config["vision_config"]["depth"] = None
+    (vl / "config.json").write_text(json.dumps(config))
+    said = f"{vl / 'config.json'} has no 'text_config.num_attention_heads', which Qwen3VLForConditionalGeneration needs"
+    assert_refused(mconv("hf2mcore", vl, tmp_path / "out", "-q"), tmp_path / "out", said)
+    config["text_config"]["num_attention_heads"] = 4
+    (vl / "config.json").write_text(json.dumps(config))
+    assert_refused(mconv("hf2mcore", vl, tmp_path / "out", "-q"), tmp_path / "out",
+                   f"{vl / 'config.json'} gives 'vision_config.depth' as null, which Qwen3VLForConditionalGeneration needs")
 
 
 @pytest.mark.parametrize("command", [["hf2mcore", "", "OUT"], ["hf2mcore", str(TINY), ""], ["mcore2hf", "", "OUT"],

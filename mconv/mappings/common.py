@@ -5,6 +5,7 @@ Every config field that changes the forward pass is either carried into the Mega
 many architectures share: the rotary embedding and the MLP activation.
 """
 import math
+from contextlib import contextmanager
 
 from mconv.errors import MconvError
 
@@ -20,6 +21,16 @@ class MissingConfigField(MconvError):
     def lacks(self) -> str:
         """How the field is missing, for a message: "has no 'key'" or "gives 'key' as null"."""
         return f"gives '{self.key}' as null" if self.null else f"has no '{self.key}'"
+
+
+@contextmanager
+def fields_of(block: str):
+    """Within it, a MissingConfigField names its key inside config.json's `block` (text_config,
+    vision_config of a vision-language model): `vision_config.depth`, not `depth`."""
+    try:
+        yield
+    except MissingConfigField as e:
+        raise MissingConfigField(f"{block}.{e.key}", e.null) from None
 
 
 def config_value(config: dict, key: str):

@@ -21,7 +21,7 @@ from mconv.converter.options import option
 from mconv.converter.transforms import COLUMN, QKV, REPLICATED, ROW
 from mconv.errors import MconvError
 from mconv.mappings import qwen3, qwen3_moe
-from mconv.mappings.common import config_value, rope_parameters
+from mconv.mappings.common import config_value, fields_of, rope_parameters
 from mconv.mappings.schema import FIRST, GPT_LOCAL_KEYS, Architecture, Rule, extra_state, prefixed
 
 V = "vision_model."
@@ -92,7 +92,8 @@ def dims(config: dict, language=qwen3.dims) -> SimpleNamespace:
     text, vision = config_value(config, "text_config"), config_value(config, "vision_config")
     # The top-level tie_word_embeddings decides (5.x MoE text configs carry their own default true,
     # which transformers and Megatron-Bridge ignore).
-    d = language({**text, "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))})
+    with fields_of("text_config"):
+        d = language({**text, "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))})
     section = rope_parameters(text)[0].get("mrope_section")
     rotary = int(d.head_dim * d.rope["rotary_percent"])  # Qwen3.5 rotates a part of each head
     if not section or sum(section) * 2 != rotary:
@@ -102,18 +103,20 @@ def dims(config: dict, language=qwen3.dims) -> SimpleNamespace:
     if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise MconvError(f"config.json: vision_config.hidden_act is {vision['hidden_act']!r}; the Megatron "
                          "Qwen3VLModel's vision blocks use gelu_pytorch_tanh (tanh-approximated GELU)")
-    hidden, heads = config_value(vision, "hidden_size"), config_value(vision, "num_heads")
-    merge = config_value(vision, "spatial_merge_size")
-    d.vision_layers, d.vision_hidden, d.vision_heads = config_value(vision, "depth"), hidden, heads
+    with fields_of("vision_config"):
+        hidden, heads = config_value(vision, "hidden_size"), config_value(vision, "num_heads")
+        merge = config_value(vision, "spatial_merge_size")
+        d.vision_layers, d.vision_hidden, d.vision_heads = config_value(vision, "depth"), hidden, heads
+        d.vision_ffn = config_value(vision, "intermediate_size")
+        d.in_channels, d.patch = config_value(vision, "in_channels"), config_value(vision, "patch_size")
+        d.temporal_patch, d.spatial_merge = config_value(vision, "temporal_patch_size"), merge
+        d.vision_positions = config_value(vision, "num_position_embeddings")
+        out_hidden = config_value(vision, "out_hidden_size")
     d.vision_head_dim, d.vision_qkv = hidden // heads, 3 * hidden
-    d.vision_ffn = config_value(vision, "intermediate_size")
-    d.in_channels, d.patch = config_value(vision, "in_channels"), config_value(vision, "patch_size")
-    d.temporal_patch, d.spatial_merge = config_value(vision, "temporal_patch_size"), merge
-    d.vision_positions = config_value(vision, "num_position_embeddings")
     d.merger_hidden = hidden * merge * merge
     d.deepstack_indexes = list(vision.get("deepstack_visual_indexes") or [])
     d.deepstack = len(d.deepstack_indexes)
-    if config_value(vision, "out_hidden_size") != d.hidden:
+    if out_hidden != d.hidden:
         raise MconvError(f"config.json: vision_config.out_hidden_size {vision['out_hidden_size']} differs from "
                          f"text_config.hidden_size {d.hidden}")
     for key in ("image_token_id", "video_token_id", "vision_start_token_id"):
