@@ -371,6 +371,10 @@ def test_bad_adapters_are_refused(tmp_path, case):
     if case in ("no adapters", "A without its B", "B without its A"):
         edit_rank(lora, "mp_rank_00", edit)
     assert_refused(mconv("export-lora", lora, tmp_path / "out", "--alpha", 8), tmp_path / "out", *fragments)
+    if case == "ranks disagree":  # inspect says so rather than offer the export
+        edit_rank(lora, "mp_rank_00", edit)
+        said = mconv("inspect", lora).stdout
+        assert "rank 4, 8" in said and "export-lora refuses adapters of different ranks" in said, said
     if case == "B without its A":  # merging too (it was a KeyError's traceback)
         assert_refused(mconv("export-lora", lora, tmp_path / "out", "--alpha", 8, "--merge", "--base-model",
                              FIXTURES / "qwen3-tiny"), tmp_path / "out", *fragments)

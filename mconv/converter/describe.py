@@ -373,9 +373,11 @@ def _adapters(shapes: dict[str, tuple]) -> dict | None:
     # r from linear_out [out, r], whole on every TP rank (a column-parallel linear_in is split along r)
     ranks = sorted({shapes[name][-1] for name in names if name.endswith("linear_out.weight") and shapes[name]})
     modules = sorted({re.sub(r"\.\d+(?=\.|$)", "", name.split(ADAPTER)[0]).rsplit(".", 1)[-1] for name in names})
+    export = ("mconv export-lora CKPT OUT (a PEFT adapter), or with --merge --base-model a merged HF model"
+              if len(ranks) < 2 else "export-lora refuses adapters of different ranks (a PEFT adapter holds one r)")
     return {"tensors": len(names), "ranks": ranks, "modules": modules,
             "base_weights": any(ADAPTER not in name and not name.endswith("_extra_state") for name in shapes),
-            "export": "mconv export-lora CKPT OUT (a PEFT adapter), or with --merge --base-model a merged HF model"}
+            "export": export}
 
 
 def _dist_layouts(args: dict, vocab: int | None, plan) -> dict:
