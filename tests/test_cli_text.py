@@ -320,6 +320,10 @@ def test_inspect_and_verify_take_peft_adapters(tmp_path):
     save_file(tensors, copy / "adapter_model.safetensors")
     result = mconv("verify", adapter, copy, "-q")
     assert result.exit_code == 1 and "adapter_config.json: lora_alpha is 16 vs 32" in result.stderr
+    config_file.write_text((adapter / "adapter_config.json").read_text())
+    shutil.copy(TINY / "tokenizer.json", copy)  # an adapter served with its own tokenizer
+    result = mconv("verify", adapter, copy, "-q")
+    assert result.exit_code == 1 and f"tokenizer.json: only in {copy}" in result.stderr, result.stderr
     result = mconv("verify", adapter, TINY)
     assert result.exit_code == 2 and "is a PEFT adapter and" in result.stderr  # (not compared: verify's 1 is a difference)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mconv.converter.hf_config import side_file_differences
 from mconv.converter.hf_io import read_safetensors_header, tensor_difference
 from mconv.converter.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from mconv.errors import MconvError
@@ -79,13 +80,16 @@ def render_adapter(info: dict) -> list[str]:
 
 def compare_adapters(a: Path, b: Path) -> tuple[int, int, list[str]]:
     """Two PEFT adapters, compared bit for bit: the adapter_config.json fields that change what the
-    adapter computes (EFFECT_FIELDS), then every tensor's name, dtype, shape and bytes, one tensor
-    in memory at a time. Returns (tensors compared, bytes compared, differences)."""
+    adapter computes (EFFECT_FIELDS), the tokenizer files either holds (hf_config.side_file_differences:
+    vLLM serves an adapter with its own tokenizer where it has one), then every tensor's name,
+    dtype, shape and bytes, one tensor in memory at a time. Returns (tensors compared, bytes
+    compared, differences)."""
     from safetensors import safe_open
 
     configs = [_config(Path(p)) for p in (a, b)]
     differences = [f"{ADAPTER_CONFIG}: {key} is {json.dumps(configs[0].get(key))} vs {json.dumps(configs[1].get(key))}"
                    for key in EFFECT_FIELDS if configs[0].get(key) != configs[1].get(key)]
+    differences += side_file_differences(Path(a), Path(b))
     headers = [_weights(Path(p)) for p in (a, b)]
     differences += [f"{name}: only in {a}" for name in sorted(headers[0].keys() - headers[1].keys())]
     differences += [f"{name}: only in {b}" for name in sorted(headers[1].keys() - headers[0].keys())]

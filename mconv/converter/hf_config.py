@@ -21,6 +21,21 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "video_preprocessor_config.json")
 
 
+def side_file_differences(a: Path, b: Path) -> list[str]:
+    """The generation config and tokenizer files (SIDE_FILES but config.json) that one of the
+    directories `a` and `b` has and the other lacks or holds otherwise, byte for byte (a conversion
+    copies them as they are): `tokenizer.json: only in A`, `...: the files differ`."""
+    differences = []
+    for name in (name for name in SIDE_FILES if name != "config.json"):
+        files = [Path(side) / name for side in (a, b)]
+        there = [f.is_file() for f in files]
+        if there[0] != there[1]:
+            differences.append(f"{name}: only in {(a, b)[there.index(True)]}")
+        elif there[0] and files[0].read_bytes() != files[1].read_bytes():
+            differences.append(f"{name}: the files differ")
+    return differences
+
+
 def read_json(path: Path, what: str, object_pairs_hook=None) -> dict:
     """A JSON object from `path` (`what` says what the file should be, for the error).
 

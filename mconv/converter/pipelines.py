@@ -162,13 +162,11 @@ def _setting_differences(left: HFCheckpoint, right: HFCheckpoint) -> list[str]:
     config.json (its `dims`: sizes, rotary embedding, norm epsilon, tied embeddings, MoE layers...),
     so that one setting spelled two ways (transformers 4.x and 5.x keys) is no difference; their
     architectures where they differ; the special token ids (every `*_token_id` key, at the top level
-    and in text_config: the table does not read them, the engines do); and the config, generation
-    config and tokenizer files
-    (hf_config.SIDE_FILES but config.json) that one has and the other lacks or holds otherwise,
-    byte for byte (a conversion copies them as they are). Where the table refuses either config
+    and in text_config: the table does not read them, the engines do); and the generation config
+    and tokenizer files (hf_config.side_file_differences). Where the table refuses either config
     (a setting mconv cannot carry, such as another activation), the two config.json objects are
     compared key by key instead."""
-    from mconv.converter.hf_config import SIDE_FILES
+    from mconv.converter.hf_config import side_file_differences
     from mconv.mappings import architecture_for
 
     differences = []
@@ -192,14 +190,7 @@ def _setting_differences(left: HFCheckpoint, right: HFCheckpoint) -> list[str]:
                         f"{json.dumps(configs[1].get(key))[:80]}"
                         for key in sorted(configs[0].keys() | configs[1].keys())
                         if configs[0].get(key) != configs[1].get(key)]
-    for name in (name for name in SIDE_FILES if name != "config.json"):
-        files = [side.dir / name for side in (left, right)]
-        there = [f.is_file() for f in files]
-        if there[0] != there[1]:
-            differences.append(f"{name}: only in {(left, right)[there.index(True)].dir}")
-        elif there[0] and files[0].read_bytes() != files[1].read_bytes():
-            differences.append(f"{name}: the files differ")
-    return differences
+    return differences + side_file_differences(left.dir, right.dir)
 
 
 def _flat(settings: dict, prefix: str = "") -> dict:
