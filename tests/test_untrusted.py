@@ -293,6 +293,25 @@ def _stored_dtype(ckpt: Path) -> Path:
     return iter_dir
 
 
+def _overlapping_chunks(ckpt: Path) -> Path:
+    """.metadata stores decoder.final_layernorm.weight [64] as two chunks that overlap, [0, 32) and
+    [16, 48), and leave [48, 64) unstored: their sizes add up to the tensor's (code review: read so,
+    its last quarter came back as whatever memory held)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    iter_dir, key = ckpt / "release", "decoder.final_layernorm.weight"
+    metadata = _dcp_metadata(iter_dir)
+    entry = metadata.state_dict_metadata[key]
+    assert tuple(entry.size) == (64,)
+    weight = torch.arange(64).to(entry.properties.dtype)
+    metadata.storage_data[MetadataIndex(key, torch.Size([16]))] = None  # (pointed at its chunk below)
+    entry.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([32])),
+                    ChunkStorageMetadata(torch.Size([16]), torch.Size([32]))]
+    for start in (0, 16):
+        _append_object(iter_dir, metadata, key, weight[start:start + 32].clone(), offset=(start,))
+    return iter_dir
+
+
 ALL = ("mcore2hf", "inspect", "export-lora")
 SHAPES = {  # the checkpoint, how it is edited (returns the file named), the commands refusing it, what they say
     "'model' a str": ("torch", _rank_files(_with("model", "hello")), ALL, "'model' is a str, not a dict of tensors"),
@@ -332,6 +351,8 @@ SHAPES = {  # the checkpoint, how it is edited (returns the file named), the com
                                   "(common_state/shard_0_1): 'args' is a str, not the training arguments"),
     "stored dtype safetensors lacks": ("torch_dist", _stored_dtype, ("mcore2hf", "inspect"),
                                        "decoder.final_layernorm.weight has dtype complex64"),
+    "overlapping chunks": ("torch_dist", _overlapping_chunks, ("mcore2hf",),
+                           "the stored chunks of decoder.final_layernorm.weight at [0] and [16] overlap"),
 }
 
 

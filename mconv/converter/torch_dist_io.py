@@ -332,12 +332,19 @@ class TorchDistReader:
                              f"{list(sizes)} {dest.dtype} at {list(offsets)}")
         if key not in self._indexes:
             self._indexes[key] = _ChunkIndex(info.chunks)
-        found, covered = [], 0
+        found, covered, boxes = [], 0, []
         for chunk in self._indexes[key].find(offsets, sizes):
             overlap = _box_overlap(chunk.offsets, chunk.sizes, offsets, sizes)
             if overlap is None:
                 continue
             starts, lengths = overlap
+            # (chunks that overlap each other, a .metadata listing one twice, would count some elements
+            # twice and leave others unwritten: the sum says they cover the box only where they are disjoint)
+            clash = next((c for c, box in boxes if _box_overlap(*box, starts, lengths)), None)
+            if clash is not None:
+                raise MconvError(f"{self.iter_dir}: the stored chunks of {key} at {list(clash.offsets)} and "
+                                 f"{list(chunk.offsets)} overlap; a checkpoint stores each element once")
+            boxes.append((chunk, (starts, lengths)))
             covered += torch.Size(lengths).numel()
             target = _narrow(dest, [s - o for s, o in zip(starts, offsets)], lengths)
             found.append((info, chunk, [s - o for s, o in zip(starts, chunk.offsets)], lengths, target))
