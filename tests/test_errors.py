@@ -1477,7 +1477,9 @@ def _live_save_worker(rank, run, where: Path):
                 results["existing"] = ["saved"]
             except Exception as e:
                 results["existing"] = [type(e).__name__, str(e)]
-        real_copy = mconv.live.export.copy_side_files
+        from mconv.converter import hf_config
+
+        real_copy = hf_config.copy_side_files  # (what HF outputs copy their side files with: hf_write.finish)
 
         def appearing(*args):  # another program makes the output while the model is saved
             (where / "appeared").mkdir()
@@ -1492,12 +1494,12 @@ def _live_save_worker(rank, run, where: Path):
                 results["busy"] = [type(e).__name__, str(e)]
             return real_copy(*args)
 
-        with mock.patch.object(mconv.live.export, "copy_side_files", second_save):
+        with mock.patch.object(hf_config, "copy_side_files", second_save):
             mconv.live.save_hf_weights([model], where / "busy", TINY)
         (where / "foreign").mkdir()
         (where / "foreign" / "thesis.txt").write_text("mine")
         for case in ("appeared", "foreign"):
-            with mock.patch.object(mconv.live.export, "copy_side_files", appearing if case == "appeared" else real_copy):
+            with mock.patch.object(hf_config, "copy_side_files", appearing if case == "appeared" else real_copy):
                 try:
                     mconv.live.save_hf_weights([model], where / case, TINY)
                     results[case] = ["saved"]

@@ -239,17 +239,16 @@ def _check_tensors(ckpt: HFCheckpoint, arch) -> None:
 
 
 def _describe_hf(path: Path, shown: str) -> dict:
-    ckpt = HFCheckpoint(path)
-    arch = architecture_for(ckpt.config, ckpt.dir / "config.json")
-    dims = arch.dims(ckpt.config)
-    _check_tensors(ckpt, arch)
+    with HFCheckpoint(path) as ckpt:  # (its headers: no tensor is read)
+        arch = architecture_for(ckpt.config, ckpt.dir / "config.json")
+        dims = arch.dims(ckpt.config)
+        _check_tensors(ckpt, arch)
     args = {"num_layers": dims.layers, "hidden_size": dims.hidden, "num_attention_heads": dims.heads,
             "vocab_size": dims.vocab, "untie_embeddings_and_output_weights": not dims.tied,
             **arch.megatron_args(dims)}
     dtypes: dict = {}
     for info in ckpt.tensors.values():
         _count(dtypes, info.dtype, info.nbytes)
-    ckpt.close()
     quantized = fp8_note(ckpt, shown)
     mtp = {"mtp_layers": dims.hf_mtp_layers} if getattr(dims, "hf_mtp_layers", 0) else {}
     return {"kind": "huggingface", "path": shown,
@@ -305,7 +304,6 @@ def inspect_path(path: str | Path, hf_config: str | Path | None = None, revision
             _count(dtypes, entry.dtype, entry.nbytes)
             shapes[name] = entry.shape
         stored = len(reader.tensors)
-        reader.close()
     else:
         args, layout, chunks, _ = mio.read_legacy_ranks(location)
         for rank_chunks in chunks.values():

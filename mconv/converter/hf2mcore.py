@@ -272,77 +272,76 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
         layout.check_legacy()
     hf_dir = resolve_model(hf_dir, revision, progress=progress)
     refuse_megatron(hf_dir, "hf2mcore reads HF models (`mconv mcore2hf` converts a checkpoint to one)")
-    ckpt = HFCheckpoint(hf_dir, dequantize=dtype or torch.bfloat16)
-    arch = architecture_for(ckpt.config, ckpt.dir / "config.json")
-    plan = make_plan(arch, ckpt.config, layout, spec, mtp)
-    notes = check_hf_tensors(plan, ckpt)
-    if plan.padded_vocab > 2 * plan.dims.vocab:  # asked for, but rarely meant: say what it costs
-        notes.append(f"--vocab-divisor {layout.vocab_divisor} (times TP {layout.tp}) pads the {plan.dims.vocab}-token "
-                     f"vocabulary to {plan.padded_vocab} rows, more than twice its size: "
-                     f"{plan.padded_vocab - plan.dims.vocab} zero rows in each vocabulary-sized tensor")
-    side_files(ckpt.dir)  # a bad tokenizer file stops the command now, not after the weights
-    if ckpt.block is not None:
-        notes.append(fp8.dequantized_note(ckpt.dir, ckpt.block, dtype or torch.bfloat16))
-    arch_args = arch.megatron_args(plan.dims)
-    if fmt == "torch_dist":
-        torch_dist.check_model(plan)
-    cast, dtype = dtype, dtype or Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
-    notes += filter(None, [fp32_note(arch, plan.hf_shapes(), cast)])
+    with HFCheckpoint(hf_dir, dequantize=dtype or torch.bfloat16) as ckpt:
+        arch = architecture_for(ckpt.config, ckpt.dir / "config.json")
+        plan = make_plan(arch, ckpt.config, layout, spec, mtp)
+        notes = check_hf_tensors(plan, ckpt)
+        if plan.padded_vocab > 2 * plan.dims.vocab:  # asked for, but rarely meant: say what it costs
+            notes.append(f"--vocab-divisor {layout.vocab_divisor} (times TP {layout.tp}) pads the "
+                         f"{plan.dims.vocab}-token vocabulary to {plan.padded_vocab} rows, more than twice its size: "
+                         f"{plan.padded_vocab - plan.dims.vocab} zero rows in each vocabulary-sized tensor")
+        side_files(ckpt.dir)  # a bad tokenizer file stops the command now, not after the weights
+        if ckpt.block is not None:
+            notes.append(fp8.dequantized_note(ckpt.dir, ckpt.block, dtype or torch.bfloat16))
+        arch_args = arch.megatron_args(plan.dims)
+        if fmt == "torch_dist":
+            torch_dist.check_model(plan)
+        cast, dtype = dtype, dtype or Counter(info.dtype for info in ckpt.tensors.values()).most_common(1)[0][0]
+        notes += filter(None, [fp32_note(arch, plan.hf_shapes(), cast)])
 
-    def dtype_of(task: TensorTask) -> torch.dtype:
-        return _shard_dtype(task, ckpt, cast)
-    if fmt == "torch_dist":
-        summary = describe_files(_flat_plan(plan), dtype_of, lambda r: "global tensors (any layout)", rank=False)
-        summary.plan = plan
-    else:
-        summary = describe_files(plan, dtype_of, lambda r: layout.rank_dir(r.rank))
-    summary.notes = notes
-    if dry_run:
-        check_output_path(out_dir, overwrite, (Path(hf_dir),))
+        def dtype_of(task: TensorTask) -> torch.dtype:
+            return _shard_dtype(task, ckpt, cast)
+        if fmt == "torch_dist":
+            summary = describe_files(_flat_plan(plan), dtype_of, lambda r: "global tensors (any layout)", rank=False)
+            summary.plan = plan
+        else:
+            summary = describe_files(plan, dtype_of, lambda r: layout.rank_dir(r.rank))
+        summary.notes = notes
+        if dry_run:
+            check_output_path(out_dir, overwrite, (Path(hf_dir),))
+            return summary
+
+        args = mio.megatron_lm_args(layout, plan.dims, arch_args, spec, plan.padded_vocab,
+                                    dtype, fmt)
+
+        common = {"args": args, "checkpoint_version": mio.CHECKPOINT_VERSION, "iteration": iteration or 0}
+        dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, common, cast))
+
+        def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
+            iter_dir = staging / mio.iteration_dir_name(iteration)
+            if fmt == "torch":
+                _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration, workers, cast)
+            else:  # a torchrun rank: its own .distcp file
+                iter_dir.mkdir(parents=True, exist_ok=True)
+                torch_dist_write.write_share(iter_dir, dist_entries(), index, size, report)
+
+        def finish(_, staging: Path, dist_members: int = 0) -> None:
+            if dist_members:  # torchrun: one .metadata for all ranks' files
+                torch_dist_write.finish(staging / mio.iteration_dir_name(iteration), dist_entries(), dist_members,
+                                        common, str(out / mio.iteration_dir_name(iteration)))
+            mio.write_tracker(staging, iteration)
+            (staging / mio.HF_CONFIG_DIR).mkdir()
+            copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
+            mio.write_metadata(staging, {"mconv_version": __version__, "architecture": arch.name, "spec": spec,
+                                         "format": fmt, "layout": layout.to_dict(),
+                                         "dtype": str(dtype).removeprefix("torch."),
+                                         **(_expert_forms(ckpt, plan) if arch.experts_as_input else {})})
+
+        out = output_path(out_dir)
+        team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
+        if team is not None:
+            check_output_path(out, overwrite, (Path(hf_dir),))
+            _run_team(team, out, overwrite, lambda staging: None,
+                      lambda _, staging: finish(_, staging, team.size if fmt == "torch_dist" else 0),
+                      lambda staging, report: write_share(staging, team.rank, team.size, report),
+                      summary.bytes, "hf2mcore", progress)
+            return summary
+        with staged_directory(out, overwrite, inputs=(Path(hf_dir),)) as staging:
+            with _bar(summary.bytes, "hf2mcore", progress) as bar:
+                if fmt == "torch_dist":  # threads, each writing its own .distcp file, one .metadata
+                    torch_dist_write.write(staging / mio.iteration_dir_name(iteration), dist_entries(), workers, common,
+                                        bar.update, checkpoint_id=str(out / mio.iteration_dir_name(iteration)))
+                else:
+                    write_share(staging, 0, 1, bar.update)
+            finish(None, staging)
         return summary
-
-    args = mio.megatron_lm_args(layout, plan.dims, arch_args, spec, plan.padded_vocab,
-                                dtype, fmt)
-
-    common = {"args": args, "checkpoint_version": mio.CHECKPOINT_VERSION, "iteration": iteration or 0}
-    dist_entries = functools.cache(lambda: _torch_dist_entries(plan, ckpt, args, common, cast))
-
-    def write_share(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
-        iter_dir = staging / mio.iteration_dir_name(iteration)
-        if fmt == "torch":
-            _write_rank_files(plan, ckpt, index, size, report, iter_dir, args, iteration, workers, cast)
-        else:  # a torchrun rank: its own .distcp file
-            iter_dir.mkdir(parents=True, exist_ok=True)
-            torch_dist_write.write_share(iter_dir, dist_entries(), index, size, report)
-
-    def finish(_, staging: Path, dist_members: int = 0) -> None:
-        if dist_members:  # torchrun: one .metadata for all ranks' files
-            torch_dist_write.finish(staging / mio.iteration_dir_name(iteration), dist_entries(), dist_members, common,
-                                 str(out / mio.iteration_dir_name(iteration)))
-        mio.write_tracker(staging, iteration)
-        (staging / mio.HF_CONFIG_DIR).mkdir()
-        copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
-        mio.write_metadata(staging, {"mconv_version": __version__, "architecture": arch.name, "spec": spec,
-                                     "format": fmt, "layout": layout.to_dict(),
-                                     "dtype": str(dtype).removeprefix("torch."),
-                                     **(_expert_forms(ckpt, plan) if arch.experts_as_input else {})})
-
-    out = output_path(out_dir)
-    team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
-    if team is not None:
-        check_output_path(out, overwrite, (Path(hf_dir),))
-        _run_team(team, out, overwrite, lambda staging: None,
-                  lambda _, staging: finish(_, staging, team.size if fmt == "torch_dist" else 0),
-                  lambda staging, report: write_share(staging, team.rank, team.size, report),
-                  summary.bytes, "hf2mcore", progress)
-        return summary
-    with staged_directory(out, overwrite, inputs=(Path(hf_dir),)) as staging:
-        with _bar(summary.bytes, "hf2mcore", progress) as bar:
-            if fmt == "torch_dist":  # threads, each writing its own .distcp file, one .metadata
-                torch_dist_write.write(staging / mio.iteration_dir_name(iteration), dist_entries(), workers, common,
-                                    bar.update, checkpoint_id=str(out / mio.iteration_dir_name(iteration)))
-            else:
-                write_share(staging, 0, 1, bar.update)
-        finish(None, staging)
-    ckpt.close()
-    return summary

@@ -195,7 +195,8 @@ def expert_views(info: TensorInfo, transposed: bool, parts: int) -> list[list[Te
 class HFCheckpoint:
     """A HF model directory, read lazily: headers up front, tensor bytes only when sliced.
     Stacked experts appear as per-expert tensors (see expand_stacked_experts). Safetensors files
-    are preferred, as transformers prefers them; without them, `.bin` pickles (hf_bin)."""
+    are preferred, as transformers prefers them; without them, `.bin` pickles (hf_bin). It holds
+    a descriptor per file until `close` (or the end of a `with` block)."""
 
     def __init__(self, directory: str | Path, dequantize: torch.dtype | None = None):
         """`dequantize`: present a block-wise FP8 checkpoint's weights as tensors of that dtype, each
@@ -230,8 +231,18 @@ class HFCheckpoint:
         if dequantize is not None:
             self.block, self.quantized, self.tensors = self.dequantized(dequantize)
         self._handles: dict[str, int] = {}
-        for file in {info.file for info in self.tensors.values() if info.mapped is None}:  # up front: readers may be threads
-            self._fd(file)
+        try:
+            for file in {info.file for info in self.tensors.values() if info.mapped is None}:  # up front: readers
+                self._fd(file)  # may be threads
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def dequantized(self, dtype: torch.dtype) -> tuple[tuple[int, int] | None, dict, dict[str, TensorInfo]]:
         """Check a block-wise FP8 checkpoint (config.json's quantization_config: fp8.block_size; every

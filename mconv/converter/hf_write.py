@@ -71,6 +71,7 @@ class ShardedSafetensorsWriter:
         expert's matrix as stored (gate and up together, in the output orientation) once its modules
         have come, by fp8.quantize: transformers' stacked FP8 form, scales `<stacked>_scale_inv`."""
         self.dir = Path(directory)
+        self.plain = entries  # (as given: the unquantized dtypes config.json records)
         self.views: dict[str, tuple[str, int, int, int]] = {}  # per-expert name -> (stacked, expert, part, parts)
         self.experts: dict[str, int] = {}  # stacked name -> experts
         if stack_experts is not None:
@@ -129,16 +130,30 @@ class ShardedSafetensorsWriter:
                                         else (experts, section * parts, fan_in)))
         return stacked_entries
 
-    def create(self) -> None:
+    def create(self) -> "ShardedSafetensorsWriter":
+        """Create the shard files, each with its header. Returns the writer, which a `with` block
+        closes (`close`; on an error, `abandon`)."""
         for file, header in zip(self.files, self.headers):
             fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-            file_io.pwrite_all(fd, memoryview(header), 0)
             self._fds[file] = fd
+            file_io.pwrite_all(fd, memoryview(header), 0)
+        return self
 
-    def open_existing(self) -> None:
-        """Attach to shard files another process created (parallel writers)."""
+    def open_existing(self) -> "ShardedSafetensorsWriter":
+        """Attach to shard files another process created (parallel writers); returns the writer, as
+        `create` does."""
         for file in self.files:
             self._fds[file] = os.open(self.dir / file, os.O_RDWR)
+        return self
+
+    def __enter__(self) -> "ShardedSafetensorsWriter":
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        if error_type is None:
+            self.close()
+        else:
+            self.abandon()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write one tensor (any order). A per-expert tensor of stacked experts goes into its stacked
@@ -243,12 +258,35 @@ class ShardedSafetensorsWriter:
         return file_io.copy_range(source, offset, self._fds[file], at, nbytes)
 
     def close(self) -> None:
+        """fsync and close the shard files (MconvError, once they are closed, where stacked experts
+        were left incomplete)."""
         if self._pending:
+            self.abandon()
             raise MconvError(f"internal: stacked experts left incomplete: {sorted(self._pending)[:2]}")
-        for fd in self._fds.values():
-            os.fsync(fd)
+        try:
+            for fd in self._fds.values():
+                os.fsync(fd)
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close the shard files unsynced: the writing stopped, and the output is removed."""
+        fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
             os.close(fd)
-        self._fds.clear()
+
+    def finish(self, side_dir: Path, config: dict, original: dict) -> None:
+        """What an HF output holds besides its shards, once they are written and closed: the index
+        (`write_index`), the generation config and tokenizer files of `side_dir`, config.json
+        (`config`, an architecture's rewrite of the input's `original`, with the quantization_config
+        of what was written in FP8: fp8.output_config) and its dtype, the unquantized one, as the FP8
+        releases' config.json has it (hf_config.write_config_dtype)."""
+        from mconv.converter.hf_config import copy_side_files, write_config_dtype, write_hf_config
+
+        self.write_index()
+        copy_side_files(side_dir, self.dir)
+        write_hf_config(self.dir, fp8.output_config(config, self.quantization, self.kept), original)
+        write_config_dtype(self.dir, self.plain)
 
     def write_index(self) -> None:
         """The index of a sharded output, as transformers' save_pretrained writes it (a single

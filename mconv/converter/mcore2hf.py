@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 import torch
 
 from mconv.converter import fp8
-from mconv.converter.hf_config import copy_side_files, side_files, write_config_dtype, write_hf_config
+from mconv.converter.hf_config import side_files
 from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, stacked_expert
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
@@ -274,7 +274,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
         plain = [(name, cast(task.hf) or session.dtype_of(task.sources[0]), shape)
                  for task in exports for name, shape in zip(task.hf, task.hf_shapes)]
         planned = ShardedSafetensorsWriter(out, plain, max_shard_bytes, stack, per_expert, quantization)
-        entries, kept = planned.entries, planned.kept  # (the files are laid out in `prepare`)
+        entries = planned.entries  # (the files are laid out in `prepare`)
         summary = Summary(ckpt.plan, tensors=len(entries), bytes=sum(_nbytes(s, d) for _, d, s in entries),
                           layout="torch_dist (any layout)" if ckpt.location.format == "torch_dist" else None)
         unstacked = fp8_experts and any(
@@ -287,24 +287,18 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
 
         def prepare(staging: Path) -> ShardedSafetensorsWriter:
             writer = ShardedSafetensorsWriter(staging, plain, max_shard_bytes, stack, per_expert, quantization)
-            writer.create()
-            writer.close()
+            writer.create().close()
             summary.files = len(writer.files)
             return writer
 
         def finish(writer: ShardedSafetensorsWriter, staging: Path) -> None:
-            writer.write_index()
-            copy_side_files(ckpt.config_dir, staging)
-            write_hf_config(staging, fp8.output_config(arch.hf_config(ckpt.config, ckpt.plan.dims), quantization, kept),
-                            ckpt.config)
-            write_config_dtype(staging, plain)  # the unquantized dtype, as the FP8 releases' config.json has it
+            writer.finish(ckpt.config_dir, arch.hf_config(ckpt.config, ckpt.plan.dims), ckpt.config)
 
         def write_here(staging: Path, index: int, size: int, report: Callable[[int], None]) -> None:
-            writer = ShardedSafetensorsWriter(staging, plain, max_shard_bytes, stack, per_expert, quantization)
-            writer.open_existing()
-            _write_exports(session, exports, index, size, writer, report, cast, workers, quantization,
-                           ckpt.location.save_dir)
-            writer.close()
+            with ShardedSafetensorsWriter(staging, plain, max_shard_bytes, stack, per_expert,
+                                          quantization).open_existing() as writer:
+                _write_exports(session, exports, index, size, writer, report, cast, workers, quantization,
+                               ckpt.location.save_dir)
 
         team = TorchrunTeam.from_environment(f"mcore2hf:{out}")
         if team is not None:

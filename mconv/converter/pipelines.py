@@ -101,39 +101,39 @@ def compare_hf(a: str | Path, b: str | Path, progress: bool = False,
     if any(adapters):
         adapter, model = (a, b) if adapters[0] else (b, a)
         raise MconvError(f"{adapter} is a PEFT adapter and {model} is not; verify compares two models or two adapters")
-    left, right = (HFCheckpoint(d) for d in dirs)
-    only = [(name, this.dir) for this, other in ((left, right), (right, left))
-            for name in sorted(this.tensors.keys() - other.tensors.keys())]
-    differences = [f"{name}: only in {where}" for name, where in only]
-    # the per-expert view hides how stacked experts are stored: a stacked tensor stored in another
-    # form is a difference (verify compares what is stored), said once its experts' values are known
-    forms = {name: [side.stacked.get(name) for side in (left, right)]
-             for name in sorted(left.stacked.keys() | right.stacked.keys())}
-    forms = {name: shapes for name, shapes in forms.items() if shapes[0] != shapes[1]}
-    # FP8 bytes mean what quantization_config says (method, format, block size, scale format): equal
-    # bytes under different settings are different weights. Which modules it keeps in 16-bit shows
-    # in the tensors themselves.
-    settings = [{key: (side.config.get("quantization_config") or {}).get(key) for key in QUANTIZATION_MEANING}
-                for side in (left, right)]
-    # the settings first: an FP8 model against its bf16 twin differs in every weight, which says less
-    differences[:0] = [f"config.json quantization_config.{key}: {json.dumps(settings[0][key])} vs "
-                       f"{json.dumps(settings[1][key])}" for key in QUANTIZATION_MEANING
-                       if settings[0][key] != settings[1][key]] + _setting_differences(left, right)
-    at = len(differences)  # (the stacked experts' lines go before the tensors' own)
-    common = sorted(left.tensors.keys() & right.tensors.keys())
-    differing = [name for name, _ in only]
-    total = 0
-    with _bar(sum(left.tensors[n].nbytes for n in common), "verify", progress) as bar:
-        for name in common:
-            x, y = left.read(name), right.read(name)
-            difference = tensor_difference(name, x, y)
-            if difference:
-                differences.append(difference)
-                differing.append(name)
-            total += x.nbytes
-            bar.update(x.nbytes)
-    differences[at:at] = _form_differences(forms, differing)
-    return len(common), total, differences
+    with HFCheckpoint(dirs[0]) as left, HFCheckpoint(dirs[1]) as right:
+        only = [(name, this.dir) for this, other in ((left, right), (right, left))
+                for name in sorted(this.tensors.keys() - other.tensors.keys())]
+        differences = [f"{name}: only in {where}" for name, where in only]
+        # the per-expert view hides how stacked experts are stored: a stacked tensor stored in another
+        # form is a difference (verify compares what is stored), said once its experts' values are known
+        forms = {name: [side.stacked.get(name) for side in (left, right)]
+                 for name in sorted(left.stacked.keys() | right.stacked.keys())}
+        forms = {name: shapes for name, shapes in forms.items() if shapes[0] != shapes[1]}
+        # FP8 bytes mean what quantization_config says (method, format, block size, scale format): equal
+        # bytes under different settings are different weights. Which modules it keeps in 16-bit shows
+        # in the tensors themselves.
+        settings = [{key: (side.config.get("quantization_config") or {}).get(key) for key in QUANTIZATION_MEANING}
+                    for side in (left, right)]
+        # the settings first: an FP8 model against its bf16 twin differs in every weight, which says less
+        differences[:0] = [f"config.json quantization_config.{key}: {json.dumps(settings[0][key])} vs "
+                           f"{json.dumps(settings[1][key])}" for key in QUANTIZATION_MEANING
+                           if settings[0][key] != settings[1][key]] + _setting_differences(left, right)
+        at = len(differences)  # (the stacked experts' lines go before the tensors' own)
+        common = sorted(left.tensors.keys() & right.tensors.keys())
+        differing = [name for name, _ in only]
+        total = 0
+        with _bar(sum(left.tensors[n].nbytes for n in common), "verify", progress) as bar:
+            for name in common:
+                x, y = left.read(name), right.read(name)
+                difference = tensor_difference(name, x, y)
+                if difference:
+                    differences.append(difference)
+                    differing.append(name)
+                total += x.nbytes
+                bar.update(x.nbytes)
+        differences[at:at] = _form_differences(forms, differing)
+        return len(common), total, differences
 
 
 def _form_differences(forms: dict[str, list], differing: list[str]) -> list[str]:

@@ -45,7 +45,7 @@ from mconv.converter.hf_io import check_convertible
 from mconv.converter.planner import Plan, TensorTask
 from mconv.converter.torch_dist_io import COMMON_KEY
 from mconv.converter.torch_dist_write import DistEntry
-from mconv.converter.transforms import EXTRA_STATE, GLU, VOCAB
+from mconv.converter.transforms import GLU, VOCAB
 from mconv.converter.options import option
 from mconv.errors import MconvError
 from mconv.mappings.schema import LAST, MTP_LAYER

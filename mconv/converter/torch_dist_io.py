@@ -232,23 +232,29 @@ class TorchDistReader:
                                  "the checkpoint is damaged")
 
     _opened: dict[tuple, "TorchDistReader"] = {}
+    _opened_lock = threading.Lock()
 
     @classmethod
     def open(cls, iter_dir: str | Path) -> "TorchDistReader":
         """The process's reader of `iter_dir`: `.metadata` is parsed once per process, however many
         callers (inspect, the export session, worker threads) read the checkpoint; a changed
-        `.metadata` (another mtime, size or inode) is parsed again."""
+        `.metadata` (another mtime, size or inode) is parsed again. The reader is shared: its callers
+        never close it (its descriptors, which `file_ranges` hands out, close with its last user)."""
         path = Path(iter_dir).resolve() / METADATA_FILE
         try:
             stat = path.stat()
             key = (str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
         except OSError:
             return cls(iter_dir)  # raises, naming the missing file
-        if key not in cls._opened:
-            if len(cls._opened) >= 4:  # a long-lived process (a trainer) reads many checkpoints: keep a few
-                cls._opened.pop(next(iter(cls._opened))).close()
-            cls._opened[key] = cls(iter_dir)
-        return cls._opened[key]
+        with cls._opened_lock:
+            reader = cls._opened.get(key)
+        if reader is None:
+            reader = cls(iter_dir)  # (parsed outside the lock: another checkpoint's callers need not wait)
+            with cls._opened_lock:
+                reader = cls._opened.setdefault(key, reader)
+                while len(cls._opened) > 4:  # a long-lived process (a trainer) reads many checkpoints: keep a few
+                    cls._opened.pop(next(iter(cls._opened)))  # (not closed: a caller may still be reading it)
+        return reader
 
     def _common_state(self) -> tuple[dict | None, argparse.Namespace | None]:
         """megatron-core's common state dict and the training arguments in it; (None, None) where

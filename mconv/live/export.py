@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mconv.converter import fp8
-from mconv.converter.hf_config import copy_side_files, read_config, side_files, write_config_dtype, write_hf_config
+from mconv.converter.hf_config import read_config, side_files
 from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, stack_experts, stacked_expert
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.output import SharedStaging, output_path, write_failure
@@ -373,15 +373,12 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
         _agree(out, staging, failure)
 
         def finish():
-            writer.write_index()
-            copy_side_files(source, staging)
-            write_hf_config(staging, fp8.output_config(live.arch.hf_config(config, live.dims), quantization,
-                                                       writer.kept), config)
-            write_config_dtype(staging, plain)
+            writer.finish(source, live.arch.hf_config(config, live.dims), config)
             shared.commit()
 
         _agree(out, staging, _attempt(finish) if first else None)
     except BaseException:
+        writer.abandon()  # (closed already, but where an error cut the writing short)
         if first:
             shared.remove()
         raise

@@ -25,30 +25,29 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path,
     staging buffer that reaches the device in large copies. `hf_dir` is a directory or a hub name
     (`Qwen/Qwen3-8B` at `revision`, fetched into the hub cache as transformers does)."""
     dtype = next(p.dtype for chunk in model_chunks for p in chunk.parameters())
-    ckpt = HFCheckpoint(_model_dir(hf_dir, revision, True), dequantize=dtype)
-    live = LiveModel.of(model_chunks, ckpt.config)
-    jobs = []
-    for tasks, tensors in zip(live.plan.chunks, live.tensors):
-        for task in tasks:
-            if task.shard is None:
-                continue
-            for name, shape in zip(task.hf, task.hf_shapes):
-                if name not in ckpt.tensors:
-                    raise MconvError(f"{ckpt.dir}: tensor {name} is missing from the checkpoint")
-                if ckpt.tensors[name].shape != shape:
-                    raise MconvError(f"{ckpt.dir}: tensor {name} has shape {list(ckpt.tensors[name].shape)}, "
-                                     f"config.json implies {list(shape)}")
-            jobs.append((task, tensors[task.megatron]))
-    if staged if staged is not None else any(dest.is_cuda for _, dest in jobs):
-        _load_staged(ckpt, jobs, threads)
-    else:
-        def load(task: TensorTask, dest: torch.Tensor) -> None:
-            split_into(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b), dest)
+    with HFCheckpoint(_model_dir(hf_dir, revision, True), dequantize=dtype) as ckpt:
+        live = LiveModel.of(model_chunks, ckpt.config)
+        jobs = []
+        for tasks, tensors in zip(live.plan.chunks, live.tensors):
+            for task in tasks:
+                if task.shard is None:
+                    continue
+                for name, shape in zip(task.hf, task.hf_shapes):
+                    if name not in ckpt.tensors:
+                        raise MconvError(f"{ckpt.dir}: tensor {name} is missing from the checkpoint")
+                    if ckpt.tensors[name].shape != shape:
+                        raise MconvError(f"{ckpt.dir}: tensor {name} has shape {list(ckpt.tensors[name].shape)}, "
+                                         f"config.json implies {list(shape)}")
+                jobs.append((task, tensors[task.megatron]))
+        if staged if staged is not None else any(dest.is_cuda for _, dest in jobs):
+            _load_staged(ckpt, jobs, threads)
+        else:
+            def load(task: TensorTask, dest: torch.Tensor) -> None:
+                split_into(task.shard, lambda s, dim, a, b: ckpt.read(task.hf[s], dim, a, b), dest)
 
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            for future in [pool.submit(load, task, dest) for task, dest in jobs]:
-                future.result()
-    ckpt.close()
+            with ThreadPoolExecutor(max(1, threads)) as pool:
+                for future in [pool.submit(load, task, dest) for task, dest in jobs]:
+                    future.result()
 
 
 def _load_staged(ckpt: HFCheckpoint, jobs: list, threads: int) -> None:

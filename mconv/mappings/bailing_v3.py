@@ -24,7 +24,7 @@ MoE when `i >= first_k_dense_replace`, else dense (HF `modeling_bailing_moe_v3.p
 from types import SimpleNamespace
 
 from mconv.converter.options import option
-from mconv.converter.transforms import COLUMN, DUPLICATED, GLU, REPLICATED, ROW, SECTIONED, VOCAB
+from mconv.converter.transforms import COLUMN, DUPLICATED, GLU, REPLICATED, ROW, SECTIONED
 from mconv.errors import MconvError
 from mconv.mappings.common import config_value, rope_parameters, rope_theta
 from mconv.mappings.qwen3 import DENSE_MLP, H, L, embedding_and_output

@@ -241,9 +241,11 @@ class Receiver(UpdateReceiver):
             self._recording = record
         if self._route == "reload":
             self._queue = queue.Queue(maxsize=1)
-            self._reload = ThreadPoolExecutor(1).submit(
+            reloading = ThreadPoolExecutor(1, thread_name_prefix="mconv-reload")
+            self._reload = reloading.submit(
                 self.llm.collective_rpc, "reload_weights",
                 kwargs={"weights_iterator": _drained(self._queue), "is_checkpoint_format": True})
+            reloading.shutdown(wait=False)  # (its thread ends once reload_weights returns)
         else:
             self.llm.start_weight_update()
 

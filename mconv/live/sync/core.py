@@ -355,8 +355,9 @@ def _collective(fn):
             return fn(*args)
         except MconvError:
             raise
-        except Exception as e:
-            raise _Lost(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+        except RuntimeError as e:  # (torch.distributed's errors: DistError and its kinds; a bug's other errors
+            # are not a lost rank, and go up as they are)
+            raise _Lost(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
     wrapped.__doc__ = fn.__doc__
     return wrapped
 
