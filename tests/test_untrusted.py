@@ -10,6 +10,7 @@ import pickle
 import shutil
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -69,6 +70,14 @@ def poison_metadata(iter_dir: Path, marker: Path) -> None:
     (iter_dir / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
+def array_in_metadata(iter_dir: Path, marker: Path) -> None:
+    """A NumPy array in .metadata: on the allow-list for RNG state in torch.save archives, not for
+    .metadata, where it could only make the reader allocate what the file says (code review)."""
+    metadata = _dcp_metadata(iter_dir)
+    metadata.planner_data = numpy.zeros(4)
+    (iter_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
 def poison_common_pt(iter_dir: Path, marker: Path) -> None:
     common = load_rank_file(iter_dir / "common.pt")
     common["args"].payload = Payload(marker)
@@ -101,8 +110,10 @@ def poison_rank_file(iter_dir: Path, marker: Path) -> None:
     torch.save(state, path)
 
 
+ARRAY_REBUILD = numpy.zeros(1).__reduce__()[0]  # (numpy._core.multiarray._reconstruct in NumPy 2)
 KINDS = {
     ".metadata": ("torch_dist", poison_metadata, "posix.system"),
+    "array in .metadata": ("torch_dist", array_in_metadata, f"{ARRAY_REBUILD.__module__}.{ARRAY_REBUILD.__name__}"),
     "common.pt": ("torch_dist", poison_common_pt, "posix.system"),
     "common_state in .distcp": ("torch_dist", poison_common_state, "posix.system"),
     "tensor chunk in .distcp": ("torch_dist", poison_tensor_chunk, "posix.system"),

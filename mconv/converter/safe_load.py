@@ -147,6 +147,21 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return found
 
 
+class _MetadataUnpickler(_RestrictedUnpickler):
+    """DCP's `.metadata`: its dataclasses over plain values (dtypes, torch.Size, a layout, the
+    checkpoint's path). The rest of the allow-list (storages, NumPy arrays, which a torch.save
+    archive's tensors and RNG state need) would only let a crafted file allocate memory here."""
+
+    def find_class(self, module: str, name: str):
+        found = _allow_list().get(f"{module}.{name}")
+        if not (f"{module}.{name}" in _METADATA_NAMES or isinstance(found, torch.dtype)):
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+        return found
+
+
+_METADATA_NAMES = frozenset(DCP_NAMES + ("torch.Size", "torch.serialization._get_layout", "pathlib.PosixPath"))
+
+
 class _TensorHeaderUnpickler(_RestrictedUnpickler):
     # A tensor of a dtype without a legacy typed storage names an untyped one (its persistent id,
     # which `load_tensor_header` allocates on the meta device) and the v3 rebuild.
@@ -182,12 +197,13 @@ def _refusal(path: Path, error: Exception, what: str) -> MconvError:
 
 
 def load_pickle(path: Path, data: bytes | None = None) -> object:
-    """Unpickle a plain pickle (DCP `.metadata`) from `data` or the file at `path`, refusing every
-    global not in the allow-list. Raises MconvError naming the file (and the refused global)."""
+    """Unpickle DCP's `.metadata` (a plain pickle) from `data` or the file at `path`, refusing every
+    global but its own part of the allow-list (_MetadataUnpickler). Raises MconvError naming the
+    file (and the refused global)."""
     try:
         if data is None:
             data = path.read_bytes()
-        return _RestrictedUnpickler(io.BytesIO(data)).load()
+        return _MetadataUnpickler(io.BytesIO(data)).load()
     except MconvError:
         raise
     except Exception as e:  # corrupt pickles raise assorted types (EOFError, ValueError, KeyError...)
