@@ -12,6 +12,7 @@ from pathlib import Path
 from mconv.converter.hf_config import side_file_differences
 from mconv.converter.hf_io import read_safetensors_header, tensor_difference
 from mconv.converter.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from mconv.converter.options import dtype_name
 from mconv.errors import MconvError
 
 # adapter_config.json fields that change what the adapter computes (base_model_name_or_path only
@@ -59,7 +60,7 @@ def describe_adapter(path: str | Path) -> dict:
                "alpha": alpha, "scale": alpha / r if isinstance(r, int) and r and isinstance(alpha, (int, float)) else None,
                "target_modules": config.get("target_modules"), "target_parameters": config.get("target_parameters")}
     return {"kind": "peft_adapter", "path": str(path), "adapter": {k: v for k, v in adapter.items() if v is not None},
-            "dtypes": {_dtype_name(d): {"tensors": n, "bytes": b} for d, (n, b) in dtypes.items()},
+            "dtypes": {dtype_name(d): {"tensors": n, "bytes": b} for d, (n, b) in dtypes.items()},
             "size": {"tensors": sum(n for n, _ in dtypes.values()), "bytes": sum(b for _, b in dtypes.values()),
                      "files": 1}}
 
@@ -102,6 +103,3 @@ def compare_adapters(a: Path, b: Path) -> tuple[int, int, list[str]]:
             total += x.nbytes
     return len(common), total, differences
 
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -106,15 +106,22 @@ def copy_range(source: int, offset: int, dest: int, at: int, nbytes: int) -> boo
     return True
 
 
+def pread_all(fd: int, buffer: memoryview, offset: int, ended) -> None:
+    """Fill `buffer` with the bytes of `fd` from `offset` on, by preadv (which may read fewer than
+    asked). MconvError(ended()) where the file ends first: `ended` says which file, and why that is
+    wrong for it."""
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done:]], offset + done)
+        if n == 0:
+            raise MconvError(ended())
+        done += n
+
+
 def pread_into(ranges: list[tuple[int, int, int, int]], dest: torch.Tensor | memoryview, path: object) -> None:
     """Read `ranges` (file descriptor, file offset, byte offset in `dest`, bytes) of the file `path`
     into `dest` (a contiguous CPU tensor or a writable buffer) with preadv. Raises MconvError if the
     file ends early."""
     view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if isinstance(dest, torch.Tensor) else dest
     for fd, offset, at, nbytes in ranges:
-        done = 0
-        while done < nbytes:
-            n = os.preadv(fd, [view[at + done:at + nbytes]], offset + done)
-            if n == 0:
-                raise MconvError(f"{path} ended early (changed while reading?)")
-            done += n
+        pread_all(fd, view[at:at + nbytes], offset, lambda: f"{path} ended early (changed while reading?)")

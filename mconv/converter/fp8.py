@@ -19,6 +19,7 @@ import torch
 
 from mconv.converter.options import FP8_SCALES, option
 from mconv.errors import MconvError
+from mconv.triton_support import triton_importable
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -309,17 +310,9 @@ def quantize_all(named: list[tuple[str, torch.Tensor]], scale_fmt: str = "float"
 def batchable(weights: list[torch.Tensor]) -> bool:
     """Whether fp8_batch's kernels take `weights`: Triton imports, and all are 2-D bfloat16, float16
     or float32 (no 3-D stacked experts)."""
-    return (_triton_importable() and set(map(torch.Tensor.dim, weights)) <= {2}
+    return (triton_importable() and set(map(torch.Tensor.dim, weights)) <= {2}
             and set(map(operator.attrgetter("dtype"), weights)) <= set(_BATCHED_DTYPES))  # (C-level maps: a bucket
     # holds hundreds of weights)
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401 (only whether it imports)
-    except ImportError:
-        return False
-    return True
 
 
 def quantize_tensors(tensors: list[tuple[str, torch.Tensor]], quantization: Quantization,

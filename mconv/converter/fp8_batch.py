@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from mconv.converter import fp8
+from mconv.triton_support import launcher
 
 _DTYPES = dict(zip(fp8._BATCHED_DTYPES, (tl.bfloat16, tl.float16, tl.float32)))  # the input dtypes quantize_all sends
 
@@ -95,15 +96,6 @@ def _kernel(table, block_tensor, base, scale, out, bad, DTYPE: tl.constexpr, BLO
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.full((ROWS, BLOCK), 0.0, tl.float32) + s), -_FP8_MAX),
                            _FP8_MAX)
             tl.store(dst + r * cols + c, q.to(tl.float8e4nv), mask=mask)
-
-
-def _launcher(device: torch.device):
-    """The kernel as compiled for a GPU, or run by Triton's interpreter for CPU tensors (tests)."""
-    if device.type == "cuda":
-        return _kernel
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_kernel.fn)
 
 
 @dataclass
@@ -334,7 +326,7 @@ def _launch(plan: _Plan, scale_fmt: str, scale: torch.Tensor, out: torch.Tensor,
     block per step (the same bytes for any power of two up to 128: bench/fp8_bench.py --rows).
     Returns the scales (for UE8M0: `scale` holds the amax values, made into a new tensor of scales
     between the launches)."""
-    kernel = _launcher(out.device)
+    kernel = launcher(_kernel, out.device)
     for mode in ((FUSED,) if scale_fmt == "float" else (AMAX, QUANTIZE)):
         if mode == QUANTIZE:
             scale = fp8.scales(scale, scale_fmt)

@@ -35,7 +35,7 @@ from mconv.mappings import architecture_for
 COMPARE_BYTES = 64 * 2**20  # rows of the tied head compared at a time
 
 
-def _tied_copy(plan: Plan, ckpt: HFCheckpoint, name: str) -> str | None:
+def _tied_copy(plan: Plan, name: str) -> str | None:
     """For a model with tied embeddings, the embedding tensor whose copy `name` is if the table's
     untied output layer reads `name` (transformers loads such files and ties the head anyway);
     None otherwise."""
@@ -83,7 +83,7 @@ def check_hf_tensors(plan: Plan, ckpt: HFCheckpoint) -> list[str]:
     for name, info in ckpt.tensors.items():
         if name in expected or name.startswith(tuple(held)):
             continue
-        embedding = _tied_copy(plan, ckpt, name)
+        embedding = _tied_copy(plan, name)
         if embedding is None:
             raise MconvError(f"{ckpt.dir / info.file}: unexpected tensor {name} "
                              f"(not part of {plan.arch.name} as described by config.json)")

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from mconv.converter import fp8
+from mconv.converter import file_io, fp8
 from mconv.converter.hf_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME, read_bin
 from mconv.converter.hf_config import read_config, read_json
 from mconv.converter.hf_experts import STACKED_EXPERTS, stacked_expert
@@ -326,10 +326,9 @@ class HFCheckpoint:
                                  f"{'is not a regular file' if os.path.lexists(self.dir / file) else 'does not exist'}")
         return index_name, weight_map
 
-    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None,
-             pin: bool = False) -> torch.Tensor:
-        """Read the [start, stop) range of a tensor along dim 0 or 1 (the whole tensor by default),
-        into pinned memory if `pin` (for asynchronous copies to a GPU). Thread-safe.
+    def read(self, name: str, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Read the [start, stop) range of a tensor along dim 0 or 1 (the whole tensor by default).
+        Thread-safe.
 
         Bytes are read with pread straight into the result, not memory-mapped, so what was read
         does not stay resident: memory holds the slices being converted, nothing else.
@@ -339,7 +338,7 @@ class HFCheckpoint:
         if start is None:
             start, stop = 0, (shape[dim] if shape else 1)
         out_shape = shape[:dim] + [stop - start] + shape[dim + 1:] if shape else []
-        out = torch.empty(out_shape, dtype=info.dtype, pin_memory=pin)
+        out = torch.empty(out_shape, dtype=info.dtype)
         self.read_into(name, dim, start, stop, out)
         return out
 
@@ -443,12 +442,8 @@ class HFCheckpoint:
         return self._handles[file]
 
     def _pread(self, fd: int, buffer: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(buffer):
-            n = os.preadv(fd, [buffer[done:]], offset + done)
-            if n == 0:
-                raise MconvError(f"{self.dir}: a safetensors file ended early (changed while reading?)")
-            done += n
+        file_io.pread_all(fd, buffer, offset, lambda: f"{self.dir}: a safetensors file ended early (changed while "
+                                                      "reading?)")
 
     def close(self) -> None:
         for fd in self._handles.values():

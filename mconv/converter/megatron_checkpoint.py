@@ -190,11 +190,6 @@ class LegacyCheckpoint:
     def _tensor(self, source: ShardSource) -> torch.Tensor:
         return self.chunks[source.rank][source.chunk][source.megatron]
 
-    def tensor_bytes(self) -> tuple[int, int]:
-        tensors = [t for chunks in self.chunks.values() for chunk in chunks for t in chunk.values()
-                   if isinstance(t, torch.Tensor)]
-        return len(tensors), sum(t.nbytes for t in tensors)
-
     @contextlib.contextmanager
     def session(self) -> Iterator[Session]:
         """The rank files are memory-mapped, so `load` costs no copy; `file_rows` gives rows of a
@@ -264,9 +259,6 @@ class DistCheckpoint:
             # An all-MoE model trained with --moe-layer-freq given as a list stores per-layer keys.
             self.load_args.moe_layer_freq = [1] * dims.layers
         check_stored(self.reader, self.plan, self.load_args)
-
-    def tensor_bytes(self) -> tuple[int, int]:
-        return len(self.reader.tensors), self.reader.nbytes()
 
     @contextlib.contextmanager
     def session(self) -> Iterator[Session]:

@@ -66,6 +66,12 @@ def check_count(value, name: str, low: int = 1, high: int | None = None) -> int:
     return value
 
 
+def dtype_name(dtype) -> str:
+    """"bfloat16" for torch.bfloat16: how --dtype, JSON summaries and the engines' update requests
+    (vLLM's, SGLang's) name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def torch_dtype(dtype, name: str = "dtype"):
     """The torch dtype a `dtype` parameter asks for: None, one of DTYPES by name ("bfloat16", as
     --dtype takes them) or as a torch dtype. MconvError naming the parameter for anything else
@@ -74,7 +80,7 @@ def torch_dtype(dtype, name: str = "dtype"):
         return None
     import torch
 
-    name_of = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
+    name_of = dtype if isinstance(dtype, str) else dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
     if name_of not in DTYPES:
         raise MconvError(f"{option(name, dtype)} is not a dtype mconv writes; available: {', '.join(DTYPES)}")
     return getattr(torch, name_of)

@@ -1,25 +1,20 @@
 """What a conversion did (or, for a dry run, would do): counts, readable lines and the plan for scripts."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from mconv.converter.layout import count
+from mconv.converter.options import dtype_name
 from mconv.converter.planner import Plan, RankPlan, TensorTask, group_rank, group_size
 
 
 def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of a tensor of `shape` and `dtype`."""
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= s
-    return n
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return math.prod(shape) * dtype.itemsize
 
 
 @dataclass(repr=False)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from mconv.converter import safe_load, torch_save
+from mconv.converter import file_io, safe_load, torch_save
 from mconv.converter.saved_args import described, saved_args
 from mconv.errors import MconvError
 
@@ -282,9 +282,6 @@ class TorchDistReader:
             raise MconvError(f"{self.iter_dir / chunk.file}: object {key} is not stored as megatron-core stores one")
         return value[0]
 
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
     def global_shape(self, key: str) -> tuple[int, ...] | None:
         entry = self.tensors.get(key)
         return None if entry is None else entry.shape
@@ -490,14 +487,9 @@ class TorchDistReader:
             return self._fds[name]
 
     def _pread(self, name: str, buffer: memoryview, offset: int) -> None:
-        fd = self._fd(name)
-        done = 0
-        while done < len(buffer):
-            n = os.preadv(fd, [buffer[done:]], offset + done)
-            if n == 0:
-                raise MconvError(f"{self.iter_dir / name} ends before byte {offset + len(buffer)} "
-                                 "that .metadata points at (truncated?)")
-            done += n
+        file_io.pread_all(self._fd(name), buffer, offset, lambda: f"{self.iter_dir / name} ends before byte "
+                                                                  f"{offset + len(buffer)} that .metadata points at "
+                                                                  "(truncated?)")
 
     def _read_merged(self, reads: list[tuple[str, int, memoryview]]) -> None:
         """One preadv per run of requests in the same file no further apart than MERGE_GAP_BYTES."""

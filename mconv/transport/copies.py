@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from mconv.triton_support import launcher, triton_importable
+
 _ALIGN = 16  # bytes: the widest load and store the kernel makes, where both addresses and the size allow
 _CHUNK = 16384  # bytes a kernel program copies
 _PART = 4096  # bytes it copies per step
@@ -57,15 +59,6 @@ def _kernel():
     return _KERNEL
 
 
-def _launcher(device: torch.device):
-    """The kernel as compiled for a GPU, or run by Triton's interpreter for CPU tensors (tests)."""
-    if device.type == "cuda":
-        return _kernel()
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_kernel().fn)
-
-
 def _held(t: torch.Tensor) -> bool:
     """Whether `t`'s storage still holds it (not freed in place by `untyped_storage().resize_(0)`:
     a copy into or out of it, torch's own included, would touch freed memory)."""
@@ -73,14 +66,6 @@ def _held(t: torch.Tensor) -> bool:
         return True
     last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401 (only whether it imports)
-    except ImportError:
-        return False
-    return True
 
 
 class CopyPlan:
@@ -118,7 +103,7 @@ class CopyPlan:
         self._unchanged = frozenset(range(len(self._dsts)) if fixed_sources else unchanged)
         self._launched = False  # a launch went through (before it, a failing one falls back to torch's copies)
         self._device = self._dsts[0].device if self._dsts else torch.device("cpu")
-        self._use_kernel = ((self._device.type == "cuda" if kernel is None else kernel) and _triton_importable())
+        self._use_kernel = ((self._device.type == "cuda" if kernel is None else kernel) and triton_importable())
         self._plan(list(srcs))
 
     def _check(self, srcs: Sequence[torch.Tensor]) -> None:
@@ -229,7 +214,7 @@ class CopyPlan:
             return
         try:
             with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
-                kernel = _launcher(self._device)  # (Triton launches on the current device)
+                kernel = launcher(_kernel(), self._device)  # (Triton launches on the current device)
                 for chunk_pair, aligned in self._launches:
                     kernel[(chunk_pair.numel(),)](self._table, chunk_pair, _CHUNK, _PART, aligned, num_warps=_WARPS)
         except Exception:

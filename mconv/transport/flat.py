@@ -15,16 +15,12 @@ from typing import Iterator, Sequence
 
 import torch
 
+from mconv.converter.options import dtype_name
 from mconv.transport.copies import CopyPlan
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
+_DTYPES = {dtype_name(d): d for d in (
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """"bfloat16" for torch.bfloat16: the form vLLM's and SGLang's update requests carry."""
-    return str(dtype).removeprefix("torch.")
 
 
 def dtype_of(name: str) -> torch.dtype:
