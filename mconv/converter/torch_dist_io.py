@@ -9,7 +9,7 @@ ShardedObjects: `_extra_state`, `common_state`) are torch.save archives of `[obj
 bytes under their unique key (`key/shard_{offsets}_{shape}`); `metadata.json` names the backend.
 
 Reading parses `.metadata` once per reader, through mconv's restricted unpickler, and indexes each
-key's stored chunks once; a read of many boxes finds the overlapping chunks, decodes each chunk's
+key's stored chunks once (dcp_metadata); a read of many boxes finds the overlapping chunks, decodes each chunk's
 archive header (a small restricted unpickle) and reads the storage bytes straight into the
 destination, requests sorted by file and offset and merged into large `preadv` calls. The writer
 is `torch_dist_write`.
@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from mconv.converter import file_io, safe_load, torch_save
+from mconv.converter.dcp_metadata import StoredChunk, StoredTensor, index_metadata
 from mconv.converter.saved_args import described, saved_args
 from mconv.errors import MconvError
 
@@ -38,32 +39,6 @@ COMMON_FILE = "common.pt"  # megatron-core <= 0.18 keeps the common state here (
 COMMON_KEY = "common_state/shard_0_1"  # megatron-core 0.19's ShardedObject("common_state", ...).unique_key
 MERGE_GAP_BYTES = 64 * 2**10  # reads closer than this are merged into one request
 metadata_reads = 0  # `.metadata` files this process parsed (tests count them)
-
-
-@dataclass(frozen=True)
-class StoredChunk:
-    """One stored box of a global tensor (or an object): where it is and which box it is."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str
-    offset: int  # byte offset of its torch.save archive in `file`
-    length: int
-
-
-@dataclass
-class StoredTensor:
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    chunks: list[StoredChunk]
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
 
 
 @dataclass(frozen=True)
@@ -204,7 +179,7 @@ class TorchDistReader:
         metadata_reads += 1
         metadata = safe_load.load_pickle(path)
         try:
-            self.tensors, self.objects = _index(path, metadata)
+            self.tensors, self.objects = index_metadata(path, metadata)
         except (TypeError, AttributeError, ValueError, IndexError) as e:  # fields of the wrong type
             raise MconvError(f"{path}: not a torch.distributed.checkpoint metadata file mconv can read "
                              f"({type(e).__name__}: {e})") from None
@@ -523,61 +498,6 @@ class TorchDistReader:
 
     def __del__(self):
         self.close()
-
-
-def _kind(record) -> str | None:
-    """The DCP metadata class a record from `.metadata` stands for (see safe_load.StoredObject)."""
-    cls = type(record)
-    return cls.__qualname__ if cls.__module__.startswith("torch.distributed.checkpoint.") else None
-
-
-def _index(path: Path, metadata) -> tuple[dict[str, StoredTensor], dict[str, StoredChunk]]:
-    """Check DCP's Metadata and index every key's stored chunks (built once per reader)."""
-    def bad(what: str) -> MconvError:
-        return MconvError(f"{path}: {what}; the file is not a torch.distributed.checkpoint metadata file "
-                          "mconv can read")
-
-    if _kind(metadata) != "Metadata" or not isinstance(getattr(metadata, "state_dict_metadata", None), dict) \
-            or not isinstance(getattr(metadata, "storage_data", None), dict):
-        raise bad(f"it holds a {type(metadata).__name__}")
-    where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
-    for index, info in metadata.storage_data.items():
-        name = getattr(info, "relative_path", None)
-        if (_kind(index) != "MetadataIndex" or not isinstance(getattr(index, "fqn", None), str)
-                or not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".")
-                or not isinstance(info.offset, int) or not isinstance(info.length, int)
-                or info.offset < 0 or info.length < 0):
-            raise bad(f"storage entry {getattr(index, 'fqn', index)!s:.80} names no file inside the checkpoint")
-        if getattr(info, "transform_descriptors", None):
-            raise MconvError(f"{path}: {index.fqn} is stored with transforms {list(info.transform_descriptors)} "
-                             "(compression?), which mconv does not read")
-        offset = None if getattr(index, "offset", None) is None else tuple(index.offset)
-        where[(index.fqn, offset)] = (name, info.offset, info.length)
-    tensors, objects = {}, {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if _kind(entry) == "BytesStorageMetadata":
-            if (key, None) not in where:
-                raise bad(f"object {key} has no storage entry")
-            objects[key] = StoredChunk((), (), *where[(key, None)])
-            continue
-        properties = getattr(getattr(entry, "properties", None), "state", None)
-        if (_kind(entry) != "TensorStorageMetadata" or not isinstance(properties, tuple) or not properties
-                or not isinstance(properties[0], torch.dtype) or not isinstance(getattr(entry, "size", None), torch.Size)
-                or not isinstance(getattr(entry, "chunks", None), list)
-                or not all(_kind(c) == "ChunkStorageMetadata" for c in entry.chunks)):
-            raise bad(f"entry {key!s:.80} is not a tensor or object description")
-        shape = tuple(entry.size)
-        chunks = []
-        for c in entry.chunks:
-            offsets, sizes = tuple(c.offsets), tuple(c.sizes)
-            if (len(offsets) != len(shape) or len(sizes) != len(shape)
-                    or any(o < 0 or s < 0 or o + s > g for o, s, g in zip(offsets, sizes, shape))):
-                raise bad(f"tensor {key} has a chunk {list(sizes)} at {list(offsets)} outside its shape {list(shape)}")
-            if (key, offsets) not in where:
-                raise bad(f"tensor {key} has no storage entry for its chunk at {list(offsets)}")
-            chunks.append(StoredChunk(offsets, sizes, *where[(key, offsets)]))
-        tensors[key] = StoredTensor(key, shape, properties[0], chunks)
-    return tensors, objects
 
 
 def _not_a_file(path: Path) -> str:
