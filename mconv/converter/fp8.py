@@ -33,6 +33,8 @@ WINDOW_ELEMENTS = 2**21  # quantized together: bounds `quantize`'s float32 tempo
 
 
 def scale_name(weight: str) -> str:
+    """The name of `weight`'s block scales in an FP8 checkpoint: `<weight>_scale_inv` (float32, one
+    per 128x128 block; the FP8 releases' and vLLM's name)."""
     return weight + SCALE_SUFFIX
 
 
@@ -209,6 +211,8 @@ class Quantization:
     scale_fmt: str = "float"
 
     def applies(self, name: str, shape) -> bool:
+        """Whether the HF tensor `name` of `shape` is written in FP8: a 2-D weight, or 3-D stacked
+        experts, of a module this quantization quantizes (`quantized`: not kept in 16-bit)."""
         return len(shape) in (2, 3) and self.quantized(name)
 
 

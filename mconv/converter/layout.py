@@ -27,6 +27,13 @@ class Rank:
 
 @dataclass(frozen=True)
 class Layout:
+    """A Megatron job's parallel layout, in Megatron-LM's terms: TP, PP, VPP (virtual pipeline
+    chunks per PP rank), EP, ETP (expert tensor parallel; MoE parallel folding), an uneven
+    pipeline's first and last stage layers, and the vocabulary divisor (make_vocab_size_divisible_by:
+    the vocabulary is padded to a multiple of it times TP). `check_sizes` / `check_legacy` raise
+    MconvError naming the option that does not fit; what fits a model is the planner's
+    (`planner.validate_layout`)."""
+
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual pipeline chunks per PP rank

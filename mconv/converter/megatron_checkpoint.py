@@ -276,5 +276,8 @@ class DistCheckpoint:
 
 
 def open_checkpoint(path: str | Path, hf_config: str | Path | None = None) -> LegacyCheckpoint | DistCheckpoint:
+    """The Megatron checkpoint at `path` (a save directory or one iteration's), opened by its
+    format: torch_dist (DistCheckpoint) or legacy rank files (LegacyCheckpoint), with the HF config
+    stored in it or `hf_config`'s. MconvError naming the file for a checkpoint mconv cannot read."""
     location = mio.locate(path)
     return (DistCheckpoint if location.format == "torch_dist" else LegacyCheckpoint)(location, hf_config)

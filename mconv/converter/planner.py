@@ -37,6 +37,9 @@ class TensorTask:
 
 @dataclass
 class RankPlan:
+    """One rank file's work: its Rank (tp, pp, ep, etp) and, per model chunk (VPP), the TensorTasks
+    it holds."""
+
     rank: Rank
     chunks: list[list[TensorTask]]
 
@@ -63,6 +66,11 @@ class ExportTask:
 
 @dataclass(repr=False)
 class Plan:
+    """What a conversion of one model at one layout does: the architecture's table applied to its
+    config (`dims`: the sizes the table reads) at `layout` and `spec` ("local" or "te" names), as
+    one RankPlan per rank file (every Megatron tensor each holds, with the slice of which HF tensors
+    it is). make_plan builds it; MconvError there for a layout the model does not fit."""
+
     arch: Architecture
     config: dict
     dims: SimpleNamespace
@@ -75,6 +83,7 @@ class Plan:
 
     @property
     def padded_vocab(self) -> int:
+        """The vocabulary as Megatron pads it: a multiple of vocab_divisor times TP (rows)."""
         return padded_vocab_size(self.dims.vocab, self.layout.vocab_divisor, self.layout.tp)
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -108,10 +117,13 @@ class Plan:
 
 
 def group_rank(rule: Rule, rank: Rank) -> int:
+    """`rank`'s place in the group that splits `rule`'s tensors: its ETP rank for expert weights
+    split by ETP (parallel folding), else its TP rank."""
     return rank.etp if rule.group == "etp" else rank.tp
 
 
 def group_size(rule: Rule, layout: Layout) -> int:
+    """How many ranks split `rule`'s tensors at `layout`: ETP for expert weights split by ETP, else TP."""
     return layout.etp if rule.group == "etp" else layout.tp
 
 
@@ -138,6 +150,10 @@ def table_shape(spec: str, dims: SimpleNamespace, name: str) -> tuple[int, ...]:
 
 
 def validate_layout(dims: SimpleNamespace, layout: Layout, arch_check=None) -> None:
+    """Whether the model (`dims`) fits `layout` as Megatron-LM would build it: stages that divide
+    its layers, heads and query groups divisible by TP, experts by EP, the expert FFN by ETP, no
+    expert layout for a dense model, and the architecture's own rules (`arch_check(dims, layout)`).
+    MconvError naming the option and the size that does not fit."""
     experts = getattr(dims, "experts", 0)
     # A dense model's MLP is split as attention is: an expert layout of EP 1 and ETP 1 or TP (the
     # ffn part of --layout, which defaults to the attention part) says nothing more.

@@ -96,7 +96,10 @@ class Engine:
         each sender rank): asked before the engine is told anything."""
 
     def start(self, version: str, verify: bool = False) -> None:
-        pass
+        """On rank 0, once every rank has planned and before any bucket is sent: begin the engine's
+        update named `version` (the sync's version string), recording what it loads where `verify`
+        (for `checksums`). An exception here stops the sync on every rank before anything is sent,
+        with no `abort`. Nothing by default."""
 
     def targets(self, device: torch.device) -> dict[str, torch.Tensor] | None:
         """{HF name: the engine's own tensor}, for an engine whose parameters this process can write
@@ -126,6 +129,11 @@ class Engine:
         return current[:nbytes]
 
     def update(self, bucket: FlatBucket) -> None:
+        """On each sender, from the sync's one background thread: load `bucket` (a FlatBucket: its
+        tensors are views of the buffer `buffer(bucket.index % 2, ...)` returned, plus `written`;
+        iterate it for (HF name, tensor)). Return once the engine no longer reads the bucket's
+        buffer: the slot is packed again two buckets later. An exception fails the sync on every
+        rank (rank 0 then calls `abort`, never `finish`). Every engine implements it."""
         raise NotImplementedError
 
     def _slot(self, buffers: dict, bucket: FlatBucket) -> int:
@@ -137,10 +145,16 @@ class Engine:
         raise ValueError(f"bucket {bucket.index} is not in a buffer this engine's buffer() gave")
 
     def finish(self, version: str) -> None:
-        pass
+        """On rank 0, once every sender's buckets were taken (`update` returned on every rank, and
+        `flush` where there were `targets`): end the update `version`, so the engine serves the new
+        weights (and drops what it cached of the old ones: vLLM's and SGLang's prefix caches). An
+        exception fails the sync. Nothing by default."""
 
     def abort(self, version: str, reason: str) -> None:
-        pass
+        """On rank 0, instead of `finish`, when a rank failed, was lost or interrupted after `start`:
+        end the update `version` as failed (`reason`: one line saying why), the engine's weights all
+        old or reported as failed. An exception here is added to the sync's own error, which every
+        rank raises either way. Nothing by default."""
 
     @property
     def verifiable(self) -> bool:
@@ -153,6 +167,7 @@ class Engine:
         raise NotImplementedError
 
     def close(self) -> None:
+        """Release what the engine holds for syncs (its bucket buffers); it is not used again."""
         self._buffers.clear()
 
 
