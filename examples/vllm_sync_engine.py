@@ -3,9 +3,12 @@
 mconv's `Receiver` on SOCKET, and answers generation requests on SOCKET.gen (JSON {"op":
 "generate"} -> {"tokens", "logprobs", "version"}: greedy, 8 tokens for each prompt of PROMPTS_JSON).
 Prints READY when both listen. Run with the vLLM venv's Python (no megatron-core needed), from the
-repository root or with it on PYTHONPATH; tests/test_weight_sync.py runs it.
+repository root or with it on PYTHONPATH; tests/test_weight_sync.py runs it. In the CPU venv
+scripts/install-vllm.sh makes, tests/vllm_site goes on PYTHONPATH too: the index's torchvision there
+is a CUDA build, whose import fails beside the CPU torch without it ("operator torchvision::nms
+does not exist"; tests/vllm_site/sitecustomize.py says why).
 
-    .venv/vllm311/bin/python examples/vllm_sync_engine.py HF_DIR SOCKET AUTHKEY_HEX PROMPTS_JSON
+    PYTHONPATH=tests/vllm_site .venv/vllm311/bin/python examples/vllm_sync_engine.py HF_DIR SOCKET AUTHKEY_HEX PROMPTS_JSON
 """
 import json
 import os

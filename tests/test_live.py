@@ -2,6 +2,7 @@
 transformers' logits; iter_hf_weights yields every HF tensor bit-identically, exactly once per
 pipeline stage, nothing else; save_hf_weights writes the same bytes as mcore2hf."""
 import filecmp
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,3 +229,86 @@ def test_clear_cache_lets_moved_parameters_go(tmp_path):
     its bucket: the parameters are checked bucket by bucket, one of each up front); a parameter
     whose storage was freed in place and not loaded back is refused in one sentence naming it."""
     start_ranks(_moved_parameters_worker, args=(str(tmp_path / "store"),), nprocs=1)
+
+
+def _misuse_worker(rank: int, store: str, where: str) -> None:
+    """Two TP ranks misusing the live API as a trainer might (new-user pass)."""
+    import json
+    import shutil
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from mconv.live import build_model
+    from tests.megatron_oracle import _cpu_shims
+
+    _cpu_shims()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    ps.initialize_model_parallel(2)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    said = {}
+
+    def error(call) -> str | None:
+        try:
+            call()
+        except MconvError as e:
+            return str(e)
+        return None
+
+    chunks = build_model(TINY_DIR, Layout(tp=2), dtype=torch.float32, use_cpu_initialization=True)
+    load_hf_weights(chunks, TINY_DIR)
+    # a path missing on one rank only: every rank raises its error (rank 0 hung in the first gather)
+    mine = TINY_DIR if rank == 0 else Path(where) / "missing-on-rank-1"
+    said["one rank's path"] = error(lambda: list(iter_hf_weights(chunks, mine)))
+    # the model's own directory as save_hf_weights' output: refused, the input unchanged
+    copy = Path(where) / "input"
+    if rank == 0:
+        shutil.copytree(TINY_DIR, copy)
+    dist.barrier()
+    before = (copy / "model.safetensors").read_bytes()
+    said["output is the input"] = error(lambda: save_hf_weights(chunks, copy, copy))
+    said["input unchanged"] = (copy / "model.safetensors").read_bytes() == before
+    # parameters on the meta device (a lazy init not materialized): refused by load, export and sync alike
+    layernorm = chunks[0].decoder.final_layernorm
+    norm = layernorm.weight
+    layernorm.weight = torch.nn.Parameter(torch.empty_like(norm, device="meta"))
+    said["meta load"] = error(lambda: load_hf_weights(chunks, TINY_DIR))
+    said["meta export"] = error(lambda: list(iter_hf_weights(chunks, TINY_DIR)))
+    layernorm.weight = norm
+    said["bare module"] = error(lambda: load_hf_weights(chunks[0], TINY_DIR))
+    said["tied config"] = error(lambda: load_hf_weights(chunks, FIXTURES / "qwen3-tiny-tied"))
+    said["threads"] = error(lambda: load_hf_weights(chunks, TINY_DIR, threads=0))
+    said["gather_pp"] = error(lambda: list(iter_hf_weights(chunks, TINY_DIR, gather_pp="yes")))
+    said["after"] = sum(len(bucket) for bucket in iter_hf_weights(chunks, TINY_DIR))  # (the ranks still agree)
+    (Path(where) / f"rank{rank}.json").write_text(json.dumps(said))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_live_misuse_is_one_sentence_on_every_rank(tmp_path):
+    """What a trainer may get wrong with the live API, at TP2 (new-user pass): a path missing on
+    one rank is one MconvError on every rank, naming it, not a hang in the first gather; a model
+    directory given as save_hf_weights' output and its input is refused, the input unchanged; a
+    parameter on the meta device is named (it was exported as a meta tensor, or left unloaded);
+    a bare module, threads=0 and a gather_pp that is no bool are refused by name; a tied config for
+    an untied model says so."""
+    import json
+
+    start_ranks(_misuse_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    missing = tmp_path / "missing-on-rank-1"
+    for rank in said:
+        assert rank["one rank's path"] is not None and f"{missing} does not exist" in rank["one rank's path"]
+        assert rank["output is the input"] == (f"output {tmp_path / 'input'} overlaps the input "
+                                               f"{(tmp_path / 'input').resolve()}; choose another output directory")
+        assert rank["input unchanged"] is True
+        for call in ("meta load", "meta export"):
+            assert rank[call] == ("model chunk 0: decoder.final_layernorm.weight is on the meta device (no values: "
+                                  "a lazy initialization not materialized); materialize the model first"), rank[call]
+        assert rank["bare module"].startswith("model_chunks is a GPTModel; pass the list"), rank["bare module"]
+        assert rank["tied config"].endswith("(the HF config's tie_word_embeddings is True: no output layer of "
+                                            "its own)"), rank["tied config"]  # (the tied fixture has 2 layers)
+        assert rank["threads"] == "threads=0 is not an integer of at least 1", rank["threads"]
+        assert rank["gather_pp"] == "gather_pp='yes' is not True or False", rank["gather_pp"]
+        assert rank["after"] == 47

@@ -153,3 +153,23 @@ def test_only_what_rank_0_does_not_say_is_said_again(monkeypatch):
     assert parallel.speaks_for_itself("mconv: error: something of its own")
     monkeypatch.delenv("RANK")
     assert parallel.speaks_for_itself("mconv: error: not under torchrun")
+
+
+def test_a_library_call_on_one_rank_of_a_torchrun_job_converts_alone(tmp_path, monkeypatch):
+    """A trainer's rank 0 of a torchrun job calls hf2mcore and mcore2hf, its other ranks do not (the
+    new-user pass: the calls waited forever, through torchrun's store, for ranks that never came):
+    they convert in this process alone; only the command line (`torchrun -m mconv.cli`, above)
+    shares the work between the ranks."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mconv.converter.pipelines import compare_hf
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # the job's
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": "2",
+                       "RANK": "0", "TORCHELASTIC_RUN_ID": "t"}.items():
+        monkeypatch.setenv(key, value)
+    hf2mcore(MOE, tmp_path / "ckpt", Layout(tp=2, ep=2), progress=False)
+    mcore2hf(tmp_path / "ckpt", tmp_path / "back", progress=False)
+    assert compare_hf(MOE, tmp_path / "back")[2] == []

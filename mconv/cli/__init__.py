@@ -203,7 +203,7 @@ def hf2mcore_command(hf_dir, out_dir, revision, tp, pp, vpp, ep, etp, layout_str
     summary = run(lambda: hf2mcore(hf_dir, out_dir, layout, spec=spec, fmt=fmt, iteration=iteration, mtp=mtp,
                                    overwrite=overwrite, dry_run=dry_run, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), revision=revision,
-                                   dtype=dtype))
+                                   dtype=dtype, torchrun=True))
     plan = summary.plan
     print_notes(summary, quiet)
     header = (f"{plan.arch.name}: {plan.dims.layers} layers, {layout.describe()}, spec {spec}, "
@@ -278,7 +278,7 @@ def mcore2hf_command(ckpt_dir, out_dir, hf_config, revision, dtype, max_shard_si
                                    overwrite=overwrite, progress=show_progress(quiet, as_json),
                                    workers=workers or default_workers(), dtype=dtype,
                                    revision=revision, expert_orientation=expert_orientation,
-                                   quantize=quantize, fp8_scale=fp8_scale))
+                                   quantize=quantize, fp8_scale=fp8_scale, torchrun=True))
     print_notes(summary, quiet)
     if not quiet or as_json:
         report(summary, started, as_json, f"wrote {out_dir}: {count(summary.files, 'safetensors shard')}, "

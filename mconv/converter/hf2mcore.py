@@ -245,11 +245,13 @@ def _expert_forms(ckpt: HFCheckpoint, plan: Plan) -> dict[str, str]:
 def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str = "local", fmt: str = "torch_dist",
              iteration: int | None = None, overwrite: bool = False, dry_run: bool = False,
              progress: bool = True, workers: int = 1, revision: str | None = None, mtp: bool = False,
-             dtype: torch.dtype | None = None) -> Summary:
+             dtype: torch.dtype | None = None, torchrun: bool = False) -> Summary:
     """HF -> Megatron. `hf_dir` is a local directory or a hub name (`Qwen/Qwen3-8B`, at `revision`;
     see `hub.resolve_model`). `workers` threads read the tensors of the rank files (legacy format)
-    or write their own `.distcp` files (torch_dist); under torchrun every rank writes its share (its
-    rank files, or its own `.distcp` file; rank 0 writes `.metadata`). `mtp`: keep the
+    or write their own `.distcp` files (torch_dist). With `torchrun` (the command line's, run by
+    `torchrun -m mconv.cli`), every rank of the torchrun job this process belongs to writes its share
+    (its rank files, or its own `.distcp` file; rank 0 writes `.metadata`), and every rank must call
+    it; without, this process converts alone, torchrun or not (a trainer's rank 0, say). `mtp`: keep the
     multi-token-prediction layers in megatron-core's MTP block (planner.model_dims). `dtype`: cast
     every tensor to it (torch's cast; float32, bfloat16 or float16) but those the model keeps in
     float32 (transforms.cast_dtype; counted in the summary's notes), recorded in the args as
@@ -328,7 +330,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
                                          **(_expert_forms(ckpt, plan) if arch.experts_as_input else {})})
 
         out = output_path(out_dir)
-        team = TorchrunTeam.from_environment(f"hf2mcore:{out}")
+        team = TorchrunTeam.from_environment(f"hf2mcore:{out}") if torchrun else None
         if team is not None:
             check_output_path(out, overwrite, (Path(hf_dir),))
             _run_team(team, out, overwrite, lambda staging: None,

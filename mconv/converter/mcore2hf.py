@@ -228,9 +228,11 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, progress: bool = True,
              workers: int = 1, dtype: torch.dtype | None = None, revision: str | None = None,
              expert_orientation: str | None = None, quantize: str | None = None,
-             fp8_scale: str | None = None) -> Summary:
-    """Megatron -> HF. `workers` threads write disjoint tensors of the shards; under torchrun every
-    rank writes its share (with `workers` threads) and rank 0 prepares and finishes the output.
+             fp8_scale: str | None = None, torchrun: bool = False) -> Summary:
+    """Megatron -> HF. `workers` threads write disjoint tensors of the shards. With `torchrun` (the
+    command line's, run by `torchrun -m mconv.cli`), every rank of the torchrun job this process
+    belongs to writes its share (with `workers` threads), rank 0 prepares and finishes the output,
+    and every rank must call it; without, this process converts alone, torchrun or not.
 
     `hf_config`: a directory or hub name (at `revision`) with the model's config.json, for
     checkpoints mconv did not write. `dtype`: cast every tensor to it (float32, bfloat16 or float16)
@@ -300,7 +302,7 @@ def mcore2hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config: str | Path | 
                 _write_exports(session, exports, index, size, writer, report, cast, workers, quantization,
                                ckpt.location.save_dir)
 
-        team = TorchrunTeam.from_environment(f"mcore2hf:{out}")
+        team = TorchrunTeam.from_environment(f"mcore2hf:{out}") if torchrun else None
         if team is not None:
             _run_team(team, out, overwrite, prepare, finish,
                       lambda staging, report: write_here(staging, team.rank, team.size, report),

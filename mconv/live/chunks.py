@@ -66,6 +66,10 @@ class LiveModel:
         if getattr(core, "config", None) is None:
             raise MconvError(f"model chunk 0 is a {type(core).__name__}, not a megatron-core model (a GPTModel, "
                              "Qwen3VLModel, ..., or a DDP / Float16Module wrapping one)")
+        vpp = getattr(core.config, "virtual_pipeline_model_parallel_size", None)
+        if vpp and vpp != len(chunks):
+            raise MconvError(f"the model has {vpp} virtual pipeline chunks on each rank (its config's "
+                             f"virtual_pipeline_model_parallel_size), model_chunks {len(chunks)}: pass all {vpp}")
         # Detached views share the parameters' storage: writes land in the model, reads build no graph.
         states = [{_canonical(k): v.detach() for k, v in c.state_dict(keep_vars=True).items()
                    if isinstance(v, torch.Tensor) and ".adapter." not in k} for c in chunks]
@@ -98,12 +102,18 @@ class LiveModel:
             if unknown or missing:
                 what = (f"unknown parameters {unknown[:4]}" if unknown else "") + \
                        (" and " if unknown and missing else "") + (f"missing parameters {missing[:4]}" if missing else "")
+                tied = ("output_layer.weight" in unknown + missing and
+                        f" (the HF config's tie_word_embeddings is {bool(dims.tied)}: "
+                        f"{'no' if dims.tied else 'an'} output layer of its own)")
                 raise MconvError(f"model chunk {v} does not match {arch.name} at {layout.describe()} ({spec} spec): "
-                                 f"{what}")
+                                 f"{what}{tied or ''}")
             for name, task in planned.items():
                 if tuple(state[name].shape) != task.shape:
                     raise MconvError(f"model chunk {v}: {name} has shape {list(state[name].shape)}, the HF config "
                                      f"and layout imply {list(task.shape)}")
+                if state[name].is_meta:
+                    raise MconvError(f"model chunk {v}: {name} is on the meta device (no values: a lazy "
+                                     "initialization not materialized); materialize the model first")
                 if not _held(state[name]):
                     raise MconvError(f"model chunk {v}: {name} has no memory (its storage was freed in place, "
                                      "an offload's untyped_storage().resize_(0)): load it back first")

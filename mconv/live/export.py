@@ -14,8 +14,8 @@ from mconv.converter import fp8
 from mconv.converter.hf_config import read_config, side_files
 from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, stack_experts, stacked_expert
 from mconv.converter.hf_write import ShardedSafetensorsWriter
-from mconv.converter.output import SharedStaging, output_path, write_failure
-from mconv.converter.options import DEFAULT_SHARD_BYTES, shard_bytes
+from mconv.converter.output import SharedStaging, check_output_path, output_path, write_failure
+from mconv.converter.options import DEFAULT_SHARD_BYTES, option, shard_bytes
 from mconv.converter.planner import make_plan, model_dims
 from mconv.converter.transforms import Piece, ShardLayout, cast_dtype, check_cast, merge
 from mconv.errors import MconvError
@@ -244,17 +244,26 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     moves (then the next call plans anew): before freeing or offloading parameters by replacing
     `param.data`, call `clear_cache(model_chunks)`, or their old storages stay allocated.
     """
-    config = _config(hf_config, revision)
-    arch = architecture_for(config)
-    if stacked_experts and not arch.stacked_experts:
-        raise MconvError(f"stacked_experts: {arch.name} checkpoints keep their experts per "
-                         "expert (stacked mlp.experts.gate_up_proj / down_proj is the HF form of Qwen3-VL-MoE)")
-    if expert_orientation is not None and not stacked_experts:
-        raise MconvError("expert_orientation applies with stacked_experts=True (experts come per expert otherwise)")
-    stacked = _orientation(config, expert_orientation) if stacked_experts else None
-    quantization = fp8.writer_quantization(arch, quantize, fp8_scale, config)
-    model_chunks, dtype = _checked(model_chunks, bucket_bytes, dtype)
-    live, schedule = _prepared(model_chunks, config, bucket_bytes, stacked_experts)
+    planned: dict = {}
+
+    def plan() -> None:  # on every rank; what fails here (a path missing on one node) is agreed on below
+        config = _config(hf_config, revision)
+        arch = architecture_for(config)
+        if stacked_experts and not arch.stacked_experts:
+            raise MconvError(f"stacked_experts: {arch.name} checkpoints keep their experts per "
+                             "expert (stacked mlp.experts.gate_up_proj / down_proj is the HF form of Qwen3-VL-MoE)")
+        if expert_orientation is not None and not stacked_experts:
+            raise MconvError("expert_orientation applies with stacked_experts=True (experts come per expert otherwise)")
+        if not isinstance(gather_pp, bool):
+            raise MconvError(f"{option('gather_pp', gather_pp)} is not True or False")
+        chunks, cast = _checked(model_chunks, bucket_bytes, dtype)
+        planned.update(stacked=_orientation(config, expert_orientation) if stacked_experts else None, cast=cast,
+                       quantization=fp8.writer_quantization(arch, quantize, fp8_scale, config),
+                       prepared=_prepared(chunks, config, bucket_bytes, stacked_experts))
+
+    _agree_any(_attempt(plan))
+    stacked, dtype, quantization = planned["stacked"], planned["cast"], planned["quantization"]
+    live, schedule = planned["prepared"]
     if not gather_pp or live.layout.pp == 1:
         yield from _stage_buckets(live, schedule, dtype, stacked, quantization)
         return
@@ -321,6 +330,7 @@ def save_hf_weights(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path
 
     def plan() -> None:  # on every rank; what fails here (a path missing on one node) is agreed on below
         source = _model_dir(hf_config, revision, False)
+        check_output_path(out, True, (source,))  # (an mconv output is replaced, never the input)
         config = read_config(source)
         side_files(source)  # a bad tokenizer file stops the save now, not after the weights
         arch = architecture_for(config)
@@ -394,13 +404,36 @@ def _attempt(action) -> Exception | None:
     return None
 
 
-def _agree(out: Path, staging: Path | None, failure: Exception | None) -> None:
+def _agree_any(failure: Exception | None) -> None:
+    """`_agree` for a step that writes nothing, where the ranks usually agree: a flag all-reduced
+    (a tensor on `_collective_device`), the messages gathered only where a rank failed. Without a
+    process group of several ranks, `failure` is raised as it is."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure
+        return
+    flag = torch.tensor([failure is not None], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        _agree(None, None, failure)
+
+
+def _collective_device() -> torch.device:
+    """Where the agreement tensors live: the CPU with gloo, the current GPU with NCCL alone (which
+    has no CPU tensors)."""
+    if "gloo" in str(dist.get_backend()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _agree(out: Path | None, staging: Path | None, failure: Exception | None) -> None:
     """A collective: every rank learns whether any rank's step failed, and if one did, every rank
     raises. A failed write (full disk, read-only file system, no permission: output.write_failure)
     or an MconvError becomes one MconvError sentence naming `out` on every rank; any other exception
     (a bug) is re-raised as it is on its rank and named on the others. The caller removes the
     staging directory."""
-    known = failure if isinstance(failure, MconvError) or failure is None else write_failure(failure, out, staging)
+    known = (failure if isinstance(failure, MconvError) or failure is None else
+             write_failure(failure, out, staging) if out is not None else None)
     mine = None if failure is None else str(known or f"rank {dist.get_rank()}: {type(failure).__name__}: {failure}")
     messages: list = [None] * dist.get_world_size()
     dist.all_gather_object(messages, mine)

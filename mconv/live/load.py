@@ -9,10 +9,12 @@ from typing import Sequence
 import torch
 
 from mconv.converter.hf_io import HFCheckpoint
+from mconv.converter.options import check_count
 from mconv.converter.planner import TensorTask
 from mconv.converter.transforms import split_into
 from mconv.errors import MconvError
 from mconv.live.chunks import LiveModel, _buckets, _model_dir
+from mconv.live.schedule import _checked
 
 STAGE_BYTES = 256 * 2**20  # pinned staging for loads to a GPU
 
@@ -24,6 +26,8 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path,
     `threads` readers run ahead; for a model on a GPU (or with `staged=True`) they read into a
     staging buffer that reaches the device in large copies. `hf_dir` is a directory or a hub name
     (`Qwen/Qwen3-8B` at `revision`, fetched into the hub cache as transformers does)."""
+    model_chunks, _ = _checked(model_chunks, 1, None)
+    check_count(threads, "threads")
     dtype = next(p.dtype for chunk in model_chunks for p in chunk.parameters())
     with HFCheckpoint(_model_dir(hf_dir, revision, True), dequantize=dtype) as ckpt:
         live = LiveModel.of(model_chunks, ckpt.config)

@@ -24,10 +24,10 @@ from mconv.converter.hf_config import read_config
 from mconv.converter.hub import check_revision, is_local, resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.lora.gather import adapter_to_peft
-from mconv.converter.lora.merge import DEFAULT_SHARD_BYTES, merge_adapter
+from mconv.converter.lora.merge import merge_adapter
 from mconv.converter.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, PeftAdapter
 from mconv.converter.lora.read import read_adapter, run_config_alpha
-from mconv.converter.options import check_path, option, shard_bytes, torch_dtype
+from mconv.converter.options import DEFAULT_SHARD_BYTES, check_path, option, shard_bytes, torch_dtype
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for

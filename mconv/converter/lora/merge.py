@@ -11,11 +11,10 @@ from mconv.converter.hf_experts import fp8_per_expert, stacked_expert
 from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hf_write import ShardedSafetensorsWriter
 from mconv.converter.lora.peft import PeftAdapter
+from mconv.converter.options import DEFAULT_SHARD_BYTES
 from mconv.converter.transforms import cast_dtype, checked_cast, fp32_note
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
-
-DEFAULT_SHARD_BYTES = 3_000_000_000
 
 
 def merge_adapter(adapter: PeftAdapter, alpha: float, base_dir: str | Path, out: Path,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from mconv.converter import fp8
 from mconv.errors import MconvError
 from mconv.live.chunks import _config
-from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _stage_buckets
+from mconv.live.export import DEFAULT_BUCKET_BYTES, _attempt, _collective_device, _stage_buckets
 from mconv.live.schedule import _bucket_layout, _checked, _prepared, _prepared_for_sync
 from mconv.live.sync.agree import EMBEDDING, LM_HEAD, _agree_dtypes, _agree_models, _model_device, _sent_shapes
 from mconv.live.sync.engines import FlatBucket, as_engine
@@ -409,14 +409,6 @@ def _compare(engine, sent: dict[str, int]) -> None:
     if differ:
         raise MconvError(f"the engine holds other bytes than were sent for {', '.join(differ[:5])}"
                          + (" ..." if len(differ) > 5 else "") + f" ({len(differ)} of {len(sent)} tensors)")
-
-
-def _collective_device() -> torch.device:
-    """Where the agreement tensors live: the CPU with gloo, the current GPU with NCCL alone (which
-    has no CPU tensors)."""
-    if "gloo" in str(dist.get_backend()):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 @_collective
