@@ -108,7 +108,8 @@ def test_every_command_takes_a_hub_name(hub, tmp_path):
     assert mconv("verify", tmp_path / "back", REPO, "--revision", "v-tied", "-q").exit_code == 1
     assert mconv("verify", REPO, REPO, "--revision", TIED, "-q").exit_code == 0
     result = mconv("verify", tmp_path / "back", FIXTURES / "qwen3-tiny", "--revision", "v-tied")
-    assert result.exit_code == 2 and "a revision applies only to hub model names" in result.stderr, result.output
+    assert result.exit_code == 2 and (f"{tmp_path / 'back'} and {FIXTURES / 'qwen3-tiny'} are local directories; a "
+                                      "revision applies only to hub model names") in result.stderr, result.output
     # inspect NAME and inspect CKPT --hf-config NAME
     result = mconv("inspect", REPO, "--json")
     assert result.exit_code == 0 and json.loads(result.output)["model"]["name"] == "Qwen3ForCausalLM"

@@ -312,3 +312,35 @@ def test_live_misuse_is_one_sentence_on_every_rank(tmp_path):
         assert rank["threads"] == "threads=0 is not an integer of at least 1", rank["threads"]
         assert rank["gather_pp"] == "gather_pp='yes' is not True or False", rank["gather_pp"]
         assert rank["after"] == 47
+
+
+def _one_replica_worker(rank: int, store: str, where: str) -> None:
+    """Two data-parallel replicas of a dense model at TP1: only rank 0 exports."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from mconv.live import build_model
+    from tests.megatron_oracle import _cpu_shims
+
+    _cpu_shims()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    ps.initialize_model_parallel(1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    chunks = build_model(TINY_DIR, Layout(), dtype=torch.float32, use_cpu_initialization=True)
+    exported = sum(len(bucket) for bucket in iter_hf_weights(chunks, TINY_DIR)) if rank == 0 else 0
+    (Path(where) / f"rank{rank}.json").write_text(json.dumps(exported))
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_one_data_parallel_replica_exports_alone(tmp_path):
+    """iter_hf_weights agrees only over the groups its gathers use: at TP1 one data-parallel replica
+    exports while the other does not call it (review: an agreement over every rank made it wait)."""
+    start_ranks(_one_replica_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    assert (tmp_path / "rank0.json").read_text() == "47"

@@ -423,7 +423,7 @@ def export_lora_command(ckpt_dir, out_dir, hf_config, rank, alpha, base_model, r
             "alpha": result.alpha, "target_modules": adapter.target_modules, "adapter_tensors": len(adapter.tensors),
             **({"merged_weights": result.merged_tensors} if merge else {}), "format": result.format,
             "layout": layout, "notes": result.notes, "seconds": round(time.perf_counter() - started, 3),
-            "peak_rss_bytes": peak_rss()}, indent=2))
+            "peak_rss_bytes": peak_rss()}))
         return
     if not quiet:
         what = (f"merged model ({result.merged_tensors} weights changed)" if merge else

@@ -133,17 +133,25 @@ class ShardedSafetensorsWriter:
     def create(self) -> "ShardedSafetensorsWriter":
         """Create the shard files, each with its header. Returns the writer, which a `with` block
         closes (`close`; on an error, `abandon`)."""
-        for file, header in zip(self.files, self.headers):
-            fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-            self._fds[file] = fd
-            file_io.pwrite_all(fd, memoryview(header), 0)
+        try:
+            for file, header in zip(self.files, self.headers):
+                fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+                self._fds[file] = fd
+                file_io.pwrite_all(fd, memoryview(header), 0)
+        except BaseException:
+            self.abandon()
+            raise
         return self
 
     def open_existing(self) -> "ShardedSafetensorsWriter":
         """Attach to shard files another process created (parallel writers); returns the writer, as
         `create` does."""
-        for file in self.files:
-            self._fds[file] = os.open(self.dir / file, os.O_RDWR)
+        try:
+            for file in self.files:
+                self._fds[file] = os.open(self.dir / file, os.O_RDWR)
+        except BaseException:
+            self.abandon()
+            raise
         return self
 
     def __enter__(self) -> "ShardedSafetensorsWriter":

@@ -39,7 +39,8 @@ def check_revision(revision: str | None, *names: str | Path | None) -> None:
     arguments `names` (None: not given) is a hub name (transformers ignores it silently there)."""
     given = [name for name in names if name]
     if revision and all(is_local(name) for name in given):
-        raise MconvError(f"{given[0]} is a local directory; a revision applies only to hub model names" if given else
+        what = " and ".join(map(str, given)) + (" is a local directory" if len(given) == 1 else " are local directories")
+        raise MconvError(f"{what}; a revision applies only to hub model names" if given else
                          "a revision applies only to hub model names, and no hub name was given")
 
 

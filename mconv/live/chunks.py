@@ -102,7 +102,7 @@ class LiveModel:
             if unknown or missing:
                 what = (f"unknown parameters {unknown[:4]}" if unknown else "") + \
                        (" and " if unknown and missing else "") + (f"missing parameters {missing[:4]}" if missing else "")
-                tied = ("output_layer.weight" in unknown + missing and
+                tied = (any(n.endswith("output_layer.weight") for n in unknown + missing) and
                         f" (the HF config's tie_word_embeddings is {bool(dims.tied)}: "
                         f"{'no' if dims.tied else 'an'} output layer of its own)")
                 raise MconvError(f"model chunk {v} does not match {arch.name} at {layout.describe()} ({spec} spec): "

@@ -211,6 +211,9 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
     """Yield buckets of (HF name, tensor) for this rank's pipeline stage (every stage by default
     yields its own layers; with gather_pp every rank yields the whole model, stage by stage).
 
+    Every rank of this rank's TP, ETP and EP groups (and PP group, with gather_pp) must call it: they
+    check their arguments and plan first, and agree (a path missing on one is one MconvError on all
+    of them; a flag all-reduced over those groups, one host synchronisation), then gather.
     Tensors are gathered over TP/ETP (one collective per bucket and dtype), experts over EP, with
     global layer and expert numbers, fused QKV / GLU split, vocabulary padding removed; they stay
     on the parameters' device. `hf_config` is the HF model directory, a hub name (at `revision`)
@@ -261,7 +264,7 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
                        quantization=fp8.writer_quantization(arch, quantize, fp8_scale, config),
                        prepared=_prepared(chunks, config, bucket_bytes, stacked_experts))
 
-    _agree_any(_attempt(plan))
+    _agree_in_groups(_attempt(plan), gather_pp)
     stacked, dtype, quantization = planned["stacked"], planned["cast"], planned["quantization"]
     live, schedule = planned["prepared"]
     if not gather_pp or live.layout.pp == 1:
@@ -404,18 +407,37 @@ def _attempt(action) -> Exception | None:
     return None
 
 
-def _agree_any(failure: Exception | None) -> None:
-    """`_agree` for a step that writes nothing, where the ranks usually agree: a flag all-reduced
-    (a tensor on `_collective_device`), the messages gathered only where a rank failed. Without a
-    process group of several ranks, `failure` is raised as it is."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        if failure is not None:
-            raise failure
-        return
-    flag = torch.tensor([failure is not None], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
-        _agree(None, None, failure)
+def _agree_in_groups(failure: Exception | None, gather_pp: bool) -> None:
+    """Every rank an export's collectives reach learns whether one failed before them, and if one
+    did, every such rank raises (the first failing rank's MconvError; another exception as it is on
+    its rank): only the groups the export uses take part (TP, ETP, EP, and PP with `gather_pp`), so
+    ranks that do not export (other data-parallel replicas of a dense model) need not call. A flag
+    is all-reduced over each group of more than one rank, the sequence twice (what one group learns
+    reaches the others'), then read on the host (one synchronisation); the messages are gathered
+    the same way only where a rank failed. Without parallel_state, `failure` is raised as it is."""
+    from megatron.core import parallel_state as ps
+
+    if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
+        groups = []
+    else:
+        groups = [ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
+                  ps.get_expert_model_parallel_group()] + ([ps.get_pipeline_model_parallel_group()] if gather_pp else [])
+        groups = [g for g in groups if dist.get_world_size(g) > 1] * 2
+    if groups:
+        flag = torch.tensor([failure is not None], dtype=torch.int32, device=_collective_device())
+        for group in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item():
+            said = None if failure is None else str(failure) if isinstance(failure, MconvError) else (
+                f"rank {dist.get_rank()}: {type(failure).__name__}: {failure}")
+            for group in groups:
+                heard: list = [None] * dist.get_world_size(group)
+                dist.all_gather_object(heard, said, group=group)
+                said = said or next((m for m in heard if m is not None), None)
+            if failure is None:
+                raise MconvError(said or "a rank this one exports with failed before the export (its error says why)")
+    if failure is not None:
+        raise failure
 
 
 def _collective_device() -> torch.device:
@@ -426,14 +448,13 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _agree(out: Path | None, staging: Path | None, failure: Exception | None) -> None:
+def _agree(out: Path, staging: Path | None, failure: Exception | None) -> None:
     """A collective: every rank learns whether any rank's step failed, and if one did, every rank
     raises. A failed write (full disk, read-only file system, no permission: output.write_failure)
     or an MconvError becomes one MconvError sentence naming `out` on every rank; any other exception
     (a bug) is re-raised as it is on its rank and named on the others. The caller removes the
     staging directory."""
-    known = (failure if isinstance(failure, MconvError) or failure is None else
-             write_failure(failure, out, staging) if out is not None else None)
+    known = failure if isinstance(failure, MconvError) or failure is None else write_failure(failure, out, staging)
     mine = None if failure is None else str(known or f"rank {dist.get_rank()}: {type(failure).__name__}: {failure}")
     messages: list = [None] * dist.get_world_size()
     dist.all_gather_object(messages, mine)

@@ -25,15 +25,17 @@ from mconv.converter.hub import check_revision, is_local, resolve_model
 from mconv.converter.layout import Layout
 from mconv.converter.lora.gather import adapter_to_peft
 from mconv.converter.lora.merge import merge_adapter
-from mconv.converter.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, PeftAdapter
+from mconv.converter.lora.peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_MODULES, EXPERT_PARAMETERS,
+                                       MTP_ADAPTER, PEFT_PREFIX, PeftAdapter, RankStates, adapter_rank)
 from mconv.converter.lora.read import read_adapter, run_config_alpha
 from mconv.converter.options import DEFAULT_SHARD_BYTES, check_path, option, shard_bytes, torch_dtype
 from mconv.converter.output import check_output_path, staged_directory
 from mconv.errors import MconvError
 from mconv.mappings import architecture_for
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "LoraExport", "PeftAdapter", "adapter_to_peft",
-           "export_lora", "merge_adapter", "read_adapter"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "EXPERT_MODULES", "EXPERT_PARAMETERS", "MTP_ADAPTER", "PEFT_PREFIX",
+           "LoraExport", "PeftAdapter", "RankStates", "adapter_rank", "adapter_to_peft", "export_lora", "merge_adapter",
+           "read_adapter"]
 
 
 @dataclass(repr=False)
