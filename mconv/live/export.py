@@ -259,9 +259,10 @@ def iter_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_config: str | Pa
             raise MconvError("expert_orientation applies with stacked_experts=True (experts come per expert otherwise)")
         if not isinstance(gather_pp, bool):
             raise MconvError(f"{option('gather_pp', gather_pp)} is not True or False")
-        chunks, cast = _checked(model_chunks, bucket_bytes, dtype)
-        planned.update(stacked=_orientation(config, expert_orientation) if stacked_experts else None, cast=cast,
-                       quantization=fp8.writer_quantization(arch, quantize, fp8_scale, config),
+        stacked = _orientation(config, expert_orientation) if stacked_experts else None
+        quantization = fp8.writer_quantization(arch, quantize, fp8_scale, config)
+        chunks, cast = _checked(model_chunks, bucket_bytes, dtype)  # (after the options: as before the agreement)
+        planned.update(stacked=stacked, cast=cast, quantization=quantization,
                        prepared=_prepared(chunks, config, bucket_bytes, stacked_experts))
 
     _agree_in_groups(_attempt(plan), gather_pp)
