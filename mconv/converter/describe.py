@@ -24,7 +24,7 @@ from mconv.converter.hf_config import read_config
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.layout import Layout, count
 from mconv.converter.megatron_checkpoint import ADAPTER, open_checkpoint
-from mconv.converter.options import check_path, option
+from mconv.converter.options import check_path, dtype_name, option
 from mconv.converter.planner import make_plan, validate_layout
 from mconv.converter.transforms import tp_sizes_for_padded_vocab
 from mconv.errors import MconvError
@@ -139,7 +139,7 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if hasattr(value, "itemsize") and hasattr(value, "is_floating_point"):  # a torch.dtype
-        return str(value).removeprefix("torch.")
+        return dtype_name(value)
     if hasattr(value, "name") and hasattr(value, "value"):  # an enum
         return value.name
     return value

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from mconv.converter.options import FP8_SCALES, option
+from mconv.converter.options import FP8_SCALES, dtype_name, option
 from mconv.errors import MconvError
 from mconv.triton_support import triton_importable
 
@@ -258,7 +258,7 @@ def dequantized_note(where, block: tuple[int, int], dtype: torch.dtype, writer: 
     """What hf2mcore (or `export-lora --merge`) says of the FP8 checkpoint `where` (blocks `block`)
     it reads dequantized into `dtype`; `writer`: the command that writes FP8 again."""
     return (f"{where} is FP8 (blocks {block[0]}x{block[1]}): its weights are dequantized into "
-            f"{str(dtype).removeprefix('torch.')}; pass --quantize fp8 to {writer} to write FP8 again "
+            f"{dtype_name(dtype)}; pass --quantize fp8 to {writer} to write FP8 again "
             f"(in {BLOCK}x{BLOCK} blocks)")
 
 

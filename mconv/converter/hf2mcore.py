@@ -20,7 +20,7 @@ from mconv.converter.hf_io import HFCheckpoint
 from mconv.converter.hf_write import StagingBuffer
 from mconv.converter.hub import resolve_model
 from mconv.converter.layout import Layout
-from mconv.converter.options import FORMATS, MAX_ITERATION, MAX_WORKERS, check_count, option, torch_dtype
+from mconv.converter.options import FORMATS, MAX_ITERATION, MAX_WORKERS, check_count, dtype_name, option, torch_dtype
 from mconv.converter.output import check_output_path, output_path, staged_directory
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.pipelines import MTP_PREFIX, _bar, _run_team, refuse_megatron
@@ -104,7 +104,7 @@ def _shard_dtype(task: TensorTask, ckpt: HFCheckpoint, cast: torch.dtype | None 
         return cast_dtype(cast, task.rule.fp32)
     dtypes = {ckpt.tensors[name].dtype for name in task.hf}
     if len(dtypes) > 1:
-        found = ", ".join(f"{name} {str(ckpt.tensors[name].dtype).removeprefix('torch.')}" for name in task.hf)
+        found = ", ".join(f"{name} {dtype_name(ckpt.tensors[name].dtype)}" for name in task.hf)
         raise MconvError(f"{ckpt.dir}: {task.megatron} is made of tensors of different dtypes ({found}); "
                          "mconv does not cast silently")
     return dtypes.pop()
@@ -326,7 +326,7 @@ def hf2mcore(hf_dir: str | Path, out_dir: str | Path, layout: Layout, spec: str 
             copy_side_files(ckpt.dir, staging / mio.HF_CONFIG_DIR)
             mio.write_metadata(staging, {"mconv_version": __version__, "architecture": arch.name, "spec": spec,
                                          "format": fmt, "layout": layout.to_dict(),
-                                         "dtype": str(dtype).removeprefix("torch."),
+                                         "dtype": dtype_name(dtype),
                                          **(_expert_forms(ckpt, plan) if arch.experts_as_input else {})})
 
         out = output_path(out_dir)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from mconv.converter import safe_load
+from mconv.converter.options import dtype_name
 from mconv.errors import MconvError
 
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -35,6 +36,6 @@ def read_bin(path: Path, dtypes) -> dict[str, torch.Tensor]:
             raise MconvError(f"{path}: tensor {name:.200} is a sparse, quantized, nested or meta tensor, not a dense "
                              "one as weights are saved")
         if tensor.dtype not in dtypes:
-            raise MconvError(f"{path}: tensor {name} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
+            raise MconvError(f"{path}: tensor {name} has dtype {dtype_name(tensor.dtype)}, "
                              "which mconv does not convert")
     return state

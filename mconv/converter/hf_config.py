@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from mconv.converter.options import dtype_name
 from mconv.converter.output import copy_file, file_kind
 from mconv.converter.remote_code import remote_code_files
 from mconv.errors import MconvError
@@ -207,7 +208,7 @@ def write_config_dtype(directory: Path, entries: list[tuple[str, torch.dtype, tu
     path = Path(directory) / "config.json"
     config = json.loads(path.read_text())
     key = "dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"
-    if config.get(key) == str(dtype).removeprefix("torch."):
+    if config.get(key) == dtype_name(dtype):
         return  # already right: keep the file as it was
-    config[key] = str(dtype).removeprefix("torch.")
+    config[key] = dtype_name(dtype)
     path.write_text(json.dumps(config, indent=2) + "\n")

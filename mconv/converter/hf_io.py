@@ -16,6 +16,7 @@ from mconv.converter import file_io, fp8
 from mconv.converter.hf_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME, read_bin
 from mconv.converter.hf_config import read_config, read_json
 from mconv.converter.hf_experts import STACKED_EXPERTS, stacked_expert
+from mconv.converter.options import dtype_name
 from mconv.converter.transforms import checked_cast
 from mconv.errors import MconvError
 
@@ -31,7 +32,7 @@ def check_convertible(dtype: torch.dtype, where, name: str) -> None:
     """MconvError naming tensor `name` in `where` (a file or checkpoint directory) for a dtype no
     safetensors file holds (a checkpoint's pickles may carry complex64, uint16, ...)."""
     if dtype not in DTYPE_CODES:
-        raise MconvError(f"{where}: tensor {name} has dtype {str(dtype).removeprefix('torch.')}, which mconv does "
+        raise MconvError(f"{where}: tensor {name} has dtype {dtype_name(dtype)}, which mconv does "
                          "not convert")
 
 
@@ -272,10 +273,10 @@ class HFCheckpoint:
             expected = fp8.grid(info.shape, block) if len(info.shape) == (3 if stacked else 2) else None
             if info.dtype != fp8.FP8 or expected is None:
                 raise MconvError(f"{self.dir}: tensor {weight} has a block scale but is "
-                                 f"{str(info.dtype).removeprefix('torch.')} {list(info.shape)}, not a 2-D "
+                                 f"{dtype_name(info.dtype)} {list(info.shape)}, not a 2-D "
                                  "float8_e4m3fn weight (or 3-D stacked experts)")
             if scale.dtype not in fp8.SCALE_DTYPES or scale.shape != expected:
-                raise MconvError(f"{self.dir}: tensor {name} is {str(scale.dtype).removeprefix('torch.')} "
+                raise MconvError(f"{self.dir}: tensor {name} is {dtype_name(scale.dtype)} "
                                  f"{list(scale.shape)}; {weight} {list(info.shape)} in blocks of {list(block)} "
                                  f"needs a float32, bfloat16 or float16 scale of shape {list(expected)}")
             del tensors[name]
@@ -298,7 +299,7 @@ class HFCheckpoint:
             if info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and name not in quantized:
                 view = stacked_expert(name)
                 name = view[0] if view and view[0] in self.stacked else name
-                raise MconvError(f"{self.dir}: tensor {name} is {str(info.dtype).removeprefix('torch.')} but has "
+                raise MconvError(f"{self.dir}: tensor {name} is {dtype_name(info.dtype)} but has "
                                  f"no block scale {name}{fp8.SCALE_SUFFIX}")
         return block, quantized, tensors
 
@@ -394,7 +395,7 @@ class HFCheckpoint:
         low, high = torch.aminmax(out) if out.numel() else (out.new_zeros(()), out.new_zeros(()))
         if low.isinf() or high.isinf() or (low.isnan() and torch.isinf(out).any()):
             raise MconvError(f"{where}: tensor {scale_name} holds block scales so large "
-                             f"that {name} dequantized into {str(out.dtype).removeprefix('torch.')} overflows to inf")
+                             f"that {name} dequantized into {dtype_name(out.dtype)} overflows to inf")
 
     def _read_stored(self, info: TensorInfo, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
         """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor, into `out` of its dtype."""
@@ -454,7 +455,7 @@ class HFCheckpoint:
 def tensor_difference(name: str, x: torch.Tensor, y: torch.Tensor) -> str | None:
     """How two tensors of one name differ (dtype and shape, else bytes), or None if bit-identical."""
     if x.dtype != y.dtype or x.shape != y.shape:
-        a, b = (f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in (x, y))
+        a, b = (f"{dtype_name(t.dtype)} {list(t.shape)}" for t in (x, y))
         return f"{name}: {a} vs {b}"
     if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
         return f"{name}: values differ"

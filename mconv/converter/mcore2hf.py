@@ -15,8 +15,8 @@ from mconv.converter.hf_experts import expert_orientation_for, fp8_per_expert, s
 from mconv.converter.hf_write import ShardedSafetensorsWriter, StagingBuffer
 from mconv.converter.hub import check_revision, resolve_model
 from mconv.converter.megatron_checkpoint import open_checkpoint
-from mconv.converter.options import (DEFAULT_SHARD_BYTES, MAX_WORKERS, check_count, check_path, shard_bytes,
-                                     torch_dtype)
+from mconv.converter.options import (DEFAULT_SHARD_BYTES, MAX_WORKERS, check_count, check_path, dtype_name,
+                                     shard_bytes, torch_dtype)
 from mconv.converter.output import check_output_path, output_path, staged_directory
 from mconv.converter.parallel import TorchrunTeam, run_ordered, share
 from mconv.converter.pipelines import _bar, _kept_per_expert, _run_team
@@ -204,7 +204,7 @@ def _write_exports(session, exports: list[ExportTask], index: int, size: int, wr
         for task in merged:
             task_shards = [next(shards) for _ in task.sources]
             if len({shard.dtype for shard in task_shards}) > 1:
-                dtypes = ", ".join(str(t.dtype).removeprefix("torch.") for t in task_shards)
+                dtypes = ", ".join(dtype_name(t.dtype) for t in task_shards)
                 raise MconvError(f"the TP/ETP shards of {task.sources[0].megatron} have different dtypes "
                                  f"({dtypes}, by group rank); mconv does not cast silently")
             written_exact = quantization is not None and any(map(quantization.applies, task.hf, task.hf_shapes))

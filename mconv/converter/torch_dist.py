@@ -46,7 +46,7 @@ from mconv.converter.planner import Plan, TensorTask
 from mconv.converter.torch_dist_io import COMMON_KEY
 from mconv.converter.torch_dist_write import DistEntry
 from mconv.converter.transforms import GLU, VOCAB
-from mconv.converter.options import option
+from mconv.converter.options import dtype_name, option
 from mconv.errors import MconvError
 from mconv.mappings.schema import LAST, MTP_LAYER
 
@@ -192,7 +192,7 @@ def entries(plan: Plan, args: Namespace, common: dict,
         else:
             other = first.setdefault(box.key, box.task)
             if dtypes[other.megatron] != dtypes[box.task.megatron]:
-                a, b = (str(dtypes[t.megatron]).removeprefix("torch.") for t in (other, box.task))
+                a, b = (dtype_name(dtypes[t.megatron]) for t in (other, box.task))
                 raise MconvError(f"{other.hf[0]} is {a} and {box.task.hf[0]} is {b}, but torch_dist stores them as "
                                  f"one tensor of one dtype ({box.key}); pass {option('dtype')} to cast every tensor "
                                  f"to one dtype, or {option('fmt', 'torch')}, whose rank files keep each tensor's own")

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from mconv.converter.options import MAX_PARALLEL_SIZE, option
+from mconv.converter.options import MAX_PARALLEL_SIZE, dtype_name, option
 from mconv.errors import MconvError
 
 
@@ -286,7 +286,7 @@ def check_cast(tensors: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype) 
             finite = t[t.isfinite()]
             peak = finite.abs().amax().float().item() if finite.numel() else 0.0
         if torch.tensor(peak).to(dtype).isinf():  # the peak as float32 is exact (float32 or bfloat16 data)
-            to = str(dtype).removeprefix("torch.")
+            to = dtype_name(dtype)
             raise MconvError(f"cannot cast {name} to {to}: values up to {peak:.4g} are beyond {to}'s range "
                              f"({torch.finfo(dtype).max:g})")
 
@@ -313,4 +313,4 @@ def fp32_note(arch, names: Iterable[str], dtype: torch.dtype | None) -> str | No
     if dtype is None or dtype == torch.float32 or not kept:
         return None
     return (f"kept {len(kept)} tensor{'s' if len(kept) > 1 else ''} in float32, as the model keeps them "
-            f"({', '.join(sorted(set(kept)))}); {option('dtype', str(dtype).removeprefix('torch.'))} cast the others")
+            f"({', '.join(sorted(set(kept)))}); {option('dtype', dtype_name(dtype))} cast the others")

@@ -10,6 +10,7 @@ import torch
 from mconv.converter.layout import Layout, Rank
 from mconv.converter.lora.peft import EXPERT_MODULES, MTP_ADAPTER, PEFT_PREFIX, PeftAdapter, RankStates, adapter_rank
 from mconv.converter.megatron_checkpoint import ADAPTER
+from mconv.converter.options import dtype_name
 from mconv.converter.planner import ExportTask, ShardSource, make_plan
 from mconv.converter.transforms import GATED_QKV, merge
 from mconv.errors import MconvError
@@ -164,7 +165,7 @@ def _gather(states: RankStates, export: ExportTask, rule, target: Target, plan, 
     for source, name, shard in zip(export.sources, names, shards):
         if not shard.is_floating_point():
             raise MconvError(f"{where}: {name} in {layout.rank_dir(source.rank)} is "
-                             f"{str(shard.dtype).removeprefix('torch.')}, not a floating-point tensor as LoRA's A and "
+                             f"{dtype_name(shard.dtype)}, not a floating-point tensor as LoRA's A and "
                              "B are")
         want = source.shard.shape(export.hf_shapes)
         if tuple(shard.shape) != want:
